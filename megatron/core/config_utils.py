@@ -1,0 +1,43 @@
+"""Helpers for typed, self-documenting config dataclasses.
+
+Every config field carries its documentation in ``metadata["help"]``; the command-line parser in
+``megatron.training.arguments`` is generated from these fields, so the flag list, ``--help`` text
+and the field docs can never drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def doc(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = "", choices=None,
+        nargs: str | None = None, default_factory: Any = dataclasses.MISSING, metavar: str | None = None):
+    """A dataclass field with documentation and command-line metadata.
+
+    Args:
+        default: the default value.
+        help: the field's documentation (unit, default, when it has no effect).
+        flag: the command-line flag; ``""`` derives ``--field-name`` from the field name, ``None``
+            means the field is not a flag (it is derived from other flags or set in code).
+        choices: the valid values, checked by the parser.
+        nargs: argparse ``nargs`` for list-valued fields.
+    """
+    meta = {"help": help, "flag": flag, "choices": choices, "nargs": nargs, "metavar": metavar}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check_choice(name: str, value: Any, valid) -> None:
+    """Raise a ValueError naming the flag and the valid values."""
+    if value not in valid:
+        raise ValueError(f"--{name.replace('_', '-')} {value!r} is not valid; choose one of {list(valid)}")
+
+
+def check_positive(name: str, value: float | int | None, allow_none: bool = False, allow_zero: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"--{name.replace('_', '-')} must be {bound}, got {value}")

@@ -1,0 +1,118 @@
+"""TransformerConfig: the shape and numerics of a GPT-style decoder, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.config_utils import check_choice, check_positive, doc
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "swiglu")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+
+
+@dataclass
+class TransformerConfig:
+    """Model shape and numerics. Field docs double as the ``--help`` text of the matching flags."""
+
+    num_layers: int = doc(0, "Number of transformer layers.")
+    hidden_size: int = doc(0, "Transformer hidden size h.")
+    num_attention_heads: int = doc(0, "Number of query attention heads.")
+    num_query_groups: int | None = doc(
+        None,
+        "Number of key/value head groups for grouped-query attention (1 = multi-query). Used only with "
+        "--group-query-attention; default: one group per head (multi-head attention).",
+    )
+    kv_channels: int | None = doc(None, "Per-head projection size d. Default: hidden_size / num_attention_heads.")
+    ffn_hidden_size: int | None = doc(
+        None, "MLP hidden size F. Default: 4h, or int(8h/3 / 64) * 64 with --swiglu (rounded as Megatron does)."
+    )
+    normalization: str = doc("LayerNorm", "Normalization layer.", choices=NORMALIZATIONS)
+    layernorm_epsilon: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.", flag="--norm-epsilon")
+    activation: str = doc("gelu", "MLP activation; set to swiglu by --swiglu.", flag=None)
+    add_bias_linear: bool = doc(True, "Biases in all linear layers; turned off by --disable-bias-linear.", flag=None)
+    add_qkv_bias: bool = doc(False, "Bias in the QKV projection even when --disable-bias-linear is given.")
+    qk_layernorm: bool = doc(False, "Normalize queries and keys per head before attention (same norm type).")
+    position_embedding_type: str = doc("learned_absolute", "Position embedding.", choices=POSITION_EMBEDDINGS)
+    rotary_base: int = doc(10000, "RoPE base (theta). Only with --position-embedding-type rope.")
+    rotary_percent: float = doc(1.0, "Fraction of each head's channels that RoPE rotates. Only with rope.")
+    hidden_dropout: float = doc(0.1, "Dropout probability on the residual branches and embeddings.")
+    attention_dropout: float = doc(0.1, "Dropout probability on attention probabilities.")
+    init_method_std: float = doc(
+        0.02, "Std of the normal init of weights; output projections (linear_proj, linear_fc2) use std/sqrt(2L)."
+    )
+    share_embeddings_and_output_weights: bool = doc(
+        True, "Tie the output layer to the word embedding; --untie-embeddings-and-output-weights turns it off.",
+        flag=None,
+    )
+    params_dtype: torch.dtype = doc(torch.float32, "Dtype of model parameters; bf16/fp16 from --bf16/--fp16.", flag=None)
+    fp16: bool = doc(False, "Model params and compute in fp16 (with dynamic loss scaling unless --loss-scale).")
+    bf16: bool = doc(False, "Model params and compute in bf16 (fp32 main params and grads in the optimizer).")
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            check_positive(name, getattr(self, name))
+        check_choice("normalization", self.normalization, NORMALIZATIONS)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
+        if self.fp16 and self.bf16:
+            raise ValueError("--fp16 and --bf16 cannot be used together; pick one (bf16 is preferred on Ampere+)")
+        if self.fp16:
+            self.params_dtype = torch.float16
+        elif self.bf16:
+            self.params_dtype = torch.bfloat16
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"--num-attention-heads {self.num_attention_heads} does not divide --hidden-size "
+                    f"{self.hidden_size}; use a head count that divides it (e.g. "
+                    f"{_divisor_near(self.hidden_size, self.num_attention_heads)}) or set --kv-channels"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        check_positive("kv_channels", self.kv_channels)
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        check_positive("num_query_groups", self.num_query_groups)
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(
+                f"--num-query-groups {self.num_query_groups} must divide --num-attention-heads "
+                f"{self.num_attention_heads}; e.g. {_divisor_near(self.num_attention_heads, self.num_query_groups)}"
+            )
+        if self.ffn_hidden_size is None:
+            if self.activation == "swiglu":
+                self.ffn_hidden_size = int((8 * self.hidden_size / 3) / 64) * 64 or 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        check_positive("ffn_hidden_size", self.ffn_hidden_size)
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {p}")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
+            raise ValueError(
+                f"--rotary-percent {self.rotary_percent} x --kv-channels {self.kv_channels} = {self.rotary_dim} "
+                "rotary channels; it must be even (e.g. --rotary-percent 1.0)"
+            )
+        check_positive("init_method_std", self.init_method_std)
+        check_positive("layernorm_epsilon", self.layernorm_epsilon)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels per head rotated by RoPE."""
+        return int(self.kv_channels * self.rotary_percent)
+
+    @property
+    def output_layer_init_std(self) -> float:
+        """Std for projections that write into the residual stream (GPT-2 / Megatron scaled init)."""
+        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
+
+
+def _divisor_near(n: int, target: int) -> int:
+    """The divisor of ``n`` closest to ``target`` (for error messages that suggest a valid value)."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: (abs(d - target), d))
