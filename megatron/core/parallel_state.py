@@ -64,8 +64,9 @@ class RankGrid:
                 raise ValueError(f"unknown parallel axis {a!r}; valid axes are {AXES}")
         fixed = [a for a in AXES if a not in varying]
         result = []
-        for fixed_vals in itertools.product(*(range(getattr(self, a)) for a in fixed)):
-            base = dict(zip(fixed, fixed_vals))
+        slow_first = list(reversed(fixed))
+        for fixed_vals in itertools.product(*(range(getattr(self, a)) for a in slow_first)):
+            base = dict(zip(slow_first, fixed_vals))
             members = []
             for var_vals in itertools.product(*(range(getattr(self, a)) for a in reversed(varying))):
                 c = dict(base)
