@@ -51,6 +51,14 @@ class TransformerConfig:
     params_dtype: torch.dtype = doc(torch.float32, "Dtype of model parameters; bf16/fp16 from --bf16/--fp16.", flag=None)
     fp16: bool = doc(False, "Model params and compute in fp16 (with dynamic loss scaling unless --loss-scale).")
     bf16: bool = doc(False, "Model params and compute in bf16 (fp32 main params and grads in the optimizer).")
+    calculate_per_token_loss: bool = doc(
+        False, "Normalise the loss by the global token count of the step (summed over micro-batches and "
+        "data-parallel ranks) instead of averaging per-micro-batch means."
+    )
+    # Hooks the training application sets for the schedules (not flags).
+    grad_scale_func: object = doc(None, "Scales the loss before backward (fp16 loss scaling).", flag=None)
+    no_sync_func: object = doc(None, "Context manager that defers gradient reduction.", flag=None)
+    finalize_model_grads_func: object = doc(None, "Reduces gradients after the last backward.", flag=None)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):

@@ -1,0 +1,20 @@
+"""DistributedDataParallelConfig: how gradients are buffered and reduced across data-parallel ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.config_utils import doc
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    grad_reduce_in_fp32: bool = doc(
+        True, "Accumulate and reduce gradients in fp32 main-grad buffers (bf16/fp16 params).", flag=None
+    )
+    overlap_grad_reduce: bool = doc(False, "Reduce gradient buckets during backward as they become ready.")
+    use_distributed_optimizer: bool = doc(False, "Shard optimizer state across data-parallel ranks (ZeRO-1).")
+    bucket_size: int | None = doc(None, "Gradient bucket size in elements; default one bucket unless overlapping.",
+                                  flag="--ddp-bucket-size")
+    average_in_collective: bool = doc(False, "Average in the collective instead of pre-scaling by 1/DP.",
+                                      flag="--ddp-average-in-collective")

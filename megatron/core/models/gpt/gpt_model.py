@@ -1,0 +1,168 @@
+"""GPTModel: embedding -> transformer block -> final norm -> output layer (-> per-token loss)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.models.common.embeddings import LanguageModelEmbedding
+from megatron.core.parallel_state import ParallelState, get_parallel_state
+from megatron.core.tensor_parallel import mappings
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.init import init_param_
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.rope import rotary_cos_sin
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class GPTModel(nn.Module):
+    """A decoder-only language model with Megatron-Core's constructor and forward contract.
+
+    Args:
+        config: the model shape and numerics.
+        transformer_layer_spec: spec of one decoder layer (``get_gpt_layer_local_spec()``).
+        vocab_size: the (already padded) vocabulary size.
+        max_sequence_length: positions of the learned position table.
+        pre_process / post_process: this pipeline stage owns the embedding / the output layer and loss.
+        share_embeddings_and_output_weights, position_embedding_type, rotary_percent, rotary_base:
+            override the config's values when given.
+        parallel_output: keep logits sharded over the vocabulary (tp) when returning them.
+        parallel_state: process groups; defaults to the instance recorded by
+            ``parallel_state.initialize_model_parallel``.
+        num_layers / layer_offset: the layers this stage builds (default: all).
+        device: where parameters live; built on the meta device and materialised there.
+        seed: initialisation seed; default ``torch.initial_seed()``. Weights depend only on the seed
+            and each parameter's global name, never on the parallel layout.
+    """
+
+    def __init__(self, config: TransformerConfig, transformer_layer_spec, vocab_size: int,
+                 max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
+                 share_embeddings_and_output_weights: bool | None = None,
+                 position_embedding_type: str | None = None, rotary_percent: float | None = None,
+                 rotary_base: int | None = None, parallel_output: bool = True,
+                 parallel_state: ParallelState | None = None, num_layers: int | None = None,
+                 layer_offset: int = 0, sequence_parallel: bool = False,
+                 device: torch.device | str | None = None, seed: int | None = None):
+        super().__init__()
+        self.config = config
+        self.pg = parallel_state if parallel_state is not None else get_parallel_state()
+        tp_group = self.pg.tp_group
+        self.pre_process, self.post_process = pre_process, post_process
+        self.parallel_output = parallel_output
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.share_embeddings_and_output_weights = (
+            config.share_embeddings_and_output_weights if share_embeddings_and_output_weights is None
+            else share_embeddings_and_output_weights
+        )
+        self.position_embedding_type = position_embedding_type or config.position_embedding_type
+        self.rotary_dim = int(config.kv_channels * (rotary_percent or config.rotary_percent))
+        self.rotary_base = rotary_base or config.rotary_base
+        sp = sequence_parallel and self.pg.tp_size > 1
+        self.sequence_parallel = sp
+        with torch.device("meta"):
+            if pre_process:
+                self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
+                                                        self.position_embedding_type, tp_group, sp)
+            self.decoder = TransformerBlock(config, transformer_layer_spec, num_layers=num_layers,
+                                            layer_offset=layer_offset, post_layer_norm=post_process,
+                                            tp_group=tp_group, sequence_parallel=sp)
+            if post_process:
+                tied_here = self.share_embeddings_and_output_weights and pre_process
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, vocab_size, init_std=config.init_method_std, bias=False,
+                    tp_group=tp_group, sequence_parallel=sp, skip_weight_param_allocation=tied_here,
+                    params_dtype=config.params_dtype,
+                )
+        recipes = {name: dict(vars(param)) for name, param in self.named_parameters()}
+        self.to_empty(device=device or "cpu")
+        for name, param in self.named_parameters():  # to_empty may replace Parameter objects
+            vars(param).update(recipes[name])
+        self.init_weights(torch.initial_seed() if seed is None else seed)
+
+    # ----------------------------------------------------------------------------------------------
+    def global_param_name(self, local_name: str) -> str:
+        """Layout-independent name: ``decoder.layers.<local>`` becomes the global layer index."""
+        prefix = "decoder.layers."
+        if local_name.startswith(prefix):
+            idx, rest = local_name[len(prefix):].split(".", 1)
+            return f"{prefix}{int(idx) + self.decoder.layer_offset}.{rest}"
+        if local_name == "output_layer.weight" and self.share_embeddings_and_output_weights:
+            return "embedding.word_embeddings.weight"  # a tied copy on the last stage
+        return local_name
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """(Re)initialise every parameter as its shard of the seed's logical tensor."""
+        for name, param in self.named_parameters():
+            init_param_(param, self.global_param_name(name), seed, tp_rank=self.pg.tp_rank)
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process and self.share_embeddings_and_output_weights:
+            return self.output_layer.weight
+        return None
+
+    # ----------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                attention_mask: torch.Tensor | None, labels: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None, decoder_input: torch.Tensor | None = None):
+        """Logits ``[b, s, V(/tp)]`` when ``labels`` is None, else per-token losses ``[b, s]`` (fp32).
+
+        ``decoder_input`` replaces the embedding on stages without ``pre_process``. On stages without
+        ``post_process`` the hidden states ``[s, b, h]`` are returned. ``loss_mask`` is accepted for
+        Megatron compatibility; masking is applied by the caller's loss function.
+        """
+        if position_ids is None and input_ids is not None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        hidden = self.embedding(input_ids, position_ids) if self.pre_process else decoder_input
+        rotary = None
+        if self.position_embedding_type == "rope":
+            rotary = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base)
+        if attention_mask is not None and attention_mask.dim() == 3:
+            attention_mask = attention_mask.unsqueeze(1)  # [b, s, s] -> [b, 1, s, s]
+        hidden = self.decoder(hidden, attention_mask, rotary)
+        if not self.post_process:
+            return hidden
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V/tp]
+        if labels is None:
+            if not self.parallel_output:
+                logits = mappings.gather_from_tensor_model_parallel_region(logits, self.pg.tp_group)
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.pg.tp_group)  # [s, b]
+        return loss.t().contiguous()
+
+    # ----------------------------------------------------------------------------------------------
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """Every tensor as a ``ShardedTensor`` with its global key, global shape and shard offset.
+
+        Tensor-parallel weights are offset along their split dim (SwiGLU's fc1 is viewed as
+        ``[2, F, h]`` so its two halves split independently); replicated tensors carry the tp rank
+        in their replica id, so only tp rank 0 writes them. The data-parallel rank is part of every
+        replica id. A tied output-layer copy is not stored (the embedding is).
+        """
+        tp_rank, dp_rank = self.pg.tp_rank, self.pg.dp_rank
+        out = {}
+        for name, tensor in self.state_dict(prefix="", keep_vars=True).items():
+            if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
+                continue
+            key = prefix + self.global_param_name(name)
+            out[prefix + name] = _shard_of(key, tensor, tp_rank, dp_rank)
+        return out
+
+
+def _shard_of(key: str, tensor: torch.Tensor, tp_rank: int, dp_rank: int) -> ShardedTensor:
+    dim = getattr(tensor, "partition_dim", -1)
+    parts = getattr(tensor, "partition_size", 1)
+    if dim < 0 or parts == 1:
+        return ShardedTensor.from_rank_offsets(key, tensor, replica_id=(tp_rank, dp_rank))
+    stride = getattr(tensor, "partition_stride", 1)
+    data = tensor
+    if stride > 1:
+        data = tensor.view(stride, tensor.shape[0] // stride, *tensor.shape[1:])
+        dim += 1
+    return ShardedTensor.from_rank_offsets(key, data, (dim, tp_rank, parts), replica_id=(0, dp_rank))

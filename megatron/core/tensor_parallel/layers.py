@@ -1,0 +1,139 @@
+"""Tensor-parallel building blocks: column/row-parallel linears and the vocab-parallel embedding.
+
+Weights are stored in the ``[out, in]`` convention of ``torch.nn.Linear``. A column-parallel
+linear holds rows ``[r*out/tp, (r+1)*out/tp)`` of the logical weight (``partition_dim`` 0), a
+row-parallel linear holds columns ``[r*in/tp, (r+1)*in/tp)`` (``partition_dim`` 1). Layers return
+``(output, bias)`` as Megatron-Core does: ``bias`` is ``None`` unless ``skip_bias_add`` asks the
+caller to fuse the bias into a later op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.tensor_parallel import mappings
+from megatron.core.tensor_parallel.init import set_init_attrs
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d != 0:
+        raise ValueError(f"{what} ({n}) is not divisible by --tensor-model-parallel-size {d}")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T with A split by output rows across the tp group.
+
+    Args:
+        input_size / output_size: logical (unsharded) sizes.
+        init_std: std of the normal init of the weight.
+        bias: whether to add a bias (sharded like the output).
+        gather_output: all-gather the output's last dim (otherwise it stays tp-sharded).
+        sequence_parallel: the input is sharded along the sequence dim and all-gathered here.
+        partition_stride: >1 when the output stacks that many sub-tensors that are split separately
+            (SwiGLU's [gate; up]).
+        skip_weight_param_allocation: no weight of its own; ``forward`` takes ``weight`` (tied output layer).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, init_std: float, bias: bool = True,
+                 tp_group=None, gather_output: bool = False, sequence_parallel: bool = False,
+                 skip_bias_add: bool = False, partition_stride: int = 1,
+                 skip_weight_param_allocation: bool = False, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = mappings.group_size(tp_group)
+        self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.skip_bias_add = skip_bias_add
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype))
+            set_init_attrs(self.weight, std=init_std, partition_dim=0, partition_size=self.tp_size,
+                           partition_stride=partition_stride)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype))
+            set_init_attrs(self.bias, partition_dim=0, partition_size=self.tp_size, partition_stride=partition_stride)
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x, weight, bias)
+        if self.gather_output:
+            out = mappings.gather_from_tensor_model_parallel_region(out, self.tp_group)
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T with A split by input columns; the partial outputs are summed across the tp group.
+
+    The input is already tp-sharded along its last dim. With ``sequence_parallel`` the sum is a
+    reduce-scatter along the sequence dim instead of an all-reduce. The bias is added after the sum.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, init_std: float, bias: bool = True,
+                 tp_group=None, sequence_parallel: bool = False, skip_bias_add: bool = False,
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = mappings.group_size(tp_group)
+        self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.skip_bias_add = skip_bias_add
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype))
+        set_init_attrs(self.weight, std=init_std, partition_dim=1, partition_size=self.tp_size)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype))
+            set_init_attrs(self.bias)
+            # Replicated across tp but fed by sequence-sharded outputs: its grad needs a tp all-reduce.
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor):
+        out = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            out = mappings.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        else:
+            out = mappings.reduce_from_tensor_model_parallel_region(out, self.tp_group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split into contiguous ranges across the tp group.
+
+    Ids outside this rank's range look up row 0 and are zeroed; the partial results are summed
+    across the group (or reduce-scattered along the sequence dim with ``reduce_scatter_embeddings``).
+    Input ``[b, s]`` ids, output ``[b, s, h]`` (``[s/tp, b, h]`` is produced by the caller).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float, tp_group=None,
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = mappings.group_size(tp_group)
+        self.num_embeddings = num_embeddings
+        self.num_per_partition = _divide(num_embeddings, self.tp_size, "padded vocabulary size")
+        self.vocab_start = mappings.group_rank(tp_group) * self.num_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_per_partition, embedding_dim, dtype=params_dtype))
+        set_init_attrs(self.weight, std=init_std, partition_dim=0, partition_size=self.tp_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_per_partition)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return mappings.reduce_from_tensor_model_parallel_region(out, self.tp_group)

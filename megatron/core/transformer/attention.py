@@ -1,0 +1,95 @@
+"""Self-attention: fused QKV projection (GQA-aware), RoPE, SDPA core attention, output projection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.tensor_parallel.mappings import group_size
+from megatron.core.transformer.rope import apply_rotary
+from megatron.core.transformer.spec_utils import build_module
+
+
+@dataclass
+class SelfAttentionSubmodules:
+    linear_qkv: object = None
+    core_attention: object = None
+    linear_proj: object = None
+    q_layernorm: object = None
+    k_layernorm: object = None
+
+
+class DotProductAttention(nn.Module):
+    """Causal (or masked) attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Inputs ``q`` ``[s, b, n_q, d]``, ``k``/``v`` ``[s, b, n_kv, d]`` with ``n_q`` a multiple of
+    ``n_kv`` (grouped-query attention); output ``[s, b, n_q * d]``. ``attention_mask`` is ``None``
+    (causal, the fused kernels' fast path) or a boolean ``[b or 1, 1, s, s]`` where True = masked.
+    """
+
+    def __init__(self, config, layer_number: int = 1):
+        super().__init__()
+        self.dropout_p = config.attention_dropout
+        self.softmax_scale = None  # 1/sqrt(d), SDPA's default
+
+    def forward(self, q, k, v, attention_mask=None):
+        s, b, n_q, d = q.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        mask = None if attention_mask is None else ~attention_mask
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=attention_mask is None, enable_gqa=k.shape[1] != n_q,
+        )
+        return out.permute(2, 0, 1, 3).reshape(s, b, n_q * d)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head / grouped-query self-attention with heads split across the tp group.
+
+    The fused QKV weight stacks, per query group, ``[n_h/n_g query heads, 1 key head, 1 value head]``
+    of ``d`` rows each (Megatron's checkpoint layout); tp splits along query groups.
+    """
+
+    def __init__(self, config, submodules: SelfAttentionSubmodules, layer_number: int = 1, tp_group=None,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        tp = group_size(tp_group)
+        n_h, n_g, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+        for what, n in (("--num-attention-heads", n_h), ("--num-query-groups", n_g)):
+            if n % tp != 0:
+                raise ValueError(f"{what} {n} is not divisible by --tensor-model-parallel-size {tp}")
+        self.heads_per_group = n_h // n_g
+        self.num_groups_local = n_g // tp
+        self.head_dim = d
+        self.rotary = config.position_embedding_type == "rope"
+        common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
+        self.linear_qkv = build_module(
+            submodules.linear_qkv, config.hidden_size, (n_h + 2 * n_g) * d, init_std=config.init_method_std,
+            bias=config.add_bias_linear or config.add_qkv_bias, **common,
+        )
+        self.core_attention = build_module(submodules.core_attention, config, layer_number)
+        self.linear_proj = build_module(
+            submodules.linear_proj, n_h * d, config.hidden_size, init_std=config.output_layer_init_std,
+            bias=config.add_bias_linear, skip_bias_add=True, **common,
+        )
+        self.q_layernorm = build_module(submodules.q_layernorm, config, d) if config.qk_layernorm else None
+        self.k_layernorm = build_module(submodules.k_layernorm, config, d) if config.qk_layernorm else None
+
+    def forward(self, hidden: torch.Tensor, attention_mask=None, rotary=None):
+        """``hidden`` ``[s, b, h]`` -> ``(output [s, b, h], bias or None)``."""
+        qkv, _ = self.linear_qkv(hidden)
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.num_groups_local, self.heads_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)  # [s, b, n_q, d]
+        k = qkv[:, :, :, self.heads_per_group]  # [s, b, n_kv, d]
+        v = qkv[:, :, :, self.heads_per_group + 1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        context = self.core_attention(q, k, v, attention_mask)
+        return self.linear_proj(context)

@@ -1,0 +1,47 @@
+"""The feed-forward block: fc1 (column-parallel), GELU or SwiGLU, fc2 (row-parallel)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.transformer.spec_utils import build_module
+
+
+@dataclass
+class MLPSubmodules:
+    linear_fc1: object = None
+    linear_fc2: object = None
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, where the last dim of ``x`` is ``[gate; up]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    """``h -> F -> h``. With SwiGLU, fc1 produces ``[gate; up]`` (2F rows, each half split across tp)."""
+
+    def __init__(self, config, submodules: MLPSubmodules, tp_group=None, sequence_parallel: bool = False):
+        super().__init__()
+        gated = config.activation == "swiglu"
+        self.activation = swiglu if gated else F.gelu
+        common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=config.params_dtype,
+                      bias=config.add_bias_linear)
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1, config.hidden_size, config.ffn_hidden_size * (2 if gated else 1),
+            init_std=config.init_method_std, partition_stride=2 if gated else 1, **common,
+        )
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2, config.ffn_hidden_size, config.hidden_size,
+            init_std=config.output_layer_init_std, skip_bias_add=True, **common,
+        )
+
+    def forward(self, hidden: torch.Tensor):
+        """``[s, b, h]`` -> ``(output [s, b, h], bias or None)``."""
+        x, _ = self.linear_fc1(hidden)
+        return self.linear_fc2(self.activation(x))

@@ -1,0 +1,41 @@
+"""LayerNorm and RMSNorm over the last dim, chosen by ``config.normalization``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.tensor_parallel.init import set_init_attrs
+
+
+class Norm(nn.Module):
+    """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only) of ``hidden_size`` channels.
+
+    ``sequence_parallel`` marks the parameters so their gradients are all-reduced across the tp
+    group (they see only this rank's sequence shard).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float | None = None, sequence_parallel: bool = False):
+        super().__init__()
+        self.kind = config.normalization
+        self.eps = config.layernorm_epsilon if eps is None else eps
+        self.hidden_size = hidden_size
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
+        set_init_attrs(self.weight, value=1.0)
+        self.weight.sequence_parallel = sequence_parallel
+        if self.kind == "LayerNorm":
+            self.bias = nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
+            set_init_attrs(self.bias, value=0.0)
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "LayerNorm":
+            return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+        return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+
+
+def build_norm(config, hidden_size: int, sequence_parallel: bool = False) -> Norm:
+    return Norm(config, hidden_size, sequence_parallel=sequence_parallel)

@@ -1,0 +1,24 @@
+"""Rotary position embeddings (RoPE), non-interleaved ("rotate half") as in Megatron-Core."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, rotary_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for ``position_ids`` ``[b, s]``, each ``[s, b, 1, rotary_dim]`` in fp32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=position_ids.device)
+                               / rotary_dim))
+    freqs = position_ids.t().float().unsqueeze(-1) * inv_freq  # [s, b, rd/2]
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [s, b, 1, rd]
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` channels of ``x`` ``[s, b, n, d]``; the rest pass through."""
+    rd = cos.shape[-1]
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    out = x_rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out

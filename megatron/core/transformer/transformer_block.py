@@ -1,0 +1,37 @@
+"""A stack of transformer layers plus the final norm (on the last pipeline stage)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.spec_utils import build_module
+
+
+class TransformerBlock(nn.Module):
+    """Layers ``layer_offset + 1 .. layer_offset + num_layers`` of the model (1-based global numbers).
+
+    ``layers[i]`` is stored under its local index; ``sharded_state_dict`` maps it to the global one.
+    """
+
+    def __init__(self, config, spec, num_layers: int | None = None, layer_offset: int = 0,
+                 post_layer_norm: bool = True, tp_group=None, sequence_parallel: bool = False):
+        super().__init__()
+        num_layers = config.num_layers if num_layers is None else num_layers
+        self.layer_offset = layer_offset
+        self.layers = nn.ModuleList(
+            build_module(spec, config, layer_number=layer_offset + i + 1, tp_group=tp_group,
+                         sequence_parallel=sequence_parallel)
+            for i in range(num_layers)
+        )
+        self.final_layernorm = (
+            build_norm(config, config.hidden_size, sequence_parallel=sequence_parallel) if post_layer_norm else None
+        )
+
+    def forward(self, hidden: torch.Tensor, attention_mask=None, rotary=None) -> torch.Tensor:
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask, rotary)
+        if self.final_layernorm is not None:
+            hidden = self.final_layernorm(hidden)
+        return hidden

@@ -1,0 +1,48 @@
+"""One pre-norm transformer layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core.transformer.spec_utils import build_module
+
+
+@dataclass
+class TransformerLayerSubmodules:
+    input_layernorm: object = None
+    self_attention: object = None
+    pre_mlp_layernorm: object = None
+    mlp: object = None
+
+
+def bias_dropout_add(out: torch.Tensor, bias, residual: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    if bias is not None:
+        out = out + bias
+    return residual + F.dropout(out, p=p, training=training)
+
+
+class TransformerLayer(nn.Module):
+    """A decoder layer. ``layer_number`` is 1-based and global (pipeline stages offset it)."""
+
+    def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int = 1, tp_group=None,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout
+        sp = dict(sequence_parallel=sequence_parallel)
+        self.input_layernorm = build_module(submodules.input_layernorm, config, config.hidden_size, **sp)
+        self.self_attention = build_module(submodules.self_attention, config, layer_number=layer_number,
+                                           tp_group=tp_group, **sp)
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, config.hidden_size, **sp)
+        self.mlp = build_module(submodules.mlp, config, tp_group=tp_group, **sp)
+
+    def forward(self, hidden: torch.Tensor, attention_mask=None, rotary=None) -> torch.Tensor:
+        """``[s, b, h]`` -> ``[s, b, h]`` (``s`` is the local shard with sequence parallelism)."""
+        out, bias = self.self_attention(self.input_layernorm(hidden), attention_mask, rotary)
+        hidden = bias_dropout_add(out, bias, hidden, self.hidden_dropout, self.training)
+        out, bias = self.mlp(self.pre_mlp_layernorm(hidden))
+        return bias_dropout_add(out, bias, hidden, self.hidden_dropout, self.training)

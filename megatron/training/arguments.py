@@ -1,0 +1,244 @@
+"""Command-line flags, generated from the config dataclasses plus one alias table.
+
+Every config field whose metadata ``flag`` is not ``None`` becomes a flag: ``--field-name`` (or
+the spelling in its metadata). Booleans that default to False are switches; booleans that default
+to True get a ``--no-field-name`` switch. Flags that do not map one-to-one onto a field (Megatron
+spellings such as ``--swiglu`` or ``--disable-bias-linear``) live in ``ALIASES``. The argparse
+``Namespace`` never leaves this module: ``parse_args`` returns a ``RunConfig`` of typed configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass
+
+from megatron.core.config_utils import doc
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.config import (
+    CheckpointConfig,
+    DataConfig,
+    LoggerConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainingConfig,
+)
+
+
+@dataclass
+class ModelImplConfig:
+    """Implementation choices that are not part of the model's mathematics."""
+
+    transformer_impl: str = doc("local", "Layer implementation. Only 'local' (this package's own modules "
+                                "and SDPA attention) is supported; a Transformer Engine path is not shipped.",
+                                choices=("local", "transformer_engine"))
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs, as typed configs."""
+
+    model: TransformerConfig
+    training: TrainingConfig
+    scheduler: SchedulerConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    tokenizer: TokenizerConfig
+    checkpoint: CheckpointConfig
+    logger: LoggerConfig
+    impl: ModelImplConfig
+
+    def to_dict(self) -> dict:
+        """A plain, JSON-friendly nested dict (dtypes and callables as strings)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            cfg = getattr(self, f.name)
+            out[f.name] = {k.name: _plain(getattr(cfg, k.name)) for k in dataclasses.fields(cfg)}
+        return out
+
+
+def _plain(v):
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return str(v)
+
+
+# (section title, config class) in --help order.
+SECTIONS: tuple[tuple[str, type], ...] = (
+    ("model", TransformerConfig),
+    ("implementation", ModelImplConfig),
+    ("training", TrainingConfig),
+    ("learning-rate and weight-decay schedule", SchedulerConfig),
+    ("optimizer and mixed precision", OptimizerConfig),
+    ("data", DataConfig),
+    ("tokenizer", TokenizerConfig),
+    ("checkpointing", CheckpointConfig),
+    ("logging and evaluation", LoggerConfig),
+)
+
+# Megatron spellings that are not one field each: flag -> (section, argparse kwargs).
+ALIASES: dict[str, tuple[str, dict]] = {
+    "--swiglu": ("model", dict(action="store_true", help="SwiGLU MLP (sets activation to swiglu).")),
+    "--disable-bias-linear": ("model", dict(action="store_true", help="No biases in linear layers.")),
+    "--untie-embeddings-and-output-weights": (
+        "model", dict(action="store_true", help="Separate output-layer weight instead of the word embedding.")),
+    "--group-query-attention": (
+        "model", dict(action="store_true", help="Grouped-query attention with --num-query-groups groups.")),
+}
+
+
+def _flag_name(f: dataclasses.Field) -> str | None:
+    flag = f.metadata.get("flag", "")
+    if flag is None:
+        return None
+    if flag:
+        return flag
+    if f.type in ("bool", bool) and f.default is True:
+        return "--no-" + f.name.replace("_", "-")
+    return "--" + f.name.replace("_", "-")
+
+
+def _base_type(annotation) -> type:
+    """int / float / str from annotations such as ``int | None`` or ``list[str] | None``."""
+    if isinstance(annotation, str):
+        for name, typ in (("float", float), ("int", int), ("bool", bool), ("str", str)):
+            if annotation.startswith(name) or f"[{name}]" in annotation:
+                return typ
+        return str
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0])
+    if origin is list:
+        return _base_type(typing.get_args(annotation)[0])
+    return annotation if annotation in (int, float, str, bool) else str
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad flag in one line, with the closest valid spelling, instead of the whole usage."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            known = [s for a in self._actions for s in a.option_strings]
+            hints = []
+            for arg in message.split(":", 1)[1].split():
+                if arg.startswith("--"):
+                    close = difflib.get_close_matches(arg.split("=")[0], known, n=1)
+                    if close:
+                        hints.append(f"{arg} -> did you mean {close[0]}?")
+            if hints:
+                message += " (" + "; ".join(hints) + ")"
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser; ``--help`` groups flags by config and prints each field's documentation."""
+    parser = _Parser(
+        prog="pretrain_gpt.py", allow_abbrev=False,
+        description="Pretrain a GPT model. Flags are spelled as in Megatron-LM.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    groups = {}
+    for title, cls in SECTIONS:
+        group = parser.add_argument_group(title)
+        groups[title.split(" ")[0]] = group
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = _flag_name(f)
+            if flag is None:
+                continue
+            kwargs = dict(dest=f.name, help=f.metadata.get("help", ""))
+            if hints[f.name] is bool:
+                kwargs["action"] = "store_false" if f.default is True else "store_true"
+            else:
+                kwargs["type"] = _base_type(hints[f.name])
+                if f.metadata.get("nargs"):
+                    kwargs["nargs"] = f.metadata["nargs"]
+                if f.metadata.get("choices"):
+                    kwargs["choices"] = f.metadata["choices"]
+            kwargs["default"] = argparse.SUPPRESS
+            group.add_argument(flag, **kwargs)
+    for flag, (section, kwargs) in ALIASES.items():
+        groups[section].add_argument(flag, default=False, **kwargs)
+    return parser
+
+
+def flag_list() -> list[str]:
+    """Every flag the parser accepts, sorted (pinned by a snapshot test)."""
+    parser = build_parser()
+    return sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help")
+
+
+def _apply_aliases(ns: dict) -> None:
+    if ns.pop("swiglu", False):
+        ns["activation"] = "swiglu"
+    if ns.pop("disable_bias_linear", False):
+        ns["add_bias_linear"] = False
+    if ns.pop("untie_embeddings_and_output_weights", False):
+        ns["share_embeddings_and_output_weights"] = False
+    gqa = ns.pop("group_query_attention", False)
+    if not gqa and ns.get("num_query_groups") is not None:
+        raise ValueError("--num-query-groups only takes effect with --group-query-attention; add that flag")
+    if gqa and ns.get("num_query_groups") is None:
+        raise ValueError("--group-query-attention needs --num-query-groups N (N divides --num-attention-heads)")
+
+
+def _build(cls, ns: dict, **derived):
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in ns.items() if k in names}
+    values.update({k: v for k, v in derived.items() if k in names})
+    return cls(**values)
+
+
+def configs_from_namespace(ns: dict) -> RunConfig:
+    """Build (and so validate) every config from parsed flag values; raises ValueError on user errors."""
+    ns = dict(ns)
+    _apply_aliases(ns)
+    for required in ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size", "seq_length"):
+        if ns.get(required) is None:
+            raise ValueError(f"--{required.replace('_', '-')} is required")
+    model = _build(TransformerConfig, ns)
+    optimizer = _build(OptimizerConfig, ns, fp16=model.fp16, bf16=model.bf16)
+    return RunConfig(
+        model=model,
+        training=_build(TrainingConfig, ns),
+        scheduler=_build(SchedulerConfig, ns),
+        optimizer=optimizer,
+        data=_build(DataConfig, ns),
+        tokenizer=_build(TokenizerConfig, ns),
+        checkpoint=_build(CheckpointConfig, ns),
+        logger=_build(LoggerConfig, ns),
+        impl=_build(ModelImplConfig, ns),
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    """Parse and validate ``argv``. Unknown flags exit with argparse's usage message (code 2);
+    invalid values raise ``ValueError`` with the flag name and a valid value."""
+    from megatron.training.validation import validate_run_config
+
+    parser = build_parser()
+    ns = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    cfg = configs_from_namespace(ns)
+    validate_run_config(cfg)
+    return cfg
+
+
+def format_arguments(cfg: RunConfig) -> str:
+    """Megatron's argument dump: one ``name .... value`` line per setting, sorted case-insensitively."""
+    flat = {}
+    for section in cfg.to_dict().values():
+        flat.update(section)
+    lines = ["------------------------ arguments ------------------------"]
+    for name in sorted(flat, key=str.lower):
+        dots = "." * max(1, 48 - len(name))
+        lines.append(f"  {name} {dots} {flat[name]}")
+    lines.append("-------------------- end of arguments ---------------------")
+    return "\n".join(lines)

@@ -1,0 +1,29 @@
+"""Entry-point glue: parse flags, report user errors as one line, run ``pretrain``."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _rank_from_env() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Parse, validate and train. A user error prints ``error: <message>`` (on rank 0) and returns 2."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.gpt import GPTProviders
+    from megatron.training.initialize import destroy
+    from megatron.training.training import pretrain
+
+    try:
+        cfg = parse_args(argv)
+        pretrain(cfg, GPTProviders)
+    except ValueError as e:
+        if _rank_from_env() == 0:
+            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        destroy()
+        return 2
+    destroy()
+    return 0

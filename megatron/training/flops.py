@@ -1,0 +1,79 @@
+"""Model FLOPs per step (Megatron's ``num_floating_point_operations``) and MFU.
+
+Convention: every GEMM counts 2 FLOPs per multiply-accumulate and runs three times per step
+(forward, input-gradient and weight-gradient), hence the factor 6. Causal attention counts half of
+the QK^T and PV products. Activation recompute is not counted (these are model FLOPs, not hardware
+FLOPs), so MFU = achieved model FLOP/s / the device's dense peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FlopsShape:
+    """The model quantities the formula needs (V is the padded vocabulary)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    padded_vocab_size: int
+    swiglu: bool
+
+
+def shape_from_config(config, padded_vocab_size: int) -> FlopsShape:
+    return FlopsShape(config.num_layers, config.hidden_size, config.num_attention_heads, config.num_query_groups,
+                      config.kv_channels, config.ffn_hidden_size, padded_vocab_size,
+                      config.activation == "swiglu")
+
+
+def num_floating_point_operations(shape: FlopsShape, batch_size: int, seq_length: int) -> int:
+    """Model FLOPs of one step over ``batch_size`` samples of ``seq_length`` tokens."""
+    h, L, d = shape.hidden_size, shape.num_layers, shape.kv_channels
+    q_proj = d * shape.num_attention_heads
+    e = 3 if shape.swiglu else 2
+    tokens = batch_size * seq_length
+    per_token = (
+        6 * h * e * shape.ffn_hidden_size * L  # MLP
+        + 6 * (h * (q_proj + 2 * d * shape.num_query_groups) + q_proj * h) * L  # QKV + output projection
+        + 6 * h * shape.padded_vocab_size  # logit layer
+    )
+    core_attention = batch_size * seq_length**2 * 6 * q_proj * L  # causal: half of 12 * s^2 * q_p per layer
+    return tokens * per_token + core_attention
+
+
+# Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s, matched against the device name.
+# Order matters: more specific names first.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("H20", 148.0),
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("B100", 1750.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("V100", 125.0),
+)
+
+
+def peak_tflops(device_name: str | None) -> float | None:
+    """Dense bf16 peak of a known GPU, or None (CPU, unknown device): MFU is then not reported."""
+    if not device_name:
+        return None
+    for key, peak in PEAK_BF16_TFLOPS:
+        if key in device_name:
+            return peak
+    return None

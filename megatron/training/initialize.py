@@ -1,0 +1,70 @@
+"""Process-group set-up, device choice and seeding."""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core.parallel_state import ParallelState, initialize_model_parallel
+
+
+def _env_int(*names: str, default: int) -> int:
+    for n in names:
+        if os.environ.get(n):
+            return int(os.environ[n])
+    return default
+
+
+def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10) -> tuple[torch.device, ParallelState]:
+    """Join the process group torchrun (or srun) describes, or run alone.
+
+    Without CUDA the backend is gloo on the CPU; with CUDA, NCCL on ``cuda:LOCAL_RANK``. A single
+    process started with plain ``python`` gets a one-rank group too, so every code path is the same.
+    """
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    use_cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if backend == "nccl" and not use_cuda:
+        raise ValueError("--distributed-backend nccl needs CUDA GPUs; use gloo (or auto) on the CPU")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(_free_port()) if world == 1 else "29500"
+        dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                timeout=timedelta(minutes=timeout_minutes),
+                                device_id=device if backend == "nccl" else None)
+    return device, initialize_model_parallel()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_random_seeds(seed: int, pp_rank: int = 0) -> None:
+    """Python, NumPy and torch (CPU and CUDA) seeds: ``seed + 100 * pp_rank`` as in Megatron."""
+    s = seed + 100 * pp_rank
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(s)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,158 @@
+"""Small pieces of the training loop: printing, signals, the schedule, interval statistics."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.training.metrics import format_iteration_line
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_last_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_rank_0(msg: str) -> None:
+    if _rank() == 0:
+        print(msg, flush=True)
+
+
+def print_rank_last(msg: str) -> None:
+    if is_last_rank():
+        print(msg, flush=True)
+
+
+def reduce_max_bool(flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is True on any (so all ranks take the same exit decision)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class DistributedSignalHandler:
+    """Records SIGTERM instead of dying, so the loop can finish the step, save and exit cleanly."""
+
+    def __init__(self, sig: int = signal.SIGTERM):
+        self.received = False
+        self._previous = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+
+def build_scheduler(cfg, optimizer, train_iters: int) -> OptimizerParamScheduler:
+    """LR / WD schedule with every length converted to samples, as Megatron does."""
+    t, s, o = cfg.training, cfg.scheduler, cfg.optimizer
+    gbs = t.global_batch_size
+    if t.train_iters is not None:
+        decay = (s.lr_decay_iters or t.train_iters) * gbs
+        warmup = s.lr_warmup_iters * gbs
+        wsd = (s.lr_wsd_decay_iters or 0) * gbs
+        total = t.train_iters * gbs
+    else:
+        decay = s.lr_decay_samples or t.train_samples
+        warmup = s.lr_warmup_samples
+        wsd = s.lr_wsd_decay_samples or 0
+        total = t.train_samples
+    if s.lr_warmup_fraction is not None:
+        warmup = int(s.lr_warmup_fraction * decay)
+    wd = o.weight_decay
+    return OptimizerParamScheduler(
+        optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=decay, lr_decay_style=s.lr_decay_style,
+        start_wd=wd if s.start_weight_decay is None else s.start_weight_decay,
+        end_wd=wd if s.end_weight_decay is None else s.end_weight_decay, wd_incr_steps=total,
+        wd_incr_style=s.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=s.override_opt_param_scheduler,
+        wsd_decay_steps=wsd or None, lr_wsd_decay_style=s.lr_wsd_decay_style,
+    )
+
+
+def model_args_for_check(cfg, padded_vocab_size: int) -> dict:
+    """Flags that fix the model's tensor shapes, as {flag: value}; a checkpoint must agree on all."""
+    m = cfg.model
+    out = {
+        "--num-layers": m.num_layers,
+        "--hidden-size": m.hidden_size,
+        "--num-attention-heads": m.num_attention_heads,
+        "--num-query-groups": m.num_query_groups,
+        "--kv-channels": m.kv_channels,
+        "--ffn-hidden-size": m.ffn_hidden_size,
+        "--normalization": m.normalization,
+        "--swiglu": m.activation == "swiglu",
+        "--disable-bias-linear": not m.add_bias_linear,
+        "--qk-layernorm": m.qk_layernorm,
+        "--position-embedding-type": m.position_embedding_type,
+        "--untie-embeddings-and-output-weights": not m.share_embeddings_and_output_weights,
+        "--padded-vocab-size": padded_vocab_size,
+    }
+    if m.position_embedding_type == "learned_absolute":
+        out["--max-position-embeddings"] = cfg.training.max_position_embeddings
+    return out
+
+
+class IntervalLog:
+    """Collects per-step results between log lines without host syncs, then prints one line."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self._reset()
+
+    def _reset(self) -> None:
+        self.steps: list = []
+        self.grad_norm = None
+        self.t0 = time.perf_counter()
+
+    def record(self, losses: dict, success: bool, grad_norm) -> None:
+        self.steps.append((losses, success))
+        if grad_norm is not None:
+            self.grad_norm = grad_norm
+
+    def flush(self) -> None:
+        tr = self.trainer
+        if tr.device.type == "cuda":
+            torch.cuda.synchronize(tr.device)
+        n = len(self.steps)
+        elapsed = (time.perf_counter() - self.t0) / max(n, 1)
+        sums: dict = {}
+        skipped = nan = 0
+        for losses, success in self.steps:
+            values = {k: float(v[0] / v[1].clamp(min=1)) for k, v in losses.items()}
+            if not success:
+                skipped += 1
+                nan += any(not math.isfinite(v) for v in values.values())
+                continue
+            for k, v in values.items():
+                sums[k] = sums.get(k, 0.0) + v
+        advanced = n - skipped
+        avg = {k: v / max(advanced, 1) for k, v in sums.items()}
+        tflops = tr.flops_per_step / (elapsed * 1e12 * tr.world_size)
+        stats = dict(
+            consumed_samples=tr.state.consumed_train_samples, iteration_time_ms=elapsed * 1000.0,
+            tflops_per_gpu=tflops,
+            tokens_per_sec_per_gpu=tr.global_batch_size * tr.cfg.training.seq_length / elapsed / tr.world_size,
+            mfu=(tflops / tr.peak_tflops) if tr.peak_tflops else None,
+            learning_rate=tr.optimizer.param_groups[0]["lr"], global_batch_size=tr.global_batch_size,
+            losses=avg, loss_scale=float(tr.optimizer.get_loss_scale()), grad_norm=self.grad_norm,
+            skipped_iterations=skipped, nan_iterations=nan,
+        )
+        print_rank_last(format_iteration_line(tr.state.iteration, tr.train_iters, stats))
+        scalars = {"learning-rate": stats["learning_rate"], "batch-size": tr.global_batch_size,
+                   "loss-scale": stats["loss_scale"], "grad-norm": self.grad_norm,
+                   "iteration-time": elapsed, "throughput": tflops,
+                   "tokens-per-sec-per-gpu": stats["tokens_per_sec_per_gpu"], "mfu": stats["mfu"],
+                   "skipped-iterations": skipped, "nan-iterations": nan, **avg}
+        tr.writer.log_scalars(scalars, tr.state.iteration, tr.state.consumed_train_samples)
+        self._reset()

@@ -1,0 +1,91 @@
+"""Where training numbers go: the stdout log line (Megatron's format), TensorBoard, W&B and JSONL.
+
+Only the rank that owns the loss (the last rank) writes; other ranks get a writer that does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from datetime import datetime
+
+
+def format_iteration_line(it: int, train_iters: int, stats: dict) -> str:
+    """One training log line: Megatron's fields in Megatron's order, plus tokens/s and MFU after the
+    throughput (``stats`` keys as in ``Trainer._log``)."""
+    parts = [
+        f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}] iteration {it:8d}/{train_iters:8d}",
+        f"consumed samples: {stats['consumed_samples']:12d}",
+        f"elapsed time per iteration (ms): {stats['iteration_time_ms']:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {stats['tflops_per_gpu']:.1f}",
+        f"tokens per second per GPU: {stats['tokens_per_sec_per_gpu']:.1f}",
+        "MFU: " + (f"{stats['mfu'] * 100:.1f}%" if stats.get("mfu") is not None else "n/a"),
+        f"learning rate: {stats['learning_rate']:.6E}",
+        f"global batch size: {stats['global_batch_size']:5d}",
+    ]
+    for key, value in stats["losses"].items():
+        parts.append(f"{key}: {value:.6E}")
+    parts.append(f"loss scale: {stats['loss_scale']:.1f}")
+    if stats.get("grad_norm") is not None:
+        parts.append(f"grad norm: {stats['grad_norm']:.3f}")
+    parts.append(f"number of skipped iterations: {stats['skipped_iterations']:3d}")
+    parts.append(f"number of nan iterations: {stats['nan_iterations']:3d}")
+    return " | ".join(parts) + " |"
+
+
+def format_validation(prefix: str, losses: dict) -> str:
+    """Megatron's validation block; perplexity is exp(min(20, loss))."""
+    body = f" {prefix} | " + "".join(
+        f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(20.0, v)):.6E} | " for k, v in losses.items()
+    )
+    rule = "-" * (len(body) + 1)
+    return f"{rule}\n{body}\n{rule}"
+
+
+class MetricsWriter:
+    """Fans scalars out to TensorBoard, Weights & Biases and a JSON-lines file (each optional)."""
+
+    def __init__(self, enabled: bool, tensorboard_dir: str | None = None, wandb_project: str | None = None,
+                 wandb_exp_name: str | None = None, wandb_save_dir: str | None = None,
+                 metrics_file: str | None = None, run_config: dict | None = None):
+        self.enabled = enabled
+        self.tb = self.wandb = self.jsonl = None
+        if not enabled:
+            return
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+        if wandb_project:
+            import wandb
+
+            save_dir = wandb_save_dir or tensorboard_dir or "."
+            os.makedirs(save_dir, exist_ok=True)
+            self.wandb = wandb.init(project=wandb_project, name=wandb_exp_name, dir=save_dir, config=run_config)
+        if metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            self.jsonl = open(metrics_file, "a", buffering=1)
+
+    def log_scalars(self, scalars: dict, iteration: int, consumed_samples: int) -> None:
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in scalars.items() if v is not None}
+        if self.tb is not None:
+            for k, v in clean.items():
+                self.tb.add_scalar(k, v, iteration)
+                self.tb.add_scalar(f"{k} vs samples", v, consumed_samples)
+        if self.wandb is not None:
+            self.wandb.log(clean, step=iteration)
+        if self.jsonl is not None:
+            record = {"iteration": iteration, "consumed_samples": consumed_samples, "time": time.time(), **clean}
+            self.jsonl.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.jsonl is not None:
+            self.jsonl.close()

@@ -1,0 +1,234 @@
+"""The training application: set-up, the loop, evaluation, checkpoints and exits."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.training import checkpointing
+from megatron.training.arguments import RunConfig, format_arguments
+from megatron.training.flops import num_floating_point_operations, peak_tflops, shape_from_config
+from megatron.training.initialize import initialize_distributed, set_random_seeds
+from megatron.training.loop_utils import (
+    DistributedSignalHandler,
+    build_scheduler,
+    is_last_rank,
+    model_args_for_check,
+    print_rank_0,
+    print_rank_last,
+    reduce_max_bool,
+)
+from megatron.training.metrics import MetricsWriter, format_iteration_line, format_validation
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What the loop advances; saved in every checkpoint."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    num_floating_point_operations_so_far: int = 0
+
+
+class Trainer:
+    """Owns the model, optimizer, schedule, data iterators and writers of one run."""
+
+    def __init__(self, cfg: RunConfig, providers):
+        self.cfg = cfg
+        self.providers = providers
+        self.start_time = time.time()
+        t = cfg.training
+        self.device, self.pg = initialize_distributed(t.distributed_backend, t.distributed_timeout_minutes)
+        self.world_size = dist.get_world_size()
+        set_random_seeds(t.seed, self.pg.pp_rank)
+        print_rank_0(format_arguments(cfg))
+        self.tokenizer, self.padded_vocab_size = providers.tokenizer(cfg, self.pg)
+        model = providers.model(cfg, self.padded_vocab_size, self.pg, self.device)
+        print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
+                     f"({self.pg.tp_rank}, {self.pg.pp_rank}): {sum(p.numel() for p in model.parameters())}")
+        self.model = DistributedDataParallel(cfg.model, DistributedDataParallelConfig(), model, self.pg)
+        cfg.model.finalize_model_grads_func = finalize_model_grads
+        cfg.model.no_sync_func = self.model.no_sync
+        self.optimizer = get_megatron_optimizer(cfg.optimizer, [self.model], grad_stats_group=self.pg.mp_group,
+                                                tp_rank=self.pg.tp_rank)
+        if cfg.model.fp16:
+            cfg.model.grad_scale_func = self.optimizer.scale_loss
+        self.global_batch_size = t.global_batch_size
+        self.train_iters = t.train_iters if t.train_iters is not None else t.train_samples // t.global_batch_size
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.pg.dp_size)
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.train_iters)
+        self.state = TrainState()
+        self._load()
+        self.flops_per_step = num_floating_point_operations(
+            shape_from_config(cfg.model, self.padded_vocab_size), t.global_batch_size, t.seq_length)
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        self.peak_tflops = peak_tflops(device_name)
+        if self.peak_tflops is None:
+            print_rank_0(f" > MFU is not known for device {device_name or 'cpu'} (no dense bf16 peak on record)")
+        self.forward_backward = get_forward_backward_func(self.pg.pp_size)
+        self.train_iter, self.valid_iter, self.test_iter = providers.data_iterators(self)
+        self.writer = MetricsWriter(is_last_rank(), **self._writer_kwargs())
+        self.signal_handler = DistributedSignalHandler() if t.exit_signal_handler else None
+
+    # ----------------------------------------------------------------------------------------------
+    def _writer_kwargs(self) -> dict:
+        lg, ck = self.cfg.logger, self.cfg.checkpoint
+        metrics_file = lg.metrics_file
+        run_dir = lg.tensorboard_dir or ck.save
+        if metrics_file is None and run_dir:
+            metrics_file = os.path.join(run_dir, "metrics.jsonl")
+        return dict(tensorboard_dir=lg.tensorboard_dir, wandb_project=lg.wandb_project,
+                    wandb_exp_name=lg.wandb_exp_name, wandb_save_dir=lg.wandb_save_dir,
+                    metrics_file=metrics_file, run_config=self.cfg.to_dict())
+
+    def _load(self) -> None:
+        ck = self.cfg.checkpoint
+        if not ck.load:
+            return
+        extra = checkpointing.load_checkpoint(
+            ck.load, self.model.sharded_state_dict(), self.optimizer, self.scheduler,
+            load_optim=ck.load_optim, load_rng=ck.load_rng, finetune=ck.finetune, ckpt_step=ck.ckpt_step,
+            exit_on_missing_checkpoint=ck.exit_on_missing_checkpoint,
+            model_args_check=model_args_for_check(self.cfg, self.padded_vocab_size), log=print_rank_0,
+        )
+        if extra is None:
+            return
+        if ck.finetune or not ck.load_optim:
+            self.optimizer.reload_model_params()
+        if not ck.finetune:
+            for f in dataclasses.fields(TrainState):
+                setattr(self.state, f.name, int(extra.get(f.name, 0)))
+
+    def save(self) -> None:
+        ck = self.cfg.checkpoint
+        extra = dataclasses.asdict(self.state)
+        # ``args``: the shape-defining flags at the top (what a later --load checks), the full config below.
+        checks = model_args_for_check(self.cfg, self.padded_vocab_size)
+        args = {flag.lstrip("-").replace("-", "_"): value for flag, value in checks.items()}
+        args["config"] = self.cfg.to_dict()
+        extra.update(args=args, checkpoint_version=3.0)
+        checkpointing.save_checkpoint(
+            ck.save, self.state.iteration, self.model.sharded_state_dict(), self.optimizer, self.scheduler,
+            extra_state=extra, save_optim=ck.save_optim, save_rng=ck.save_rng, log=print_rank_0,
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    def train_step(self):
+        """One optimizer step over ``num_microbatches`` micro-batches. Returns (loss sum/count tensor,
+        update_successful, grad_norm)."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        t = self.cfg.training
+        metrics = self.forward_backward(
+            forward_step_func=self.providers.forward_step, data_iterator=self.train_iter, model=[self.model],
+            num_microbatches=self.num_microbatches, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
+            forward_only=False,
+        )
+        success, grad_norm, _ = self.optimizer.step()
+        if success:
+            self.scheduler.step(increment=self.global_batch_size)
+        return self._reduce_losses(metrics), success, grad_norm
+
+    def _reduce_losses(self, metrics: list) -> dict:
+        """Token-weighted sums over micro-batches and data-parallel ranks: {name: tensor([sum, count])}."""
+        out = {}
+        for key in metrics[0] if metrics else []:
+            total = torch.stack([m[key].detach().float() for m in metrics]).sum(0)
+            if self.pg.dp_size > 1:
+                dist.all_reduce(total, group=self.pg.dp_cp_group)
+            out[key] = total
+        return out
+
+    def evaluate(self, data_iter, num_iters: int) -> dict:
+        t = self.cfg.training
+        self.model.eval()
+        sums: dict = {}
+        with torch.no_grad():
+            for _ in range(num_iters):
+                metrics = self.forward_backward(
+                    forward_step_func=self.providers.forward_step, data_iterator=data_iter, model=[self.model],
+                    num_microbatches=self.num_microbatches, seq_length=t.seq_length,
+                    micro_batch_size=t.micro_batch_size, forward_only=True,
+                )
+                for k, v in self._reduce_losses(metrics).items():
+                    sums[k] = sums.get(k, 0) + v
+                self.state.consumed_valid_samples += self.global_batch_size
+        self.model.train()
+        return {k: (v[0] / v[1].clamp(min=1)).item() for k, v in sums.items()}
+
+    def evaluate_and_print(self, prefix: str, data_iter, log_scalars: bool = True) -> None:
+        lg = self.cfg.logger
+        if data_iter is None or lg.eval_iters == 0:
+            return
+        losses = self.evaluate(data_iter, lg.eval_iters)
+        print_rank_last(format_validation(prefix, losses))
+        if log_scalars:
+            scalars = {}
+            for k, v in losses.items():
+                scalars[f"{k} validation"] = v
+                scalars[f"{k} validation ppl"] = float(torch.tensor(min(20.0, v)).exp())
+            self.writer.log_scalars(scalars, self.state.iteration, self.state.consumed_train_samples)
+
+    # ----------------------------------------------------------------------------------------------
+    def _should_exit(self) -> str | None:
+        t = self.cfg.training
+        if self.signal_handler is not None and reduce_max_bool(self.signal_handler.received, self.device):
+            return "exiting on SIGTERM"
+        if t.exit_duration_in_mins is not None:
+            late = (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins
+            if reduce_max_bool(late, self.device):
+                return f"exiting after {t.exit_duration_in_mins} minutes (--exit-duration-in-mins)"
+        if t.exit_interval and self.state.iteration % t.exit_interval == 0:
+            return f"exiting at iteration {self.state.iteration} (--exit-interval {t.exit_interval})"
+        return None
+
+    def train(self) -> None:
+        from megatron.training.loop_utils import IntervalLog
+
+        ck, lg = self.cfg.checkpoint, self.cfg.logger
+        interval = IntervalLog(self)
+        last_saved = self.state.iteration if ck.load else -1
+        print_rank_0(f"training from iteration {self.state.iteration} to {self.train_iters}")
+        while self.state.iteration < self.train_iters:
+            losses, success, grad_norm = self.train_step()
+            self.state.iteration += 1
+            self.state.consumed_train_samples += self.global_batch_size
+            self.state.num_floating_point_operations_so_far += self.flops_per_step
+            interval.record(losses, success, grad_norm)
+            if self.state.iteration % lg.log_interval == 0 or self.state.iteration == 1:
+                interval.flush()
+            if lg.eval_interval and self.state.iteration % lg.eval_interval == 0:
+                self.evaluate_and_print(f"validation loss at iteration {self.state.iteration}", self.valid_iter)
+            if ck.save and ck.save_interval and self.state.iteration % ck.save_interval == 0:
+                self.save()
+                last_saved = self.state.iteration
+            reason = self._should_exit()
+            if reason:
+                if ck.save and last_saved != self.state.iteration:
+                    self.save()
+                print_rank_0(reason)
+                return
+        if ck.save and last_saved != self.state.iteration:
+            self.save()
+        self.evaluate_and_print(f"iteration {self.state.iteration} on validation set", self.valid_iter, False)
+        self.evaluate_and_print(f"iteration {self.state.iteration} on test set", self.test_iter, False)
+
+
+def pretrain(cfg: RunConfig, providers) -> TrainState:
+    """Build everything from ``cfg`` and train. ``providers`` supplies the model-specific pieces:
+    ``tokenizer(cfg, pg)``, ``model(cfg, padded_vocab, pg, device)``, ``forward_step(iter, model)``
+    and ``data_iterators(trainer)``."""
+    trainer = Trainer(cfg, providers)
+    try:
+        trainer.train()
+    finally:
+        trainer.writer.close()
+    return trainer.state

@@ -1,0 +1,112 @@
+"""Cross-config checks, one named function each. Each raises ValueError naming the flag(s) and a
+valid value; single-config checks live in the configs' own ``__post_init__``."""
+
+from __future__ import annotations
+
+import os
+
+
+def world_size_from_env() -> int:
+    """The launcher's world size (torchrun / SLURM), known before any process group exists."""
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
+
+
+def check_batch_sizes(cfg, world_size: int) -> None:
+    t = cfg.training
+    dp = world_size  # model parallelism arrives with the parallel issues
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        good = max(1, round(t.global_batch_size / (t.micro_batch_size * dp))) * t.micro_batch_size * dp
+        raise ValueError(
+            f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp}; use e.g. --global-batch-size {good}"
+        )
+
+
+def check_sequence(cfg) -> None:
+    t, m = cfg.training, cfg.model
+    if m.position_embedding_type == "learned_absolute" and t.seq_length > t.max_position_embeddings:
+        raise ValueError(
+            f"--seq-length {t.seq_length} exceeds --max-position-embeddings {t.max_position_embeddings}; "
+            f"set --max-position-embeddings {t.seq_length} or more"
+        )
+
+
+def check_schedule_units(cfg) -> None:
+    t, s = cfg.training, cfg.scheduler
+    if t.train_iters is not None:
+        for name in ("lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples"):
+            if getattr(s, name):
+                raise ValueError(f"--{name.replace('_', '-')} needs --train-samples; with --train-iters use "
+                                 f"--{name.replace('_samples', '_iters').replace('_', '-')}")
+    else:
+        for name in ("lr_warmup_iters", "lr_decay_iters", "lr_wsd_decay_iters"):
+            if getattr(s, name):
+                raise ValueError(f"--{name.replace('_', '-')} needs --train-iters; with --train-samples use "
+                                 f"--{name.replace('_iters', '_samples').replace('_', '-')}")
+    if s.lr_decay_style == "WSD" and not (s.lr_wsd_decay_iters or s.lr_wsd_decay_samples):
+        raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+
+
+def check_optimizer(cfg) -> None:
+    o = cfg.optimizer
+    if o.lr is None:
+        raise ValueError("--lr is required (e.g. --lr 3e-4)")
+    if o.min_lr > o.lr:
+        raise ValueError(f"--min-lr {o.min_lr} is larger than --lr {o.lr}; use a value <= {o.lr}")
+    if o.loss_scale is not None and not cfg.model.fp16:
+        raise ValueError("--loss-scale only applies with --fp16; drop it (bf16 and fp32 need no loss scaling)")
+
+
+def check_data_and_tokenizer(cfg) -> None:
+    d, tok = cfg.data, cfg.tokenizer
+    if not (d.mock_data or d.data_path or d.train_data_path):
+        raise ValueError("no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
+    if tok.tokenizer_type is None:
+        if d.mock_data and tok.vocab_size:
+            tok.tokenizer_type = "NullTokenizer"
+        else:
+            raise ValueError("--tokenizer-type is required (e.g. GPT2BPETokenizer, or NullTokenizer with --mock-data)")
+    if tok.tokenizer_type == "NullTokenizer" and not tok.vocab_size:
+        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N (e.g. --vocab-size 32000)")
+
+
+def check_checkpointing(cfg) -> None:
+    c = cfg.checkpoint
+    if c.save_interval is not None and not c.save:
+        raise ValueError("--save-interval needs --save DIR")
+    if cfg.training.exit_signal_handler and not c.save:
+        raise ValueError("--exit-signal-handler saves before exiting and needs --save DIR")
+
+
+def check_implementation(cfg) -> None:
+    if cfg.impl.transformer_impl == "transformer_engine":
+        raise ValueError(
+            "--transformer-impl transformer_engine is not supported by this build; use --transformer-impl local "
+            "(the default)"
+        )
+
+
+def check_logging(cfg) -> None:
+    if cfg.logger.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError as e:
+            raise ValueError("--wandb-project needs the wandb package: pip install wandb") from e
+
+
+CHECKS = (check_batch_sizes, check_sequence, check_schedule_units, check_optimizer, check_data_and_tokenizer,
+          check_checkpointing, check_implementation, check_logging)
+
+
+def validate_run_config(cfg, world_size: int | None = None) -> None:
+    ws = world_size_from_env() if world_size is None else world_size
+    for check in CHECKS:
+        if check is check_batch_sizes:
+            check(cfg, ws)
+        else:
+            check(cfg)
