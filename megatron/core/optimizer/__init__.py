@@ -1,0 +1,122 @@
+"""Optimizers: fp32 main params, loss scaling, gradient clipping, param groups.
+
+``get_megatron_optimizer`` is the entry point: it splits the params into weight-decay groups, picks
+the loss scaler from the precision flags and wraps a torch AdamW/SGD in :class:`MegatronOptimizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer.clip_grads import param_is_not_duplicate
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+__all__ = [
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "MegatronGradScaler",
+    "MegatronOptimizer",
+    "OptimizerConfig",
+    "get_megatron_optimizer",
+    "get_param_groups",
+    "param_is_not_duplicate",
+]
+
+NoWeightDecayCond = Callable[[str, torch.nn.Parameter], bool]
+
+
+def _default_no_wd(name: str, param: torch.nn.Parameter) -> bool:
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def get_param_groups(
+    model_chunks: list[torch.nn.Module],
+    config: OptimizerConfig,
+    no_weight_decay_cond: NoWeightDecayCond | None = None,
+) -> list[dict[str, Any]]:
+    """Split trainable params into a weight-decay group and a no-weight-decay group.
+
+    Biases and 1-D params (norm weights) get ``wd_mult = 0.0``; the rest ``wd_mult = 1.0``. Both
+    groups get ``lr_mult = 1.0``. A param shared by several chunks is listed once. Empty groups are
+    dropped. Group names (``decay``, ``no_decay``) identify groups in checkpoints.
+    """
+    no_wd = no_weight_decay_cond or _default_no_wd
+    lr = config.lr if config.lr is not None else 0.0
+    buckets: dict[str, list[torch.nn.Parameter]] = {"decay": [], "no_decay": []}
+    seen: set[int] = set()
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            buckets["no_decay" if no_wd(name, param) else "decay"].append(param)
+    groups = []
+    for name, wd_mult in (("decay", 1.0), ("no_decay", 0.0)):
+        if buckets[name]:
+            groups.append({
+                "params": buckets[name],
+                "name": name,
+                "wd_mult": wd_mult,
+                "lr_mult": 1.0,
+                "lr": lr,
+                "weight_decay": config.weight_decay * wd_mult,
+            })
+    return groups
+
+
+def _make_grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    return None
+
+
+def get_megatron_optimizer(
+    config: OptimizerConfig,
+    model_chunks: list[torch.nn.Module],
+    grad_stats_group: dist.ProcessGroup | None = None,
+    tp_rank: int = 0,
+    no_weight_decay_cond: NoWeightDecayCond | None = None,
+) -> MegatronOptimizer:
+    """Build the optimizer for ``model_chunks`` (the model, or its virtual-pipeline chunks).
+
+    bf16/fp16 params get fp32 main copies; fp32 params are updated in place. fp16 uses a dynamic
+    loss scaler unless ``config.loss_scale`` fixes one (as in Megatron, an explicit
+    ``--loss-scale`` also applies with bf16); bf16 and fp32 otherwise run unscaled.
+
+    Args:
+        config: the optimizer settings.
+        model_chunks: modules whose trainable params are optimized.
+        grad_stats_group: group over which grad norm, zero count and overflow flag are reduced
+            (the model-parallel group); None for no reduction (single process or pure DP).
+        tp_rank: tensor-parallel rank; TP-replicated params count in the grad norm only on rank 0.
+        no_weight_decay_cond: ``(name, param) -> bool``, True for params without weight decay;
+            default: biases and 1-D params.
+
+    Raises:
+        ValueError: conflicting precision flags, or no trainable params.
+    """
+    if config.fp16 and config.bf16:
+        raise ValueError("--fp16 and --bf16 are mutually exclusive; pass at most one")
+    if config.loss_scale is not None and not (config.fp16 or config.bf16):
+        raise ValueError("--loss-scale has no effect without --fp16 or --bf16; drop it or pick a precision")
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    groups = get_param_groups(model_chunks, config, no_weight_decay_cond)
+    if not groups:
+        raise ValueError("the model has no trainable parameters (requires_grad=True) to optimize")
+    return MegatronOptimizer(config, groups, _make_grad_scaler(config), grad_stats_group, tp_rank)

@@ -29,6 +29,9 @@ class OptimizerConfig:
     min_loss_scale: float = doc(1.0, "Lowest dynamic loss scale.")
     loss_scale_window: int = doc(1000, "Clean steps before the dynamic loss scale doubles.")
     hysteresis: int = doc(2, "Overflowing steps tolerated before the dynamic loss scale halves.")
+    log_num_zeros_in_grad: bool = doc(
+        False, "Count zero gradient elements each step (reported as 'num zeros'); costs one extra pass."
+    )
     use_fused_adam: bool = doc(
         True, "Use torch's fused/foreach multi-tensor Adam kernels where the device supports them.", flag=None
     )

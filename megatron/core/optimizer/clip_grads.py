@@ -1,0 +1,65 @@
+"""Gradient statistics and clipping over fp32 main grads, without per-tensor host syncs.
+
+Every function here returns device tensors; the caller packs them into one buffer, reduces it once
+over the grad-stats group and reads it back once (the optimizer's single host sync per step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def param_is_not_duplicate(param: torch.nn.Parameter, tp_rank: int) -> bool:
+    """True when ``param``'s gradient should count in global statistics (norm, zeros).
+
+    A param is a duplicate when it is the shared copy of a tied embedding held by another pipeline
+    stage (``shared_embedding_copy``), or when it is replicated across tensor-parallel ranks (not
+    ``tensor_model_parallel``) and this is not TP rank 0.
+    """
+    if getattr(param, "shared_embedding_copy", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def grad_norm_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Σ‖g‖² over ``grads`` as a 0-dim fp32 tensor on ``device`` (no host sync)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads)  # one fp32 norm per tensor
+    return torch.stack(norms).float().pow(2).sum()
+
+
+def count_zeros(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Number of exactly-zero gradient elements, as a 0-dim fp32 tensor (no host sync)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        total = total + (g.numel() - torch.count_nonzero(g))
+    return total
+
+
+def unscale_and_check_inf(grads: list[torch.Tensor], inv_scale: float, device: torch.device) -> torch.Tensor:
+    """Multiply ``grads`` in place by ``inv_scale``; return a 0-dim fp32 flag, 1.0 if any is inf/nan."""
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    if not grads:
+        return found_inf
+    inv = torch.full((), inv_scale, dtype=torch.float32, device=device)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for dev, group in by_device.items():
+        flag = torch.zeros((), dtype=torch.float32, device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv.to(dev))
+        found_inf = torch.maximum(found_inf, flag.to(device))
+    return found_inf
+
+
+def clip_grads_by_total_norm(grads: list[torch.Tensor], clip_grad: float, total_norm: float) -> None:
+    """Scale ``grads`` in place by ``clip_grad / (total_norm + 1e-6)`` when that is below 1.
+
+    ``clip_grad == 0`` disables clipping.
+    """
+    if clip_grad <= 0.0 or not grads:
+        return
+    clip_coeff = clip_grad / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)

@@ -1,0 +1,283 @@
+"""MegatronOptimizer: mixed precision (fp32 main params), loss scaling and clipping around a torch optimizer.
+
+Every bf16/fp16 model param gets an fp32 *main* copy that the inner optimizer updates; fp32 model
+params are updated in place (their main param *is* the model param). Gradients come from
+``param.main_grad`` (the fp32 buffer a DDP wrapper accumulates into) when it is set, else from
+``param.grad``.
+
+One step, with exactly one host sync:
+  1. point each main param's ``.grad`` at its model grad (fp32: alias, no copy);
+  2. fp16: unscale in place and raise a found-inf flag;
+  3. Σ‖g‖² (and the zero count) over non-duplicate grads;
+  4. one SUM all-reduce of ``[found_inf, Σ‖g‖², zeros]`` over the grad-stats group, one ``tolist()``;
+  5. update the loss scaler; on overflow return without touching params;
+  6. clip, inner step, copy main params back into the model params in one multi-tensor op.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer import sharded_state
+from megatron.core.optimizer.clip_grads import (
+    clip_grads_by_total_norm,
+    count_zeros,
+    grad_norm_sq,
+    param_is_not_duplicate,
+    unscale_and_check_inf,
+)
+from megatron.core.optimizer.grad_scaler import MegatronGradScaler
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+# Param-group keys that select kernels for this process's device; never taken from a checkpoint.
+_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def make_inner_optimizer(config: OptimizerConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """torch AdamW (fused on CUDA, foreach elsewhere) or SGD with momentum over ``groups``."""
+    params = [p for g in groups for p in g["params"]]
+    if not config.use_fused_adam:
+        kernel: dict[str, bool] = {"foreach": False}
+    elif all(p.is_cuda for p in params):
+        kernel = {"fused": True}
+    else:
+        kernel = {"foreach": True}
+    lr = config.lr if config.lr is not None else 0.0
+    if config.optimizer == "adam":
+        betas = (config.adam_beta1, config.adam_beta2)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=config.adam_eps,
+                                 weight_decay=config.weight_decay, **kernel)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=config.sgd_momentum,
+                               weight_decay=config.weight_decay, **kernel)
+    raise ValueError(f"--optimizer {config.optimizer!r} is not valid; choose one of ['adam', 'sgd']")
+
+
+class MegatronOptimizer:
+    """Wraps a torch optimizer with fp32 main params, loss scaling and global-norm clipping.
+
+    Args:
+        config: optimizer settings (``clip_grad``, ``log_num_zeros_in_grad``, kernel choice).
+        param_groups: dicts with ``params`` (model params), ``name``, ``wd_mult`` and ``lr_mult``.
+        grad_scaler: loss scaler for fp16 (or an explicit ``--loss-scale``); None for no scaling.
+        grad_stats_group: process group over which the found-inf flag, Σ‖g‖² and the zero count are
+            summed: the model-parallel group for this (non-distributed) optimizer. None means no
+            reduction, i.e. this rank's grads cover the whole model (single process or pure DP).
+        tp_rank: this rank's tensor-parallel rank, for :func:`param_is_not_duplicate`.
+
+    ``param_groups`` (the inner optimizer's groups, holding main params) carry ``lr`` and
+    ``weight_decay``, which :class:`OptimizerParamScheduler` sets.
+    """
+
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        param_groups: list[dict[str, Any]],
+        grad_scaler: MegatronGradScaler | None = None,
+        grad_stats_group: dist.ProcessGroup | None = None,
+        tp_rank: int = 0,
+    ) -> None:
+        self.config = config
+        self.grad_scaler = grad_scaler
+        self.grad_stats_group = grad_stats_group
+        self.model_params: list[torch.nn.Parameter] = []
+        self.main_params: list[torch.Tensor] = []
+        inner_groups = []
+        for group in param_groups:
+            mains = []
+            for p in group["params"]:
+                main = p if p.dtype == torch.float32 else p.detach().clone().float()
+                self.model_params.append(p)
+                self.main_params.append(main)
+                mains.append(main)
+            inner = {k: v for k, v in group.items() if k != "params"}
+            inner["params"] = mains
+            inner_groups.append(inner)
+        self._counts_in_stats = [param_is_not_duplicate(p, tp_rank) for p in self.model_params]
+        self._copy_pairs = [(p, m) for p, m in zip(self.model_params, self.main_params) if p is not m]
+        self.device = self.main_params[0].device if self.main_params else torch.device("cpu")
+        self.optimizer = make_inner_optimizer(config, inner_groups)
+        self._sharded_keys: list[str] | None = None
+
+    # ---------------------------------------------------------------- loss scaling
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups (main params, ``lr``, ``weight_decay``, ``lr_mult``, ``wd_mult``)."""
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> float:
+        """The current loss scale (1.0 without a scaler), as a Python float."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale``; call backward on the result."""
+        return loss * self.get_loss_scale() if self.grad_scaler is not None else loss
+
+    # ---------------------------------------------------------------- step
+    def _prepare_main_grads(self) -> list[torch.Tensor | None]:
+        grads: list[torch.Tensor | None] = []
+        for model_p, main_p in zip(self.model_params, self.main_params):
+            g = getattr(model_p, "main_grad", None)
+            if g is None:
+                g = model_p.grad
+            if g is None:
+                if main_p is not model_p:
+                    main_p.grad = None
+                grads.append(None)
+                continue
+            if g.dtype != main_p.dtype:
+                g = g.to(main_p.dtype)  # bf16/fp16 .grad -> fresh fp32 main grad
+            main_p.grad = g  # an alias when g is already an fp32 main_grad
+            grads.append(g)
+        return grads
+
+    def _reduce_stats(self, stats: torch.Tensor) -> None:
+        group = self.grad_stats_group
+        if group is None or not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """Unscale, check overflow, clip and update.
+
+        Returns:
+            ``(update_successful, grad_norm, num_zeros)``. On overflow (fp16) nothing is updated and
+            the result is ``(False, None, None)``. ``grad_norm`` is the global pre-clip L2 norm over
+            non-duplicate grads; ``num_zeros`` is None unless ``config.log_num_zeros_in_grad``.
+        """
+        grads = self._prepare_main_grads()
+        present = [g for g in grads if g is not None]
+        counted = [g for g, c in zip(grads, self._counts_in_stats) if g is not None and c]
+        if self.grad_scaler is not None:
+            found_inf = unscale_and_check_inf(present, self.grad_scaler.inv_scale, self.device)
+        else:
+            found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
+        parts = [found_inf, grad_norm_sq(counted, self.device)]
+        if self.config.log_num_zeros_in_grad:
+            parts.append(count_zeros(counted, self.device))
+        stats = torch.stack(parts)
+        self._reduce_stats(stats)
+        values = stats.tolist()  # the step's one host sync
+        found = values[0] > 0.0
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found)
+        if found:
+            return False, None, None
+        grad_norm = math.sqrt(values[1])
+        clip_grads_by_total_norm(present, self.config.clip_grad, grad_norm)
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        num_zeros = int(values[2]) if self.config.log_num_zeros_in_grad else None
+        return True, grad_norm, num_zeros
+
+    def _copy_main_params_to_model_params(self) -> None:
+        if self._copy_pairs:
+            torch._foreach_copy_([p for p, _ in self._copy_pairs], [m for _, m in self._copy_pairs])
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Re-copy the model params into the fp32 main params (after loading model weights only)."""
+        if self._copy_pairs:
+            torch._foreach_copy_([m for _, m in self._copy_pairs], [p for p, _ in self._copy_pairs])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop ``.grad`` of model and main params and zero the ``main_grad`` buffers in place."""
+        buffers = []
+        for model_p, main_p in zip(self.model_params, self.main_params):
+            model_p.grad = None
+            main_p.grad = None
+            g = getattr(model_p, "main_grad", None)
+            if g is not None:
+                buffers.append(g)
+        if buffers:
+            torch._foreach_zero_(buffers)
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Inner optimizer state, loss-scaler state and the fp32 main copies of bf16/fp16 params.
+
+        Tensors are references to live state (as in ``torch.optim``): serialise before stepping on.
+        """
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "fp32_from_fp16_params": [m for _, m in self._copy_pairs],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; the param layout must be the one that saved it.
+
+        Raises:
+            ValueError: the saved main params do not match this optimizer's params.
+        """
+        kernels = [{k: g[k] for k in _KERNEL_KEYS if k in g} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        for group, flags in zip(self.optimizer.param_groups, kernels):
+            group.update(flags)
+        self._place_step_tensors()
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        saved = state_dict.get("fp32_from_fp16_params") or []
+        if not saved and self._copy_pairs:
+            self.reload_model_params()  # checkpoint from an fp32 run
+            return
+        if len(saved) != len(self._copy_pairs):
+            raise ValueError(
+                f"checkpoint has {len(saved)} fp32 main params, this model has {len(self._copy_pairs)} "
+                "bf16/fp16 params: was it saved with a different model or precision (--bf16/--fp16)?"
+            )
+        for (_, main), value in zip(self._copy_pairs, saved):
+            if main.shape != value.shape:
+                raise ValueError(f"fp32 main param shape {tuple(value.shape)} != model's {tuple(main.shape)}")
+            main.copy_(value)
+
+    def _place_step_tensors(self) -> None:
+        """Fused/capturable kernels want ``step`` on the param's device, others on the host."""
+        for group in self.optimizer.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                step = self.optimizer.state.get(p, {}).get("step")
+                if torch.is_tensor(step):
+                    dev = p.device if on_device else torch.device("cpu")
+                    self.optimizer.state[p]["step"] = step.to(device=dev, dtype=torch.float32)
+
+    def init_state(self) -> None:
+        """Create optimizer state (zeros, step 0) for params that have none yet.
+
+        The values equal what the torch optimizer would create at its first step, so training is
+        unchanged; it lets a fresh optimizer describe (and receive) its state for a checkpoint.
+        """
+        sharded_state.init_state(self.optimizer, self.config)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, common_replica_id: int | None = None) -> dict[str, Any]:
+        """Distributed-checkpoint view of the optimizer state; see :mod:`.sharded_state`.
+
+        Per-param state takes the sharding (key, global shape/offset, replica id) of the model param
+        it belongs to. ``common_replica_id`` is the replica id of the ``optimizer.common`` object,
+        whose content is the same on every rank; by default 0 (the writer) on global rank 0 only.
+        """
+        if common_replica_id is None:
+            initialized = dist.is_available() and dist.is_initialized()
+            common_replica_id = 0 if not initialized or dist.get_rank() == 0 else 1
+        result, keys = sharded_state.build(self, model_sharded_state_dict, common_replica_id)
+        self._sharded_keys = keys
+        return result
+
+    def load_sharded_state_dict(self, loaded: dict[str, Any], model_sharded_state_dict: dict | None = None) -> None:
+        """Apply what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`'s output.
+
+        Call after the model weights are loaded. ``model_sharded_state_dict`` is needed only when
+        :meth:`sharded_state_dict` was not called on this optimizer.
+        """
+        if model_sharded_state_dict is not None or self._sharded_keys is None:
+            if model_sharded_state_dict is None:
+                raise ValueError("call sharded_state_dict(...) first or pass model_sharded_state_dict")
+            self._sharded_keys = sharded_state.param_keys(self, model_sharded_state_dict)
+        sharded_state.apply(self, loaded, self._sharded_keys)
