@@ -1,0 +1,365 @@
+"""Checkpoint glue for the training loop: Megatron's directory layout on top of dist_checkpointing.
+
+    <save>/latest_checkpointed_iteration.txt   the integer iteration of the newest complete checkpoint
+    <save>/iter_0000100/                       one torch_dist checkpoint (DCP files + metadata.json)
+
+A save writes every file of ``iter_XXXXXXX`` first, then its ``metadata.json``, then the tracker file,
+atomically. A save killed at any point therefore leaves the tracker naming the previous complete
+checkpoint. What is stored: ``model`` and ``optimizer`` (sharded), ``opt_param_scheduler`` (plain),
+``rng_state`` (one ShardedObject per (tp, pp) rank) and the caller's ``extra_state`` (iteration,
+consumed samples, FLOPs so far, ``args``, ``checkpoint_version``) as common values.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedObject
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CKPT_FORMAT = "torch_dist"
+CONTENTS_KEY = "checkpoint_contents"
+_RESERVED_KEYS = ("model", "optimizer", "opt_param_scheduler", "rng_state", CONTENTS_KEY)
+_RESET_ON_FINETUNE = (
+    "iteration", "consumed_train_samples", "consumed_valid_samples", "num_floating_point_operations_so_far"
+)
+
+
+def get_checkpoint_name(root: str, iteration: int) -> str:
+    """``<root>/iter_{iteration:07d}``."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration named by ``<root>/latest_checkpointed_iteration.txt``, or None without one.
+
+    Raises:
+        ValueError: the tracker holds something other than an integer (``release`` is not supported).
+    """
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"{path} holds {text!r}, not an iteration number; write the iteration of a complete "
+            f"iter_XXXXXXX directory in {root} into it (e.g. 100)"
+        ) from None
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # some platforms cannot open directories; the rename itself is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Atomically point the tracker at ``iteration``: temp file, fsync, ``os.replace``, fsync dir."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    _fsync_dir(root)
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _is_distributed() else 0
+
+
+def _barrier() -> None:
+    if _is_distributed():
+        dist.barrier()
+
+
+def _rng_object(parallel_state: Any, data: Any) -> ShardedObject:
+    """RNG state of this rank: one object per (tp, pp) rank; dp/cp/ep copies are replicas.
+
+    Without a ``parallel_state`` every rank counts as a data-parallel rank (tp = pp = 1).
+    """
+    if parallel_state is None:
+        return ShardedObject("rng_state", data, replica_id=(_rank(), 0, 0), shard_key="tp_0_of_1.pp_0_of_1")
+    tp, tp_size = getattr(parallel_state, "tp_rank", 0), getattr(parallel_state, "tp_size", 1)
+    pp, pp_size = getattr(parallel_state, "pp_rank", 0), getattr(parallel_state, "pp_size", 1)
+    replica = tuple(int(getattr(parallel_state, f"{axis}_rank", 0)) for axis in ("dp", "cp", "ep"))
+    return ShardedObject("rng_state", data, replica_id=replica, shard_key=f"tp_{tp}_of_{tp_size}.pp_{pp}_of_{pp_size}")
+
+
+def get_rng_state(rng_state_fn: Callable[[], Any] | None = None) -> dict[str, Any]:
+    """Python, NumPy, torch CPU and CUDA generator states, plus ``rng_state_fn()`` under ``extra``."""
+    state: dict[str, Any] = {"random": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if rng_state_fn is not None:
+        state["extra"] = rng_state_fn()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], rng_restore_fn: Callable[[Any], None] | None = None) -> None:
+    """Restore what ``get_rng_state`` captured (``extra`` goes to ``rng_restore_fn`` if given)."""
+    random.setstate(state["random"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "extra" in state and rng_restore_fn is not None:
+        rng_restore_fn(state["extra"])
+
+
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    model_sharded_state_dict: dict,
+    optimizer: Any = None,
+    opt_param_scheduler: Any = None,
+    *,
+    extra_state: dict,
+    save_optim: bool = True,
+    save_rng: bool = True,
+    parallel_state: Any = None,
+    rng_state_fn: Callable[[], Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> None:
+    """Collectively save ``iter_{iteration:07d}`` under ``save_dir``, then point the tracker at it.
+
+    Args:
+        optimizer: duck-typed; ``optimizer.sharded_state_dict(model_sharded_state_dict)`` is saved
+            under ``optimizer`` unless ``save_optim`` is False.
+        opt_param_scheduler: duck-typed; ``state_dict()`` is saved as a plain dict.
+        extra_state: plain values stored at the top level (iteration, consumed samples, ``args``, ...).
+        parallel_state: anything with ``tp_rank/tp_size/pp_rank/pp_size/dp_rank`` (``cp_rank``,
+            ``ep_rank`` optional); keys the RNG state so that each (tp, pp) rank keeps its own. None:
+            one process, or pure data parallelism (rank 0's state is saved).
+        rng_state_fn: extra RNG state to store (e.g. the CUDA RNG tracker's states).
+
+    Raises:
+        ValueError: ``extra_state`` uses a reserved key, or the sharded state dict is inconsistent.
+    """
+    clash = sorted(set(extra_state) & set(_RESERVED_KEYS))
+    if clash:
+        raise ValueError(f"extra_state keys {clash} are reserved for the checkpoint layout")
+    ckpt_dir = get_checkpoint_name(save_dir, iteration)
+    is_rank0 = _rank() == 0
+    if is_rank0:
+        log(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in {CKPT_FORMAT} format")
+        os.makedirs(save_dir, exist_ok=True)
+        if os.path.exists(ckpt_dir):
+            if read_tracker(save_dir) == iteration:
+                log(f"warning: overwriting {ckpt_dir}, the checkpoint named by {TRACKER_FILENAME}")
+            shutil.rmtree(ckpt_dir)  # left by an earlier save of this iteration (possibly crashed)
+    _barrier()
+
+    state: dict[str, Any] = {"model": model_sharded_state_dict}
+    common: dict[str, Any] = dict(extra_state)
+    if optimizer is not None and save_optim:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sharded_state_dict)
+    if opt_param_scheduler is not None:
+        common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    if save_rng:
+        state["rng_state"] = _rng_object(parallel_state, get_rng_state(rng_state_fn))
+    common[CONTENTS_KEY] = sorted([*state, *(["opt_param_scheduler"] if opt_param_scheduler is not None else [])])
+    dist_checkpointing.save(state, ckpt_dir, common_state=common)  # ends with metadata.json
+
+    if is_rank0:
+        write_tracker(save_dir, iteration)
+        log(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
+    _barrier()
+
+
+def _find_arg(tree: Any, name: str) -> tuple[bool, Any]:
+    """Breadth-first search for key ``name`` in a nested dict of saved args."""
+    level = [tree]
+    while level:
+        nxt: list[Any] = []
+        for node in level:
+            if isinstance(node, dict):
+                if name in node:
+                    return True, node[name]
+                nxt.extend(node.values())
+        level = nxt
+    return False, None
+
+
+def check_model_args(
+    saved_args: Any, model_args_check: dict[str, Any], ckpt_dir: str, log: Callable[[str], None] = print
+) -> None:
+    """Compare ``{flag: current value}`` with the checkpoint's ``args``; flags are ``--num-layers`` style.
+
+    Raises:
+        ValueError: listing each flag whose checkpoint value differs from the current one.
+    """
+    mismatches, unrecorded = [], []
+    for flag, current in model_args_check.items():
+        found, saved = _find_arg(saved_args, flag.lstrip("-").replace("-", "_"))
+        if not found:
+            unrecorded.append(flag)
+        elif (list(saved) if isinstance(saved, tuple) else saved) != (
+            list(current) if isinstance(current, tuple) else current
+        ):
+            mismatches.append(f"  {flag}: checkpoint {saved!r} vs current {current!r}")
+    if unrecorded:
+        log(f"note: {ckpt_dir} does not record {', '.join(unrecorded)}; not checked")
+    if mismatches:
+        raise ValueError(
+            f"checkpoint {ckpt_dir} was saved for a different model:\n" + "\n".join(mismatches)
+            + "\nset these flags to the checkpoint's values, or --load a checkpoint of this model"
+        )
+
+
+def _agreed_iteration(iteration: int | None) -> int | None:
+    """The largest iteration any rank sees (ranks may lag on a slow shared file system)."""
+    if not _is_distributed():
+        return iteration
+    seen: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, iteration)
+    known = [i for i in seen if i is not None]
+    return max(known) if known else None
+
+
+def _resolve_checkpoint(
+    load_dir: str, ckpt_step: int | None, exit_on_missing_checkpoint: bool, log: Callable[[str], None]
+) -> tuple[int, str] | None:
+    iteration = ckpt_step if ckpt_step is not None else _agreed_iteration(read_tracker(load_dir))
+    if iteration is None:
+        if exit_on_missing_checkpoint:
+            raise ValueError(
+                f"--load {load_dir}: no checkpoint found (no {TRACKER_FILENAME}) and "
+                "--exit-on-missing-checkpoint is set; check the path, or drop the flag to start from scratch"
+            )
+        if _rank() == 0:
+            log(f"no checkpoint found in {load_dir} (no {TRACKER_FILENAME}): starting from scratch")
+        return None
+    ckpt_dir = get_checkpoint_name(load_dir, iteration)
+    source = f"--ckpt-step {ckpt_step}" if ckpt_step is not None else f"{TRACKER_FILENAME} in {load_dir}"
+    try:
+        dist_checkpointing.read_metadata_json(ckpt_dir)
+    except ValueError as e:
+        raise ValueError(
+            f"{e}. {source} names iteration {iteration}; write the iteration of a complete iter_XXXXXXX "
+            f"directory (one with {dist_checkpointing.METADATA_FILE}) into {TRACKER_FILENAME}, or pass "
+            "--ckpt-step N"
+        ) from None
+    return iteration, ckpt_dir
+
+
+def load_checkpoint(
+    load_dir: str,
+    model_sharded_state_dict: dict,
+    optimizer: Any = None,
+    opt_param_scheduler: Any = None,
+    *,
+    load_optim: bool = True,
+    load_rng: bool = True,
+    finetune: bool = False,
+    ckpt_step: int | None = None,
+    exit_on_missing_checkpoint: bool = False,
+    model_args_check: dict[str, Any] | None = None,
+    parallel_state: Any = None,
+    rng_restore_fn: Callable[[Any], None] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict | None:
+    """Collectively load the newest (or ``ckpt_step``) checkpoint of ``load_dir`` in place.
+
+    Model tensors of ``model_sharded_state_dict`` are filled in place (any saving layout works). The
+    optimizer (``load_sharded_state_dict``) and scheduler (``load_state_dict``) are restored unless
+    ``load_optim`` is False or ``finetune``; RNG states unless ``load_rng`` is False, ``finetune``, or
+    the checkpoint was saved under another (tp, pp) layout (then a line says so).
+
+    Returns:
+        The saved ``extra_state`` (with iteration, consumed samples and FLOPs reset to 0 when
+        ``finetune``), or None when there is no checkpoint to resume from.
+
+    Raises:
+        ValueError: no checkpoint with ``exit_on_missing_checkpoint``; the tracker or ``ckpt_step``
+            names a missing or incomplete checkpoint; ``model_args_check`` differs from the saved
+            args; the optimizer state was asked for but not saved; missing keys or shape mismatch.
+    """
+    found = _resolve_checkpoint(load_dir, ckpt_step, exit_on_missing_checkpoint, log)
+    if found is None:
+        return None
+    iteration, ckpt_dir = found
+    is_rank0 = _rank() == 0
+    if is_rank0:
+        log(f"loading checkpoint from {load_dir} at iteration {iteration}")
+    common = dist_checkpointing.load_common_state(ckpt_dir)
+    if model_args_check:
+        check_model_args(common.get("args", {}), model_args_check, ckpt_dir, log if is_rank0 else _quiet)
+    contents = common.get(CONTENTS_KEY, list(_RESERVED_KEYS))
+
+    restore_optim = optimizer is not None and load_optim and not finetune
+    request: dict[str, Any] = {"model": model_sharded_state_dict}
+    if restore_optim:
+        if "optimizer" not in contents:
+            raise ValueError(
+                f"{ckpt_dir} holds no optimizer state (saved with --no-save-optim); "
+                "resume with --no-load-optim or --finetune"
+            )
+        request["optimizer"] = optimizer.sharded_state_dict(model_sharded_state_dict)
+    loaded = dist_checkpointing.load(request, ckpt_dir)
+    if restore_optim:
+        optimizer.load_sharded_state_dict(loaded["optimizer"])
+        if opt_param_scheduler is not None and "opt_param_scheduler" in common:
+            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+
+    if load_rng and not finetune:
+        _load_rng(ckpt_dir, parallel_state, rng_restore_fn, log if is_rank0 else _quiet)
+
+    extra = {k: v for k, v in common.items() if k not in _RESERVED_KEYS}
+    if finetune:
+        extra.update({k: 0 for k in _RESET_ON_FINETUNE})
+    if is_rank0:
+        log(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
+    return extra
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _load_rng(
+    ckpt_dir: str, parallel_state: Any, rng_restore_fn: Callable[[Any], None] | None, log: Callable[[str], None]
+) -> None:
+    wanted = _rng_object(parallel_state, None)
+    got = dist_checkpointing.load({"rng_state": wanted}, ckpt_dir, strict=False)
+    if "rng_state" not in got:
+        log(f"not loading RNG state: {ckpt_dir} has none for {wanted.unique_key} "
+            "(saved with --no-save-rng or under another (tp, pp) layout)")
+        return
+    set_rng_state(got["rng_state"], rng_restore_fn)
