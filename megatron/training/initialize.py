@@ -38,10 +38,12 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10) -> 
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port()) if world == 1 else "29500"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world,
+        if world == 1 and "MASTER_PORT" not in os.environ:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"  # plain `python pretrain_gpt.py`
+        else:
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            init_method = f"tcp://{addr}:{os.environ.get('MASTER_PORT', '29500')}"
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if backend == "nccl" else None)
     return device, initialize_model_parallel()

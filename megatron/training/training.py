@@ -9,7 +9,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training import checkpointing
@@ -25,7 +29,7 @@ from megatron.training.loop_utils import (
     print_rank_last,
     reduce_max_bool,
 )
-from megatron.training.metrics import MetricsWriter, format_iteration_line, format_validation
+from megatron.training.metrics import MetricsWriter, format_validation
 
 
 @dataclasses.dataclass

@@ -1,0 +1,183 @@
+"""pretrain_gpt.py end to end on the CPU: training, evaluation, checkpoints, resume, exits, errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training import checkpointing
+from megatron.training.cli import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
+        "--lr-warmup-iters 2 --mock-data --vocab-size 128 --num-workers 0 --log-interval 1 --eval-iters 2").split()
+
+
+def losses(path: str) -> dict[int, float]:
+    """Iteration -> training loss from a metrics JSONL file."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "lm loss" in rec:
+                out[rec["iteration"]] = rec["lm loss"]
+    return out
+
+
+def test_trains_evaluates_and_logs(tmp_path, capsys):
+    tb = tmp_path / "tb"
+    rc = run(TINY + f"--train-iters 30 --eval-interval 15 --tensorboard-dir {tb}".split())
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "validation loss at iteration 15 | lm loss value:" in out and "lm loss PPL:" in out
+    assert "iteration 30 on test set" in out
+    line = next(ln for ln in out.splitlines() if "iteration       30/      30" in ln)
+    for field in ("consumed samples:          120", "elapsed time per iteration (ms):",
+                  "throughput per GPU (TFLOP/s/GPU):", "tokens per second per GPU:", "MFU: n/a",
+                  "learning rate:", "global batch size:     4", "lm loss:", "loss scale: 1.0", "grad norm:",
+                  "number of skipped iterations:   0", "number of nan iterations:   0"):
+        assert field in line, field
+    curve = losses(str(tb / "metrics.jsonl"))
+    assert len(curve) == 30 and curve[30] < curve[1] - 0.5
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
+    assert "lm loss validation" in open(tb / "metrics.jsonl").read()
+
+
+@pytest.mark.slow
+def test_overfits_fixed_batch(tmp_path, capsys):
+    """One 65-token document: every sample is the same window, so the loss must collapse."""
+    import numpy as np
+
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "one_doc")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    builder.add_document(rng.integers(0, 127, size=65).astype(np.uint16), [65])
+    builder.finalize(prefix + ".idx")
+    argv = [a for a in TINY if a != "--mock-data"] + (
+        f"--train-data-path {prefix} --valid-data-path {prefix} --test-data-path {prefix} "
+        f"--tokenizer-type NullTokenizer --hidden-dropout 0 --attention-dropout 0 --train-iters 60 "
+        f"--eval-interval 60 --metrics-file {tmp_path}/m.jsonl --lr 1e-2 --weight-decay 0").split()
+    assert run(argv) == 0
+    curve = losses(f"{tmp_path}/m.jsonl")
+    assert curve[1] > 4.0 and curve[60] < 0.5, (curve[1], curve[60])
+    assert "validation loss at iteration 60" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_exact_resume_is_bitwise(tmp_path):
+    common = TINY + "--hidden-dropout 0.1 --attention-dropout 0.1 --train-iters 20 --eval-interval 5".split()
+    assert run(common + f"--metrics-file {tmp_path}/straight.jsonl".split()) == 0
+    ck = tmp_path / "ck"
+    assert run(common + f"--save {ck} --save-interval 10 --exit-interval 10 --metrics-file {tmp_path}/a.jsonl".split()) == 0
+    assert checkpointing.read_tracker(str(ck)) == 10
+    assert run(common + f"--save {ck} --load {ck} --save-interval 10 --metrics-file {tmp_path}/a.jsonl".split()) == 0
+    straight, resumed = losses(f"{tmp_path}/straight.jsonl"), losses(f"{tmp_path}/a.jsonl")
+    assert sorted(resumed) == list(range(1, 21))
+    assert straight == resumed  # bitwise: floats compared exactly
+
+
+def test_save_load_same_dir_first_launch_starts_fresh(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    assert run(TINY + f"--train-iters 3 --save {ck} --load {ck}".split()) == 0
+    out = capsys.readouterr().out
+    assert f"no checkpoint found in {ck}" in out and "starting from scratch" in out
+    assert checkpointing.read_tracker(str(ck)) == 3
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    ck = tmp_path / "ck"
+    assert run(TINY + f"--train-iters 4 --save {ck} --save-interval 2".split()) == 0
+    assert checkpointing.read_tracker(str(ck)) == 4
+
+    real_save = checkpointing.dist_checkpointing.save
+
+    def dies_half_way(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        with open(os.path.join(checkpoint_dir, "__0_0.distcp"), "wb") as f:
+            f.write(b"partial")
+        raise KeyboardInterrupt("killed during save")
+
+    monkeypatch.setattr(checkpointing.dist_checkpointing, "save", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        run(TINY + f"--train-iters 6 --save {ck} --load {ck} --save-interval 2 --override-opt-param-scheduler".split())
+    monkeypatch.setattr(checkpointing.dist_checkpointing, "save", real_save)
+    assert checkpointing.read_tracker(str(ck)) == 4
+    assert run(TINY + f"--train-iters 6 --save {ck} --load {ck} --override-opt-param-scheduler".split()) == 0
+    assert checkpointing.read_tracker(str(ck)) == 6
+
+
+def test_bad_load_and_shape_mismatch(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    assert run(TINY + f"--train-iters 3 --save {ck}".split()) == 0
+    capsys.readouterr()
+    assert run(TINY + f"--train-iters 4 --load {ck} --hidden-size 64".split()) == 2
+    err = capsys.readouterr().err
+    assert "--hidden-size: checkpoint 32 vs current 64" in err and "Traceback" not in err
+    (ck / "latest_checkpointed_iteration.txt").write_text("7")
+    assert run(TINY + f"--train-iters 4 --load {ck}".split()) == 2
+    err = capsys.readouterr().err
+    assert "iter_0000007" in err and "Traceback" not in err
+
+
+def _field(line: str, name: str) -> float:
+    return float(line.split(f"{name}: ")[1].split(" |")[0])
+
+
+def test_fp16_overflow_steps_are_skipped_and_counted(capsys):
+    # A scale of 1e36 overflows fp32 loss * scale: every step is skipped and the scale halves
+    # (hysteresis 1); parameters, and so the loss, do not move.
+    assert run(TINY + "--train-iters 3 --fp16 --initial-loss-scale 1e36 --hysteresis 1 --eval-iters 0".split()) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln and "/       3" in ln]
+    assert len(lines) == 3
+    for i, line in enumerate(lines, start=1):
+        assert "number of skipped iterations:   1" in line and "grad norm" not in line
+        assert _field(line, "loss scale") == pytest.approx(1e36 / 2**i)
+    # A sane scale trains normally in fp16.
+    assert run(TINY + "--train-iters 3 --fp16 --initial-loss-scale 4096 --eval-iters 0".split()) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln and "/       3" in ln]
+    assert all("number of skipped iterations:   0" in ln for ln in lines)
+    assert _field(lines[-1], "lm loss") < _field(lines[0], "lm loss")
+
+
+def test_bf16_trains(tmp_path):
+    assert run(TINY + f"--train-iters 6 --bf16 --metrics-file {tmp_path}/m.jsonl".split()) == 0
+    curve = losses(f"{tmp_path}/m.jsonl")
+    assert curve[6] < curve[1]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "100000",
+           "--save", str(ck), "--exit-signal-handler"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "iteration        3/" in line:
+            break
+    assert proc.poll() is None, "".join(seen)[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-2000:]
+    assert "exiting on SIGTERM" in out
+    it = checkpointing.read_tracker(str(ck))
+    assert it is not None and it >= 3
+
+
+@pytest.mark.slow
+def test_user_error_exit_code_in_a_real_process():
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "2",
+           "--global-batch-size", "3"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: --global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel "
+        "size 1; use e.g. --global-batch-size 4"
+    ]

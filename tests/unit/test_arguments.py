@@ -1,0 +1,103 @@
+"""The flag list (snapshot), flag-to-config mapping and user-error messages."""
+
+import os
+
+import pytest
+import torch
+
+from megatron.training.arguments import build_parser, configs_from_namespace, flag_list, parse_args
+from megatron.training.validation import validate_run_config
+
+SNAPSHOT = os.path.join(os.path.dirname(__file__), "snapshots", "pretrain_gpt_flags.txt")
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128").split()
+
+
+def test_flag_snapshot():
+    """Every new or renamed flag is a visible diff: regenerate the snapshot deliberately."""
+    with open(SNAPSHOT) as f:
+        expected = f.read().split()
+    assert flag_list() == expected
+
+
+def test_megatron_spellings_present():
+    flags = set(flag_list())
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--group-query-attention",
+                 "--num-query-groups", "--kv-channels", "--ffn-hidden-size", "--normalization", "--norm-epsilon",
+                 "--swiglu", "--disable-bias-linear", "--qk-layernorm", "--position-embedding-type",
+                 "--rotary-base", "--rotary-percent", "--hidden-dropout", "--attention-dropout",
+                 "--init-method-std", "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by",
+                 "--seq-length", "--max-position-embeddings", "--micro-batch-size", "--global-batch-size",
+                 "--train-iters", "--train-samples", "--lr", "--min-lr", "--lr-decay-style", "--lr-warmup-iters",
+                 "--lr-warmup-fraction", "--lr-warmup-samples", "--lr-decay-iters", "--lr-decay-samples",
+                 "--weight-decay", "--start-weight-decay", "--end-weight-decay", "--weight-decay-incr-style",
+                 "--clip-grad", "--optimizer", "--adam-beta1", "--adam-beta2", "--adam-eps", "--bf16", "--fp16",
+                 "--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
+                 "--seed", "--mock-data", "--tokenizer-type", "--vocab-size", "--eval-interval", "--eval-iters",
+                 "--log-interval", "--save", "--load", "--save-interval", "--no-load-optim", "--no-load-rng",
+                 "--finetune", "--exit-interval", "--exit-duration-in-mins", "--exit-signal-handler",
+                 "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir"):
+            assert flag in flags, flag
+
+
+def test_flags_map_onto_configs():
+    cfg = parse_args(BASE + "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --bf16 "
+                     "--group-query-attention --num-query-groups 2 --normalization RMSNorm --norm-epsilon 1e-6 "
+                     "--no-load-optim --global-batch-size 8".split())
+    m = cfg.model
+    assert (m.activation, m.add_bias_linear, m.share_embeddings_and_output_weights) == ("swiglu", False, False)
+    assert m.params_dtype == torch.bfloat16 and cfg.optimizer.bf16 and m.num_query_groups == 2
+    assert m.layernorm_epsilon == 1e-6 and cfg.checkpoint.load_optim is False
+    assert cfg.training.global_batch_size == 8 and cfg.tokenizer.tokenizer_type == "NullTokenizer"
+
+
+def test_defaults_follow_megatron():
+    cfg = parse_args(BASE)
+    assert cfg.model.hidden_dropout == 0.1 and cfg.model.init_method_std == 0.02
+    assert cfg.optimizer.weight_decay == 0.01 and cfg.optimizer.clip_grad == 1.0
+    assert cfg.optimizer.initial_loss_scale == 2.0**32 and cfg.optimizer.hysteresis == 2
+    assert cfg.training.seed == 1234 and cfg.training.make_vocab_size_divisible_by == 128
+    assert cfg.scheduler.lr_decay_style == "linear" and cfg.logger.log_interval == 100
+
+
+BAD = [
+    ("--num-attention-heads 6", "--num-attention-heads 6 does not divide --hidden-size 64"),
+    ("--global-batch-size 7", "--global-batch-size 7 is not divisible by --micro-batch-size 2"),
+    ("--fp16 --bf16", "--fp16 and --bf16 cannot be used together"),
+    ("--train-samples 100", "exactly one of --train-iters or --train-samples"),
+    ("--num-query-groups 2", "--num-query-groups only takes effect with --group-query-attention"),
+    ("--lr-decay-samples 100", "--lr-decay-samples needs --train-samples"),
+    ("--save-interval 5", "--save-interval needs --save"),
+    ("--loss-scale 128", "--loss-scale only applies with --fp16"),
+    ("--transformer-impl transformer_engine", "--transformer-impl local"),
+    ("--seq-length 64 --max-position-embeddings 32", "--seq-length 64 exceeds --max-position-embeddings 32"),
+    ("--hidden-dropout 1.5", "--hidden-dropout must be in"),
+    ("--lr-decay-style WSD", "--lr-wsd-decay-iters"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD)
+def test_user_errors_name_the_flag(extra, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        parse_args(BASE + extra.split())
+
+
+def test_null_tokenizer_needs_vocab_size():
+    argv = [a for a in BASE if a not in ("--vocab-size", "128")] + ["--tokenizer-type", "NullTokenizer"]
+    with pytest.raises(ValueError, match="--vocab-size"):
+        parse_args(argv)
+
+
+def test_batch_check_uses_world_size():
+    ns = vars(build_parser().parse_args(BASE + ["--global-batch-size", "6"]))
+    cfg = configs_from_namespace(ns)
+    with pytest.raises(ValueError, match="data-parallel size 2"):
+        validate_run_config(cfg, world_size=2)
+
+
+def test_unknown_flag_one_line_with_suggestion(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE + ["--num-layer", "3"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean --num-layers" in err[0]
