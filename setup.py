@@ -18,7 +18,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "ruff", "mypy"],
+        "dev": ["pytest", "ruff", "mypy"],
         "wandb": ["wandb"],
         "te": ["transformer-engine[pytorch]"],
     },

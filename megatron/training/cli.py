@@ -10,6 +10,10 @@ def _rank_from_env() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
+class _NoParallelism:
+    tp_size = 1
+
+
 def run(argv: list[str] | None = None) -> int:
     """Parse, validate and train. A user error prints ``error: <message>`` (on rank 0) and returns 2."""
     from megatron.training.arguments import parse_args
@@ -19,6 +23,12 @@ def run(argv: list[str] | None = None) -> int:
 
     try:
         cfg = parse_args(argv)
+        if cfg.training.dry_run:
+            from megatron.training.dry_run import dry_run
+
+            _, padded = GPTProviders.tokenizer(cfg, _NoParallelism())
+            dry_run(cfg, padded)
+            return 0
         pretrain(cfg, GPTProviders)
     except ValueError as e:
         if _rank_from_env() == 0:

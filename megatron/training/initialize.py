@@ -38,11 +38,13 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10) -> 
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        if world == 1 and "MASTER_PORT" not in os.environ:
+        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            init_method = "env://"  # torchrun (joins its store) or srun with the variables exported
+        elif world == 1:
             init_method = f"tcp://127.0.0.1:{_free_port()}"  # plain `python pretrain_gpt.py`
         else:
-            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            init_method = f"tcp://{addr}:{os.environ.get('MASTER_PORT', '29500')}"
+            raise ValueError(f"{world} processes but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun, "
+                             "or export MASTER_ADDR=<first node> MASTER_PORT=29500 in the srun script")
         dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if backend == "nccl" else None)

@@ -181,3 +181,51 @@ def test_user_error_exit_code_in_a_real_process():
         "pretrain_gpt.py: error: --global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel "
         "size 1; use e.g. --global-batch-size 4"
     ]
+
+
+def test_dry_run_reports_parameters_without_training(tmp_path, capsys):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    assert run(TINY + f"--train-iters 5 --dry-run --save {tmp_path}/ck".split()) == 0
+    out = capsys.readouterr().out
+    real = GPTModel(TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4),
+                    get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32)
+    assert f"parameters: {sum(p.numel() for p in real.parameters()):,}" in out
+    assert "total (estimate)" in out and "model FLOPs per step" in out
+    assert " iteration " not in out and not (tmp_path / "ck").exists()
+
+
+def test_exit_duration(capsys):
+    assert run(TINY + "--train-iters 50 --exit-duration-in-mins 0".split()) == 0
+    out = capsys.readouterr().out
+    assert "exiting after 0.0 minutes (--exit-duration-in-mins)" in out
+    assert "iteration        2/" not in out
+
+
+@pytest.mark.slow
+def test_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="install the wandb extra: pip install -e .[wandb]")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert run(TINY + f"--train-iters 3 --wandb-project demo --wandb-exp-name t --wandb-save-dir {tmp_path}".split()) == 0
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    assert len(runs) == 1
+    files = os.listdir(tmp_path / "wandb" / runs[0])
+    assert any(f.endswith(".wandb") for f in files)
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_match_one(tmp_path):
+    """Data parallelism over two gloo processes trains the same model as one process."""
+    args = TINY + "--train-iters 4 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0".split()
+    assert run(args + f"--metrics-file {tmp_path}/one.jsonl".split()) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "pretrain_gpt.py"), *args, "--metrics-file", f"{tmp_path}/two.jsonl"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    one, two = losses(f"{tmp_path}/one.jsonl"), losses(f"{tmp_path}/two.jsonl")
+    assert sorted(two) == [1, 2, 3, 4]
+    for it in one:
+        assert two[it] == pytest.approx(one[it], rel=1e-5, abs=1e-6)

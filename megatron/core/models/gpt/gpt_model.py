@@ -80,7 +80,8 @@ class GPTModel(nn.Module):
         self.to_empty(device=device or "cpu")
         for name, param in self.named_parameters():  # to_empty may replace Parameter objects
             vars(param).update(recipes[name])
-        self.init_weights(torch.initial_seed() if seed is None else seed)
+        if torch.device(device or "cpu").type != "meta":  # a meta model (dry run) has no values
+            self.init_weights(torch.initial_seed() if seed is None else seed)
 
     # ----------------------------------------------------------------------------------------------
     def global_param_name(self, local_name: str) -> str:

@@ -1,0 +1,52 @@
+"""``--dry-run``: validate the configuration and report what a step will need, touching no GPU."""
+
+from __future__ import annotations
+
+from megatron.training.flops import num_floating_point_operations, shape_from_config
+from megatron.training.validation import world_size_from_env
+
+BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+
+
+def estimate_memory_bytes(cfg, num_params: int, padded_vocab_size: int) -> dict[str, float]:
+    """Per-GPU memory estimate (one data-parallel replica, no recompute).
+
+    Weights in the param dtype, fp32 main gradients, optimizer state (fp32 main params when the model
+    is bf16/fp16, plus Adam's two moments or SGD's momentum), and activations of one micro-batch:
+    about 34 bytes per token and hidden unit per layer with fused (flash/cuDNN) attention, plus the
+    logits in bf16 and fp32 for the loss.
+    """
+    m, t = cfg.model, cfg.training
+    p_bytes = BYTES.get(str(m.params_dtype), 4)
+    master = 4 if p_bytes < 4 else 0
+    moments = 8 if cfg.optimizer.optimizer == "adam" else 4
+    tokens = t.seq_length * t.micro_batch_size
+    ffn_scale = m.ffn_hidden_size / (4 * m.hidden_size) * (1.5 if m.activation == "swiglu" else 1.0)
+    per_layer = tokens * m.hidden_size * (18 + 16 * ffn_scale)
+    return {
+        "weights": num_params * p_bytes,
+        "gradients": num_params * 4,
+        "optimizer": num_params * (master + moments),
+        "activations": per_layer * m.num_layers + tokens * padded_vocab_size * 10,
+    }
+
+
+def dry_run(cfg, padded_vocab_size: int, log=print) -> None:
+    from megatron.core.parallel_state import ParallelState, RankGrid
+    from megatron.training.gpt import model_provider
+
+    model = model_provider(cfg, padded_vocab_size, ParallelState(grid=RankGrid(), rank=0), "meta")
+    num_params = sum(p.numel() for p in model.parameters())
+    mem = estimate_memory_bytes(cfg, num_params, padded_vocab_size)
+    world = world_size_from_env()
+    t = cfg.training
+    flops = num_floating_point_operations(shape_from_config(cfg.model, padded_vocab_size),
+                                          t.global_batch_size, t.seq_length)
+    log(f"dry run: configuration is valid for {world} process(es)")
+    log(f"  parameters: {num_params:,} (padded vocabulary {padded_vocab_size})")
+    for k, v in mem.items():
+        log(f"  {k + ' memory':<20} {v / 2**30:10.2f} GiB per GPU")
+    log(f"  {'total (estimate)':<20} {sum(mem.values()) / 2**30:10.2f} GiB per GPU")
+    log(f"  model FLOPs per step: {flops:.4e} ({t.global_batch_size} samples x {t.seq_length} tokens)")
+    for name, peak in (("H100/H200 SXM", 989e12), ("A100", 312e12)):
+        log(f"  predicted step time at 45% MFU on {world} x {name}: {flops / (0.45 * peak * world) * 1e3:.1f} ms")
