@@ -1,0 +1,1 @@
+"""Datasets: the .bin/.idx indexed format, GPTDataset, blending and the split builder."""

@@ -1,0 +1,119 @@
+"""BlendedDataset: samples drawn from several datasets in given proportions."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from megatron.core.datasets import helpers
+from megatron.core.datasets.utils import (
+    cache_complete,
+    cache_paths,
+    dumps_description,
+    error_marker,
+    load_cache,
+    save_cache,
+    wait_for_cache,
+)
+
+BLEND_SUFFIXES = ("description.txt", "dataset_index.npy", "dataset_sample_index.npy")
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class BlendedDataset(Dataset):
+    """Interleaves ``datasets`` by the deterministic greedy rule of ``helpers.build_blending_indices``.
+
+    Args:
+        datasets: the child datasets (GPTDataset or anything indexable with a length).
+        weights: their (normalised or not) proportions.
+        size: samples of the blend; None draws every sample of every child exactly once.
+        config: the dataset config (``path_to_cache`` enables the blend cache).
+
+    Raises:
+        ValueError: a child is asked for more samples than it holds (raise
+        ``--mid-level-dataset-surplus``).
+
+    ``self[i]`` is the child's sample dict plus ``dataset_id`` (int64 scalar tensor).
+    """
+
+    def __init__(self, datasets: list[Any], weights: list[float], size: int | None, config: Any) -> None:
+        if len(datasets) != len(weights) or not datasets:
+            raise ValueError("BlendedDataset needs one weight per dataset")
+        if len(datasets) >= np.iinfo(np.int16).max:
+            raise ValueError(f"at most {np.iinfo(np.int16).max - 1} datasets can be blended")
+        self.datasets = datasets
+        total = float(sum(weights))
+        self.weights = [float(w) / total for w in weights]
+        self.size = size
+        self.config = config
+        ids = OrderedDict()
+        ids["class"] = type(self).__name__
+        ids["datasets"] = [d.unique_identifiers for d in datasets]
+        ids["split"] = datasets[0].index_split.name
+        ids["weights"] = self.weights
+        ids["size"] = size
+        self.unique_identifiers = ids
+        self.unique_description = dumps_description(ids)
+        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+        self.dataset_index, self.dataset_sample_index = self._load_or_build()
+        self._check_sizes()
+
+    def _build(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.size is None:
+            return helpers.build_exhaustive_blending_indices([len(d) for d in self.datasets])
+        return helpers.build_blending_indices(np.asarray(self.weights), self.size)
+
+    def _load_or_build(self) -> tuple[np.ndarray, np.ndarray]:
+        directory = getattr(self.config, "path_to_cache", None)
+        if not directory:
+            return self._build()
+        base = f"{self.unique_description_hash}-{type(self).__name__}-{self.unique_identifiers['split']}"
+        paths = cache_paths(directory, base, BLEND_SUFFIXES)
+        if not cache_complete(paths):
+            if _rank() != 0:
+                wait_for_cache(paths, self.config.cache_wait_timeout_s, self.config.emit)
+            else:
+                try:
+                    arrays = self._build()
+                    save_cache(paths, self.unique_description, dict(zip(BLEND_SUFFIXES[1:], arrays)))
+                except Exception as exc:
+                    os.makedirs(directory, exist_ok=True)
+                    with open(error_marker(paths), "w", encoding="utf-8") as f:
+                        f.write(f"{type(exc).__name__}: {exc}")
+                    raise
+                return arrays
+        cached = load_cache(paths, self.unique_description)
+        return cached["dataset_index.npy"], cached["dataset_sample_index.npy"]
+
+    def _check_sizes(self) -> None:
+        counts = np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
+        for d, (n, ds) in enumerate(zip(counts, self.datasets)):
+            if n > len(ds):
+                raise ValueError(
+                    f"the blend draws {n} samples from dataset {d} ({getattr(ds, 'dataset_path', '?')}) which "
+                    f"has {len(ds)}; raise --mid-level-dataset-surplus (now "
+                    f"{getattr(self.config, 'mid_level_dataset_surplus', '?')})"
+                )
+
+    def realised_weights(self) -> list[float]:
+        """Fraction of the blend's samples that each child provides."""
+        counts = np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
+        return (counts / max(len(self), 1)).tolist()
+
+    def __len__(self) -> int:
+        return int(self.dataset_index.shape[0])
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        dataset_id = int(self.dataset_index[idx])
+        sample = self.datasets[dataset_id][int(self.dataset_sample_index[idx])]
+        return {"dataset_id": torch.tensor(dataset_id, dtype=torch.int64), **sample}

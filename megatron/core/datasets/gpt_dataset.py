@@ -1,0 +1,363 @@
+"""GPTDataset: fixed-length samples cut from a shuffled stream of documents.
+
+Samples are dicts of tensors (S = ``sequence_length``)::
+
+    tokens        [S] int64    input ids
+    labels        [S] int64    tokens shifted by one
+    loss_mask     [S] float32  0 at padding (and at EOD with eod_mask_loss)
+    position_ids  [S] int64    reset after each EOD with reset_position_ids
+    attention_mask [1, S, S] bool, True = masked; only with reset_attention_mask
+                               (otherwise the model uses fused causal attention)
+
+Document, sample and shuffle indices follow Megatron-LM (section 6.2 of the reference) and are
+cached on disk under an MD5 of everything that determines them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from megatron.core.datasets import helpers
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import (
+    Split,
+    cache_complete,
+    cache_paths,
+    convert_split_vector_to_split_matrix,
+    dumps_description,
+    error_marker,
+    load_cache,
+    parse_and_normalize_split,
+    save_cache,
+    wait_for_cache,
+)
+
+logger = logging.getLogger(__name__)
+INDEX_SUFFIXES = ("description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy")
+
+
+@dataclass
+class GPTDatasetConfig:
+    """What GPTDataset, MockGPTDataset and BlendedMegatronDatasetBuilder need.
+
+    Mock mode (``MockGPTDataset``) is on when neither ``blend`` nor ``blend_per_split`` is given.
+    """
+
+    random_seed: int
+    """Seed of the document and sample shuffles (``--seed``)."""
+    sequence_length: int
+    """Tokens per sample, S (``--seq-length``); each sample reads S + 1 tokens."""
+    blend: tuple[list[str], list[float] | None] | None = None
+    """(prefixes, weights or None) split by ``split`` (``--data-path``)."""
+    blend_per_split: list[tuple[list[str], list[float] | None] | None] | None = None
+    """One blend per split train/valid/test (``--train-data-path`` ...); excludes ``blend``."""
+    split: str | None = None
+    """Proportions of ``blend``, e.g. ``"969,30,1"``; mock mode defaults to ``"1,1,1"``."""
+    num_dataset_builder_threads: int = 1
+    """Accepted for compatibility; index building is vectorised in one thread."""
+    path_to_cache: str | None = None
+    """Index cache directory (``--data-cache-path``); default ``<prefix>/cache/GPTDataset_indices``."""
+    mmap_bin_files: bool = True
+    """Memory-map ``.bin`` files (``--no-mmap-bin-files`` reads with plain I/O)."""
+    tokenizer: Any = None
+    """A MegatronTokenizer: ``eod``, ``pad``, ``vocab_size`` and ``unique_identifiers`` are used."""
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask: bool = True
+    """With reset_attention_mask, emit the [1, S, S] mask (``--no-create-attention-mask-in-dataloader``)."""
+    mid_level_dataset_surplus: float = 0.005
+    """Extra fraction of samples each blended dataset builds, so blending never runs short."""
+    drop_last_partial_validation_sequence: bool = True
+    add_extra_token_to_sequence: bool = True
+    cache_wait_timeout_s: float = 4 * 3600.0
+    """How long non-zero ranks poll for rank 0's index cache before giving up."""
+    log: Callable[[str], Any] | None = field(default=None, repr=False)
+    """Where progress lines go (default: the module logger)."""
+    split_matrix: list[tuple[float, float] | None] | None = field(init=False, default=None)
+    mock: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        if self.sequence_length is None or self.sequence_length < 1:
+            raise ValueError(f"--seq-length must be >= 1, got {self.sequence_length}")
+        if self.blend is not None and self.blend_per_split is not None:
+            raise ValueError("give either --data-path or --train/valid/test-data-path, not both")
+        self.mock = self.blend is None and self.blend_per_split is None
+        if self.blend_per_split is not None:
+            if len(self.blend_per_split) != 3:
+                raise ValueError("blend_per_split needs one entry (or None) for each of train, valid, test")
+            self.split = None
+        else:
+            if self.split is None:
+                if not self.mock:
+                    raise ValueError("--split is required with --data-path (e.g. --split 969,30,1)")
+                self.split = "1,1,1"
+            self.split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(self.split))
+        if self.tokenizer is None:
+            raise ValueError("GPTDatasetConfig needs a tokenizer (its eod id and identifiers are used)")
+
+    def emit(self, msg: str) -> None:
+        (self.log or logger.info)(msg)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class GPTDataset(Dataset):
+    """Samples of ``sequence_length + 1`` tokens from a split of an indexed dataset.
+
+    Args:
+        indexed_dataset: the low-level dataset (``IndexedDataset`` or the mock one).
+        dataset_path: its prefix (None for mock data).
+        indexed_indices: the document ids of this split.
+        num_samples: samples wanted (None: exactly one epoch); ``len(self) >= num_samples``.
+        index_split: which split this is (part of the cache key).
+        config: the GPTDatasetConfig.
+    """
+
+    def __init__(self, indexed_dataset: Any, dataset_path: str | None, indexed_indices: np.ndarray,
+                 num_samples: int | None, index_split: Split, config: GPTDatasetConfig) -> None:
+        self.dataset = indexed_dataset
+        self.dataset_path = dataset_path
+        self.indices = indexed_indices
+        self.num_samples = num_samples
+        self.index_split = index_split
+        self.config = config
+        ids = OrderedDict()
+        ids["class"] = type(self).__name__
+        ids["dataset_path"] = dataset_path
+        ids["num_samples"] = num_samples
+        ids["index_split"] = index_split.name
+        for attr in ("random_seed", "sequence_length", "split", "split_matrix", "tokenizer"):
+            ids[attr] = getattr(config, attr)
+        self.unique_identifiers = ids
+        self.unique_description = dumps_description(ids)
+        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+        tok = config.tokenizer
+        pad = int(getattr(tok, "pad", -1))
+        self._pad_token_id = -1 if pad < 0 or pad in (tok.eod, getattr(tok, "eos", None)) else pad
+        self._cached_masks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.num_epochs = 1
+        self.document_index, self.sample_index, self.shuffle_index = self._load_or_build_indices()
+
+    # ------------------------------------------------------------------ Megatron-Core class API
+    @staticmethod
+    def numel_low_level_dataset(low_level_dataset: Any) -> int:
+        return int(low_level_dataset.sequence_lengths.shape[0])
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
+        return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files)
+
+    # ------------------------------------------------------------------ indices
+    def _cache_dir(self) -> str | None:
+        if self.config.path_to_cache:
+            return self.config.path_to_cache
+        if self.config.mock or self.dataset_path is None:
+            return None
+        return os.path.join(self.dataset_path, "cache", f"{type(self).__name__}_indices")
+
+    def _load_or_build_indices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        directory = self._cache_dir()
+        if directory is None:
+            return self._build_indices()
+        base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
+        paths = cache_paths(directory, base, INDEX_SUFFIXES)
+        if not cache_complete(paths):
+            if _rank() != 0:
+                wait_for_cache(paths, self.config.cache_wait_timeout_s, self.config.emit)
+            else:
+                try:
+                    arrays = self._build_indices()
+                    save_cache(paths, self.unique_description, dict(zip(INDEX_SUFFIXES[1:], arrays)))
+                except Exception as exc:
+                    os.makedirs(directory, exist_ok=True)
+                    with open(error_marker(paths), "w", encoding="utf-8") as f:
+                        f.write(f"{type(exc).__name__}: {exc}")
+                    raise
+                return arrays
+        t0 = time.perf_counter()
+        cached = load_cache(paths, self.unique_description)
+        arrays = tuple(cached[s] for s in INDEX_SUFFIXES[1:])
+        self._check_cached(arrays, paths["description.txt"])
+        self.config.emit(f" > loaded {self.index_split.name} indices of {self.dataset_path} from cache "
+                         f"({len(arrays[2])} samples, {time.perf_counter() - t0:.3f} s)")
+        return arrays  # type: ignore[return-value]
+
+    def _check_cached(self, arrays: tuple, where: str) -> None:
+        """A cache made from other data (same path, regenerated files) must not load silently."""
+        doc_index, sample_index, _ = arrays
+        n_docs, S = len(self.indices), self.config.sequence_length
+        extra = int(self.config.add_extra_token_to_sequence)
+        ok = n_docs > 0 and len(doc_index) % n_docs == 0 or len(doc_index) == 0
+        if ok and len(doc_index):
+            self.num_epochs = len(doc_index) // n_docs
+            total = self.num_epochs * int(self.dataset.sequence_lengths[self.indices].sum(dtype=np.int64))
+            n = len(sample_index) - 1
+            ok = (total - extra) // S <= n <= -(-(total - extra) // S)
+            ok = ok and int(np.max(doc_index)) < len(self.dataset.sequence_lengths)
+        if not ok:
+            raise ValueError(f"index cache {where!r} does not match the data files of {self.dataset_path}; "
+                             "delete the cache (or use a fresh --data-cache-path)")
+
+    def _build_indices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        t0 = time.perf_counter()
+        cfg = self.config
+        S, extra = cfg.sequence_length, int(cfg.add_extra_token_to_sequence)
+        sizes = np.asarray(self.dataset.sequence_lengths)
+        tokens_per_epoch = int(sizes[self.indices].sum(dtype=np.int64)) if len(self.indices) else 0
+        if tokens_per_epoch < S + extra:
+            if self.num_samples:
+                raise ValueError(
+                    f"the {self.index_split.name} split of {self.dataset_path or 'mock data'} has {len(self.indices)} "
+                    f"documents and {tokens_per_epoch} tokens, fewer than one sample of {S + extra}; "
+                    "give it a larger share with --split or use more data"
+                )
+            empty = np.zeros(0, np.int32)
+            return empty, np.zeros((0, 2), np.int32), np.zeros(0, np.uint32)
+        num_epochs = 1
+        if self.num_samples is not None:
+            while num_epochs * tokens_per_epoch < self.num_samples * S + extra:
+                num_epochs += 1
+        separate = False
+        if num_epochs > 1:
+            before = ((num_epochs - 1) * tokens_per_epoch - extra) // S
+            from_last = self.num_samples - before
+            per_epoch = (tokens_per_epoch - extra) // S
+            assert 0 <= from_last <= per_epoch + 1
+            separate = from_last < int(0.80 * per_epoch)
+        rng = np.random.RandomState(cfg.random_seed)
+        doc_index = helpers.build_document_index(self.indices, num_epochs, rng, separate)
+        drop_last = True
+        if self.index_split == Split.valid:
+            drop_last = cfg.drop_last_partial_validation_sequence
+        total = num_epochs * tokens_per_epoch
+        n = (total - extra) // S if drop_last else -(-(total - extra) // S)
+        sample_index = helpers.build_sample_index(sizes, doc_index, S, n, bool(extra), drop_last)
+        n_first = ((num_epochs - 1) * tokens_per_epoch - extra) // S if separate else n
+        shuffle_index = helpers.build_shuffle_index(n_first, n, rng)
+        self.num_epochs = num_epochs
+        cfg.emit(f" > built {self.index_split.name} indices of {self.dataset_path or 'mock data'}: "
+                 f"{len(self.indices)} documents, {tokens_per_epoch} tokens/epoch, {num_epochs} epoch(s), "
+                 f"{n} samples, separate last epoch: {separate} ({time.perf_counter() - t0:.2f} s)")
+        return doc_index, sample_index, shuffle_index
+
+    # ------------------------------------------------------------------ samples
+    def __len__(self) -> int:
+        return int(self.sample_index.shape[0] - 1) if len(self.sample_index) else 0
+
+    def _query(self, idx: int) -> np.ndarray:
+        """The S + 1 token ids of sample ``idx`` (after the shuffle), padded if short."""
+        j = int(self.shuffle_index[idx])
+        beg, beg_off = (int(x) for x in self.sample_index[j])
+        end, end_off = (int(x) for x in self.sample_index[j + 1])
+        if beg == end:
+            parts = [self.dataset.get(int(self.document_index[beg]), beg_off, end_off - beg_off + 1)]
+        else:
+            parts = []
+            for i in range(beg, end + 1):
+                offset = beg_off if i == beg else 0
+                length = end_off + 1 if i == end else None
+                parts.append(self.dataset.get(int(self.document_index[i]), offset, length))
+        tokens = np.concatenate(parts).astype(np.int64)
+        want = self.config.sequence_length + int(self.config.add_extra_token_to_sequence)
+        if len(tokens) < want:
+            tokens = np.concatenate([tokens, np.full(want - len(tokens), self._pad_token_id, np.int64)])
+        return tokens
+
+    def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
+        if idx is None:  # Megatron's padding sample: all pad, no loss
+            text = torch.full((self.config.sequence_length + 1,), self._pad_token_id, dtype=torch.int64)
+        else:
+            text = torch.from_numpy(self._query(int(idx)))
+        tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+        sample = self._masks(tokens)
+        sample["loss_mask"][labels == self._pad_token_id] = 0.0
+        if idx is None:
+            sample["loss_mask"].zero_()
+        tokens[tokens == self._pad_token_id] = 0
+        labels[labels == self._pad_token_id] = 0
+        sample["tokens"], sample["labels"] = tokens, labels
+        return {k: sample[k] for k in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask") if k in sample}
+
+    def _masks(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        S = tokens.numel()
+        plain = not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss)
+        if plain:
+            if self._cached_masks is None:
+                self._cached_masks = (torch.ones(S, dtype=torch.float32), torch.arange(S, dtype=torch.int64))
+            loss_mask, pos = self._cached_masks
+            return {"loss_mask": loss_mask.clone(), "position_ids": pos.clone()}
+        eod = tokens == cfg.tokenizer.eod
+        loss_mask = torch.ones(S, dtype=torch.float32)
+        if cfg.eod_mask_loss:
+            loss_mask[eod] = 0.0
+        arange = torch.arange(S, dtype=torch.int64)
+        # A new document starts right after each EOD token.
+        starts = torch.zeros(S, dtype=torch.int64)
+        starts[1:] = torch.where(eod[:-1], arange[1:], 0)
+        seg_start = torch.cummax(starts, dim=0).values
+        out = {"loss_mask": loss_mask}
+        out["position_ids"] = arange - seg_start if cfg.reset_position_ids else arange
+        if cfg.reset_attention_mask and cfg.create_attention_mask:
+            causal = arange[None, :] > arange[:, None]  # [S, S] key after query
+            other_doc = arange[None, :] < seg_start[:, None]  # key before the query's document
+            out["attention_mask"] = (causal | other_doc).unsqueeze(0)  # [1, S, S], True = masked
+        return out
+
+
+class MockGPTLowLevelDataset:
+    """100,000 synthetic documents: lengths uniform in [1, 4096) from ``default_rng(0)``;
+    document i is ``(1 .. len-1) mod vocab`` followed by EOD. Nothing is materialised."""
+
+    size = 100_000
+    max_sequence_length = 4096
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.sequence_lengths = np.random.default_rng(0).integers(
+            low=1, high=self.max_sequence_length, size=self.size, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        return self.get(idx)
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        n = int(self.sequence_lengths[idx])
+        length = n - offset if length is None else length
+        pos = np.arange(offset, offset + length, dtype=np.int64)
+        out = (pos + 1) % int(self.tokenizer.vocab_size)
+        out[pos == n - 1] = self.tokenizer.eod
+        return out
+
+
+class MockGPTDataset(GPTDataset):
+    """GPTDataset over ``MockGPTLowLevelDataset``: real index machinery, synthetic tokens."""
+
+    def __init__(self, dataset: Any, dataset_path: str | None, indices: np.ndarray, num_samples: int | None,
+                 index_split: Split, config: GPTDatasetConfig) -> None:
+        super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
+
+    @staticmethod
+    def numel_low_level_dataset(low_level_dataset: MockGPTLowLevelDataset) -> int:
+        return len(low_level_dataset)
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str | None, config: GPTDatasetConfig) -> MockGPTLowLevelDataset:
+        return MockGPTLowLevelDataset(config.tokenizer)

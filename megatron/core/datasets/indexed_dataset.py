@@ -1,0 +1,323 @@
+"""Megatron's ``.bin/.idx`` indexed dataset: byte-compatible reader and builder.
+
+``.idx`` (little-endian, packed)::
+
+    0   9 bytes   magic b"MMIDIDX\\x00\\x00"
+    9   uint64    version (1)
+    17  uint8     dtype code of the tokens in .bin (see DType)
+    18  uint64    N, number of sequences
+    26  uint64    D, length of the document-index array (#documents + 1)
+    34  int32[N]  sequence lengths in tokens
+        int64[N]  sequence pointers: byte offsets into .bin
+        int64[D]  document indices: sequence boundaries, 0 ... N
+        int8[N]   sequence modes (multimodal files only)
+
+``.bin`` is the raw concatenation of every sequence's tokens in that dtype, no header.
+Reads are memory-mapped views (no copy). Every inconsistency between the two files raises a
+``ValueError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_SIZE = 34  # magic 9 + version 8 + dtype 1 + N 8 + D 8
+
+
+class DType(IntEnum):
+    """Token dtype codes of the ``.idx`` header."""
+
+    uint8 = 1
+    int8 = 2
+    int16 = 3
+    int32 = 4
+    int64 = 5
+    float64 = 6
+    float32 = 7
+    uint16 = 8
+
+    @classmethod
+    def code_from_dtype(cls, dtype: Any) -> int:
+        name = np.dtype(dtype).name
+        if name not in cls.__members__:
+            raise ValueError(f"dtype {name} cannot be stored in a .bin file; use one of {list(cls.__members__)}")
+        return int(cls[name])
+
+    @classmethod
+    def dtype_from_code(cls, code: int) -> type:
+        return getattr(np, cls(code).name)
+
+    @staticmethod
+    def optimal_dtype(vocab_size: int | None) -> type:
+        """uint16 when the vocabulary fits (< 65500 ids), else int32 (Megatron's rule)."""
+        return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+def data_file_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def index_file_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def write_index(idx_path: str, dtype: Any, sequence_lengths: np.ndarray, document_indices: np.ndarray,
+                sequence_modes: np.ndarray | None = None) -> None:
+    """Write an ``.idx`` file for sequences stored back to back in ``dtype``."""
+    lengths = np.asarray(sequence_lengths, dtype=np.int32)
+    docs = np.asarray(document_indices, dtype=np.int64)
+    itemsize = np.dtype(dtype).itemsize
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
+    pointers *= itemsize
+    tmp = idx_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<Q", VERSION))
+        f.write(struct.pack("<B", DType.code_from_dtype(dtype)))
+        f.write(struct.pack("<Q", len(lengths)))
+        f.write(struct.pack("<Q", len(docs)))
+        f.write(lengths.astype("<i4", copy=False).tobytes(order="C"))
+        f.write(pointers.astype("<i8", copy=False).tobytes(order="C"))
+        f.write(docs.astype("<i8", copy=False).tobytes(order="C"))
+        if sequence_modes is not None:
+            f.write(np.asarray(sequence_modes, dtype=np.int8).tobytes(order="C"))
+    os.replace(tmp, idx_path)
+
+
+class IndexReader:
+    """Memory-mapped, validated view of an ``.idx`` file."""
+
+    def __init__(self, idx_path: str, multimodal: bool = False) -> None:
+        self.path = idx_path
+        if not os.path.isfile(idx_path):
+            raise ValueError(f"index file {idx_path!r} does not exist")
+        size = os.path.getsize(idx_path)
+        with open(idx_path, "rb") as f:
+            header = f.read(HEADER_SIZE)
+        if len(header) < HEADER_SIZE or header[:9] != MAGIC:
+            raise ValueError(f"{idx_path!r} is not a Megatron .idx file (bad magic {header[:9]!r}, want {MAGIC!r})")
+        (version,) = struct.unpack("<Q", header[9:17])
+        if version != VERSION:
+            raise ValueError(f"{idx_path!r} has .idx version {version}; only version {VERSION} is supported")
+        (code,) = struct.unpack("<B", header[17:18])
+        if code not in {int(c) for c in DType}:
+            raise ValueError(f"{idx_path!r} has an unknown dtype code {code}")
+        self.dtype = DType.dtype_from_code(code)
+        self.dtype_size = np.dtype(self.dtype).itemsize
+        n, d = struct.unpack("<QQ", header[18:34])
+        expected = HEADER_SIZE + 12 * n + 8 * d + (n if multimodal else 0)
+        if size < expected:
+            raise ValueError(f"{idx_path!r} is truncated: {size} bytes, the header promises {expected}")
+        self.sequence_count, self.document_count = int(n), int(d)
+        buf = np.memmap(idx_path, mode="r", order="C")
+        self._buf = buf
+        off = HEADER_SIZE
+        self.sequence_lengths = np.frombuffer(buf, dtype="<i4", count=n, offset=off)
+        off += 4 * n
+        self.sequence_pointers = np.frombuffer(buf, dtype="<i8", count=n, offset=off)
+        off += 8 * n
+        self.document_indices = np.frombuffer(buf, dtype="<i8", count=d, offset=off)
+        off += 8 * d
+        self.sequence_modes = np.frombuffer(buf, dtype=np.int8, count=n, offset=off) if multimodal else None
+        if d < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != n:
+            raise ValueError(f"{idx_path!r} is corrupt: document indices must run from 0 to {n}")
+
+    def __len__(self) -> int:
+        return self.sequence_count
+
+
+class IndexedDataset:
+    """Sequences of a ``.bin/.idx`` pair; ``ds[i]`` and ``ds.get(i, offset, length)`` are views.
+
+    Args:
+        path_prefix: the path without ``.bin``/``.idx``.
+        multimodal: the ``.idx`` carries sequence modes.
+        mmap: memory-map the ``.bin`` (``--no-mmap-bin-files`` reads with plain file I/O).
+
+    Raises:
+        ValueError: a missing or corrupt file, or a ``.bin`` shorter than the index says.
+    """
+
+    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True) -> None:
+        self.path_prefix = path_prefix
+        self.multimodal = multimodal
+        self.mmap = mmap
+        self._open()
+
+    def _open(self) -> None:
+        self.index = IndexReader(index_file_path(self.path_prefix), self.multimodal)
+        bin_path = data_file_path(self.path_prefix)
+        if not os.path.isfile(bin_path):
+            raise ValueError(f"data file {bin_path!r} does not exist (its index {self.index.path!r} does)")
+        n = self.index.sequence_count
+        needed = 0
+        if n:
+            needed = int(self.index.sequence_pointers[-1]) + int(self.index.sequence_lengths[-1]) * self.index.dtype_size
+        have = os.path.getsize(bin_path)
+        if have < needed:
+            raise ValueError(f"data file {bin_path!r} is truncated: {have} bytes, its index needs {needed}")
+        self._bin: np.ndarray | None = None
+        if self.mmap and have > 0:
+            self._bin = np.memmap(bin_path, mode="r", order="C")
+
+    def __getstate__(self) -> dict:
+        return {"path_prefix": self.path_prefix, "multimodal": self.multimodal, "mmap": self.mmap}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+    def __len__(self) -> int:
+        return self.index.sequence_count
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        return self.index.sequence_lengths
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        return self.index.sequence_pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        return self.index.document_indices
+
+    @property
+    def sequence_modes(self) -> np.ndarray | None:
+        return self.index.sequence_modes
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end when length is None)."""
+        size = int(self.index.sequence_lengths[idx])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {idx} of length {size}")
+        start = int(self.index.sequence_pointers[idx]) + offset * self.index.dtype_size
+        if self._bin is not None:
+            return np.frombuffer(self._bin, dtype=self.index.dtype, count=length, offset=start)
+        with open(data_file_path(self.path_prefix), "rb") as f:
+            f.seek(start)
+            data = f.read(length * self.index.dtype_size)
+        return np.frombuffer(data, dtype=self.index.dtype, count=length)
+
+    def __getitem__(self, idx: int | slice) -> np.ndarray | list[np.ndarray]:
+        if isinstance(idx, slice):
+            return [self.get(i) for i in range(*idx.indices(len(self)))]
+        return self.get(int(idx))
+
+    @staticmethod
+    def exists(path_prefix: str) -> bool:
+        return os.path.isfile(index_file_path(path_prefix)) and os.path.isfile(data_file_path(path_prefix))
+
+
+class IndexedDatasetBuilder:
+    """Writes a ``.bin`` while collecting what ``finalize`` writes into the ``.idx``.
+
+    Args:
+        bin_path: the ``.bin`` file to create.
+        dtype: token dtype (``DType.optimal_dtype(vocab_size)``).
+        multimodal: also record sequence modes.
+    """
+
+    def __init__(self, bin_path: str, dtype: Any = np.int32, multimodal: bool = False) -> None:
+        self.bin_path = bin_path
+        self.dtype = np.dtype(dtype)
+        DType.code_from_dtype(self.dtype)
+        self.multimodal = multimodal
+        self._file = open(bin_path, "wb")  # noqa: SIM115 - closed by finalize
+        self._lengths: list[np.ndarray] = []
+        self._pending: list[int] = []
+        self._docs: list[np.ndarray] = []
+        self._doc_pending: list[int] = []
+        self._modes: list[int] = []
+        self._count = 0  # sequences written so far
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            self._lengths.append(np.asarray(self._pending, dtype=np.int32))
+            self._pending = []
+        if self._doc_pending:
+            self._docs.append(np.asarray(self._doc_pending, dtype=np.int64))
+            self._doc_pending = []
+
+    def add_item(self, tokens: Any, mode: int = 0) -> None:
+        """Append one sequence (array-like or CPU tensor of ids)."""
+        arr = np.asarray(tokens, dtype=self.dtype)
+        self._file.write(arr.tobytes(order="C"))
+        self._pending.append(arr.size)
+        self._count += 1
+        if self.multimodal:
+            self._modes.append(mode)
+
+    def end_document(self) -> None:
+        """Close the current document (a boundary after the sequences added so far)."""
+        self._doc_pending.append(self._count)
+
+    def add_document(self, tokens: Any, lengths: Sequence[int], modes: Sequence[int] | None = None) -> None:
+        """Append one document made of sequences of ``lengths`` tokens each, then close it."""
+        arr = np.asarray(tokens, dtype=self.dtype)
+        self._file.write(arr.tobytes(order="C"))
+        self._pending.extend(int(x) for x in lengths)
+        self._count += len(lengths)
+        if self.multimodal:
+            self._modes.extend(modes if modes is not None else [0] * len(lengths))
+        self._doc_pending.append(self._count)
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray,
+                      sequences_per_document: np.ndarray | None = None) -> None:
+        """Append many documents at once; ``tokens`` is the concatenation of all their sequences.
+
+        Args:
+            tokens: every token of every sequence, in order.
+            lengths: tokens per sequence.
+            sequences_per_document: sequences per document (default: one each); 0 writes an empty
+                document boundary, as Megatron does for an empty text.
+        """
+        arr = np.ascontiguousarray(tokens, dtype=self.dtype)
+        lengths = np.asarray(lengths, dtype=np.int32)
+        per_doc = (np.ones(len(lengths), dtype=np.int64) if sequences_per_document is None
+                   else np.asarray(sequences_per_document, dtype=np.int64))
+        if int(per_doc.sum()) != len(lengths) or int(lengths.sum(dtype=np.int64)) != arr.size:
+            raise ValueError("add_documents: lengths, sequences_per_document and tokens disagree")
+        self._file.write(arr.data)
+        self._flush_pending()
+        self._lengths.append(lengths)
+        self._docs.append(self._count + np.cumsum(per_doc))
+        self._count += len(lengths)
+        if self.multimodal:
+            self._modes.extend([0] * len(lengths))
+
+    def add_index(self, path_prefix: str) -> None:
+        """Append every sequence and document of another dataset (same dtype)."""
+        index = IndexReader(index_file_path(path_prefix), self.multimodal)
+        if np.dtype(index.dtype) != self.dtype:
+            raise ValueError(f"{index.path!r} stores {np.dtype(index.dtype).name}, this builder writes {self.dtype.name}")
+        self._flush_pending()
+        self._lengths.append(np.array(index.sequence_lengths, dtype=np.int32))
+        self._docs.append(self._count + np.array(index.document_indices[1:], dtype=np.int64))
+        self._count += index.sequence_count
+        if self.multimodal and index.sequence_modes is not None:
+            self._modes.extend(index.sequence_modes.tolist())
+        with open(data_file_path(path_prefix), "rb") as src:
+            shutil.copyfileobj(src, self._file, 16 << 20)
+
+    def finalize(self, idx_path: str) -> None:
+        """Close the ``.bin`` and write the ``.idx``."""
+        self._flush_pending()
+        self._file.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
+        docs = np.concatenate([np.zeros(1, np.int64)] + self._docs)
+        modes = np.asarray(self._modes, dtype=np.int8) if self.multimodal else None
+        write_index(idx_path, self.dtype, lengths, docs, modes)

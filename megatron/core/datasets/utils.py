@@ -1,0 +1,150 @@
+"""Split and blend parsing, and the on-disk index cache shared by every dataset class."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from enum import Enum
+
+import numpy as np
+
+
+class Split(Enum):
+    train = 0
+    valid = 1
+    test = 2
+
+
+def normalize(weights: Sequence[float]) -> list[float]:
+    """Scale non-negative weights to sum to 1."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or len(w) == 0 or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"blend weights must be non-negative and not all zero, got {list(weights)}")
+    return (w / w.sum()).tolist()
+
+
+def parse_and_normalize_split(split: str) -> list[float]:
+    """``"969,30,1"`` (any separators) -> ``[0.969, 0.030, 0.001]``; missing entries are 0."""
+    values = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    if not 1 <= len(values) <= 3:
+        raise ValueError(f"--split {split!r} must hold 1 to 3 numbers, e.g. '969,30,1'")
+    values += [0.0] * (3 - len(values))
+    if sum(values) <= 0:
+        raise ValueError(f"--split {split!r} must have a positive total")
+    return normalize(values)
+
+
+def convert_split_vector_to_split_matrix(vector_a: Sequence[float],
+                                         vector_b: Sequence[float] | None = None) -> list[tuple[float, float] | None]:
+    """Proportions -> book-ends ``[(0, a0), (a0, a0+a1), (a0+a1, 1)]``; an empty range becomes None.
+
+    With ``vector_b`` (a second split) the book-ends are intersected (Megatron's multi-split use).
+    """
+    def bookends(v: Sequence[float]) -> list[tuple[float, float]]:
+        edges = np.concatenate([[0.0], np.cumsum(v)])
+        return [(float(edges[i]), float(edges[i + 1])) for i in range(len(v))]
+
+    a = bookends(vector_a)
+    b = bookends(vector_b) if vector_b is not None else a
+    out: list[tuple[float, float] | None] = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        out.append(None if hi <= lo or a0 == a1 else (lo, hi))
+    return out
+
+
+def get_blend_from_list(blend: Sequence[str] | None) -> tuple[list[str], list[float] | None] | None:
+    """``["0.3", "a", "0.7", "b"]`` -> ``(["a", "b"], [0.3, 0.7])``; ``["a", "b"]`` -> ``(["a", "b"], None)``.
+
+    A single string holding spaces is split first. An odd-length list or a non-numeric first entry
+    means prefixes only.
+    """
+    if blend is None:
+        return None
+    items = [x for s in blend for x in str(s).split()]
+    if not items:
+        return None
+    if len(items) % 2 == 1:
+        return items, None
+    try:
+        weights = [float(x) for x in items[0::2]]
+    except ValueError:
+        return items, None
+    return items[1::2], weights
+
+
+# ----------------------------------------------------------------------------------------------
+# On-disk cache: files "{base}-{suffix}" written atomically; description.txt last.
+
+
+def cache_paths(path_to_cache: str, base: str, suffixes: Sequence[str]) -> dict[str, str]:
+    return {s: os.path.join(path_to_cache, f"{base}-{s}") for s in suffixes}
+
+
+def cache_complete(paths: dict[str, str]) -> bool:
+    return all(os.path.isfile(p) for p in paths.values())
+
+
+def save_cache(paths: dict[str, str], description: str, arrays: dict[str, np.ndarray]) -> None:
+    """Write every ``.npy`` (tmp + rename), then ``description.txt`` as the completion marker."""
+    os.makedirs(os.path.dirname(paths["description.txt"]), exist_ok=True)
+    for suffix, arr in arrays.items():
+        tmp = paths[suffix] + f".tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            np.save(f, arr, allow_pickle=False)
+        os.replace(tmp, paths[suffix])
+    tmp = paths["description.txt"] + f".tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(description)
+    os.replace(tmp, paths["description.txt"])
+
+
+def load_cache(paths: dict[str, str], description: str) -> dict[str, np.ndarray]:
+    """Memory-map the cached arrays; a description mismatch (hash collision, edit) raises."""
+    with open(paths["description.txt"], encoding="utf-8") as f:
+        if f.read() != description:
+            raise ValueError(f"cache file {paths['description.txt']!r} does not match this dataset; delete it")
+    out = {}
+    for suffix, path in paths.items():
+        if suffix.endswith(".npy"):
+            try:
+                out[suffix] = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError) as exc:
+                raise ValueError(f"cache file {path!r} is corrupt ({exc}); delete it to rebuild") from None
+    return out
+
+
+def error_marker(paths: dict[str, str]) -> str:
+    return paths["description.txt"].replace("description.txt", "error.txt")
+
+
+def wait_for_cache(paths: dict[str, str], timeout_s: float, log: Callable[[str], object] = print,
+                   poll_s: float = 1.0, report_every_s: float = 30.0) -> None:
+    """Poll until the builder rank has written every cache file (no collective, so no timeout
+    of the process group can fire while one rank spends minutes building indices).
+
+    Raises:
+        RuntimeError: the builder rank reported a failure, or ``timeout_s`` passed.
+    """
+    start = last = time.monotonic()
+    marker = error_marker(paths)
+    while not cache_complete(paths):
+        if os.path.isfile(marker):
+            with open(marker, encoding="utf-8") as f:
+                raise RuntimeError(f"the rank building {paths['description.txt']!r} failed: {f.read()}")
+        now = time.monotonic()
+        if now - start > timeout_s:
+            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {paths['description.txt']!r}; "
+                               "is rank 0 building the index cache? (tools/prepare_cache.py builds it ahead)")
+        if now - last >= report_every_s:
+            log(f" > waiting for rank 0 to build {os.path.basename(paths['description.txt'])} "
+                f"({now - start:.0f} s so far)")
+            last = now
+        time.sleep(poll_s)
+
+
+def dumps_description(identifiers: dict) -> str:
+    return json.dumps(identifiers, indent=4, default=lambda obj: obj.unique_identifiers)

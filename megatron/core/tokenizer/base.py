@@ -1,0 +1,85 @@
+"""The tokenizer interface every data path relies on.
+
+A ``MegatronTokenizer`` turns text into token ids and back. The data pipeline only needs
+``vocab_size`` (unpadded), ``eod``, ``pad`` (or -1), ``tokenize``/``detokenize`` and
+``unique_identifiers`` (a JSON-serialisable dict hashed into the dataset cache keys, so two
+tokenizers with equal identifiers must produce equal ids).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+
+class MegatronTokenizer(ABC):
+    """Abstract tokenizer. Subclasses set ``self.unique_identifiers`` entries in ``__init__``."""
+
+    def __init__(self, *paths: str | None, **options: Any) -> None:
+        self.unique_identifiers: OrderedDict[str, Any] = OrderedDict()
+        self.unique_identifiers["class"] = type(self).__name__
+        self.unique_identifiers["tokenizer_path"] = [str(p) for p in paths if p is not None]
+        for key, value in options.items():
+            self.unique_identifiers[key] = str(value)
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can emit (before padding for the embedding table)."""
+
+    @property
+    @abstractmethod
+    def eod(self) -> int:
+        """End-of-document id appended by ``--append-eod`` and used by the masking flags."""
+
+    @property
+    def pad(self) -> int:
+        """Padding id, or -1 when the tokenizer has none."""
+        return -1
+
+    @property
+    def bos(self) -> int:
+        return -1
+
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no end-of-document id is added)."""
+
+    @abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[Sequence[int]]:
+        """Ids of many texts; subclasses with a native batch encoder override this for speed."""
+        return [self.tokenize(t) for t in texts]
+
+    # Megatron-Core aliases.
+    def text_to_ids(self, text: str) -> list[int]:
+        return self.tokenize(text)
+
+    def ids_to_text(self, ids: Sequence[int]) -> str:
+        return self.detokenize(ids)
+
+    @property
+    def pad_id(self) -> int:
+        return self.pad
+
+    @property
+    def eod_id(self) -> int:
+        return self.eod
+
+
+def require_file(path: str | None, flag: str, what: str) -> str:
+    """Return ``path`` if it names an existing file, else raise a ValueError naming ``flag``."""
+    if not path:
+        raise ValueError(f"{flag} is required for {what}")
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path!r} does not exist or is not a file (needed by {what})")
+    return path

@@ -1,0 +1,74 @@
+"""GPT-2 byte-level BPE from a local ``vocab.json`` + ``merges.txt`` (Hugging Face ``tokenizers``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from megatron.core.tokenizer.base import MegatronTokenizer, require_file
+
+EOD_TOKEN = "<|endoftext|>"
+
+
+def load_byte_level_bpe(vocab_file: str, merge_file: str):
+    """A ``tokenizers.Tokenizer`` with GPT-2's byte-level pre-tokenizer, BPE model and decoder.
+
+    ``<|endoftext|>`` is not registered as a special token: like GPT-2's reference encoder,
+    the literal string in text is encoded as ordinary characters.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    try:
+        model = models.BPE.from_file(vocab_file, merge_file)
+    except Exception as exc:  # the Rust error says what is wrong but not which flag to fix
+        raise ValueError(
+            f"could not read --vocab-file {vocab_file!r} / --merge-file {merge_file!r} as GPT-2 BPE: {exc}"
+        ) from None
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+class GPT2BPETokenizer(MegatronTokenizer):
+    """Byte-level BPE (GPT-2). eod is ``<|endoftext|>`` (50256 for the original GPT-2 files).
+
+    Args:
+        vocab_file: ``--vocab-file`` (vocab.json, token -> id).
+        merge_file: ``--merge-file`` (merges.txt).
+
+    Raises:
+        ValueError: a file is missing or unreadable, or the vocabulary has no ``<|endoftext|>``.
+    """
+
+    def __init__(self, vocab_file: str | None, merge_file: str | None) -> None:
+        vocab_file = require_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
+        merge_file = require_file(merge_file, "--merge-file", "GPT2BPETokenizer")
+        super().__init__(vocab_file, merge_file)
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
+                vocab = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--vocab-file {vocab_file!r} is not a JSON vocabulary: {exc}") from None
+        if EOD_TOKEN not in vocab:
+            raise ValueError(f"--vocab-file {vocab_file!r} has no {EOD_TOKEN} token (the end-of-document id)")
+        self._eod = int(vocab[EOD_TOKEN])
+        self._vocab_size = len(vocab)
+        self._tok = load_byte_level_bpe(vocab_file, merge_file)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[Sequence[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -1,0 +1,1 @@
+"""Application glue of the data path: samplers/data loaders and the dataset provider."""

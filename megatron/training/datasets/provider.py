@@ -1,0 +1,114 @@
+"""Turn a DataConfig into the train/valid/test datasets (the application's data provider)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset, data_file_path, index_file_path
+from megatron.core.datasets.utils import get_blend_from_list
+
+DEFAULT_SPLIT = "969, 30, 1"
+
+
+def _check_prefixes(blend: tuple[list[str], list[float] | None] | None, flag: str, mmap: bool) -> None:
+    """Open every prefix once so a missing or corrupt file fails here, naming the flag."""
+    if blend is None:
+        return
+    for prefix in blend[0]:
+        for path in (index_file_path(prefix), data_file_path(prefix)):
+            try:
+                open(path, "rb").close()
+            except OSError as exc:
+                raise ValueError(f"{flag}: cannot read {path!r} ({exc.strerror}); give the prefix without "
+                                 ".bin/.idx, as written by tools/preprocess_data.py") from None
+        try:
+            IndexedDataset(prefix, mmap=mmap)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+
+
+def is_dataset_built_on_rank(parallel_state: Any | None) -> bool:
+    """Datasets live on tensor-parallel rank 0 of the first and last pipeline stages."""
+    if parallel_state is None:
+        return True
+    first_or_last = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+    return parallel_state.tp_rank == 0 and first_or_last
+
+
+def core_gpt_dataset_config(data_cfg: Any, tokenizer: Any, seq_length: int, seed: int,
+                            log: Callable[[str], Any] = print) -> GPTDatasetConfig:
+    """The GPTDatasetConfig a DataConfig describes (blend, per-split blends or mock data).
+
+    Raises:
+        ValueError: no data source, a missing/corrupt file (naming the flag), or bad weights.
+    """
+    blend = get_blend_from_list(data_cfg.data_path)
+    per_split = [get_blend_from_list(getattr(data_cfg, f"{s}_data_path", None)) for s in ("train", "valid", "test")]
+    has_per_split = any(b is not None for b in per_split)
+    if not data_cfg.mock_data and blend is None and not has_per_split:
+        raise ValueError("no training data: give --data-path (or --train-data-path ...) or --mock-data")
+    if data_cfg.mock_data and (blend is not None or has_per_split):
+        raise ValueError("--mock-data cannot be combined with --data-path or --train/valid/test-data-path")
+    mmap = getattr(data_cfg, "mmap_bin_files", True)
+    split = data_cfg.split
+    if blend is not None:
+        _check_prefixes(blend, "--data-path", mmap)
+        if split is None:
+            log(f"WARNING: --split not given; using the default {DEFAULT_SPLIT!r}")
+            split = DEFAULT_SPLIT
+    for name, b in zip(("train", "valid", "test"), per_split):
+        _check_prefixes(b, f"--{name}-data-path", mmap)
+    return GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        blend_per_split=per_split if has_per_split else None,
+        split=split if not has_per_split else None,
+        path_to_cache=data_cfg.data_cache_path,
+        mmap_bin_files=mmap,
+        tokenizer=tokenizer,
+        reset_position_ids=data_cfg.reset_position_ids,
+        reset_attention_mask=data_cfg.reset_attention_mask,
+        eod_mask_loss=data_cfg.eod_mask_loss,
+        mid_level_dataset_surplus=data_cfg.mid_level_dataset_surplus,
+        log=log,
+    )
+
+
+def build_train_valid_test_datasets(data_cfg: Any, tokenizer: Any, seq_length: int, seed: int,
+                                    train_valid_test_num_samples: list[int], parallel_state: Any | None = None,
+                                    log: Callable[[str], Any] = print) -> tuple[Any, Any, Any]:
+    """Build the three datasets on the ranks that hold data (None elsewhere and for unbuilt splits).
+
+    Every rank must call this. Global rank 0 builds missing index caches; the other ranks poll for
+    the finished files (no collective with a timeout is involved while rank 0 works).
+
+    Args:
+        data_cfg: a ``DataConfig``.
+        tokenizer: a ``MegatronTokenizer``.
+        seq_length: tokens per sample.
+        seed: ``--seed`` (document and sample shuffles).
+        train_valid_test_num_samples: samples wanted per split.
+        parallel_state: this rank's ``ParallelState`` (None: a single process).
+        log: where progress and the blend report go.
+    """
+    config = core_gpt_dataset_config(data_cfg, tokenizer, seq_length, seed, log)
+    cls = MockGPTDataset if config.mock else GPTDataset
+    built_here = is_dataset_built_on_rank(parallel_state)
+    log(f"> building train, validation, and test datasets for GPT ({'mock data' if config.mock else 'indexed data'}) ...")
+    datasets = BlendedMegatronDatasetBuilder(cls, list(train_valid_test_num_samples), lambda: built_here,
+                                             config).build()
+    for name, ds, want in zip(("train", "validation", "test"), datasets, train_valid_test_num_samples):
+        if ds is None:
+            continue
+        if isinstance(ds, BlendedDataset):
+            log(f"    {name}: {len(ds)} samples (requested {want}) blended from {len(ds.datasets)} datasets")
+        else:
+            log(f"    {name}: {len(ds)} samples (requested {want}), {ds.num_epochs} epoch(s) of "
+                f"{ds.dataset_path or 'mock data'}")
+    log("> finished creating GPT datasets ...")
+    return datasets[0], datasets[1], datasets[2]
