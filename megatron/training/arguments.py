@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass
 
 from megatron.core.config_utils import doc
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.config import (
@@ -52,6 +53,7 @@ class RunConfig:
     checkpoint: CheckpointConfig
     logger: LoggerConfig
     impl: ModelImplConfig
+    ddp: DistributedDataParallelConfig
 
     def to_dict(self) -> dict:
         """A plain, JSON-friendly nested dict (dtypes and callables as strings)."""
@@ -74,6 +76,7 @@ def _plain(v):
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("model", TransformerConfig),
     ("implementation", ModelImplConfig),
+    ("data-parallel gradient reduction", DistributedDataParallelConfig),
     ("training", TrainingConfig),
     ("learning-rate and weight-decay schedule", SchedulerConfig),
     ("optimizer and mixed precision", OptimizerConfig),
@@ -91,6 +94,7 @@ ALIASES: dict[str, tuple[str, dict]] = {
         "model", dict(action="store_true", help="Separate output-layer weight instead of the word embedding.")),
     "--group-query-attention": (
         "model", dict(action="store_true", help="Grouped-query attention with --num-query-groups groups.")),
+    "--recompute-activations": ("model", dict(action="store_true", help="Same as --recompute-granularity selective.")),
 }
 
 
@@ -183,6 +187,8 @@ def _apply_aliases(ns: dict) -> None:
         ns["add_bias_linear"] = False
     if ns.pop("untie_embeddings_and_output_weights", False):
         ns["share_embeddings_and_output_weights"] = False
+    if ns.pop("recompute_activations", False):
+        ns.setdefault("recompute_granularity", "selective")
     gqa = ns.pop("group_query_attention", False)
     if not gqa and ns.get("num_query_groups") is not None:
         raise ValueError("--num-query-groups only takes effect with --group-query-attention; add that flag")
@@ -216,6 +222,7 @@ def configs_from_namespace(ns: dict) -> RunConfig:
         checkpoint=_build(CheckpointConfig, ns),
         logger=_build(LoggerConfig, ns),
         impl=_build(ModelImplConfig, ns),
+        ddp=_build(DistributedDataParallelConfig, ns),
     )
 
 

@@ -29,7 +29,7 @@ def run(argv: list[str] | None = None) -> int:
             _, padded = GPTProviders.tokenizer(cfg, _NoParallelism())
             dry_run(cfg, padded)
             return 0
-        pretrain(cfg, GPTProviders)
+        pretrain(cfg, GPTProviders(cfg))
     except ValueError as e:
         if _rank_from_env() == 0:
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)

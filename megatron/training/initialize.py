@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.core.parallel_state import ParallelState, initialize_model_parallel
+from megatron.core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -20,7 +20,8 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
-def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10) -> tuple[torch.device, ParallelState]:
+def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10, tp: int = 1,
+                           pp: int = 1) -> tuple[torch.device, ParallelState]:
     """Join the process group torchrun (or srun) describes, or run alone.
 
     Without CUDA the backend is gloo on the CPU; with CUDA, NCCL on ``cuda:LOCAL_RANK``. A single
@@ -48,7 +49,7 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10) -> 
         dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if backend == "nccl" else None)
-    return device, initialize_model_parallel()
+    return device, initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
 def _free_port() -> int:
@@ -70,5 +71,6 @@ def set_random_seeds(seed: int, pp_rank: int = 0) -> None:
 
 
 def destroy() -> None:
+    destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -9,11 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training import checkpointing
@@ -50,7 +46,8 @@ class Trainer:
         self.providers = providers
         self.start_time = time.time()
         t = cfg.training
-        self.device, self.pg = initialize_distributed(t.distributed_backend, t.distributed_timeout_minutes)
+        self.device, self.pg = initialize_distributed(t.distributed_backend, t.distributed_timeout_minutes,
+                                                      tp=cfg.model.tensor_model_parallel_size)
         self.world_size = dist.get_world_size()
         set_random_seeds(t.seed, self.pg.pp_rank)
         print_rank_0(format_arguments(cfg))
@@ -58,7 +55,7 @@ class Trainer:
         model = providers.model(cfg, self.padded_vocab_size, self.pg, self.device)
         print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                      f"({self.pg.tp_rank}, {self.pg.pp_rank}): {sum(p.numel() for p in model.parameters())}")
-        self.model = DistributedDataParallel(cfg.model, DistributedDataParallelConfig(), model, self.pg)
+        self.model = DistributedDataParallel(cfg.model, cfg.ddp, model, self.pg)
         cfg.model.finalize_model_grads_func = finalize_model_grads
         cfg.model.no_sync_func = self.model.no_sync
         self.optimizer = get_megatron_optimizer(cfg.optimizer, [self.model], grad_stats_group=self.pg.mp_group,
@@ -78,7 +75,7 @@ class Trainer:
         if self.peak_tflops is None:
             print_rank_0(f" > MFU is not known for device {device_name or 'cpu'} (no dense bf16 peak on record)")
         self.forward_backward = get_forward_backward_func(self.pg.pp_size)
-        self.train_iter, self.valid_iter, self.test_iter = providers.data_iterators(self)
+        (self.train_iter, self.valid_iter, self.test_iter), self.has_split = providers.data_iterators(self)
         self.writer = MetricsWriter(is_last_rank(), **self._writer_kwargs())
         self.signal_handler = DistributedSignalHandler() if t.exit_signal_handler else None
 
@@ -168,10 +165,12 @@ class Trainer:
         self.model.train()
         return {k: (v[0] / v[1].clamp(min=1)).item() for k, v in sums.items()}
 
-    def evaluate_and_print(self, prefix: str, data_iter, log_scalars: bool = True) -> None:
+    def evaluate_and_print(self, prefix: str, split: int, log_scalars: bool = True) -> None:
+        """Evaluate split 1 (validation) or 2 (test) on every rank, if rank 0 built it."""
         lg = self.cfg.logger
-        if data_iter is None or lg.eval_iters == 0:
+        if not self.has_split[split] or lg.eval_iters == 0:
             return
+        data_iter = (self.train_iter, self.valid_iter, self.test_iter)[split]
         losses = self.evaluate(data_iter, lg.eval_iters)
         print_rank_last(format_validation(prefix, losses))
         if log_scalars:
@@ -210,7 +209,7 @@ class Trainer:
             if self.state.iteration % lg.log_interval == 0 or self.state.iteration == 1:
                 interval.flush()
             if lg.eval_interval and self.state.iteration % lg.eval_interval == 0:
-                self.evaluate_and_print(f"validation loss at iteration {self.state.iteration}", self.valid_iter)
+                self.evaluate_and_print(f"validation loss at iteration {self.state.iteration}", 1)
             if ck.save and ck.save_interval and self.state.iteration % ck.save_interval == 0:
                 self.save()
                 last_saved = self.state.iteration
@@ -222,8 +221,8 @@ class Trainer:
                 return
         if ck.save and last_saved != self.state.iteration:
             self.save()
-        self.evaluate_and_print(f"iteration {self.state.iteration} on validation set", self.valid_iter, False)
-        self.evaluate_and_print(f"iteration {self.state.iteration} on test set", self.test_iter, False)
+        self.evaluate_and_print(f"iteration {self.state.iteration} on validation set", 1, False)
+        self.evaluate_and_print(f"iteration {self.state.iteration} on test set", 2, False)
 
 
 def pretrain(cfg: RunConfig, providers) -> TrainState:

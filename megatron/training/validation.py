@@ -16,7 +16,11 @@ def world_size_from_env() -> int:
 
 def check_batch_sizes(cfg, world_size: int) -> None:
     t = cfg.training
-    dp = world_size  # model parallelism arrives with the parallel issues
+    tp = cfg.model.tensor_model_parallel_size
+    if world_size % tp != 0:
+        raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}; "
+                         f"use a tensor-parallel size that divides {world_size}")
+    dp = world_size // tp
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
@@ -29,6 +33,9 @@ def check_batch_sizes(cfg, world_size: int) -> None:
 
 def check_sequence(cfg) -> None:
     t, m = cfg.training, cfg.model
+    if m.sequence_parallel and t.seq_length % m.tensor_model_parallel_size != 0:
+        raise ValueError(f"--sequence-parallel needs --seq-length ({t.seq_length}) divisible by "
+                         f"--tensor-model-parallel-size {m.tensor_model_parallel_size}")
     if m.position_embedding_type == "learned_absolute" and t.seq_length > t.max_position_embeddings:
         raise ValueError(
             f"--seq-length {t.seq_length} exceeds --max-position-embeddings {t.max_position_embeddings}; "

@@ -1,10 +1,16 @@
-"""Data-parallel wrapper with a contiguous main-gradient buffer.
+"""Data-parallel wrapper: contiguous main-gradient buffer, buckets, overlapped reduction.
 
 Every trainable parameter gets ``param.main_grad``, a view into one contiguous buffer (fp32 when
 ``grad_reduce_in_fp32``). A post-accumulate hook adds each freshly computed ``param.grad`` into it
 and frees ``param.grad``, so gradients accumulate across micro-batches in full precision whatever
-the parameter dtype. ``finish_grad_sync`` reduces the buffer across the data-parallel group.
-Parameters are laid out in reverse registration order (roughly the order backward produces them).
+the parameter dtype.
+
+Parameters are laid out in reverse registration order (roughly the order backward produces their
+gradients) and cut into buckets of about ``bucket_size`` elements. With ``overlap_grad_reduce``,
+during the backward of the last micro-batch (outside ``no_sync``) a bucket's asynchronous
+all-reduce starts as soon as its last gradient has been accumulated, overlapping communication
+with the rest of backward; ``finish_grad_sync`` waits for them (and reduces any bucket whose
+parameters got no gradient). Without overlap, everything is reduced in ``finish_grad_sync``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,16 @@ from torch import nn
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.parallel_state import ParallelState, get_parallel_state
+
+
+class _Bucket:
+    """A contiguous slice of the gradient buffer and the parameters whose gradients live in it."""
+
+    def __init__(self, params: list[nn.Parameter], view: torch.Tensor):
+        self.params = params
+        self.view = view
+        self.ready: set[int] = set()
+        self.handle = None
 
 
 class DistributedDataParallel(nn.Module):
@@ -35,16 +51,53 @@ class DistributedDataParallel(nn.Module):
         device = params[0].device if params else torch.device("cpu")
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else (params[0].dtype if params else torch.float32)
         self.grad_buffer = torch.zeros(sum(p.numel() for p in params), dtype=grad_dtype, device=device)
-        offset = 0
-        self._hooks = []
-        for p in reversed(params):
+        self.buckets = self._make_buckets(list(reversed(params)))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._sync_enabled = True
+
+    def _bucket_size(self) -> int | None:
+        if self.ddp_config.bucket_size is not None:
+            return self.ddp_config.bucket_size
+        if self.ddp_config.overlap_grad_reduce:
+            return max(40_000_000, 1_000_000 * self.dp_size)
+        return None  # one bucket
+
+    def _make_buckets(self, params: list[nn.Parameter]) -> list[_Bucket]:
+        limit = self._bucket_size()
+        buckets, current, start, offset = [], [], 0, 0
+        for p in params:
             p.main_grad = self.grad_buffer[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-            self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_into_main_grad))
-        self._sync_enabled = True
+            current.append(p)
+            if limit is not None and offset - start >= limit:
+                buckets.append(_Bucket(current, self.grad_buffer[start:offset]))
+                current, start = [], offset
+        if current:
+            buckets.append(_Bucket(current, self.grad_buffer[start:offset]))
+        return buckets
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    # ----------------------------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if not (self._sync_enabled and self.ddp_config.overlap_grad_reduce and self.dp_size > 1):
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready.add(id(param))
+        if len(bucket.ready) == len(bucket.params) and bucket.handle is None:
+            self._start_reduce(bucket, async_op=True)
+
+    def _start_reduce(self, bucket: _Bucket, async_op: bool) -> None:
+        if self.ddp_config.average_in_collective:
+            bucket.handle = dist.all_reduce(bucket.view, op=dist.ReduceOp.AVG, group=self.dp_group,
+                                            async_op=async_op)
+        else:
+            bucket.view.mul_(1.0 / self.dp_size)
+            bucket.handle = dist.all_reduce(bucket.view, group=self.dp_group, async_op=async_op)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -57,18 +110,24 @@ class DistributedDataParallel(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         self.grad_buffer.zero_()
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.handle = None
         for p in self.module.parameters():
             p.grad = None
 
     def finish_grad_sync(self) -> None:
-        """Sum (or average) the gradient buffer over the data-parallel (x context-parallel) group."""
+        """Wait for the buckets reduced during backward; reduce the others now."""
         if self.dp_size == 1 or self.dp_group is None:
             return
-        if self.ddp_config.average_in_collective:
-            dist.all_reduce(self.grad_buffer, op=dist.ReduceOp.AVG, group=self.dp_group)
-        else:
-            self.grad_buffer.mul_(1.0 / self.dp_size)
-            dist.all_reduce(self.grad_buffer, group=self.dp_group)
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                self._start_reduce(bucket, async_op=True)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+            bucket.handle = None
+            bucket.ready.clear()
 
     def scale_gradients(self, factor: float | torch.Tensor) -> None:
         self.grad_buffer.mul_(factor)
@@ -82,8 +141,3 @@ class DistributedDataParallel(nn.Module):
 
     def load_state_dict(self, *args, **kwargs):
         return self.module.load_state_dict(*args, **kwargs)
-
-
-def _accumulate_into_main_grad(param: torch.Tensor) -> None:
-    param.main_grad.add_(param.grad)
-    param.grad = None

@@ -13,7 +13,8 @@ class DistributedDataParallelConfig:
         True, "Accumulate and reduce gradients in fp32 main-grad buffers (bf16/fp16 params).", flag=None
     )
     overlap_grad_reduce: bool = doc(False, "Reduce gradient buckets during backward as they become ready.")
-    use_distributed_optimizer: bool = doc(False, "Shard optimizer state across data-parallel ranks (ZeRO-1).")
+    use_distributed_optimizer: bool = doc(False, "Shard optimizer state across data-parallel ranks (ZeRO-1).",
+                                          flag=None)
     bucket_size: int | None = doc(None, "Gradient bucket size in elements; default one bucket unless overlapping.",
                                   flag="--ddp-bucket-size")
     average_in_collective: bool = doc(False, "Average in the collective instead of pre-scaling by 1/DP.",

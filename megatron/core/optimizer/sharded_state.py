@@ -62,10 +62,11 @@ def _model_tensors(opt: MegatronOptimizer, model_sd: dict) -> list[ShardedTensor
     found: list[ShardedTensor] = []
     _collect(model_sd, found)
     by_id = {id(st.data): st for st in found}
-    by_view = {(st.data.data_ptr(), tuple(st.data.shape), st.data.dtype): st for st in found}
+    # A model shard may be a reshaped view of its param (SwiGLU's fc1 is stored as [2, F, h]).
+    by_view = {(st.data.data_ptr(), st.data.numel(), st.data.dtype): st for st in found}
     result = []
     for p in opt.model_params:
-        st = by_id.get(id(p)) or by_view.get((p.data_ptr(), tuple(p.shape), p.dtype))
+        st = by_id.get(id(p)) or by_view.get((p.data_ptr(), p.numel(), p.dtype))
         if st is None:
             raise ValueError(
                 f"a trainable param of shape {tuple(p.shape)} has no ShardedTensor in the model's sharded "
@@ -83,7 +84,7 @@ def param_keys(opt: MegatronOptimizer, model_sd: dict) -> list[str]:
 def _like(st: ShardedTensor, kind: str, data: torch.Tensor) -> ShardedTensor:
     return ShardedTensor(
         key=f"optimizer.state.{kind}.{st.key}",
-        data=data,
+        data=data.view(st.data.shape),
         global_shape=st.global_shape,
         global_offset=st.global_offset,
         replica_id=st.replica_id,
@@ -152,9 +153,9 @@ def apply(opt: MegatronOptimizer, loaded: dict[str, Any], keys: list[str]) -> No
             value = value.data if isinstance(value, ShardedTensor) else value
             if kind == "fp32_param":
                 if main_p is not model_p:
-                    main_p.copy_(value)
+                    main_p.copy_(value.reshape(main_p.shape))
             elif kind in state:
-                state[kind].copy_(value)
+                state[kind].copy_(value.reshape(state[kind].shape))
         if main_p is not model_p and "fp32_param" not in entry:
             main_p.copy_(model_p)  # saved from a run without main copies: start from the weights
     for group in opt.optimizer.param_groups:

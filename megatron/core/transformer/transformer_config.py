@@ -51,6 +51,19 @@ class TransformerConfig:
     params_dtype: torch.dtype = doc(torch.float32, "Dtype of model parameters; bf16/fp16 from --bf16/--fp16.", flag=None)
     fp16: bool = doc(False, "Model params and compute in fp16 (with dynamic loss scaling unless --loss-scale).")
     bf16: bool = doc(False, "Model params and compute in bf16 (fp32 main params and grads in the optimizer).")
+    tensor_model_parallel_size: int = doc(1, "Tensor-parallel degree: heads, FFN and vocabulary are split "
+                                             "over this many ranks.")
+    sequence_parallel: bool = doc(
+        False, "With tensor parallelism, keep norms, dropout and residuals sharded along the sequence "
+        "(all-gather / reduce-scatter around the tensor-parallel matmuls). Ignored when the TP size is 1."
+    )
+    recompute_granularity: str | None = doc(
+        None, "Activation recompute: 'full' recomputes whole layers in backward, 'selective' only the "
+        "core attention.", choices=("full", "selective"))
+    recompute_method: str | None = doc(
+        None, "With full recompute: 'uniform' checkpoints chunks of --recompute-num-layers layers; 'block' "
+        "checkpoints only the first --recompute-num-layers layers of each stage.", choices=("uniform", "block"))
+    recompute_num_layers: int | None = doc(None, "Layers per recompute chunk (uniform) or recomputed layers (block).")
     calculate_per_token_loss: bool = doc(
         False, "Normalise the loss by the global token count of the step (summed over micro-batches and "
         "data-parallel ranks) instead of averaging per-micro-batch means."
@@ -107,6 +120,24 @@ class TransformerConfig:
                 "rotary channels; it must be even (e.g. --rotary-percent 1.0)"
             )
         check_positive("init_method_std", self.init_method_std)
+        self._check_parallelism()
+
+    def _check_parallelism(self) -> None:
+        tp = self.tensor_model_parallel_size
+        check_positive("tensor_model_parallel_size", tp)
+        for flag, value in (("--num-attention-heads", self.num_attention_heads),
+                            ("--num-query-groups", self.num_query_groups), ("--ffn-hidden-size", self.ffn_hidden_size)):
+            if value % tp != 0:
+                raise ValueError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}; "
+                                 f"use a tensor-parallel size that divides it (e.g. {_divisor_near(value, tp)})")
+        if tp == 1:
+            self.sequence_parallel = False
+        if self.recompute_granularity == "full":
+            if self.recompute_method is None or not self.recompute_num_layers:
+                raise ValueError("--recompute-granularity full needs --recompute-method uniform|block and "
+                                 "--recompute-num-layers N (e.g. --recompute-method uniform --recompute-num-layers 1)")
+        elif self.recompute_method is not None:
+            raise ValueError("--recompute-method only applies with --recompute-granularity full")
         check_positive("layernorm_epsilon", self.layernorm_epsilon)
 
     @property
