@@ -15,6 +15,7 @@ from torch import nn
 
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.init import set_init_attrs
+from megatron.core.tensor_parallel.mappings import ProcessGroup
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -38,7 +39,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size: int, output_size: int, *, init_std: float, bias: bool = True,
-                 tp_group=None, gather_output: bool = False, sequence_parallel: bool = False,
+                 tp_group: ProcessGroup | None = None, gather_output: bool = False, sequence_parallel: bool = False,
                  skip_bias_add: bool = False, partition_stride: int = 1,
                  skip_weight_param_allocation: bool = False, params_dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -48,6 +49,8 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.skip_bias_add = skip_bias_add
+        self.weight: nn.Parameter | None
+        self.bias: nn.Parameter | None
         if skip_weight_param_allocation:
             self.weight = None
         else:
@@ -60,8 +63,18 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.bias = None
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[s, b, in]`` (``[s/tp, b, in]`` with sequence parallelism) -> ``([s, b, out/tp], bias)``,
+        or ``[s, b, out]`` with ``gather_output``. ``weight`` replaces the own weight (tied output layer).
+
+        Collectives: without sequence parallelism the input enters through ``copy_to`` (backward
+        all-reduces its gradient); with it the input is all-gathered along the sequence (backward
+        reduce-scatters), and the weight gradient is computed on the gathered input.
+        """
         weight = self.weight if weight is None else weight
+        if weight is None:
+            raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs forward(x, weight=...)")
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)
         else:
@@ -81,7 +94,7 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size: int, output_size: int, *, init_std: float, bias: bool = True,
-                 tp_group=None, sequence_parallel: bool = False, skip_bias_add: bool = False,
+                 tp_group: ProcessGroup | None = None, sequence_parallel: bool = False, skip_bias_add: bool = False,
                  params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.tp_group = tp_group
@@ -91,6 +104,7 @@ class RowParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype))
         set_init_attrs(self.weight, std=init_std, partition_dim=1, partition_size=self.tp_size)
+        self.bias: nn.Parameter | None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype))
             set_init_attrs(self.bias)
@@ -99,7 +113,12 @@ class RowParallelLinear(nn.Module):
         else:
             self.bias = None
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[s, b, in/tp]`` -> ``([s, b, out], bias)`` (``[s/tp, b, out]`` with sequence parallelism).
+
+        Collectives: forward all-reduce (backward identity), or with sequence parallelism a
+        reduce-scatter along the sequence (backward all-gather).
+        """
         out = F.linear(x, self.weight)
         if self.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
@@ -113,27 +132,34 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary rows are split into contiguous ranges across the tp group.
 
-    Ids outside this rank's range look up row 0 and are zeroed; the partial results are summed
-    across the group (or reduce-scattered along the sequence dim with ``reduce_scatter_embeddings``).
-    Input ``[b, s]`` ids, output ``[b, s, h]`` (``[s/tp, b, h]`` is produced by the caller).
+    Rank ``r`` holds rows ``[r*V/tp, (r+1)*V/tp)``. Ids outside this rank's range look up row 0 and
+    are zeroed; the partial results are summed across the group: an all-reduce giving ``[b, s, h]``,
+    or with ``reduce_scatter_embeddings`` a reduce-scatter along the sequence giving ``[s/tp, b, h]``
+    (sequence-first, ready for the sequence-parallel region).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float, tp_group=None,
-                 params_dtype: torch.dtype = torch.float32):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float,
+                 tp_group: ProcessGroup | None = None, params_dtype: torch.dtype = torch.float32,
+                 reduce_scatter_embeddings: bool = False):
         super().__init__()
         self.tp_group = tp_group
         self.tp_size = mappings.group_size(tp_group)
         self.num_embeddings = num_embeddings
         self.num_per_partition = _divide(num_embeddings, self.tp_size, "padded vocabulary size")
         self.vocab_start = mappings.group_rank(tp_group) * self.num_per_partition
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings and self.tp_size > 1
         self.weight = nn.Parameter(torch.empty(self.num_per_partition, embedding_dim, dtype=params_dtype))
         set_init_attrs(self.weight, std=init_std, partition_dim=0, partition_size=self.tp_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` ids -> ``[b, s, h]``, or ``[s/tp, b, h]`` with ``reduce_scatter_embeddings``."""
         if self.tp_size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_per_partition)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, h], partial over the vocabulary
+        if self.reduce_scatter_embeddings:
+            out = out.transpose(0, 1).contiguous()  # [s, b, h]
+            return mappings.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return mappings.reduce_from_tensor_model_parallel_region(out, self.tp_group)

@@ -2,7 +2,11 @@
 
 Each function is the identity when the group has one rank (or is ``None``). Shapes follow the
 sequence-first convention ``[s, b, h]``: "sequence" collectives act on dim 0, the others on the
-last dim.
+last dim. Slices are contiguous blocks in rank order: rank ``r`` of ``n`` holds block ``r``.
+
+No collective modifies its input or the incoming gradient in place: autograd may hand the same
+gradient tensor to several consumers (``a + b`` gives both operands the same one), so an in-place
+all-reduce there would corrupt another branch's gradient.
 """
 
 from __future__ import annotations
@@ -10,53 +14,71 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+ProcessGroup = dist.ProcessGroup
 
-def group_size(group) -> int:
+# torch >= 2.13 renames the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Ranks in ``group``; 1 for ``None`` (no tensor parallelism)."""
     return 1 if group is None else dist.get_world_size(group)
 
 
-def group_rank(group) -> int:
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank within ``group``; 0 for ``None``."""
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+def _check_divisible(x: torch.Tensor, n: int, dim: int) -> None:
+    if x.shape[dim] % n != 0:
+        raise ValueError(
+            f"dimension {dim} of size {x.shape[dim]} (shape {tuple(x.shape)}) is not divisible by the "
+            f"tensor-parallel size {n}"
+        )
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum over the group into a new tensor (``x`` is left untouched)."""
     if group_size(group) == 1:
         return x
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
 
 
-def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def _gather(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Concatenate the ranks' ``x`` along ``dim`` in rank order."""
     n = group_size(group)
     if n == 1:
         return x
     x = x.contiguous()
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x, group=group)  # rank blocks stacked along dim 0
     if dim == 0:
-        out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=group)
         return out
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(out.chunk(n, dim=0), dim=dim)
 
 
-def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def _split(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim`` (no communication)."""
     n = group_size(group)
     if n == 1:
         return x
-    if x.shape[dim] % n != 0:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel size {n}")
+    _check_divisible(x, n, dim)
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum over the group and keep this rank's block of dim 0."""
     n = group_size(group)
     if n == 1:
         return x
+    _check_divisible(x, n, 0)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _reduce_scatter_single(out, x, group=group)
     return out
 
 
@@ -66,7 +88,7 @@ class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
@@ -78,7 +100,7 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone() if group_size(group) > 1 else x, group)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -153,29 +175,44 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _gather(g, ctx.group, 0), None
 
 
-def copy_to_tensor_model_parallel_region(x, group):
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Enter a tp region with a replicated input. Forward: identity. Backward: all-reduce."""
     return _CopyToRegion.apply(x, group) if group_size(group) > 1 else x
 
 
-def reduce_from_tensor_model_parallel_region(x, group):
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum the ranks' partial results. Forward: all-reduce. Backward: identity."""
     return _ReduceFromRegion.apply(x, group) if group_size(group) > 1 else x
 
 
-def scatter_to_tensor_model_parallel_region(x, group):
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: keep this rank's block of the last dim. Backward: all-gather the last dim."""
     return _ScatterToRegion.apply(x, group) if group_size(group) > 1 else x
 
 
-def gather_from_tensor_model_parallel_region(x, group):
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: all-gather the last dim. Backward: keep this rank's block of the gradient."""
     return _GatherFromRegion.apply(x, group) if group_size(group) > 1 else x
 
 
-def scatter_to_sequence_parallel_region(x, group):
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Enter the sequence-parallel region. Forward: keep this rank's block of dim 0.
+    Backward: all-gather dim 0."""
     return _ScatterToSequence.apply(x, group) if group_size(group) > 1 else x
 
 
-def gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad: bool = True):
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None,
+                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    """Leave the sequence-parallel region. Forward: all-gather dim 0.
+
+    Backward: reduce-scatter along dim 0 when the consumer is tensor-parallel (each rank holds a
+    partial gradient, ``tensor_parallel_output_grad=True``), else keep this rank's block of dim 0
+    (the consumer is replicated, every rank holds the full gradient).
+    """
     return _GatherFromSequence.apply(x, group, tensor_parallel_output_grad) if group_size(group) > 1 else x
 
 
-def reduce_scatter_to_sequence_parallel_region(x, group):
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum the ranks' partial results into sequence shards. Forward: reduce-scatter along dim 0.
+    Backward: all-gather dim 0."""
     return _ReduceScatterToSequence.apply(x, group) if group_size(group) > 1 else x
