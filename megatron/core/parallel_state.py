@@ -117,6 +117,9 @@ class ParallelState:
     rank: int
     groups: dict[str, object] = field(default_factory=dict)
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    # Named RNG states (megatron.core.tensor_parallel.random.RNGStatesTracker) for dropout inside
+    # tensor-parallel regions; set by whoever seeds the run. None: dropout uses the default RNG.
+    rng_tracker: object = None
 
     def size(self, axis: str) -> int:
         return getattr(self.grid, axis)

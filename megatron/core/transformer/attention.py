@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.tensor_parallel.mappings import group_size
+from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.rope import apply_rotary
 from megatron.core.transformer.spec_utils import build_module
 
@@ -30,12 +31,19 @@ class DotProductAttention(nn.Module):
     (causal, the fused kernels' fast path) or a boolean ``[b or 1, 1, s, s]`` where True = masked.
     """
 
-    def __init__(self, config, layer_number: int = 1):
+    def __init__(self, config, layer_number: int = 1, rng_tracker=None):
         super().__init__()
         self.dropout_p = config.attention_dropout
+        self.rng_tracker = rng_tracker  # heads are split over tp: each rank draws its own mask
         self.softmax_scale = None  # 1/sqrt(d), SDPA's default
 
     def forward(self, q, k, v, attention_mask=None):
+        if self.rng_tracker is not None and self.training and self.dropout_p > 0:
+            with self.rng_tracker.fork():
+                return self._attend(q, k, v, attention_mask)
+        return self._attend(q, k, v, attention_mask)
+
+    def _attend(self, q, k, v, attention_mask):
         s, b, n_q, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         mask = None if attention_mask is None else ~attention_mask
@@ -54,7 +62,7 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, config, submodules: SelfAttentionSubmodules, layer_number: int = 1, tp_group=None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, rng_tracker=None):
         super().__init__()
         tp = group_size(tp_group)
         n_h, n_g, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
@@ -70,7 +78,9 @@ class SelfAttention(nn.Module):
             submodules.linear_qkv, config.hidden_size, (n_h + 2 * n_g) * d, init_std=config.init_method_std,
             bias=config.add_bias_linear or config.add_qkv_bias, **common,
         )
-        self.core_attention = build_module(submodules.core_attention, config, layer_number)
+        self.core_attention = build_module(submodules.core_attention, config, layer_number, rng_tracker=rng_tracker)
+        self.rng_tracker = rng_tracker
+        self.recompute_core_attention = config.recompute_granularity == "selective"
         self.linear_proj = build_module(
             submodules.linear_proj, n_h * d, config.hidden_size, init_std=config.output_layer_init_std,
             bias=config.add_bias_linear, skip_bias_add=True, **common,
@@ -91,5 +101,8 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        context = self.core_attention(q, k, v, attention_mask)
+        if self.recompute_core_attention and self.training:
+            context = checkpoint(self.core_attention, q, k, v, attention_mask, tracker=self.rng_tracker)
+        else:
+            context = self.core_attention(q, k, v, attention_mask)
         return self.linear_proj(context)

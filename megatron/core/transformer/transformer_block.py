@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron.core.tensor_parallel.random import checkpoint
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import build_module
 
@@ -16,22 +17,46 @@ class TransformerBlock(nn.Module):
     """
 
     def __init__(self, config, spec, num_layers: int | None = None, layer_offset: int = 0,
-                 post_layer_norm: bool = True, tp_group=None, sequence_parallel: bool = False):
+                 post_layer_norm: bool = True, tp_group=None, sequence_parallel: bool = False, rng_tracker=None):
         super().__init__()
         num_layers = config.num_layers if num_layers is None else num_layers
         self.layer_offset = layer_offset
+        self.rng_tracker = rng_tracker
+        self.recompute = (config.recompute_method, config.recompute_num_layers) \
+            if config.recompute_granularity == "full" else None
         self.layers = nn.ModuleList(
             build_module(spec, config, layer_number=layer_offset + i + 1, tp_group=tp_group,
-                         sequence_parallel=sequence_parallel)
+                         sequence_parallel=sequence_parallel, rng_tracker=rng_tracker)
             for i in range(num_layers)
         )
         self.final_layernorm = (
             build_norm(config, config.hidden_size, sequence_parallel=sequence_parallel) if post_layer_norm else None
         )
 
+    def _run(self, start: int, end: int):
+        def run_layers(hidden, attention_mask, rotary):
+            for layer in self.layers[start:end]:
+                hidden = layer(hidden, attention_mask, rotary)
+            return hidden
+
+        return run_layers
+
     def forward(self, hidden: torch.Tensor, attention_mask=None, rotary=None) -> torch.Tensor:
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask, rotary)
+        n = len(self.layers)
+        if self.recompute is None or not self.training:
+            hidden = self._run(0, n)(hidden, attention_mask, rotary)
+        elif self.recompute[0] == "uniform":
+            # Checkpoint the input of every chunk of `recompute_num_layers` layers.
+            for start in range(0, n, self.recompute[1]):
+                hidden = checkpoint(self._run(start, min(start + self.recompute[1], n)), hidden,
+                                    attention_mask, rotary, tracker=self.rng_tracker)
+        else:  # block: recompute only the first `recompute_num_layers` layers of this stage
+            for i in range(n):
+                if i < self.recompute[1]:
+                    hidden = checkpoint(self._run(i, i + 1), hidden, attention_mask, rotary,
+                                        tracker=self.rng_tracker)
+                else:
+                    hidden = self._run(i, i + 1)(hidden, attention_mask, rotary)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden

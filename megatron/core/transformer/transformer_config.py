@@ -53,6 +53,21 @@ class TransformerConfig:
     bf16: bool = doc(False, "Model params and compute in bf16 (fp32 main params and grads in the optimizer).")
     tensor_model_parallel_size: int = doc(1, "Tensor-parallel degree: heads, FFN and vocabulary are split "
                                              "over this many ranks.")
+    pipeline_model_parallel_size: int = doc(
+        1, "Pipeline-parallel degree: the layers are split into this many stages, one per rank of a pipeline.")
+    virtual_pipeline_model_parallel_size: int | None = doc(
+        None, "Virtual pipeline chunks per pipeline rank (interleaved 1F1B); chunk c on pipeline rank r holds "
+        "virtual stage c*pp + r. Needs --pipeline-model-parallel-size > 1. Default: no interleaving.")
+    num_layers_per_virtual_pipeline_stage: int | None = doc(
+        None, "Layers per virtual pipeline stage; sets --virtual-pipeline-model-parallel-size to "
+        "(num_layers / pp) / this value. Give at most one of the two.")
+    decoder_first_pipeline_num_layers: int | None = doc(
+        None, "Layers on the first pipeline stage (uneven split); the others split the rest evenly.")
+    decoder_last_pipeline_num_layers: int | None = doc(
+        None, "Layers on the last pipeline stage (uneven split); the others split the rest evenly.")
+    microbatch_group_size_per_virtual_pipeline_stage: int | None = doc(
+        None, "Interleaved schedule: micro-batches run per chunk before switching chunks (G). Needs "
+        "pp <= G <= micro-batches and micro-batches mod G either 0 or >= pp. Default: pp.")
     sequence_parallel: bool = doc(
         False, "With tensor parallelism, keep norms, dropout and residuals sharded along the sequence "
         "(all-gather / reduce-scatter around the tensor-parallel matmuls). Ignored when the TP size is 1."
@@ -132,6 +147,7 @@ class TransformerConfig:
                                  f"use a tensor-parallel size that divides it (e.g. {_divisor_near(value, tp)})")
         if tp == 1:
             self.sequence_parallel = False
+        self._check_pipeline()
         if self.recompute_granularity == "full":
             if self.recompute_method is None or not self.recompute_num_layers:
                 raise ValueError("--recompute-granularity full needs --recompute-method uniform|block and "
@@ -139,6 +155,37 @@ class TransformerConfig:
         elif self.recompute_method is not None:
             raise ValueError("--recompute-method only applies with --recompute-granularity full")
         check_positive("layernorm_epsilon", self.layernorm_epsilon)
+
+    def _check_pipeline(self) -> None:
+        from megatron.core.pipeline_parallel.layout import build_pipeline_layout
+
+        pp = self.pipeline_model_parallel_size
+        check_positive("pipeline_model_parallel_size", pp)
+        per_stage = self.num_layers_per_virtual_pipeline_stage
+        if per_stage is not None:
+            if self.virtual_pipeline_model_parallel_size is not None:
+                raise ValueError("give --num-layers-per-virtual-pipeline-stage or "
+                                 "--virtual-pipeline-model-parallel-size, not both")
+            check_positive("num_layers_per_virtual_pipeline_stage", per_stage)
+            if self.num_layers % pp != 0 or (self.num_layers // pp) % per_stage != 0:
+                raise ValueError(
+                    f"--num-layers-per-virtual-pipeline-stage {per_stage} does not divide the "
+                    f"--num-layers {self.num_layers} / --pipeline-model-parallel-size {pp} layers per stage; "
+                    f"use a divisor of {self.num_layers // pp}")
+            self.virtual_pipeline_model_parallel_size = self.num_layers // pp // per_stage
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            check_positive("virtual_pipeline_model_parallel_size", vpp)
+            if vpp == 1:
+                self.virtual_pipeline_model_parallel_size = vpp = None
+            elif pp == 1:
+                raise ValueError("virtual pipeline stages (--virtual-pipeline-model-parallel-size / "
+                                 "--num-layers-per-virtual-pipeline-stage) need --pipeline-model-parallel-size > 1")
+        if self.microbatch_group_size_per_virtual_pipeline_stage is not None:
+            check_positive("microbatch_group_size_per_virtual_pipeline_stage",
+                           self.microbatch_group_size_per_virtual_pipeline_stage)
+        build_pipeline_layout(self.num_layers, pp, vpp, self.decoder_first_pipeline_num_layers,
+                              self.decoder_last_pipeline_num_layers)  # raises with the table
 
     @property
     def rotary_dim(self) -> int:

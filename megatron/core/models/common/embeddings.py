@@ -15,8 +15,9 @@ class LanguageModelEmbedding(nn.Module):
     """``[b, s]`` ids (and positions) -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism)."""
 
     def __init__(self, config, vocab_size: int, max_sequence_length: int, position_embedding_type: str,
-                 tp_group=None, sequence_parallel: bool = False):
+                 tp_group=None, sequence_parallel: bool = False, rng_tracker=None):
         super().__init__()
+        self.rng_tracker = rng_tracker
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and mappings.group_size(tp_group) > 1
         self.dropout_p = config.hidden_dropout
@@ -38,4 +39,7 @@ class LanguageModelEmbedding(nn.Module):
         emb = emb.transpose(0, 1).contiguous()  # [s, b, h]
         if self.sequence_parallel:
             emb = mappings.scatter_to_sequence_parallel_region(emb, self.tp_group)
+            if self.rng_tracker is not None:  # each rank drops out its own sequence shard
+                with self.rng_tracker.fork():
+                    return F.dropout(emb, p=self.dropout_p, training=self.training)
         return F.dropout(emb, p=self.dropout_p, training=self.training)
