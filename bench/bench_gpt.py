@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Throughput of pretrain_gpt.py on the baseline's model shapes, and optionally the baseline itself.
+
+    python bench/bench_gpt.py --configs gpt-1.3b,llama-3b [--iters 30] [--baseline DIR] [--nproc N]
+                              [--extra "--tensor-model-parallel-size 2 --sequence-parallel"]
+
+Each configuration runs the real training path (``pretrain_gpt.py`` with mock data: loop, logging,
+data loader) under torchrun, logging every step to a metrics file. The table reports medians over
+the steps after ``--warmup``: step time, tokens/s per GPU, TFLOP/s per GPU and MFU (Megatron's FLOPs
+formula, causal attention halved) and peak allocated memory. With ``--baseline DIR`` (a copy of
+shared/baselines) the plain PyTorch script runs too, in the same job, and its tokens/s are printed
+beside ours. Results are appended as JSON lines to ``$OUT/bench_gpt.jsonl`` (or ./bench_out/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CONFIGS = {
+    "gpt-1.3b": ("--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 "
+                 "--seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 8 --vocab-size 50304 "
+                 "--make-vocab-size-divisible-by 128"),
+    "llama-3b": ("--num-layers 26 --hidden-size 3072 --num-attention-heads 24 --group-query-attention "
+                 "--num-query-groups 8 --ffn-hidden-size 8192 --swiglu --normalization RMSNorm "
+                 "--position-embedding-type rope --rotary-base 500000 --disable-bias-linear --seq-length 4096 "
+                 "--max-position-embeddings 4096 --micro-batch-size 2 --vocab-size 128256"),
+    "tiny": ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 "
+             "--max-position-embeddings 512 --micro-batch-size 4 --vocab-size 32000"),
+}
+COMMON = ("--bf16 --mock-data --tokenizer-type NullTokenizer --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine "
+          "--weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 "
+          "--log-interval 1 --eval-iters 0 --num-workers 2 --seed 1234")
+
+
+def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str) -> list[dict]:
+    metrics = os.path.join(workdir, f"{name}.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           os.path.join(ROOT, "pretrain_gpt.py"), *CONFIGS[name].split(), *COMMON.split(),
+           "--train-iters", str(iters), "--metrics-file", metrics, *extra.split()]
+    print("$ " + " ".join(cmd), flush=True)
+    log = os.path.join(workdir, f"{name}.log")
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if rc != 0:
+        print(open(log).read()[-5000:], flush=True)
+        raise SystemExit(f"{name}: pretrain_gpt.py failed with exit code {rc}")
+    kernels = [ln.rstrip() for ln in open(log) if ln.startswith(" > kernels") or ln.startswith("   ")][:12]
+    print("\n".join(kernels), flush=True)
+    with open(metrics) as f:
+        return [json.loads(line) for line in f if '"lm loss"' in line]
+
+
+def summarise(name: str, records: list[dict], warmup: int, nproc: int, extra: str) -> dict:
+    steady = records[warmup:]
+    med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
+    return {
+        "config": name, "nproc": nproc, "extra": extra, "steps": len(steady),
+        "step_ms": med("iteration-time") * 1000.0, "tokens_per_s_per_gpu": med("tokens-per-sec-per-gpu"),
+        "tflops_per_gpu": med("throughput"), "mfu": med("mfu") if steady[0].get("mfu") is not None else None,
+        "peak_gib": max(r.get("mem-max-allocated-bytes", 0) for r in records) / 2**30,
+        "final_loss": records[-1]["lm loss"],
+    }
+
+
+def run_baseline(baseline_dir: str, names: list[str], workdir: str) -> dict:
+    known = [n for n in names if n != "tiny"]
+    if not known:
+        return {}
+    env = {**os.environ, "OUT": workdir}
+    baseline_dir = os.path.abspath(baseline_dir)
+    cmd = [sys.executable, os.path.join(baseline_dir, "bench_plain.py"), "--parts", "compile",
+           "--configs", ",".join(known)]
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=baseline_dir, env=env, check=True)
+    out = {}
+    with open(os.path.join(workdir, "results.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("config") in known and "tokens_per_s" in rec:
+                out[rec["config"]] = rec
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="gpt-1.3b,llama-3b")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--extra", default="", help="extra pretrain_gpt.py flags for every configuration")
+    ap.add_argument("--baseline", default=None, help="folder holding bench_plain.py (a copy of shared/baselines)")
+    args = ap.parse_args()
+    names = args.configs.split(",")
+    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
+    os.makedirs(out_dir, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="bench_gpt_")
+    rows = [summarise(n, run_ours(n, args.iters, args.nproc, args.extra, workdir), args.warmup, args.nproc,
+                      args.extra) for n in names]
+    for r in rows:
+        print("ours: " + json.dumps(r), flush=True)
+    base = run_baseline(args.baseline, names, workdir) if args.baseline else {}
+    print(f"\n{'config':<10} {'step ms':>9} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} {'MFU':>6} {'peak GiB':>9} "
+          f"{'baseline tok/s':>15} {'ratio':>6}")
+    with open(os.path.join(out_dir, "bench_gpt.jsonl"), "a") as f:
+        for r in rows:
+            b = base.get(r["config"], {}).get("tokens_per_s")
+            r["baseline_compile_tokens_per_s"] = b
+            f.write(json.dumps(r) + "\n")
+            mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else "   n/a"
+            ratio = f"{r['tokens_per_s_per_gpu'] / b:6.2f}" if b else "     -"
+            print(f"{r['config']:<10} {r['step_ms']:9.1f} {r['tokens_per_s_per_gpu']:10.0f} "
+                  f"{r['tflops_per_gpu']:12.1f} {mfu} {r['peak_gib']:9.1f} {b or '-':>15} {ratio}")
+
+
+if __name__ == "__main__":
+    main()
