@@ -35,8 +35,8 @@ def dry_run(cfg, padded_vocab_size: int, log=print) -> None:
     from megatron.core.parallel_state import ParallelState, RankGrid
     from megatron.training.gpt import model_provider
 
-    model = model_provider(cfg, padded_vocab_size, ParallelState(grid=RankGrid(), rank=0), "meta")
-    num_params = sum(p.numel() for p in model.parameters())
+    chunks = model_provider(cfg, padded_vocab_size, ParallelState(grid=RankGrid(), rank=0), "meta")
+    num_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     mem = estimate_memory_bytes(cfg, num_params, padded_vocab_size)
     world = world_size_from_env()
     t = cfg.training

@@ -8,6 +8,7 @@ import torch
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.pipeline_parallel.layout import build_pipeline_layout
 from megatron.core.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.datasets.provider import build_train_valid_test_datasets
@@ -22,32 +23,76 @@ def tokenizer_provider(cfg, pg):
     return tokenizer, padded
 
 
-def model_provider(cfg, padded_vocab_size: int, pg, device) -> GPTModel:
-    return GPTModel(
-        config=cfg.model, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab_size,
-        max_sequence_length=cfg.training.max_position_embeddings, parallel_state=pg, device=device,
-        seed=cfg.training.seed, sequence_parallel=cfg.model.sequence_parallel,
-    )
+def model_provider(cfg, padded_vocab_size: int, pg, device) -> list[GPTModel]:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving).
+
+    Chunk ``c`` of pipeline rank ``r`` builds the layers of virtual stage ``c * pp + r``; the first
+    virtual stage owns the embedding (``pre_process``), the last the output layer and loss.
+    """
+    m = cfg.model
+    vpp = m.virtual_pipeline_model_parallel_size or 1
+    layout = build_pipeline_layout(m.num_layers, pg.pp_size, vpp, m.decoder_first_pipeline_num_layers,
+                                   m.decoder_last_pipeline_num_layers)
+    chunks = []
+    for c in range(vpp):
+        chunks.append(GPTModel(
+            config=m, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab_size,
+            max_sequence_length=cfg.training.max_position_embeddings, parallel_state=pg, device=device,
+            seed=cfg.training.seed, sequence_parallel=m.sequence_parallel,
+            pre_process=pg.pp_rank == 0 and c == 0, post_process=pg.pp_rank == pg.pp_size - 1 and c == vpp - 1,
+            num_layers=layout.num_layers_of(pg.pp_rank, c), layer_offset=layout.offset_of(pg.pp_rank, c),
+        ))
+    return chunks
 
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+# Keys each pipeline role reads (Megatron's get_batch: nothing on middle stages).
+FIRST_STAGE_KEYS = ("tokens", "position_ids")
+LAST_STAGE_KEYS = ("labels", "loss_mask")
+DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64,
+          "attention_mask": torch.bool}
+
+
+def batch_keys(pre_process: bool, post_process: bool, attention_mask: bool = False) -> tuple[str, ...]:
+    """The batch entries a stage with these roles needs (none for a middle stage)."""
+    keys = (FIRST_STAGE_KEYS if pre_process else ()) + (LAST_STAGE_KEYS if post_process else ())
+    if keys and attention_mask:
+        keys += ("attention_mask",)
+    return keys
+
+
+def _broadcast(batch: dict | None, keys: tuple[str, ...], seq_length: int, micro_batch_size: int, pg,
+               device: torch.device) -> dict:
+    """tp rank 0's tensors to the other tp ranks (shapes known in advance: no metadata exchange)."""
+    src = pg.group_ranks["tp"][0]
+    out = {}
+    for key in keys:
+        shape = (micro_batch_size, 1, seq_length, seq_length) if key == "attention_mask" else \
+            (micro_batch_size, seq_length)
+        wire = torch.uint8 if key == "attention_mask" else DTYPES[key]  # gloo has no bool broadcast
+        if pg.tp_rank == 0:
+            t = batch[key].to(wire).contiguous()
+        else:
+            t = torch.empty(shape, dtype=wire, device=device)
+        torch.distributed.broadcast(t, src=src, group=pg.tp_group)
+        out[key] = t.to(DTYPES[key])
+    return out
 
 
 def get_batch(data_iterator, device: torch.device, pg=None, seq_length: int | None = None,
-              micro_batch_size: int | None = None) -> dict:
-    """Next micro-batch on ``device``. With tensor parallelism only tp rank 0 reads data; the other
-    tp ranks receive the same tensors (shapes are known in advance, so no metadata is exchanged)."""
+              micro_batch_size: int | None = None, keys: tuple[str, ...] = ("tokens", "labels", "loss_mask",
+                                                                            "position_ids")) -> dict:
+    """Next micro-batch's ``keys`` on ``device`` (an empty dict when ``keys`` is empty: a middle
+    pipeline stage reads nothing). With tensor parallelism only tp rank 0 reads data; the other tp
+    ranks receive the same tensors."""
+    if not keys:
+        return {}
     batch = None
-    if data_iterator is not None:
+    if data_iterator is not None and (pg is None or pg.tp_rank == 0):
         batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()
-                 if isinstance(v, torch.Tensor)}
+                 if isinstance(v, torch.Tensor) and k in keys}
     if pg is None or pg.tp_size == 1:
         return batch
-    from megatron.core.tensor_parallel.data import broadcast_data
-
-    shapes = {k: (micro_batch_size, seq_length) for k in BATCH_KEYS}
-    dtypes = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64}
-    return broadcast_data(list(BATCH_KEYS), batch, shapes, dtypes, pg.tp_group, src_rank=pg.group_ranks["tp"][0])
+    return _broadcast(batch, keys, seq_length, micro_batch_size, pg, device)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -59,14 +104,19 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach()])}
 
 
-def forward_step(data_iterator, model, seq_length: int | None = None, micro_batch_size: int | None = None):
-    """Megatron's ``forward_step``: (per-token losses [b, s], loss_func)."""
-    module = model.module if hasattr(model, "module") else model
+def forward_step(data_iterator, model, seq_length: int | None = None, micro_batch_size: int | None = None,
+                 attention_mask: bool = False):
+    """Megatron's ``forward_step``: (per-token losses [b, s] on the last stage, else the activation
+    [s, b, h] for the next stage; loss_func)."""
+    module = model
+    while hasattr(module, "module"):
+        module = module.module
     device = next(module.parameters()).device
-    batch = get_batch(data_iterator, device, module.pg, seq_length, micro_batch_size)
-    output = model(batch["tokens"], batch.get("position_ids"), batch.get("attention_mask"),
-                   labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+    keys = batch_keys(module.pre_process, module.post_process, attention_mask)
+    batch = get_batch(data_iterator, device, module.pg, seq_length, micro_batch_size, keys)
+    output = model(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"),
+                   labels=batch.get("labels"))
+    return output, partial(loss_func, batch.get("loss_mask"))
 
 
 def _samples(trainer) -> list[int]:
@@ -77,22 +127,31 @@ def _samples(trainer) -> list[int]:
 
 
 def data_iterators(trainer):
-    """Train / valid / test iterators positioned at the consumed samples of the loaded checkpoint."""
+    """Train / valid / test iterators positioned at the consumed samples of the loaded checkpoint.
+
+    Each split is a list with one entry per model chunk: an iterator where the chunk reads data (the
+    first and last pipeline stage, tp rank 0), None elsewhere.
+    """
     cfg, pg = trainer.cfg, trainer.pg
     datasets = build_train_valid_test_datasets(
         cfg.data, trainer.tokenizer, cfg.training.seq_length, cfg.training.seed, _samples(trainer),
         parallel_state=pg, log=print_rank_0,
     )
     consumed = [trainer.state.consumed_train_samples, trainer.state.consumed_valid_samples, 0]
+    chunks = [c.module if hasattr(c, "module") else c for c in trainer.model]
+    reads = [bool(batch_keys(c.pre_process, c.post_process)) and pg.tp_rank == 0 for c in chunks]
     iterators = []
     has_split = torch.tensor([ds is not None for ds in datasets], dtype=torch.int32, device=trainer.device)
     torch.distributed.broadcast(has_split, src=0)  # ranks without data follow global rank 0
     for ds, done in zip(datasets, consumed):
-        loader = build_pretraining_data_loader(
-            ds, done, cfg.training.micro_batch_size, pg.dp_rank, pg.dp_size, cfg.data.num_workers,
-            dataloader_type=cfg.data.dataloader_type, seed=cfg.training.seed,
-        )
-        iterators.append(iter(loader) if loader is not None else None)
+        loader = None
+        if any(reads):
+            loader = build_pretraining_data_loader(
+                ds, done, cfg.training.micro_batch_size, pg.dp_rank, pg.dp_size, cfg.data.num_workers,
+                dataloader_type=cfg.data.dataloader_type, seed=cfg.training.seed,
+            )
+        it = iter(loader) if loader is not None else None
+        iterators.append([it if r else None for r in reads])
     return tuple(iterators), [bool(x) for x in has_split.tolist()]
 
 
@@ -104,5 +163,6 @@ class GPTProviders:
     data_iterators = staticmethod(data_iterators)
 
     def __init__(self, cfg):
+        mask = cfg.data.reset_attention_mask
         self.forward_step = partial(forward_step, seq_length=cfg.training.seq_length,
-                                    micro_batch_size=cfg.training.micro_batch_size)
+                                    micro_batch_size=cfg.training.micro_batch_size, attention_mask=mask)

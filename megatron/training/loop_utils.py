@@ -154,5 +154,9 @@ class IntervalLog:
                    "iteration-time": elapsed, "throughput": tflops,
                    "tokens-per-sec-per-gpu": stats["tokens_per_sec_per_gpu"], "mfu": stats["mfu"],
                    "skipped-iterations": skipped, "nan-iterations": nan, **avg}
+        if tr.device.type == "cuda":
+            scalars["mem-allocated-bytes"] = torch.cuda.memory_allocated(tr.device)
+            scalars["mem-max-allocated-bytes"] = torch.cuda.max_memory_allocated(tr.device)
+            scalars["mem-max-reserved-bytes"] = torch.cuda.max_memory_reserved(tr.device)
         tr.writer.log_scalars(scalars, tr.state.iteration, tr.state.consumed_train_samples)
         self._reset()

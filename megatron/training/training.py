@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed.finalize_model_grads import sync_shared_embedding
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training import checkpointing
@@ -47,18 +48,23 @@ class Trainer:
         self.start_time = time.time()
         t = cfg.training
         self.device, self.pg = initialize_distributed(t.distributed_backend, t.distributed_timeout_minutes,
-                                                      tp=cfg.model.tensor_model_parallel_size)
+                                                      tp=cfg.model.tensor_model_parallel_size,
+                                                      pp=cfg.model.pipeline_model_parallel_size)
         self.world_size = dist.get_world_size()
         set_random_seeds(t.seed, self.pg.pp_rank)
         print_rank_0(format_arguments(cfg))
         self.tokenizer, self.padded_vocab_size = providers.tokenizer(cfg, self.pg)
-        model = providers.model(cfg, self.padded_vocab_size, self.pg, self.device)
-        print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
-                     f"({self.pg.tp_rank}, {self.pg.pp_rank}): {sum(p.numel() for p in model.parameters())}")
-        self.model = DistributedDataParallel(cfg.model, cfg.ddp, model, self.pg)
+        chunks = providers.model(cfg, self.padded_vocab_size, self.pg, self.device)
+        chunks = chunks if isinstance(chunks, list) else [chunks]
+        num_params = sum(p.numel() for c in chunks for p in c.parameters())
+        if self.pg.dp_rank == 0:  # one line per (tp, pp) rank, as Megatron prints it
+            print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+                  f"({self.pg.tp_rank}, {self.pg.pp_rank}): {num_params}", flush=True)
+        # One DDP wrapper (gradient buffer) per model chunk, as Megatron-Core does for virtual stages.
+        self.model = [DistributedDataParallel(cfg.model, cfg.ddp, c, self.pg) for c in chunks]
         cfg.model.finalize_model_grads_func = finalize_model_grads
-        cfg.model.no_sync_func = self.model.no_sync
-        self.optimizer = get_megatron_optimizer(cfg.optimizer, [self.model], grad_stats_group=self.pg.mp_group,
+        cfg.model.no_sync_func = [c.no_sync for c in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        self.optimizer = get_megatron_optimizer(cfg.optimizer, self.model, grad_stats_group=self.pg.mp_group,
                                                 tp_rank=self.pg.tp_rank)
         if cfg.model.fp16:
             cfg.model.grad_scale_func = self.optimizer.scale_loss
@@ -74,7 +80,7 @@ class Trainer:
         self.peak_tflops = peak_tflops(device_name)
         if self.peak_tflops is None:
             print_rank_0(f" > MFU is not known for device {device_name or 'cpu'} (no dense bf16 peak on record)")
-        self.forward_backward = get_forward_backward_func(self.pg.pp_size)
+        self.forward_backward = get_forward_backward_func(self.pg.pp_size, len(self.model))
         (self.train_iter, self.valid_iter, self.test_iter), self.has_split = providers.data_iterators(self)
         self.writer = MetricsWriter(is_last_rank(), **self._writer_kwargs())
         self.signal_handler = DistributedSignalHandler() if t.exit_signal_handler else None
@@ -95,18 +101,25 @@ class Trainer:
         if not ck.load:
             return
         extra = checkpointing.load_checkpoint(
-            ck.load, self.model.sharded_state_dict(), self.optimizer, self.scheduler,
+            ck.load, self.model_sharded_state_dict(), self.optimizer, self.scheduler, parallel_state=self.pg,
             load_optim=ck.load_optim, load_rng=ck.load_rng, finetune=ck.finetune, ckpt_step=ck.ckpt_step,
             exit_on_missing_checkpoint=ck.exit_on_missing_checkpoint,
             model_args_check=model_args_for_check(self.cfg, self.padded_vocab_size), log=print_rank_0,
         )
         if extra is None:
             return
+        sync_shared_embedding(self.model)  # the checkpoint holds the first stage's embedding only
         if ck.finetune or not ck.load_optim:
             self.optimizer.reload_model_params()
         if not ck.finetune:
             for f in dataclasses.fields(TrainState):
                 setattr(self.state, f.name, int(extra.get(f.name, 0)))
+
+    def model_sharded_state_dict(self) -> dict:
+        """All chunks' tensors (keys are global layer names, so any layout reads any other)."""
+        if len(self.model) == 1:
+            return self.model[0].sharded_state_dict()
+        return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.model)}
 
     def save(self) -> None:
         ck = self.cfg.checkpoint
@@ -117,19 +130,20 @@ class Trainer:
         args["config"] = self.cfg.to_dict()
         extra.update(args=args, checkpoint_version=3.0)
         checkpointing.save_checkpoint(
-            ck.save, self.state.iteration, self.model.sharded_state_dict(), self.optimizer, self.scheduler,
-            extra_state=extra, save_optim=ck.save_optim, save_rng=ck.save_rng, log=print_rank_0,
+            ck.save, self.state.iteration, self.model_sharded_state_dict(), self.optimizer, self.scheduler,
+            extra_state=extra, parallel_state=self.pg, save_optim=ck.save_optim, save_rng=ck.save_rng, log=print_rank_0,
         )
 
     # ----------------------------------------------------------------------------------------------
     def train_step(self):
         """One optimizer step over ``num_microbatches`` micro-batches. Returns (loss sum/count tensor,
         update_successful, grad_norm)."""
-        self.model.zero_grad_buffer()
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         t = self.cfg.training
         metrics = self.forward_backward(
-            forward_step_func=self.providers.forward_step, data_iterator=self.train_iter, model=[self.model],
+            forward_step_func=self.providers.forward_step, data_iterator=self.train_iter, model=self.model,
             num_microbatches=self.num_microbatches, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
@@ -150,19 +164,21 @@ class Trainer:
 
     def evaluate(self, data_iter, num_iters: int) -> dict:
         t = self.cfg.training
-        self.model.eval()
+        for chunk in self.model:
+            chunk.eval()
         sums: dict = {}
         with torch.no_grad():
             for _ in range(num_iters):
                 metrics = self.forward_backward(
-                    forward_step_func=self.providers.forward_step, data_iterator=data_iter, model=[self.model],
+                    forward_step_func=self.providers.forward_step, data_iterator=data_iter, model=self.model,
                     num_microbatches=self.num_microbatches, seq_length=t.seq_length,
                     micro_batch_size=t.micro_batch_size, forward_only=True,
                 )
                 for k, v in self._reduce_losses(metrics).items():
                     sums[k] = sums.get(k, 0) + v
                 self.state.consumed_valid_samples += self.global_batch_size
-        self.model.train()
+        for chunk in self.model:
+            chunk.train()
         return {k: (v[0] / v[1].clamp(min=1)).item() for k, v in sums.items()}
 
     def evaluate_and_print(self, prefix: str, split: int, log_scalars: bool = True) -> None:

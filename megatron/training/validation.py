@@ -16,11 +16,11 @@ def world_size_from_env() -> int:
 
 def check_batch_sizes(cfg, world_size: int) -> None:
     t = cfg.training
-    tp = cfg.model.tensor_model_parallel_size
-    if world_size % tp != 0:
-        raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}; "
-                         f"use a tensor-parallel size that divides {world_size}")
-    dp = world_size // tp
+    tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
+    if world_size % (tp * pp) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                         f"--pipeline-model-parallel-size {pp}; use sizes whose product divides {world_size}")
+    dp = world_size // (tp * pp)
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
@@ -29,6 +29,26 @@ def check_batch_sizes(cfg, world_size: int) -> None:
             f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
             f"{t.micro_batch_size} x data-parallel size {dp}; use e.g. --global-batch-size {good}"
         )
+
+
+def check_pipeline(cfg, world_size: int) -> None:
+    """Interleaving's micro-batch rules, and data features later pipeline stages cannot see."""
+    m, t, d = cfg.model, cfg.training, cfg.data
+    pp = m.pipeline_model_parallel_size
+    if pp == 1:
+        return
+    if d.reset_attention_mask:
+        raise ValueError("--reset-attention-mask is not supported with --pipeline-model-parallel-size > 1 "
+                         "(later stages never see the batch); drop it or use --pipeline-model-parallel-size 1")
+    if d.reset_position_ids and m.position_embedding_type == "rope":
+        raise ValueError("--reset-position-ids with --position-embedding-type rope is not supported with "
+                         "--pipeline-model-parallel-size > 1 (later stages rotate by positions 0..s-1)")
+    if m.virtual_pipeline_model_parallel_size:
+        from megatron.core.pipeline_parallel.interleaved import check_interleaving
+
+        dp = world_size // (m.tensor_model_parallel_size * pp)
+        check_interleaving(t.global_batch_size // (t.micro_batch_size * dp), pp,
+                           m.microbatch_group_size_per_virtual_pipeline_stage)
 
 
 def check_sequence(cfg) -> None:
@@ -106,14 +126,14 @@ def check_logging(cfg) -> None:
             raise ValueError("--wandb-project needs the wandb package: pip install wandb") from e
 
 
-CHECKS = (check_batch_sizes, check_sequence, check_schedule_units, check_optimizer, check_data_and_tokenizer,
+CHECKS = (check_batch_sizes, check_pipeline, check_sequence, check_schedule_units, check_optimizer, check_data_and_tokenizer,
           check_checkpointing, check_implementation, check_logging)
 
 
 def validate_run_config(cfg, world_size: int | None = None) -> None:
     ws = world_size_from_env() if world_size is None else world_size
     for check in CHECKS:
-        if check is check_batch_sizes:
+        if check in (check_batch_sizes, check_pipeline):
             check(cfg, ws)
         else:
             check(cfg)

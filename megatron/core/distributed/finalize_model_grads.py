@@ -24,17 +24,73 @@ def _allreduce_sequence_parallel_grads(model_chunks: list) -> None:
         offset += g.numel()
 
 
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _allreduce_embedding_grads(model_chunks: list) -> None:
+    """Tied word embeddings across pipeline stages: the first stage's ``embedding.word_embeddings``
+    and the last stage's output-layer copy receive different partial gradients; sum them over the
+    embedding group (first and last stage of this pipeline) so both copies take the same step."""
+    pg = model_chunks[0].pg
+    if pg.pp_size == 1 or pg.embedding_group is None:
+        return
+    if pg.pp_rank == 0:
+        model = _unwrap(model_chunks[0])
+    elif pg.pp_rank == pg.pp_size - 1:
+        model = _unwrap(model_chunks[-1])
+    else:
+        return
+    if not getattr(model, "share_embeddings_and_output_weights", False):
+        return
+    weight = model.shared_embedding_or_output_weight()
+    if weight is None or not weight.requires_grad:
+        return
+    grad = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
+    dist.all_reduce(grad, group=pg.embedding_group)
+
+
+def sync_shared_embedding(model_chunks: list) -> None:
+    """Copy the first stage's word embedding into the last stage's tied output-layer copy (after
+    loading a checkpoint, which stores only the first stage's tensor). Collective over the embedding
+    group; a no-op without pipeline parallelism or without tied embeddings."""
+    pg = _unwrap(model_chunks[0]).pg
+    if pg.pp_size == 1 or pg.embedding_group is None or pg.pp_rank not in (0, pg.pp_size - 1):
+        return
+    model = _unwrap(model_chunks[0] if pg.pp_rank == 0 else model_chunks[-1])
+    if not getattr(model, "share_embeddings_and_output_weights", False):
+        return
+    weight = model.shared_embedding_or_output_weight()
+    with torch.no_grad():
+        dist.broadcast(weight.data, src=pg.group_ranks["embedding"][0], group=pg.embedding_group)
+
+
+def _last_stage_token_count(model_chunks: list, num_tokens: torch.Tensor) -> torch.Tensor:
+    """With pipelining only the last stage computed the loss: broadcast its token count."""
+    pg = model_chunks[0].pg
+    num_tokens = num_tokens.detach().clone().float()
+    if pg.pp_size > 1:
+        dist.broadcast(num_tokens, src=pg.group_ranks["pp"][-1], group=pg.pp_group)
+    return num_tokens
+
+
 def finalize_model_grads(model_chunks: list, num_tokens: torch.Tensor | None = None) -> None:
-    """1. data-parallel reduction of every chunk's gradient buffer;
+    """Megatron's order:
+    1. data-parallel reduction of every chunk's gradient buffer;
     2. tensor-parallel sum of sequence-parallel parameters' gradients;
-    3. with per-token loss, divide gradients by the step's global token count (summed over DP x CP).
+    3. sum of the tied embedding's gradients over the first and last pipeline stage;
+    4. with per-token loss, divide gradients by the step's global token count (the last stage's
+       count, summed over DP x CP).
     """
     for chunk in model_chunks:
         chunk.finish_grad_sync()
     _allreduce_sequence_parallel_grads(model_chunks)
+    _allreduce_embedding_grads(model_chunks)
     if num_tokens is not None:
         pg = model_chunks[0].pg
-        num_tokens = num_tokens.detach().clone().float()
+        num_tokens = _last_stage_token_count(model_chunks, num_tokens)
         if pg.dp_cp_group is not None and pg.dp_size * pg.cp_size > 1:
             dist.all_reduce(num_tokens, group=pg.dp_cp_group)
         # The DP reduction above averaged over ranks; the loss sums were per rank, so re-multiply.

@@ -65,10 +65,12 @@ class GPTModel(nn.Module):
         with torch.device("meta"):
             if pre_process:
                 self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                        self.position_embedding_type, tp_group, sp)
+                                                        self.position_embedding_type, tp_group, sp,
+                                                        rng_tracker=self.pg.rng_tracker)
             self.decoder = TransformerBlock(config, transformer_layer_spec, num_layers=num_layers,
                                             layer_offset=layer_offset, post_layer_norm=post_process,
-                                            tp_group=tp_group, sequence_parallel=sp)
+                                            tp_group=tp_group, sequence_parallel=sp,
+                                            rng_tracker=self.pg.rng_tracker)
             if post_process:
                 tied_here = self.share_embeddings_and_output_weights and pre_process
                 self.output_layer = ColumnParallelLinear(
@@ -82,6 +84,12 @@ class GPTModel(nn.Module):
             vars(param).update(recipes[name])
         if torch.device(device or "cpu").type != "meta":  # a meta model (dry run) has no values
             self.init_weights(torch.initial_seed() if seed is None else seed)
+        self.input_tensor: torch.Tensor | None = None
+        if post_process and not pre_process and self.share_embeddings_and_output_weights:
+            # The last stage's copy of the tied word embedding: its gradient is summed with the first
+            # stage's over the embedding group (finalize_model_grads); it is left out of the grad norm.
+            self.output_layer.weight.shared_embedding_copy = True
+            self.output_layer.weight.shared = True
 
     # ----------------------------------------------------------------------------------------------
     def global_param_name(self, local_name: str) -> str:
@@ -107,21 +115,35 @@ class GPTModel(nn.Module):
             return self.output_layer.weight
         return None
 
+    def set_input_tensor(self, input_tensor: torch.Tensor | list | None) -> None:
+        """Megatron-Core's hook for pipeline schedules: the activation ``[s(/tp), b, h]`` received from
+        the previous stage, used instead of the embedding when this stage has no ``pre_process``."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.input_tensor = input_tensor
+
     # ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                 attention_mask: torch.Tensor | None, labels: torch.Tensor | None = None,
                 loss_mask: torch.Tensor | None = None, decoder_input: torch.Tensor | None = None):
         """Logits ``[b, s, V(/tp)]`` when ``labels`` is None, else per-token losses ``[b, s]`` (fp32).
 
-        ``decoder_input`` replaces the embedding on stages without ``pre_process``. On stages without
-        ``post_process`` the hidden states ``[s, b, h]`` are returned. ``loss_mask`` is accepted for
+        ``decoder_input`` (else the tensor given to ``set_input_tensor``) replaces the embedding on
+        stages without ``pre_process``. On stages without ``post_process`` the hidden states
+        ``[s(/tp with sequence parallelism), b, h]`` are returned. ``loss_mask`` is accepted for
         Megatron compatibility; masking is applied by the caller's loss function.
         """
         if position_ids is None and input_ids is not None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        hidden = self.embedding(input_ids, position_ids) if self.pre_process else decoder_input
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)
+        else:
+            hidden = decoder_input if decoder_input is not None else self.input_tensor
         rotary = None
         if self.position_embedding_type == "rope":
+            if position_ids is None:  # a later pipeline stage: positions 0..s-1 of the full sequence
+                seq = hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
+                position_ids = torch.arange(seq, device=hidden.device).expand(hidden.shape[1], seq)
             rotary = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base)
         if attention_mask is not None and attention_mask.dim() == 3:
             attention_mask = attention_mask.unsqueeze(1)  # [b, s, s] -> [b, 1, s, s]
@@ -144,15 +166,19 @@ class GPTModel(nn.Module):
         Tensor-parallel weights are offset along their split dim (SwiGLU's fc1 is viewed as
         ``[2, F, h]`` so its two halves split independently); replicated tensors carry the tp rank
         in their replica id, so only tp rank 0 writes them. The data-parallel rank is part of every
-        replica id. A tied output-layer copy is not stored (the embedding is).
+        replica id. The last pipeline stage's copy of a tied embedding is a non-main replica of
+        ``embedding.word_embeddings.weight`` (replica id led by 1): the checkpoint stores the first
+        stage's tensor only, and loading fills the copy from it.
         """
         tp_rank, dp_rank = self.pg.tp_rank, self.pg.dp_rank
         out = {}
         for name, tensor in self.state_dict(prefix="", keep_vars=True).items():
-            if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
-                continue
             key = prefix + self.global_param_name(name)
-            out[prefix + name] = _shard_of(key, tensor, tp_rank, dp_rank)
+            shard = _shard_of(key, tensor, tp_rank, dp_rank)
+            if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
+                rid = shard.replica_id
+                shard.replica_id = (1, *rid) if isinstance(rid, tuple) else (1, rid)
+            out[prefix + name] = shard
         return out
 
 

@@ -1,0 +1,189 @@
+"""Interleaved 1F1B for virtual pipeline chunks (Megatron's ``forward_backward_pipelining_with_interleaving``).
+
+Each pipeline rank holds ``v`` model chunks; chunk ``c`` of rank ``r`` is virtual stage ``c * pp + r``.
+Micro-batches run in groups of ``G`` (``--microbatch-group-size-per-virtual-pipeline-stage``,
+default ``pp``): for each group, every chunk in order, every micro-batch of the group. Backward
+visits the same table with chunks reversed.
+
+Rounds. Rank ``r`` runs rounds ``t = -1, 0, 1, ...``: in round ``t`` it runs forward ``t`` (if
+``t < M * v``), then backward ``t - D_r`` with ``D_r = 2 (pp - r - 1) + (v - 1) G`` (Megatron's
+warm-up count), then one batched exchange with its neighbours. Round ``t`` of rank ``r`` happens at
+global step ``t + r``; every message is sent and received at the same global step (the receiver
+knows the sender's schedule, so it knows whether and for which chunk a tensor arrives). This is a
+lock-step wave, hence deadlock-free, and it needs ``G >= pp`` (and a last partial group of at least
+``pp``) so that the last rank's chunk ``c`` output reaches rank 0 before its chunk ``c + 1`` needs it.
+When the warm-up would exceed ``M * v`` (few micro-batches), ranks simply idle in some rounds
+instead of capping the warm-up, which keeps the wave intact.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedules import (
+    GradSync,
+    _model_config,
+    _stage,
+    backward_step,
+    deallocate_output_tensor,
+    finalize,
+    forward_step,
+    make_communicator,
+)
+
+
+def check_interleaving(num_microbatches: int, pp: int, group_size: int | None) -> int:
+    """The micro-batch group size G; raises ValueError when the micro-batch count does not fit.
+
+    Rules (Megatron's): ``pp <= G <= M`` and ``M mod G`` is 0 or at least ``pp``.
+    """
+    g = pp if group_size is None else group_size
+    what = (f"the interleaved pipeline schedule runs {num_microbatches} micro-batches per step "
+            "(--global-batch-size / (--micro-batch-size x data-parallel size))")
+    if g < pp:
+        raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage {g} must be at least "
+                         f"--pipeline-model-parallel-size {pp}")
+    if num_microbatches < g:
+        raise ValueError(f"{what}; it needs at least {g} (the micro-batch group size, default "
+                         f"--pipeline-model-parallel-size {pp}): raise --global-batch-size")
+    rest = num_microbatches % g
+    if rest != 0 and rest < pp:
+        raise ValueError(f"{what}; with micro-batch groups of {g} the last group has {rest} < "
+                         f"--pipeline-model-parallel-size {pp}: use a multiple of {g} micro-batches "
+                         f"(--global-batch-size)")
+    return g
+
+
+def schedule_table(num_microbatches: int, num_chunks: int, group_size: int) -> list[tuple[int, int]]:
+    """Forward order as ``(micro_batch, chunk)``: per group of micro-batches, every chunk in turn."""
+    table = []
+    for start in range(0, num_microbatches, group_size):
+        group = range(start, min(start + group_size, num_microbatches))
+        table.extend((mb, chunk) for chunk in range(num_chunks) for mb in group)
+    return table
+
+
+class RoundPlan:
+    """What every rank computes and sends in each round (pure arithmetic, shared by all ranks)."""
+
+    def __init__(self, num_microbatches: int, num_chunks: int, pp: int, group_size: int, forward_only: bool):
+        self.m, self.v, self.pp, self.forward_only = num_microbatches, num_chunks, pp, forward_only
+        self.table = schedule_table(num_microbatches, num_chunks, group_size)
+        self.total = len(self.table)
+        self.g = group_size
+
+    def delay(self, rank: int) -> int:
+        return 2 * (self.pp - rank - 1) + (self.v - 1) * self.g
+
+    def fwd(self, rank: int, t: int) -> int | None:
+        return t if 0 <= t < self.total else None
+
+    def bwd(self, rank: int, t: int) -> int | None:
+        k = t - self.delay(rank)
+        return k if not self.forward_only and 0 <= k < self.total else None
+
+    def fchunk(self, k: int) -> int:
+        return self.table[k][1]
+
+    def bchunk(self, k: int) -> int:
+        return self.v - 1 - self.table[k][1]
+
+    def last_round(self, rank: int) -> int:
+        return self.total - 1 if self.forward_only else self.delay(rank) + self.total - 1
+
+    def sends_fwd(self, rank: int, t: int) -> int | None:
+        """Chunk whose output ``rank`` sends to the next rank in round ``t`` (None: no send)."""
+        k = self.fwd(rank, t)
+        if k is None or (rank == self.pp - 1 and self.fchunk(k) == self.v - 1):
+            return None
+        return self.fchunk(k)
+
+    def sends_bwd(self, rank: int, t: int) -> int | None:
+        """Chunk whose input gradient ``rank`` sends to the previous rank in round ``t``."""
+        k = self.bwd(rank, t)
+        if k is None or (rank == 0 and self.bchunk(k) == 0):
+            return None
+        return self.bchunk(k)
+
+    def recv_fwd(self, rank: int, t: int) -> int | None:
+        """Chunk (of ``rank``) for which an activation arrives from the previous rank in round ``t``."""
+        prev = (rank - 1) % self.pp
+        c = self.sends_fwd(prev, t + rank - prev)
+        return None if c is None else c + (1 if rank == 0 else 0)
+
+    def recv_bwd(self, rank: int, t: int) -> int | None:
+        """Chunk (of ``rank``) for which an output gradient arrives from the next rank in round ``t``."""
+        nxt = (rank + 1) % self.pp
+        c = self.sends_bwd(nxt, t + rank - nxt)
+        return None if c is None else c - (1 if rank == self.pp - 1 else 0)
+
+
+def forward_backward_pipelining_with_interleaving(
+        *, forward_step_func: Callable, data_iterator: list | None, model: list, num_microbatches: int,
+        seq_length: int | None = None, micro_batch_size: int | None = None, decoder_seq_length=None,
+        forward_only: bool = False, collect_non_loss_data: bool = False, first_val_step=None,
+        adjust_tensor_shapes_fn=None, p2p_communicator: P2PCommunicator | None = None) -> list:
+    """Interleaved 1F1B over ``model`` (one chunk per virtual stage of this rank).
+
+    ``data_iterator`` is a list with one entry per chunk (None where the chunk reads no data).
+    Returns the per-micro-batch metrics on the last pipeline rank, an empty list elsewhere.
+
+    Raises:
+        ValueError: fewer than two chunks, or a micro-batch count the schedule cannot run
+            (see ``check_interleaving``).
+    """
+    if not isinstance(model, list) or len(model) < 2:
+        raise ValueError("the interleaved schedule needs a list of >= 2 model chunks per rank")
+    v = len(model)
+    iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * v
+    config = _model_config(model[0])
+    rank, pp = _stage(model[0])
+    g = check_interleaving(num_microbatches, pp, config.microbatch_group_size_per_virtual_pipeline_stage)
+    plan = RoundPlan(num_microbatches, v, pp, g, forward_only)
+    comm = p2p_communicator or make_communicator(model[0], config, seq_length, micro_batch_size)
+    last_bwd = {plan.bchunk(k): k for k in range(plan.total)}  # last backward index of each chunk
+    sync = GradSync(config, v, active=not forward_only)
+    metrics: list = []
+    num_tokens: list = []
+    inputs: list[deque] = [deque() for _ in range(v)]  # received activations, per chunk
+    grads: list[deque] = [deque() for _ in range(v)]  # received output gradients, per chunk
+    stored: list[deque] = [deque() for _ in range(v)]  # (input, output) awaiting backward
+
+    for t in range(-1, plan.last_round(rank) + 1):
+        send_next = send_prev = None
+        k = plan.fwd(rank, t)
+        if k is not None:
+            c = plan.fchunk(k)
+            first, last = rank == 0 and c == 0, rank == pp - 1 and c == v - 1
+            assert first or inputs[c], f"pipeline rank {rank}: activation for chunk {c} has not arrived"
+            input_tensor = None if first else inputs[c].popleft()
+            output = forward_step(forward_step_func, iters[c], model[c], num_microbatches, config, forward_only,
+                                  metrics, num_tokens, input_tensor, last)
+            if not forward_only:
+                stored[c].append((input_tensor, output))
+            send_next = None if last else output
+        k = plan.bwd(rank, t)
+        if k is not None:
+            c = plan.bchunk(k)
+            first, last = rank == 0 and c == 0, rank == pp - 1 and c == v - 1
+            assert last or grads[c], f"pipeline rank {rank}: gradient for chunk {c} has not arrived"
+            output_grad = None if last else grads[c].popleft()
+            input_tensor, output = stored[c].popleft()
+            if last_bwd[c] == k:
+                sync.enable(c)
+            input_grad = backward_step(input_tensor, output, output_grad, config)
+            send_prev = None if first else input_grad
+        recv_f, recv_b = plan.recv_fwd(rank, t), plan.recv_bwd(rank, t)
+        got_f, got_b = comm.communicate(send_next=send_next, send_prev=send_prev, recv_prev=recv_f is not None,
+                                        recv_next=recv_b is not None)
+        if not forward_only:
+            deallocate_output_tensor(send_next)
+        if recv_f is not None:
+            inputs[recv_f].append(got_f)
+        if recv_b is not None:
+            grads[recv_b].append(got_b)
+    sync.enable_all()
+    finalize(config, model, num_tokens, forward_only)
+    return metrics if rank == pp - 1 else []

@@ -1,0 +1,108 @@
+"""Which transformer layers each pipeline stage (and virtual chunk) builds.
+
+Global layer order follows the virtual stage index ``c * pp + r`` (Megatron's rule): chunk ``c`` on
+pipeline rank ``r`` is virtual stage ``c * pp + r``. Example: 16 layers, pp 4, vpp 2 gives rank 0
+layers 1-2 (chunk 0) and 9-10 (chunk 1).
+
+Uneven splits: ``first`` / ``last`` layers go to the first / last pipeline rank (split evenly over
+that rank's virtual chunks); the remaining layers are split evenly over the other ranks' chunks.
+A split that drops or duplicates a layer, or leaves a stage empty, raises ``ValueError`` with the
+layer-to-stage table it would have produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Layer counts per virtual stage; ``counts[c * pp + r]`` is chunk ``c`` of pipeline rank ``r``."""
+
+    num_layers: int
+    pp: int
+    vpp: int
+    counts: tuple[int, ...]
+
+    def num_layers_of(self, pp_rank: int, chunk: int = 0) -> int:
+        """Number of layers chunk ``chunk`` of pipeline rank ``pp_rank`` builds."""
+        return self.counts[chunk * self.pp + pp_rank]
+
+    def offset_of(self, pp_rank: int, chunk: int = 0) -> int:
+        """0-based global index of the chunk's first layer (layers before it in virtual-stage order)."""
+        return sum(self.counts[: chunk * self.pp + pp_rank])
+
+    def table(self) -> str:
+        """Human-readable layer-to-stage table (1-based layer numbers, as in the logs)."""
+        lines = [f"layer-to-stage table (--num-layers {self.num_layers}, --pipeline-model-parallel-size "
+                 f"{self.pp}, virtual stages per rank {self.vpp}):"]
+        start = 0
+        for v, n in enumerate(self.counts):
+            c, r = divmod(v, self.pp)
+            span = f"layers {start + 1}-{start + n}" if n > 0 else "no layers"
+            lines.append(f"  pp rank {r} chunk {c} (virtual stage {v}): {span} ({n})")
+            start += n
+        if start < self.num_layers:
+            lines.append(f"  unassigned: layers {start + 1}-{self.num_layers}")
+        elif start > self.num_layers:
+            lines.append(f"  {start - self.num_layers} layer(s) beyond --num-layers {self.num_layers}")
+        return "\n".join(lines)
+
+
+def _split(total: int, parts: int) -> tuple[list[int], bool]:
+    """Even split of ``total`` over ``parts`` (floor when it does not divide); True when exact."""
+    if parts <= 0:
+        return [], total == 0
+    return [max(total, 0) // parts] * parts, total >= 0 and total % parts == 0
+
+
+def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, first: int | None = None,
+                          last: int | None = None) -> PipelineLayout:
+    """Assign ``num_layers`` layers to ``pp`` ranks x ``vpp`` virtual chunks.
+
+    Args:
+        num_layers: ``--num-layers``.
+        pp: ``--pipeline-model-parallel-size``.
+        vpp: virtual chunks per rank (None or 1: no interleaving).
+        first / last: ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``.
+
+    Raises:
+        ValueError: the split does not cover every layer exactly once or leaves a stage empty; the
+            message names the flags and prints the layer-to-stage table.
+    """
+    vpp = vpp or 1
+    if pp < 1 or vpp < 1:
+        raise ValueError(f"--pipeline-model-parallel-size ({pp}) and the virtual stages per rank ({vpp}) must be >= 1")
+    if pp == 1 and (first is not None or last is not None):
+        raise ValueError("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers only apply "
+                         "with --pipeline-model-parallel-size > 1; drop them")
+    per_rank: list[int | None] = [None] * pp
+    if first is not None:
+        per_rank[0] = first
+    if last is not None:
+        per_rank[-1] = last
+    fixed = sum(n for n in per_rank if n is not None)
+    free = [r for r in range(pp) if per_rank[r] is None]
+    even, exact = _split(num_layers - fixed, len(free))
+    for r, n in zip(free, even):
+        per_rank[r] = n
+    counts = [0] * (pp * vpp)
+    for r, n in enumerate(per_rank):
+        chunk_counts, chunk_exact = _split(n or 0, vpp)
+        exact = exact and chunk_exact
+        for c, k in enumerate(chunk_counts):
+            counts[c * pp + r] = k
+    layout = PipelineLayout(num_layers, pp, vpp, tuple(counts))
+    if exact and sum(counts) == num_layers and min(counts) > 0:
+        return layout
+    if first is None and last is None:
+        what = (f"--num-layers {num_layers} is not divisible into {pp * vpp} non-empty stages "
+                f"(--pipeline-model-parallel-size {pp} x {vpp} virtual stages per rank)")
+        fix = (f"use --num-layers a multiple of {pp * vpp}, or set --decoder-first-pipeline-num-layers / "
+               "--decoder-last-pipeline-num-layers")
+    else:
+        what = (f"--decoder-first-pipeline-num-layers {first} / --decoder-last-pipeline-num-layers {last} do not "
+                f"split --num-layers {num_layers} into {pp * vpp} non-empty stages")
+        fix = (f"the remaining layers must divide evenly over the other {len(free)} rank(s) x {vpp} chunk(s), and "
+               f"each given count must be a positive multiple of {vpp}")
+    raise ValueError(f"{what}; {fix}.\n{layout.table()}")

@@ -1,0 +1,68 @@
+"""DistributedDataParallel: overlapped bucketed reduction gives the same gradients as reducing at
+the end, and both equal the gradient of the whole batch on one process."""
+
+from __future__ import annotations
+
+import torch
+from harness import device, distributed_test
+from torch.testing import assert_close
+
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.parallel_state import ParallelState, RankGrid
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+VOCAB, SEQ, MBS, MICRO = 64, 16, 2, 2
+
+
+def _model(ps: ParallelState) -> GPTModel:
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                            attention_dropout=0.0)
+    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                    parallel_state=ps, device=device(), seed=7)
+
+
+def _batches(dp_rank: int, dp_size: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    full = torch.randint(0, VOCAB, (MICRO, MBS * dp_size, SEQ), generator=g)
+    return [full[m, dp_rank * MBS:(dp_rank + 1) * MBS].to(device()) for m in range(MICRO)]
+
+
+def _grads(ps: ParallelState, ddp_config: DistributedDataParallelConfig) -> torch.Tensor:
+    model = DistributedDataParallel(_model(ps).config, ddp_config, _model(ps), ps)
+    batches = _batches(ps.dp_rank, ps.dp_size)
+    with model.no_sync():
+        for ids in batches[:-1]:
+            (model(ids, None, None, labels=ids).mean() / MICRO).backward()
+    ids = batches[-1]
+    (model(ids, None, None, labels=ids).mean() / MICRO).backward()
+    if ddp_config.overlap_grad_reduce:
+        assert all(b.handle is not None for b in model.buckets), "every bucket should start during backward"
+    finalize_model_grads([model])
+    return model.grad_buffer.clone()
+
+
+@distributed_test(world_size=2)
+def test_overlap_matches_end_of_step_reduction_and_one_process(ps: ParallelState) -> None:
+    plain = _grads(ps, DistributedDataParallelConfig())
+    overlapped = _grads(ps, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=3000))
+    assert_close(overlapped, plain, rtol=0, atol=0)
+    averaged = _grads(ps, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=3000,
+                                                        average_in_collective=True))
+    assert_close(averaged, plain)
+    # One process seeing both ranks' samples in each micro-batch computes the same mean gradient.
+    solo = ParallelState(grid=RankGrid(), rank=0)
+    model = _model(solo)
+    for ids in [torch.cat(_batches_all(m)) for m in range(MICRO)]:
+        (model(ids, None, None, labels=ids).mean() / MICRO).backward()
+    reference = torch.cat([p.grad.reshape(-1) for p in reversed(list(model.parameters()))])
+    assert_close(plain, reference, rtol=1e-5, atol=1e-7)
+
+
+def _batches_all(m: int) -> list[torch.Tensor]:
+    return [_batches(r, 2)[m] for r in range(2)]
