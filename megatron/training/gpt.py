@@ -9,6 +9,7 @@ import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.pipeline_parallel.layout import build_pipeline_layout
+from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.datasets.provider import build_train_valid_test_datasets
@@ -63,19 +64,15 @@ def batch_keys(pre_process: bool, post_process: bool, attention_mask: bool = Fal
 def _broadcast(batch: dict | None, keys: tuple[str, ...], seq_length: int, micro_batch_size: int, pg,
                device: torch.device) -> dict:
     """tp rank 0's tensors to the other tp ranks (shapes known in advance: no metadata exchange)."""
-    src = pg.group_ranks["tp"][0]
-    out = {}
+    specs = {}
     for key in keys:
-        shape = (micro_batch_size, 1, seq_length, seq_length) if key == "attention_mask" else \
-            (micro_batch_size, seq_length)
-        wire = torch.uint8 if key == "attention_mask" else DTYPES[key]  # gloo has no bool broadcast
-        if pg.tp_rank == 0:
-            t = batch[key].to(wire).contiguous()
-        else:
-            t = torch.empty(shape, dtype=wire, device=device)
-        torch.distributed.broadcast(t, src=src, group=pg.tp_group)
-        out[key] = t.to(DTYPES[key])
-    return out
+        mask = key == "attention_mask"
+        shape = (micro_batch_size, 1, seq_length, seq_length) if mask else (micro_batch_size, seq_length)
+        specs[key] = (shape, torch.uint8 if mask else DTYPES[key])  # gloo has no bool broadcast
+    if batch is not None and "attention_mask" in batch:
+        batch = {**batch, "attention_mask": batch["attention_mask"].to(torch.uint8)}
+    out = broadcast_data(list(keys), batch, specs, pg.tp_group, src_rank=pg.group_ranks["tp"][0], device=device)
+    return {k: v.to(DTYPES[k]) for k, v in out.items()}
 
 
 def get_batch(data_iterator, device: torch.device, pg=None, seq_length: int | None = None,

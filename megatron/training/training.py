@@ -13,6 +13,7 @@ from megatron.core.distributed import DistributedDataParallel, finalize_model_gr
 from megatron.core.distributed.finalize_model_grads import sync_shared_embedding
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_seed
 from megatron.training import checkpointing
 from megatron.training.arguments import RunConfig, format_arguments
 from megatron.training.flops import num_floating_point_operations, peak_tflops, shape_from_config
@@ -52,6 +53,8 @@ class Trainer:
                                                       pp=cfg.model.pipeline_model_parallel_size)
         self.world_size = dist.get_world_size()
         set_random_seeds(t.seed, self.pg.pp_rank)
+        # Dropout inside tensor-parallel regions draws from this tracker (seed + 2718 + tp rank).
+        self.pg.rng_tracker = model_parallel_seed(t.seed, self.pg.tp_rank, device=self.device)
         print_rank_0(format_arguments(cfg))
         self.tokenizer, self.padded_vocab_size = providers.tokenizer(cfg, self.pg)
         chunks = providers.model(cfg, self.padded_vocab_size, self.pg, self.device)
@@ -103,6 +106,7 @@ class Trainer:
         extra = checkpointing.load_checkpoint(
             ck.load, self.model_sharded_state_dict(), self.optimizer, self.scheduler, parallel_state=self.pg,
             load_optim=ck.load_optim, load_rng=ck.load_rng, finetune=ck.finetune, ckpt_step=ck.ckpt_step,
+            rng_restore_fn=self.pg.rng_tracker.set_states,
             exit_on_missing_checkpoint=ck.exit_on_missing_checkpoint,
             model_args_check=model_args_for_check(self.cfg, self.padded_vocab_size), log=print_rank_0,
         )
@@ -131,7 +135,7 @@ class Trainer:
         extra.update(args=args, checkpoint_version=3.0)
         checkpointing.save_checkpoint(
             ck.save, self.state.iteration, self.model_sharded_state_dict(), self.optimizer, self.scheduler,
-            extra_state=extra, parallel_state=self.pg, save_optim=ck.save_optim, save_rng=ck.save_rng, log=print_rank_0,
+            extra_state=extra, parallel_state=self.pg, rng_state_fn=self.pg.rng_tracker.get_states, save_optim=ck.save_optim, save_rng=ck.save_rng, log=print_rank_0,
         )
 
     # ----------------------------------------------------------------------------------------------
