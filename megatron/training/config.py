@@ -9,19 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.core.config_utils import check_choice, check_positive, doc
+from megatron.core.tokenizer import TOKENIZER_TYPES
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "Llama2Tokenizer",
-    "TikTokenizer",
-    "HuggingFaceTokenizer",
-    "NullTokenizer",
-)
 
 
 @dataclass

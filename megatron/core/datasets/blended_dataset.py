@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import OrderedDict
 from typing import Any
 
@@ -13,21 +12,16 @@ from torch.utils.data import Dataset
 
 from megatron.core.datasets import helpers
 from megatron.core.datasets.utils import (
+    build_or_wait,
     cache_complete,
     cache_paths,
     dumps_description,
-    error_marker,
     load_cache,
-    save_cache,
-    wait_for_cache,
 )
 
 BLEND_SUFFIXES = ("description.txt", "dataset_index.npy", "dataset_sample_index.npy")
 
 
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class BlendedDataset(Dataset):
@@ -80,17 +74,9 @@ class BlendedDataset(Dataset):
         base = f"{self.unique_description_hash}-{type(self).__name__}-{self.unique_identifiers['split']}"
         paths = cache_paths(directory, base, BLEND_SUFFIXES)
         if not cache_complete(paths):
-            if _rank() != 0:
-                wait_for_cache(paths, self.config.cache_wait_timeout_s, self.config.emit)
-            else:
-                try:
-                    arrays = self._build()
-                    save_cache(paths, self.unique_description, dict(zip(BLEND_SUFFIXES[1:], arrays)))
-                except Exception as exc:
-                    os.makedirs(directory, exist_ok=True)
-                    with open(error_marker(paths), "w", encoding="utf-8") as f:
-                        f.write(f"{type(exc).__name__}: {exc}")
-                    raise
+            arrays = build_or_wait(paths, self.unique_description, BLEND_SUFFIXES, self._build,
+                                   self.config.cache_wait_timeout_s, self.config.emit)
+            if arrays is not None:
                 return arrays
         cached = load_cache(paths, self.unique_description)
         return cached["dataset_index.npy"], cached["dataset_sample_index.npy"]

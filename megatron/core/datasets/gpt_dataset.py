@@ -32,15 +32,13 @@ from megatron.core.datasets import helpers
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import (
     Split,
+    build_or_wait,
     cache_complete,
     cache_paths,
     convert_split_vector_to_split_matrix,
     dumps_description,
-    error_marker,
     load_cache,
     parse_and_normalize_split,
-    save_cache,
-    wait_for_cache,
 )
 
 logger = logging.getLogger(__name__)
@@ -111,9 +109,6 @@ class GPTDatasetConfig:
         (self.log or logger.info)(msg)
 
 
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class GPTDataset(Dataset):
@@ -177,17 +172,9 @@ class GPTDataset(Dataset):
         base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
         paths = cache_paths(directory, base, INDEX_SUFFIXES)
         if not cache_complete(paths):
-            if _rank() != 0:
-                wait_for_cache(paths, self.config.cache_wait_timeout_s, self.config.emit)
-            else:
-                try:
-                    arrays = self._build_indices()
-                    save_cache(paths, self.unique_description, dict(zip(INDEX_SUFFIXES[1:], arrays)))
-                except Exception as exc:
-                    os.makedirs(directory, exist_ok=True)
-                    with open(error_marker(paths), "w", encoding="utf-8") as f:
-                        f.write(f"{type(exc).__name__}: {exc}")
-                    raise
+            arrays = build_or_wait(paths, self.unique_description, INDEX_SUFFIXES, self._build_indices,
+                                   self.config.cache_wait_timeout_s, self.config.emit)
+            if arrays is not None:
                 return arrays
         t0 = time.perf_counter()
         cached = load_cache(paths, self.unique_description)

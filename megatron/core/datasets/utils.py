@@ -146,5 +146,31 @@ def wait_for_cache(paths: dict[str, str], timeout_s: float, log: Callable[[str],
         time.sleep(poll_s)
 
 
+def global_rank() -> int:
+    """This process's rank, 0 without torch.distributed (imported lazily: the tools import no torch)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def build_or_wait(paths: dict[str, str], description: str, suffixes: Sequence[str],
+                  build: Callable[[], tuple], timeout_s: float, log: Callable[[str], object] = print) -> tuple | None:
+    """The cache protocol for an incomplete cache. Global rank 0 builds the arrays, saves them under
+    ``suffixes[1:]`` and returns them (on failure it leaves an error marker so waiting ranks stop
+    too); every other rank waits for the files and returns None, then loads them."""
+    if global_rank() != 0:
+        wait_for_cache(paths, timeout_s, log)
+        return None
+    try:
+        arrays = build()
+        save_cache(paths, description, dict(zip(suffixes[1:], arrays)))
+    except Exception as exc:
+        os.makedirs(os.path.dirname(paths["description.txt"]), exist_ok=True)
+        with open(error_marker(paths), "w", encoding="utf-8") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        raise
+    return arrays
+
+
 def dumps_description(identifiers: dict) -> str:
     return json.dumps(identifiers, indent=4, default=lambda obj: obj.unique_identifiers)
