@@ -50,7 +50,7 @@ class BlendedDataset(Dataset):
         self.weights = [float(w) / total for w in weights]
         self.size = size
         self.config = config
-        ids = OrderedDict()
+        ids: OrderedDict[str, Any] = OrderedDict()
         ids["class"] = type(self).__name__
         ids["datasets"] = [d.unique_identifiers for d in datasets]
         ids["split"] = datasets[0].index_split.name

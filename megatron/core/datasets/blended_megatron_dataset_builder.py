@@ -61,9 +61,9 @@ class BlendedMegatronDatasetBuilder:
             blend = cfg.blend_per_split[i]
             if blend is None or not blend[0]:
                 continue
-            split = [None, None, None]
+            split: list[tuple[float, float] | None] = [None, None, None]
             split[i] = (0.0, 1.0)
-            sizes = [0, 0, 0]
+            sizes: list[int | None] = [0, 0, 0]
             sizes[i] = self.sizes[i]
             out[i] = self._build_blend(blend, split, sizes)[i]
         return out

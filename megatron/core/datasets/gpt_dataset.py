@@ -131,7 +131,7 @@ class GPTDataset(Dataset):
         self.num_samples = num_samples
         self.index_split = index_split
         self.config = config
-        ids = OrderedDict()
+        ids: OrderedDict[str, Any] = OrderedDict()
         ids["class"] = type(self).__name__
         ids["dataset_path"] = dataset_path
         ids["num_samples"] = num_samples
