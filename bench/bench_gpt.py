@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,7 @@ COMMON = ("--bf16 --mock-data --tokenizer-type NullTokenizer --lr 1e-4 --min-lr 
           "--log-interval 1 --eval-iters 0 --num-workers 2 --seed 1234")
 
 
-def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str) -> list[dict]:
+def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str, tag: str = "") -> list[dict]:
     metrics = os.path.join(workdir, f"{name}.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.join(ROOT, "pretrain_gpt.py"), *CONFIGS[name].split(), *COMMON.split(),
@@ -52,7 +53,12 @@ def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str) -> lis
     if rc != 0:
         print(open(log).read()[-5000:], flush=True)
         raise SystemExit(f"{name}: pretrain_gpt.py failed with exit code {rc}")
-    kernels = [ln.rstrip() for ln in open(log) if ln.startswith(" > kernels") or ln.startswith("   ")][:12]
+    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
+    os.makedirs(out_dir, exist_ok=True)
+    shutil.copy(log, os.path.join(out_dir, f"{name}{tag}.log"))
+    lines = open(log).read().splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith(" > kernels")), None)
+    kernels = [] if start is None else lines[start:start + 8]
     print("\n".join(kernels), flush=True)
     with open(metrics) as f:
         return [json.loads(line) for line in f if '"lm loss"' in line]
@@ -96,13 +102,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--extra", default="", help="extra pretrain_gpt.py flags for every configuration")
+    ap.add_argument("--tag", default="", help="suffix of the per-config logs copied to $OUT")
     ap.add_argument("--baseline", default=None, help="folder holding bench_plain.py (a copy of shared/baselines)")
     args = ap.parse_args()
     names = args.configs.split(",")
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench_gpt_")
-    rows = [summarise(n, run_ours(n, args.iters, args.nproc, args.extra, workdir), args.warmup, args.nproc,
+    rows = [summarise(n, run_ours(n, args.iters, args.nproc, args.extra, workdir, args.tag), args.warmup, args.nproc,
                       args.extra) for n in names]
     for r in rows:
         print("ours: " + json.dumps(r), flush=True)

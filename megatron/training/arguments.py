@@ -38,6 +38,11 @@ class ModelImplConfig:
     transformer_impl: str = doc("local", "Layer implementation. Only 'local' (this package's own modules "
                                 "and SDPA attention) is supported; a Transformer Engine path is not shipped.",
                                 choices=("local", "transformer_engine"))
+    torch_compile: str = doc(
+        "auto", "torch.compile each transformer layer (and the fused cross entropy's elementwise steps). "
+        "'auto': on CUDA with tensor-parallel size 1; 'on': on any CUDA run; 'off': eager everywhere. "
+        "Has no effect on CPU. Compilation adds about a minute at start-up.",
+        choices=("auto", "on", "off"))
 
 
 @dataclass

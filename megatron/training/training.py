@@ -63,6 +63,7 @@ class Trainer:
         if self.pg.dp_rank == 0:  # one line per (tp, pp) rank, as Megatron prints it
             print(f" > number of parameters on (tensor, pipeline) model parallel rank "
                   f"({self.pg.tp_rank}, {self.pg.pp_rank}): {num_params}", flush=True)
+        self._setup_kernels(chunks)
         # One DDP wrapper (gradient buffer) per model chunk, as Megatron-Core does for virtual stages.
         self.model = [DistributedDataParallel(cfg.model, cfg.ddp, c, self.pg) for c in chunks]
         cfg.model.finalize_model_grads_func = finalize_model_grads
@@ -89,6 +90,29 @@ class Trainer:
         self.signal_handler = DistributedSignalHandler() if t.exit_signal_handler else None
 
     # ----------------------------------------------------------------------------------------------
+    def _setup_kernels(self, chunks: list) -> None:
+        """Apply ``--torch-compile`` to the transformer layers and print which kernels the run uses."""
+        from megatron.core.fusions.compile import compile_layers, set_compile_enabled
+        from megatron.core.fusions.kernels import kernel_report
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        mode, cuda = self.cfg.impl.torch_compile, self.device.type == "cuda"
+        if not cuda:
+            reason = "CPU run"
+        elif mode == "off":
+            reason = "--torch-compile off"
+        elif mode == "auto" and self.pg.tp_size > 1:
+            reason = "tensor-parallel size > 1 under --torch-compile auto (use --torch-compile on)"
+        else:
+            reason = ""
+        set_compile_enabled(cuda and mode != "off")
+        compiled = compile_layers(chunks, TransformerLayer) if not reason else 0
+        fused_ce = any(getattr(c, "fused_cross_entropy", False) for c in chunks)
+        if not any(getattr(c, "post_process", False) for c in chunks):
+            fused_ce = self.cfg.model.cross_entropy_loss_fusion and self.pg.tp_size == 1
+        lines = kernel_report(self.cfg.model, self.device, self.pg.tp_size, compiled, reason, fused_ce)
+        print_rank_0("\n".join(lines))
+
     def _writer_kwargs(self) -> dict:
         lg, ck = self.cfg.logger, self.cfg.checkpoint
         metrics_file = lg.metrics_file

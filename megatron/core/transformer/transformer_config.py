@@ -83,6 +83,11 @@ class TransformerConfig:
         False, "Normalise the loss by the global token count of the step (summed over micro-batches and "
         "data-parallel ranks) instead of averaging per-micro-batch means."
     )
+    cross_entropy_loss_fusion: bool = doc(
+        True, "Compute the output layer and the cross entropy together in chunks of tokens, never holding "
+        "the full [tokens, vocabulary] logits (the softmax stays fp32). Applies with tensor-parallel size 1; "
+        "with tp > 1 the vocab-parallel cross entropy is used. --no-cross-entropy-loss-fusion turns it off."
+    )
     # Hooks the training application sets for the schedules (not flags).
     grad_scale_func: object = doc(None, "Scales the loss before backward (fp16 loss scaling).", flag=None)
     no_sync_func: object = doc(None, "Context manager that defers gradient reduction.", flag=None)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.fusions.linear_cross_entropy import linear_cross_entropy
 from megatron.core.models.common.embeddings import LanguageModelEmbedding
 from megatron.core.parallel_state import ParallelState, get_parallel_state
 from megatron.core.tensor_parallel import mappings
@@ -85,6 +86,9 @@ class GPTModel(nn.Module):
         if torch.device(device or "cpu").type != "meta":  # a meta model (dry run) has no values
             self.init_weights(torch.initial_seed() if seed is None else seed)
         self.input_tensor: torch.Tensor | None = None
+        # The fused output layer + cross entropy covers one tp rank with a bias-free output layer.
+        self.fused_cross_entropy = (post_process and config.cross_entropy_loss_fusion and self.pg.tp_size == 1
+                                    and self.output_layer.bias is None)
         if post_process and not pre_process and self.share_embeddings_and_output_weights:
             # The last stage's copy of the tied word embedding: its gradient is summed with the first
             # stage's over the embedding group (finalize_model_grads); it is left out of the grad norm.
@@ -151,6 +155,10 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if labels is not None and self.fused_cross_entropy:
+            # One rank holds the whole vocabulary: output layer + loss in token chunks, no full logits.
+            w = weight if weight is not None else self.output_layer.weight
+            return linear_cross_entropy(hidden, w, labels.t()).t().contiguous()  # [s, b] -> [b, s]
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V/tp]
         if labels is None:
             if not self.parallel_output:

@@ -1,0 +1,124 @@
+"""Fused kernels against their unfused references (CPU, eager)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fusions.compile import compile_layers
+from megatron.core.fusions.kernels import kernel_report
+from megatron.core.fusions.linear_cross_entropy import chunk_tokens, linear_cross_entropy
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def reference(h, w, t, g):
+    h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss = F.cross_entropy((h @ w.t()).float(), t, reduction="none")
+    (loss * g).sum().backward()
+    return loss, h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 5, 16, 100])
+def test_linear_cross_entropy_matches_reference_fp32(chunk):
+    torch.manual_seed(0)
+    n, hid, v = 37, 24, 61
+    h = torch.randn(n, hid, requires_grad=True)
+    w = torch.randn(v, hid, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    g = torch.rand(n)  # a per-token weighting, as a loss mask gives
+    loss = linear_cross_entropy(h, w, t, chunk)
+    (loss * g).sum().backward()
+    ref_loss, ref_h, ref_w = reference(h, w, t, g)
+    assert loss.dtype == torch.float32 and loss.shape == (n,)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad, ref_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, ref_w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_linear_cross_entropy_bf16_close_and_dtypes(chunk):
+    torch.manual_seed(1)
+    n, hid, v = 32, 16, 40
+    h = torch.randn(n, hid, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(v, hid, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    g = torch.rand(n)
+    loss = linear_cross_entropy(h, w, t, chunk)
+    (loss * g).sum().backward()
+    ref_loss, ref_h, ref_w = reference(h, w, t, g)
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    assert rel(loss, ref_loss) < 1e-5
+    assert rel(h.grad, ref_h) < 1e-2 and rel(w.grad, ref_w) < 1e-2
+
+
+def test_linear_cross_entropy_keeps_shape_and_checks_tokens():
+    h = torch.randn(4, 3, 8)
+    w = torch.randn(10, 8)
+    t = torch.randint(0, 10, (4, 3))
+    assert linear_cross_entropy(h, w, t, chunk=5).shape == (4, 3)
+    with pytest.raises(ValueError, match="tokens"):
+        linear_cross_entropy(h, w, t[:2])
+
+
+def test_chunk_tokens_is_a_power_of_two_near_a_gib_of_logits():
+    assert chunk_tokens(8192, 128256) == 2048
+    assert chunk_tokens(16384, 50304) == 4096
+    assert chunk_tokens(10, 128256) == 10
+
+
+def tiny(**kw):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+                normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+                add_bias_linear=False, num_query_groups=2)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpt_model_fused_loss_and_grads_match_unfused(tied):
+    models = [GPTModel(tiny(cross_entropy_loss_fusion=fused, share_embeddings_and_output_weights=tied),
+                       get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16, seed=3)
+              for fused in (True, False)]
+    assert models[0].fused_cross_entropy and not models[1].fused_cross_entropy
+    ids, labels = torch.randint(0, 64, (3, 16)), torch.randint(0, 64, (3, 16))
+    losses = []
+    for m in models:
+        loss = m(ids, None, None, labels=labels)
+        assert loss.shape == (3, 16)
+        (loss * torch.linspace(0.1, 1.0, 16)).sum().backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiled_layers_share_one_graph_and_match_eager():
+    torch._dynamo.reset()
+    cfg = tiny(num_layers=3)
+    eager, comp = (GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16, seed=5)
+                   for _ in range(2))
+    assert compile_layers([comp], TransformerLayer) == 3
+    for layer in comp.modules():  # the CPU CI has no C++ toolchain guarantee: trace only
+        if isinstance(layer, TransformerLayer):
+            layer.compile(backend="aot_eager", dynamic=False)
+    ids = torch.randint(0, 64, (2, 16))
+    for m in (eager, comp):
+        m(ids, None, None, labels=ids).sum().backward()
+    for a, b in zip(eager.parameters(), comp.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    torch._dynamo.reset()
+
+
+def test_kernel_report_names_every_part_on_cpu():
+    lines = kernel_report(tiny(), torch.device("cpu"), tp_size=1, compiled_layers=0, compile_reason="CPU run",
+                          fused_cross_entropy=True)
+    text = "\n".join(lines)
+    assert lines[0] == " > kernels:"
+    for part in ("attention: SDPA", "not compiled: CPU run", "fused output layer", "FP8: off", "Transformer Engine"):
+        assert part in text
