@@ -2,7 +2,7 @@
 """Throughput of pretrain_gpt.py on the baseline's model shapes, and optionally the baseline itself.
 
     python bench/bench_gpt.py --configs gpt-1.3b,llama-3b [--iters 30] [--baseline DIR] [--nproc N]
-                              [--extra "--tensor-model-parallel-size 2 --sequence-parallel"]
+                              [--extra="--tensor-model-parallel-size 2 --sequence-parallel"]
 
 Each configuration runs the real training path (``pretrain_gpt.py`` with mock data: loop, logging,
 data loader) under torchrun, logging every step to a metrics file. The table reports medians over
