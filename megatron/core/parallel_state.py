@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -119,7 +120,7 @@ class ParallelState:
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
     # Named RNG states (megatron.core.tensor_parallel.random.RNGStatesTracker) for dropout inside
     # tensor-parallel regions; set by whoever seeds the run. None: dropout uses the default RNG.
-    rng_tracker: object = None
+    rng_tracker: Any = None
 
     def size(self, axis: str) -> int:
         return getattr(self.grid, axis)

@@ -68,7 +68,7 @@ class Trainer:
         self.model = [DistributedDataParallel(cfg.model, cfg.ddp, c, self.pg) for c in chunks]
         cfg.model.finalize_model_grads_func = finalize_model_grads
         cfg.model.no_sync_func = [c.no_sync for c in self.model] if len(self.model) > 1 else self.model[0].no_sync
-        self.optimizer = get_megatron_optimizer(cfg.optimizer, self.model, grad_stats_group=self.pg.mp_group,
+        self.optimizer = get_megatron_optimizer(cfg.optimizer, list(self.model), grad_stats_group=self.pg.mp_group,
                                                 tp_rank=self.pg.tp_rank)
         if cfg.model.fp16:
             cfg.model.grad_scale_func = self.optimizer.scale_loss

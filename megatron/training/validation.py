@@ -126,14 +126,15 @@ def check_logging(cfg) -> None:
             raise ValueError("--wandb-project needs the wandb package: pip install wandb") from e
 
 
-CHECKS = (check_batch_sizes, check_pipeline, check_sequence, check_schedule_units, check_optimizer, check_data_and_tokenizer,
-          check_checkpointing, check_implementation, check_logging)
+# Checks that need the world size come first; the rest read the configs only.
+LAYOUT_CHECKS = (check_batch_sizes, check_pipeline)
+CHECKS = (check_sequence, check_schedule_units, check_optimizer, check_data_and_tokenizer, check_checkpointing,
+          check_implementation, check_logging)
 
 
 def validate_run_config(cfg, world_size: int | None = None) -> None:
     ws = world_size_from_env() if world_size is None else world_size
+    for layout_check in LAYOUT_CHECKS:
+        layout_check(cfg, ws)
     for check in CHECKS:
-        if check in (check_batch_sizes, check_pipeline):
-            check(cfg, ws)
-        else:
-            check(cfg)
+        check(cfg)

@@ -36,7 +36,7 @@ class BlendedMegatronDatasetBuilder:
     ``build()`` returns ``[train, valid, test]`` with None for splits that are not built.
     """
 
-    def __init__(self, cls: type, sizes: list[int | None], is_built_on_rank: Callable[[], bool], config: Any) -> None:
+    def __init__(self, cls: Any, sizes: list[int | None], is_built_on_rank: Callable[[], bool], config: Any) -> None:
         if len(sizes) != 3:
             raise ValueError(f"sizes must list train, valid and test sample counts, got {sizes}")
         self.cls = cls
@@ -92,7 +92,7 @@ class BlendedMegatronDatasetBuilder:
                 w = [len(c) for c in children]
                 if sum(w) == 0:
                     continue
-                size = None if sizes[i] is None else min(sizes[i], sum(w))
+                size = None if sizes[i] is None else int(min(sizes[i], sum(w)))
             out[i] = BlendedDataset(children, w, size, self.config)
             self._report(out[i], w, Split(i))
         return out

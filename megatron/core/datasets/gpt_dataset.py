@@ -154,7 +154,7 @@ class GPTDataset(Dataset):
         return int(low_level_dataset.sequence_lengths.shape[0])
 
     @staticmethod
-    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
+    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> Any:
         return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files)
 
     # ------------------------------------------------------------------ indices

@@ -67,7 +67,7 @@ class DistributedDataParallel(nn.Module):
         limit = self._bucket_size()
         buckets, current, start, offset = [], [], 0, 0
         for p in params:
-            p.main_grad = self.grad_buffer[offset:offset + p.numel()].view_as(p)
+            p.main_grad = self.grad_buffer[offset:offset + p.numel()].view_as(p)  # type: ignore[attr-defined]
             offset += p.numel()
             current.append(p)
             if limit is not None and offset - start >= limit:
@@ -82,7 +82,7 @@ class DistributedDataParallel(nn.Module):
 
     # ----------------------------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        param.main_grad.add_(param.grad)
+        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
         param.grad = None
         if not (self._sync_enabled and self.ddp_config.overlap_grad_reduce and self.dp_size > 1):
             return
@@ -134,7 +134,7 @@ class DistributedDataParallel(nn.Module):
 
     # Checkpointing and attribute access go to the wrapped module.
     def sharded_state_dict(self, prefix: str = "", *args, **kwargs) -> dict:
-        return self.module.sharded_state_dict(prefix, *args, **kwargs)
+        return self.module.sharded_state_dict(prefix, *args, **kwargs)  # type: ignore[operator]
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)

@@ -58,7 +58,7 @@ def check_interleaving(num_microbatches: int, pp: int, group_size: int | None) -
 
 def schedule_table(num_microbatches: int, num_chunks: int, group_size: int) -> list[tuple[int, int]]:
     """Forward order as ``(micro_batch, chunk)``: per group of micro-batches, every chunk in turn."""
-    table = []
+    table: list[tuple[int, int]] = []
     for start in range(0, num_microbatches, group_size):
         group = range(start, min(start + group_size, num_microbatches))
         table.extend((mb, chunk) for chunk in range(num_chunks) for mb in group)

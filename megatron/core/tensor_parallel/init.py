@@ -80,10 +80,13 @@ def init_param_(param: torch.Tensor, name: str, seed: int, tp_rank: int = 0) -> 
 def set_init_attrs(param: torch.Tensor, std: float = 0.0, value: float = 0.0, partition_dim: int = -1,
                    partition_size: int = 1, partition_stride: int = 1) -> torch.Tensor:
     """Attach the initialisation and sharding recipe to ``param`` (see the module docstring)."""
-    param.init_std = std
-    param.init_value = value
-    param.partition_dim = partition_dim
-    param.partition_size = partition_size
-    param.partition_stride = partition_stride
-    param.tensor_model_parallel = partition_dim >= 0 and partition_size > 1
+    return tag_param(param, init_std=std, init_value=value, partition_dim=partition_dim,
+                     partition_size=partition_size, partition_stride=partition_stride,
+                     tensor_model_parallel=partition_dim >= 0 and partition_size > 1)
+
+
+def tag_param(param: torch.Tensor, **attrs) -> torch.Tensor:
+    """Attach attributes that other components read (``sequence_parallel``, ``shared_embedding_copy``, ...)."""
+    for name, value in attrs.items():
+        setattr(param, name, value)
     return param

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.tensor_parallel import mappings
-from megatron.core.tensor_parallel.init import set_init_attrs
+from megatron.core.tensor_parallel.init import set_init_attrs, tag_param
 from megatron.core.tensor_parallel.mappings import ProcessGroup
 
 
@@ -109,7 +109,7 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype))
             set_init_attrs(self.bias)
             # Replicated across tp but fed by sequence-sharded outputs: its grad needs a tp all-reduce.
-            self.bias.sequence_parallel = self.sequence_parallel
+            tag_param(self.bias, sequence_parallel=self.sequence_parallel)
         else:
             self.bias = None
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core.tensor_parallel.init import set_init_attrs
+from megatron.core.tensor_parallel.init import set_init_attrs, tag_param
 
 
 class Norm(nn.Module):
@@ -23,11 +23,11 @@ class Norm(nn.Module):
         self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
         set_init_attrs(self.weight, value=1.0)
-        self.weight.sequence_parallel = sequence_parallel
+        tag_param(self.weight, sequence_parallel=sequence_parallel)
         if self.kind == "LayerNorm":
             self.bias = nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
             set_init_attrs(self.bias, value=0.0)
-            self.bias.sequence_parallel = sequence_parallel
+            tag_param(self.bias, sequence_parallel=sequence_parallel)
         else:
             self.bias = None
 

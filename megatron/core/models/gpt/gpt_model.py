@@ -11,7 +11,7 @@ from megatron.core.models.common.embeddings import LanguageModelEmbedding
 from megatron.core.parallel_state import ParallelState, get_parallel_state
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.core.tensor_parallel.init import init_param_
+from megatron.core.tensor_parallel.init import init_param_, tag_param
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.rope import rotary_cos_sin
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -92,8 +92,7 @@ class GPTModel(nn.Module):
         if post_process and not pre_process and self.share_embeddings_and_output_weights:
             # The last stage's copy of the tied word embedding: its gradient is summed with the first
             # stage's over the embedding group (finalize_model_grads); it is left out of the grad norm.
-            self.output_layer.weight.shared_embedding_copy = True
-            self.output_layer.weight.shared = True
+            tag_param(self.output_layer.weight, shared_embedding_copy=True, shared=True)
 
     # ----------------------------------------------------------------------------------------------
     def global_param_name(self, local_name: str) -> str:
@@ -123,8 +122,9 @@ class GPTModel(nn.Module):
         """Megatron-Core's hook for pipeline schedules: the activation ``[s(/tp), b, h]`` received from
         the previous stage, used instead of the embedding when this stage has no ``pre_process``."""
         if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0] if input_tensor else None
-        self.input_tensor = input_tensor
+            self.input_tensor = input_tensor[0] if input_tensor else None
+        else:
+            self.input_tensor = input_tensor
 
     # ----------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
