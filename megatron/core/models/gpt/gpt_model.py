@@ -191,13 +191,16 @@ class GPTModel(nn.Module):
 
 
 def _shard_of(key: str, tensor: torch.Tensor, tp_rank: int, dp_rank: int) -> ShardedTensor:
+    """The ShardedTensor of one parameter. Stacked sub-tensors (SwiGLU's [gate; up], stride 2) are
+    always stored as ``[stride, rows / stride, ...]``, whatever the tp size, so the checkpoint's
+    global shape never depends on the layout."""
     dim = getattr(tensor, "partition_dim", -1)
     parts = getattr(tensor, "partition_size", 1)
-    if dim < 0 or parts == 1:
-        return ShardedTensor.from_rank_offsets(key, tensor, replica_id=(tp_rank, dp_rank))
     stride = getattr(tensor, "partition_stride", 1)
     data = tensor
     if stride > 1:
         data = tensor.view(stride, tensor.shape[0] // stride, *tensor.shape[1:])
         dim += 1
+    if dim < 0 or parts == 1:
+        return ShardedTensor.from_rank_offsets(key, data, replica_id=(tp_rank, dp_rank))
     return ShardedTensor.from_rank_offsets(key, data, (dim, tp_rank, parts), replica_id=(0, dp_rank))
