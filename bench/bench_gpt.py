@@ -33,6 +33,11 @@ CONFIGS = {
                  "--num-query-groups 8 --ffn-hidden-size 8192 --swiglu --normalization RMSNorm "
                  "--position-embedding-type rope --rotary-base 500000 --disable-bias-linear --seq-length 4096 "
                  "--max-position-embeddings 4096 --micro-batch-size 2 --vocab-size 128256"),
+    "llama3-8b": ("--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention "
+                  "--num-query-groups 8 --ffn-hidden-size 14336 --swiglu --normalization RMSNorm "
+                  "--position-embedding-type rope --rotary-base 500000 --disable-bias-linear "
+                  "--untie-embeddings-and-output-weights --seq-length 4096 --max-position-embeddings 4096 "
+                  "--micro-batch-size 1 --vocab-size 128256"),
     "tiny": ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 "
              "--max-position-embeddings 512 --micro-batch-size 4 --vocab-size 32000"),
 }

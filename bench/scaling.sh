@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Scaling runs of issue 7 on one node of 8 (or 4) H200s: the layouts, weak scaling and NCCL loss
+# matches. Every figure lands in $OUT/bench_gpt.jsonl and $OUT/layout_match.jsonl (or ./bench_out/).
+#
+#   bash bench/scaling.sh [NGPUS]      (default 8; 4 runs the layouts that fit)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N="${1:-8}"
+B="python3 bench/bench_gpt.py --iters 20 --warmup 5"
+
+# 1. Layouts on N GPUs, llama-3b and Llama-3-8B (global batch = micro-batch x DP unless given).
+for cfg in llama-3b llama3-8b; do
+  $B --configs "$cfg" --nproc "$N" --extra="--overlap-grad-reduce"                                        # dpN
+  $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"
+  $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 4 --sequence-parallel --overlap-grad-reduce"
+  [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 8 --sequence-parallel"
+  $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --global-batch-size $((4 * N))"
+  [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size $((8 * N))"
+done
+
+# 2. Weak scaling: the same per-GPU work on 1, 2, 4, 8 GPUs (dp, then tp2 x dp).
+for n in 1 2 4 8; do
+  [ "$n" -le "$N" ] || continue
+  $B --configs llama-3b --nproc "$n" --extra="--overlap-grad-reduce"
+  [ "$n" -ge 2 ] && $B --configs llama-3b --nproc "$n" --extra="--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"
+done
+
+# 3. Correctness on NCCL: every layout against one GPU over 50 bf16 steps (a smaller model).
+python3 bench/layout_match.py --iters 50 --layouts "1:;$N:;$N:--tensor-model-parallel-size 2 --sequence-parallel;$N:--tensor-model-parallel-size 4 --sequence-parallel;$N:--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
