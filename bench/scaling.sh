@@ -26,4 +26,5 @@ for n in 1 2 4 8; do
 done
 
 # 3. Correctness on NCCL: every layout against one GPU over 50 bf16 steps (a smaller model).
-python3 bench/layout_match.py --iters 50 --layouts "1:;$N:;$N:--tensor-model-parallel-size 2 --sequence-parallel;$N:--tensor-model-parallel-size 4 --sequence-parallel;$N:--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
+G="--global-batch-size 32"  # divisible by micro-batch 4 x every DP degree below
+python3 bench/layout_match.py --iters 50 --layouts "1:$G;$N:$G;$N:$G --tensor-model-parallel-size 2 --sequence-parallel;$N:$G --tensor-model-parallel-size 4 --sequence-parallel;$N:$G --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
