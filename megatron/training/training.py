@@ -93,6 +93,7 @@ class Trainer:
     def _setup_kernels(self, chunks: list) -> None:
         """Apply ``--torch-compile`` to the transformer layers and print which kernels the run uses."""
         from megatron.core.fusions.compile import compile_layers, set_compile_enabled
+        from megatron.core.fusions.fp8 import apply_fp8
         from megatron.core.fusions.kernels import kernel_report
         from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -105,12 +106,15 @@ class Trainer:
             reason = "tensor-parallel size > 1 under --torch-compile auto (use --torch-compile on)"
         else:
             reason = ""
+        # Before compiling, so that the FP8 GEMMs are inside the layers' graphs; raises on a non-Hopper device.
+        fp8_linears = apply_fp8(chunks, self.cfg.model, self.device)
         set_compile_enabled(cuda and mode != "off")
         compiled = compile_layers(chunks, TransformerLayer) if not reason else 0
         fused_ce = any(getattr(c, "fused_cross_entropy", False) for c in chunks)
         if not any(getattr(c, "post_process", False) for c in chunks):
             fused_ce = self.cfg.model.cross_entropy_loss_fusion and self.pg.tp_size == 1
-        lines = kernel_report(self.cfg.model, self.device, self.pg.tp_size, compiled, reason, fused_ce)
+        lines = kernel_report(self.cfg.model, self.device, self.pg.tp_size, compiled, reason, fused_ce,
+                              fp8_linears=fp8_linears)
         print_rank_0("\n".join(lines))
 
     def _writer_kwargs(self) -> dict:

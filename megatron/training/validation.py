@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 
 def world_size_from_env() -> int:
     """The launcher's world size (torchrun / SLURM), known before any process group exists."""
@@ -118,6 +120,20 @@ def check_implementation(cfg) -> None:
         )
 
 
+def check_fp8(cfg) -> None:
+    """FP8 needs a CUDA GPU; fail at parse time on a machine without one (a dry run is exempt).
+
+    Only ``torch.cuda.is_available()`` is asked here (it creates no CUDA context); the compute
+    capability (Hopper, 9.0+) is checked by ``fusions.fp8.apply_fp8`` once the rank's device is set.
+    """
+    m = cfg.model
+    if m.fp8_format is None or cfg.training.dry_run:
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--fp8-format {m.fp8_format} needs an H100/H200-class GPU (Hopper, compute capability "
+                         "9.0 or newer) and this machine has no CUDA device; drop --fp8-format to train in bf16")
+
+
 def check_logging(cfg) -> None:
     if cfg.logger.wandb_project:
         try:
@@ -129,7 +145,7 @@ def check_logging(cfg) -> None:
 # Checks that need the world size come first; the rest read the configs only.
 LAYOUT_CHECKS = (check_batch_sizes, check_pipeline)
 CHECKS = (check_sequence, check_schedule_units, check_optimizer, check_data_and_tokenizer, check_checkpointing,
-          check_implementation, check_logging)
+          check_implementation, check_fp8, check_logging)
 
 
 def validate_run_config(cfg, world_size: int | None = None) -> None:

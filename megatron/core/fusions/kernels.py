@@ -26,13 +26,14 @@ def sdpa_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_k
 
 
 def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: int, compile_reason: str,
-                  fused_cross_entropy: bool) -> list[str]:
-    """Lines for the ``> kernels`` block printed at start-up."""
+                  fused_cross_entropy: bool, fp8_linears: int | None = None) -> list[str]:
+    """Lines for the ``> kernels`` block printed at start-up; ``fp8_linears`` is what
+    ``fusions.fp8.apply_fp8`` returned (None: not counted)."""
     dtype = config.params_dtype
     attn = sdpa_backend(device, dtype, config.num_attention_heads // tp_size,
                         max(1, config.num_query_groups // tp_size), config.kv_channels)
     if device.type != "cuda":
-        attn += " (CPU: flash/cuDNN kernels need a CUDA device)"
+        attn += " (the CPU kernel of that name; cuDNN fused attention needs a CUDA device)"
     if compiled_layers:
         layers = f"torch.compile of each TransformerLayer ({compiled_layers} layers, one shared graph): " \
                  f"norms, RoPE, {config.activation.upper()} and residual adds fused by Inductor"
@@ -55,6 +56,19 @@ def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: i
         f"   layers: {layers}",
         f"   cross entropy: {ce}",
         f"   optimizer: {opt}",
-        f"   FP8: off (--fp8-format is not implemented yet; GEMMs in {str(dtype).replace('torch.', '')})",
+        f"   FP8: {fp8_line(config, dtype, fp8_linears)}",
         "   Transformer Engine: not used (--transformer-impl local; no TE path is shipped)",
     ]
+
+
+def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None) -> str:
+    """Whether the tensor-parallel linears run in FP8, and with which recipe."""
+    from megatron.core.fusions.fp8 import Fp8Recipe
+
+    recipe = Fp8Recipe.from_config(config)
+    gemms = str(dtype).replace("torch.", "")
+    if recipe is None:
+        return f"off (no --fp8-format; GEMMs in {gemms})"
+    where = "QKV, proj, fc1, fc2" if fp8_linears is None else f"{fp8_linears} QKV/proj/fc1/fc2 linears"
+    return (f"on, {recipe.describe()}: torch._scaled_mm for {where}; output layer, embedding and "
+            f"attention in {gemms}")

@@ -5,6 +5,10 @@ linear holds rows ``[r*out/tp, (r+1)*out/tp)`` of the logical weight (``partitio
 row-parallel linear holds columns ``[r*in/tp, (r+1)*in/tp)`` (``partition_dim`` 1). Layers return
 ``(output, bias)`` as Megatron-Core does: ``bias`` is ``None`` unless ``skip_bias_add`` asks the
 caller to fuse the bias into a later op.
+
+FP8: ``megatron.core.fusions.fp8.apply_fp8`` may give a column/row-parallel linear an ``fp8``
+submodule (scaling state only); its GEMM then runs in FP8 on the same local shards, between the
+same collectives. Weights, checkpoints and the tp/sp semantics are unchanged.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class ColumnParallelLinear(nn.Module):
             set_init_attrs(self.bias, partition_dim=0, partition_size=self.tp_size, partition_stride=partition_stride)
         else:
             self.bias = None
+        self.fp8: nn.Module | None = None  # set by fusions.fp8.apply_fp8: the GEMM runs in FP8
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,7 +85,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, weight, bias)
+        out = F.linear(x, weight, bias) if self.fp8 is None else self.fp8(x, weight, bias)
         if self.gather_output:
             out = mappings.gather_from_tensor_model_parallel_region(out, self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)
@@ -112,6 +117,7 @@ class RowParallelLinear(nn.Module):
             tag_param(self.bias, sequence_parallel=self.sequence_parallel)
         else:
             self.bias = None
+        self.fp8: nn.Module | None = None  # set by fusions.fp8.apply_fp8: the GEMM runs in FP8
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, in/tp]`` -> ``([s, b, out], bias)`` (``[s/tp, b, out]`` with sequence parallelism).
@@ -119,7 +125,7 @@ class RowParallelLinear(nn.Module):
         Collectives: forward all-reduce (backward identity), or with sequence parallelism a
         reduce-scatter along the sequence (backward all-gather).
         """
-        out = F.linear(x, self.weight)
+        out = F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight, None)
         if self.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         else:

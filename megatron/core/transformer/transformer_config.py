@@ -88,6 +88,21 @@ class TransformerConfig:
         "the full [tokens, vocabulary] logits (the softmax stays fp32). Applies with tensor-parallel size 1; "
         "with tp > 1 the vocab-parallel cross entropy is used. --no-cross-entropy-loss-fusion turns it off."
     )
+    fp8_format: str | None = doc(
+        None, "Run the transformer layers' linears (QKV, proj, fc1, fc2; not the output layer or embedding) "
+        "in FP8 with torch._scaled_mm: 'e4m3' everywhere, or 'hybrid' (e4m3 forward, e5m2 gradients). "
+        "Compute only: weights and checkpoints stay bf16. Needs --bf16 and a Hopper GPU (H100/H200). "
+        "Default: off.", choices=("e4m3", "hybrid"))
+    fp8_recipe: str = doc(
+        "delayed", "FP8 scaling: 'tensorwise' scales each tensor by its current amax; 'delayed' by an amax "
+        "history of previous steps (see --fp8-amax-history-len). Only with --fp8-format.",
+        choices=("tensorwise", "delayed"))
+    fp8_amax_history_len: int = doc(
+        1024, "Delayed FP8 scaling: amax entries kept per tensor (one per forward or backward call). "
+        "Only with --fp8-format and --fp8-recipe delayed.")
+    fp8_amax_compute_algo: str = doc(
+        "max", "Delayed FP8 scaling: the amax of a tensor is the 'max' over its history or the "
+        "'most_recent' entry. Only with --fp8-format and --fp8-recipe delayed.", choices=("max", "most_recent"))
     # Hooks the training application sets for the schedules (not flags).
     grad_scale_func: object = doc(None, "Scales the loss before backward (fp16 loss scaling).", flag=None)
     no_sync_func: object = doc(None, "Context manager that defers gradient reduction.", flag=None)
@@ -140,7 +155,19 @@ class TransformerConfig:
                 "rotary channels; it must be even (e.g. --rotary-percent 1.0)"
             )
         check_positive("init_method_std", self.init_method_std)
+        self._check_fp8()
         self._check_parallelism()
+
+    def _check_fp8(self) -> None:
+        if self.fp8_format is None:
+            return
+        check_choice("fp8_format", self.fp8_format, ("e4m3", "hybrid"))
+        check_choice("fp8_recipe", self.fp8_recipe, ("tensorwise", "delayed"))
+        check_choice("fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("max", "most_recent"))
+        check_positive("fp8_amax_history_len", self.fp8_amax_history_len)
+        if not self.bf16:
+            raise ValueError(f"--fp8-format {self.fp8_format} needs --bf16 (FP8 GEMMs take bf16 activations and "
+                             "weights); add --bf16")
 
     def _check_parallelism(self) -> None:
         tp = self.tensor_model_parallel_size

@@ -1,0 +1,246 @@
+"""FP8 GEMMs for the tensor-parallel linears (QKV, proj, fc1, fc2) on Hopper, with ``torch._scaled_mm``.
+
+FP8 is compute only: weights, their gradients and the optimizer stay in bf16 / fp32, checkpoints are
+unchanged. For ``Y = X W^T`` the forward quantises ``X`` and ``W`` to e4m3 with one fp32 scale per
+tensor; the backward quantises ``dY`` (e5m2 for ``hybrid``, e4m3 for ``e4m3``, as Transformer Engine
+and Megatron define the formats) and computes ``dX = dY W`` and ``dW = dY^T X`` in FP8 as well.
+
+Scaling recipes (``scale = fp8_max / amax``, so the largest value maps to the top of the format):
+  * ``tensorwise``: amax of the tensor being quantised (exact, one reduction per tensor, no state);
+  * ``delayed``: amax from a per-tensor history of the previous calls (``max`` over it or the
+    ``most_recent`` entry); the current amax is then pushed into the history. The first call uses
+    the current amax. Values above the delayed scale saturate at fp8_max.
+
+The numerics are one code path for every device: quantise -> :func:`scaled_mm`. That function
+calls ``torch._scaled_mm`` (first operand row-major, second column-major, every dim a multiple of
+16, bf16 output) or, with ``use_scaled_mm=False``, multiplies the dequantised fp8 values in fp32 —
+the reference the tests compare it against.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("tensorwise", "delayed")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# The linears that run in FP8 (Megatron: the transformer layers' GEMMs, never the output layer).
+FP8_LINEAR_NAMES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+ALIGN = 16  # torch._scaled_mm: every GEMM dim a multiple of 16
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+X, W, DY = 0, 1, 2  # rows of the amax history
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How one run quantises: ``format`` in FORMATS, ``recipe`` in RECIPES, and delayed scaling's history."""
+
+    format: str = "hybrid"
+    recipe: str = "delayed"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        return E4M3
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        return E5M2 if self.format == "hybrid" else E4M3
+
+    @classmethod
+    def from_config(cls, config) -> Fp8Recipe | None:
+        """The recipe of a ``TransformerConfig`` (None when ``--fp8-format`` is not given)."""
+        if not getattr(config, "fp8_format", None):
+            return None
+        return cls(config.fp8_format, config.fp8_recipe, config.fp8_amax_history_len, config.fp8_amax_compute_algo)
+
+    def describe(self) -> str:
+        grads = "e5m2" if self.format == "hybrid" else "e4m3"
+        scaling = ("tensorwise scaling (current amax)" if self.recipe == "tensorwise" else
+                   f"delayed scaling (amax history {self.amax_history_len}, {self.amax_compute_algo})")
+        return f"{self.format} (e4m3 forward, {grads} gradients), {scaling}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantisation and the scaled GEMM: the exact numerics of every device.
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 quantisation scale ``fp8_max / amax``; 1 where amax is 0 or not finite."""
+    amax = amax.float()
+    scale = torch.finfo(dtype).max / amax.clamp(min=1e-12)
+    return torch.where(torch.isfinite(amax) & (amax > 0), scale, torch.ones_like(scale))
+
+
+def quantize(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t * scale`` saturated to the format's range and cast to ``dtype`` (computed in fp32)."""
+    fmax = torch.finfo(dtype).max
+    return (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
+              out_dtype: torch.dtype, use_scaled_mm: bool = True) -> torch.Tensor:
+    """``(a * a_inv) @ (b * b_inv)`` for fp8 ``a [M, K]`` (row-major) and ``b [K, N]`` (column-major).
+
+    ``a_inv`` / ``b_inv`` are the fp32 dequantisation scales (1 / quantisation scale).
+    """
+    if use_scaled_mm:
+        return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+    return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """The same ``[r, c]`` matrix laid out column-major (what ``_scaled_mm`` wants second)."""
+    return t.t().contiguous().t()
+
+
+def tensor_scale(t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, history: torch.Tensor | None,
+                 initialized: torch.Tensor | None, row: int) -> torch.Tensor:
+    """The quantisation scale of ``t``; with delayed scaling also pushes its amax into ``history[row]``.
+
+    No host synchronisation: the history update and the first-call choice are device ops.
+    """
+    cur = t.detach().abs().amax().float()
+    if recipe.recipe == "tensorwise" or history is None or initialized is None:
+        return scale_from_amax(cur, dtype)
+    hist = history[row]  # [L], most recent first
+    past = hist.amax() if recipe.amax_compute_algo == "max" else hist[0]
+    amax = torch.where(initialized[row], past, cur)
+    hist.copy_(torch.roll(hist, 1))
+    hist[0] = cur
+    initialized[row] = True
+    return scale_from_amax(amax, dtype)
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """``Y [M, N] = X [M, K] W[N, K]^T`` in FP8.
+
+    Forward: X, W -> e4m3 with per-tensor scales; ``Y = _scaled_mm(X8, W8^T)`` in X's dtype.
+    Backward: dY -> the gradient format; ``dX = dY8 W8`` and ``dW = dY8^T X8`` (the saved fp8 copies
+    of X and W, so X is kept at one byte per element).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe, history, initialized, use_scaled_mm):  # type: ignore[override]
+        fwd = recipe.fwd_dtype
+        x_scale = tensor_scale(x, fwd, recipe, history, initialized, X)
+        w_scale = tensor_scale(weight, fwd, recipe, history, initialized, W)
+        x8, w8 = quantize(x, x_scale, fwd), quantize(weight, w_scale, fwd)  # [M, K], [N, K]
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, use_scaled_mm)  # [M, N]
+        ctx.save_for_backward(x8, w8, x_inv, w_inv)
+        ctx.recipe, ctx.history, ctx.initialized, ctx.use_scaled_mm = recipe, history, initialized, use_scaled_mm
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x8, w8, x_inv, w_inv = ctx.saved_tensors
+        bwd = ctx.recipe.bwd_dtype
+        dy = grad_out.contiguous()  # [M, N]
+        g_scale = tensor_scale(dy, bwd, ctx.recipe, ctx.history, ctx.initialized, DY)
+        dy8, g_inv = quantize(dy, g_scale, bwd), g_scale.reciprocal()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = scaled_mm(dy8, _col_major(w8), g_inv, w_inv, ctx.dtypes[0], ctx.use_scaled_mm)  # [M, K]
+        if ctx.needs_input_grad[1]:
+            dw = scaled_mm(dy8.t().contiguous(), _col_major(x8), g_inv, x_inv, ctx.dtypes[1],
+                           ctx.use_scaled_mm)  # [N, K]
+        return dx, dw, None, None, None, None
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history: torch.Tensor | None = None,
+               initialized: torch.Tensor | None = None, use_scaled_mm: bool = True) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T`` in FP8 (see :class:`_Fp8Matmul`); M, N, K multiples of 16."""
+    return _Fp8Matmul.apply(x, weight, recipe, history, initialized, use_scaled_mm)
+
+
+# Delayed scaling mutates its history inside forward and backward: keep that out of compiled graphs.
+_fp8_matmul_eager = torch.compiler.disable(fp8_matmul)
+
+
+class Fp8Gemm(nn.Module):
+    """The FP8 compute of one linear (held as its ``fp8`` submodule): scaling state, no weights.
+
+    The amax history is a non-persistent buffer (``[3, L]`` rows X, W, dY): checkpoints do not
+    change, and a resumed run re-learns it from its first step.
+    """
+
+    def __init__(self, recipe: Fp8Recipe, device: torch.device | str | None = None, use_scaled_mm: bool = True):
+        super().__init__()
+        self.recipe = recipe
+        self.use_scaled_mm = use_scaled_mm
+        length = recipe.amax_history_len if recipe.recipe == "delayed" else 1
+        self.register_buffer("amax_history", torch.zeros(3, length, device=device), persistent=False)
+        self.register_buffer("initialized", torch.zeros(3, dtype=torch.bool, device=device), persistent=False)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``[..., K] -> [..., N]``; falls back to ``F.linear`` when the token count is not a multiple of 16."""
+        x2d = x.reshape(-1, x.shape[-1])  # [M, K]
+        if x2d.shape[0] % ALIGN != 0:
+            warnings.warn(f"FP8: {x2d.shape[0]} tokens per GEMM is not a multiple of {ALIGN}; "
+                          "those GEMMs run in bf16 (use a micro-batch x sequence length divisible by 16)",
+                          stacklevel=2)
+            return F.linear(x, weight, bias)
+        if self.recipe.recipe == "delayed":
+            out = _fp8_matmul_eager(x2d, weight, self.recipe, self.amax_history, self.initialized,
+                                    self.use_scaled_mm)
+        else:
+            out = fp8_matmul(x2d, weight, self.recipe, None, None, self.use_scaled_mm)
+        out = out.view(*x.shape[:-1], weight.shape[0])
+        return out + bias if bias is not None else out
+
+
+# ------------------------------------------------------------------------------------------------
+# Start-up: which devices and layers can run it.
+
+def fp8_device_error(device: torch.device) -> str | None:
+    """Why ``device`` cannot run the FP8 GEMMs (None when it can: CUDA, compute capability 9.0+)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (f"--fp8-format needs an H100/H200-class GPU (Hopper, compute capability 9.0 or newer); this run "
+                f"is on the {device.type.upper()}. Drop --fp8-format to train in bf16")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return (f"--fp8-format needs an H100/H200-class GPU (Hopper, compute capability 9.0 or newer); "
+                f"{torch.cuda.get_device_name(device)} has {major}.{minor}. Drop --fp8-format to train in bf16")
+    return None
+
+
+def apply_fp8(modules: list[nn.Module], config, device: torch.device) -> int:
+    """Give every QKV / proj / fc1 / fc2 linear of ``modules`` an :class:`Fp8Gemm`; returns how many.
+
+    Does nothing without ``config.fp8_format``. Raises ValueError (naming ``--fp8-format``) when the
+    device cannot run FP8; linears whose weight dims are not multiples of 16 stay in bf16, with one
+    warning naming them.
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    recipe = Fp8Recipe.from_config(config)
+    if recipe is None:
+        return 0
+    error = fp8_device_error(device)
+    if error:
+        raise ValueError(error)
+    count, skipped = 0, []
+    for root in modules:
+        for name, module in root.named_modules():
+            if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                continue
+            if name.rsplit(".", 1)[-1] not in FP8_LINEAR_NAMES or module.weight is None:
+                continue
+            n, k = module.weight.shape
+            if n % ALIGN or k % ALIGN:
+                skipped.append(f"{name} [{n}, {k}]")
+                continue
+            module.fp8 = Fp8Gemm(recipe, device=module.weight.device)
+            count += 1
+    if skipped:
+        warnings.warn(f"FP8: {len(skipped)} linears keep bf16 GEMMs because a weight dim is not a multiple of "
+                      f"{ALIGN}: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}", stacklevel=2)
+    return count

@@ -1,0 +1,269 @@
+"""FP8 linears: numerics against the bf16/fp32 matmul, delayed-scaling history, the layer hook, flags."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fusions import fp8 as fp8_mod
+from megatron.core.fusions.fp8 import (
+    DY,
+    E4M3,
+    E5M2,
+    Fp8Gemm,
+    Fp8Recipe,
+    W,
+    X,
+    apply_fp8,
+    fp8_matmul,
+    quantize,
+    scale_from_amax,
+    scaled_mm,
+    tensor_scale,
+)
+from megatron.core.fusions.kernels import kernel_report
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.arguments import parse_args
+
+
+def _scaled_mm_on_cpu() -> bool:
+    try:
+        a = torch.zeros(16, 16).to(E4M3)
+        torch._scaled_mm(a, a.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0), out_dtype=torch.bfloat16)
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+SCALED_MM = _scaled_mm_on_cpu()
+# The reference path (dequantised fp8 in fp32) always; torch._scaled_mm too where this torch runs it on CPU.
+PATHS = [False, True] if SCALED_MM else [False]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def inputs(m=64, k=96, n=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(n, k, generator=g) * 0.02).bfloat16().requires_grad_()
+    dy = torch.randn(m, n, generator=g).bfloat16()
+    return x, w, dy
+
+
+@pytest.mark.parametrize("use_scaled_mm", PATHS)
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_fp8_matmul_matches_high_precision(fmt, recipe, use_scaled_mm):
+    """e4m3 keeps 3 mantissa bits (~3.7% relative error measured), e5m2 gradients 2 bits (~6%)."""
+    r = Fp8Recipe(fmt, recipe, 16, "max")
+    x, w, dy = inputs()
+    hist, init = torch.zeros(3, 16), torch.zeros(3, dtype=torch.bool)
+    y = fp8_matmul(x, w, r, hist, init, use_scaled_mm)
+    y.backward(dy)
+    xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    (xr @ wr.t()).backward(dy.float())
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+    grad_bound = 0.09 if fmt == "hybrid" else 0.06
+    assert rel(y, xr @ wr.t()) < 0.06
+    assert rel(x.grad, xr.grad) < grad_bound
+    assert rel(w.grad, wr.grad) < grad_bound
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_gradients_use_the_format_of_the_recipe(fmt):
+    """Reference path, checked against a hand-written quantise -> dequantise -> fp32 matmul."""
+    r = Fp8Recipe(fmt, "tensorwise")
+    assert r.fwd_dtype == E4M3 and r.bwd_dtype == (E5M2 if fmt == "hybrid" else E4M3)
+    x, w, dy = inputs()
+    fp8_matmul(x, w, r, use_scaled_mm=False).backward(dy)
+
+    def dq(t, dtype):
+        s = scale_from_amax(t.float().abs().amax(), dtype)
+        return quantize(t, s, dtype).float() / s
+
+    xq, wq, gq = dq(x.detach(), E4M3), dq(w.detach(), E4M3), dq(dy, r.bwd_dtype)
+    torch.testing.assert_close(x.grad.float(), (gq @ wq).bfloat16().float(), rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(w.grad.float(), (gq.t() @ xq).bfloat16().float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.skipif(not SCALED_MM, reason="torch._scaled_mm does not run on this CPU")
+def test_scaled_mm_matches_reference_path():
+    """The GPU call and the reference differ only in accumulation order and the final bf16 rounding."""
+    x, w, _ = inputs(m=32, k=64, n=48)
+    sx, sw = scale_from_amax(x.detach().abs().amax(), E4M3), scale_from_amax(w.detach().abs().amax(), E4M3)
+    x8, w8 = quantize(x.detach(), sx, E4M3), quantize(w.detach(), sw, E4M3)
+    got = scaled_mm(x8, w8.t(), 1 / sx, 1 / sw, torch.bfloat16, use_scaled_mm=True)
+    ref = scaled_mm(x8, w8.t(), 1 / sx, 1 / sw, torch.bfloat16, use_scaled_mm=False)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_quantize_saturates_and_zero_amax_scales_by_one():
+    t = torch.tensor([1.0, -1000.0, 0.5])
+    q = quantize(t, torch.tensor(1.0), E4M3).float()
+    assert q.tolist() == [1.0, -448.0, 0.5]
+    assert scale_from_amax(torch.tensor(0.0), E4M3).item() == 1.0
+    assert scale_from_amax(torch.tensor(2.0), E5M2).item() == pytest.approx(57344.0 / 2)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scaling_history(algo):
+    """First call: current amax. Later calls: the history (max or most recent), then push the current."""
+    r = Fp8Recipe("hybrid", "delayed", 4, algo)
+    hist, init = torch.zeros(3, 4), torch.zeros(3, dtype=torch.bool)
+    fmax = torch.finfo(E4M3).max
+    scales = [tensor_scale(torch.full((4,), a), E4M3, r, hist, init, X).item() for a in (2.0, 1.0, 4.0)]
+    assert scales[0] == pytest.approx(fmax / 2.0)  # no history yet
+    assert scales[1] == pytest.approx(fmax / 2.0)  # history [2]
+    assert scales[2] == pytest.approx(fmax / (2.0 if algo == "max" else 1.0))  # history [1, 2]
+    assert hist[X].tolist() == [4.0, 1.0, 2.0, 0.0]
+    assert init.tolist() == [True, False, False]
+    for a in (8.0, 8.0):  # the history keeps its length: the oldest entry falls out
+        tensor_scale(torch.full((4,), a), E4M3, r, hist, init, X)
+    assert hist[X].tolist() == [8.0, 8.0, 4.0, 1.0]
+
+
+def test_delayed_history_updates_in_forward_and_backward():
+    gemm = Fp8Gemm(Fp8Recipe("hybrid", "delayed", 8), use_scaled_mm=False)
+    x, w, dy = inputs(m=32)
+    for step in range(2):
+        gemm(x, w, None).backward(dy * (step + 1))
+    h = gemm.amax_history
+    torch.testing.assert_close(h[X, :2], x.detach().float().abs().amax().repeat(2))
+    torch.testing.assert_close(h[W, :2], w.detach().float().abs().amax().repeat(2))
+    amax_dy = dy.float().abs().amax()
+    torch.testing.assert_close(h[DY, :2], torch.stack([2 * amax_dy, amax_dy]))
+    assert h[:, 2:].abs().sum() == 0 and gemm.initialized.all()
+    assert list(gemm.state_dict()) == []  # compute state only: never in checkpoints
+
+
+def tiny_config(**kw):
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, hidden_dropout=0.0,
+                attention_dropout=0.0, normalization="RMSNorm", activation="swiglu", ffn_hidden_size=128,
+                position_embedding_type="rope", add_bias_linear=False, bf16=True)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def test_layers_without_fp8_are_bitwise_unchanged():
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(64, 96, init_std=0.02, bias=True, params_dtype=torch.bfloat16)
+    row = RowParallelLinear(96, 64, init_std=0.02, bias=True, params_dtype=torch.bfloat16)
+    for p in list(col.parameters()) + list(row.parameters()):
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(8, 2, 64).bfloat16()
+    assert col.fp8 is None and row.fp8 is None
+    h, _ = col(x)
+    assert torch.equal(h, F.linear(x, col.weight, col.bias))
+    out, _ = row(h)
+    assert torch.equal(out, F.linear(h, row.weight) + row.bias)
+    assert set(col.state_dict()) == {"weight", "bias"} and set(row.state_dict()) == {"weight", "bias"}
+
+
+def test_layer_hook_runs_fp8_and_falls_back_on_unaligned_tokens():
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(64, 96, init_std=0.02, bias=True, params_dtype=torch.bfloat16)
+    for p in col.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    ref = {k: v.clone() for k, v in col.state_dict().items()}
+    col.fp8 = Fp8Gemm(Fp8Recipe("hybrid", "tensorwise"), use_scaled_mm=False)
+    x = torch.randn(8, 2, 64).bfloat16()  # 16 tokens
+    out, _ = col(x)
+    assert out.shape == (8, 2, 96) and rel(out, F.linear(x, col.weight, col.bias)) < 0.06
+    assert col.state_dict().keys() == ref.keys()
+    x_odd = torch.randn(5, 3, 64).bfloat16()  # 15 tokens: not a multiple of 16
+    with pytest.warns(UserWarning, match="not a multiple of 16"):
+        out, _ = col(x_odd)
+    assert torch.equal(out, F.linear(x_odd, col.weight, col.bias))
+
+
+def test_apply_fp8_refuses_the_cpu():
+    cfg = tiny_config(fp8_format="hybrid")
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
+    with pytest.raises(ValueError, match=r"--fp8-format needs an H100/H200-class GPU.*CPU"):
+        apply_fp8([model], cfg, torch.device("cpu"))
+    assert apply_fp8([model], tiny_config(), torch.device("cpu")) == 0  # FP8 off: nothing to check
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_apply_fp8_covers_the_transformer_linears_only(monkeypatch, recipe):
+    monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)  # pretend Hopper
+    monkeypatch.setattr(fp8_mod.Fp8Gemm.__init__, "__defaults__", (None, SCALED_MM))
+    cfg = tiny_config(fp8_format="hybrid", fp8_recipe=recipe, fp8_amax_history_len=16)
+    ref = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
+    keys = set(model.state_dict())
+    assert apply_fp8([model], cfg, torch.device("cpu")) == 4 * cfg.num_layers
+    assert set(model.state_dict()) == keys
+    assert model.output_layer.fp8 is None
+    names = {n.rsplit(".", 2)[-2] for n, m in model.named_modules() if isinstance(m, Fp8Gemm)}
+    assert names == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
+    ids = torch.randint(0, 128, (2, 16))
+    losses = []
+    for m in (ref, model):
+        loss = m(ids, None, None, labels=ids).float().mean()
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=0.02)
+    g_ref = ref.decoder.layers[0].mlp.linear_fc1.weight.grad
+    g = model.decoder.layers[0].mlp.linear_fc1.weight.grad
+    assert g.dtype == torch.bfloat16 and rel(g, g_ref) < 0.15
+
+
+def test_apply_fp8_warns_and_skips_unaligned_weights(monkeypatch):
+    monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)
+    cfg = tiny_config(fp8_format="e4m3", ffn_hidden_size=72)  # fc1 [144, 64], fc2 [64, 72]
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
+    with pytest.warns(UserWarning, match="linear_fc2"):
+        assert apply_fp8([model], cfg, torch.device("cpu")) == 3 * cfg.num_layers
+    assert model.decoder.layers[0].mlp.linear_fc2.fp8 is None
+
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128").split()
+
+
+def test_fp8_flags_defaults_and_values():
+    m = parse_args(BASE).model
+    assert (m.fp8_format, m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo) == \
+        (None, "delayed", 1024, "max")
+    m = parse_args(BASE + "--bf16 --fp8-format e4m3 --fp8-recipe tensorwise --fp8-amax-history-len 16 "
+                          "--fp8-amax-compute-algo most_recent --dry-run".split()).model
+    assert Fp8Recipe.from_config(m) == Fp8Recipe("e4m3", "tensorwise", 16, "most_recent")
+
+
+def test_fp8_needs_bf16():
+    with pytest.raises(ValueError, match="--fp8-format hybrid needs --bf16"):
+        parse_args(BASE + "--fp8-format hybrid".split())
+    with pytest.raises(ValueError, match="--bf16"):
+        parse_args(BASE + "--fp16 --fp8-format e4m3".split())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_fp8_on_a_machine_without_gpu_fails_before_training():
+    with pytest.raises(ValueError, match="--fp8-format hybrid needs an H100/H200-class GPU"):
+        parse_args(BASE + "--bf16 --fp8-format hybrid".split())
+
+
+def test_kernel_report_says_whether_fp8_is_on():
+    def fp8_line(cfg, **kw):
+        lines = kernel_report(cfg, torch.device("cpu"), 1, 0, "CPU run", True, **kw)
+        return next(line for line in lines if "FP8:" in line)
+
+    assert "FP8: off" in fp8_line(tiny_config())
+    line = fp8_line(tiny_config(fp8_format="hybrid", fp8_recipe="delayed"), fp8_linears=8)
+    assert "FP8: on" in line and "e5m2 gradients" in line and "delayed scaling (amax history 1024, max)" in line
+    assert "8 QKV/proj/fc1/fc2 linears" in line
+    line = fp8_line(tiny_config(fp8_format="e4m3", fp8_recipe="tensorwise"))
+    assert "tensorwise" in line and "e4m3 gradients" in line
+
+
+def test_fp8_matmul_emits_no_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8_matmul(*inputs()[:2], Fp8Recipe("e4m3", "tensorwise"), use_scaled_mm=False)
