@@ -66,3 +66,24 @@ def test_overlap_matches_end_of_step_reduction_and_one_process(ps: ParallelState
 
 def _batches_all(m: int) -> list[torch.Tensor]:
     return [_batches(r, 2)[m] for r in range(2)]
+
+
+def test_gradient_memory_appears_bucket_by_bucket_during_backward() -> None:
+    """No gradient memory at the start of backward (when activations peak); buckets are created as
+    their gradients arrive and returned when the next step starts."""
+    solo = ParallelState(grid=RankGrid(), rank=0)
+    model = DistributedDataParallel(_model(solo).config, DistributedDataParallelConfig(bucket_size=3000),
+                                    _model(solo), solo)
+    assert len(model.buckets) > 2 and all(b.view is None for b in model.buckets)
+    allocated_when_first_grad_arrived = []
+    first = model.buckets[0].params[0]
+    first.register_post_accumulate_grad_hook(
+        lambda p: allocated_when_first_grad_arrived.append(sum(b.view is not None for b in model.buckets)))
+    ids = _batches(0, 1)[0]
+    model(ids, None, None, labels=ids).mean().backward()
+    assert allocated_when_first_grad_arrived == [1]
+    finalize_model_grads([model])
+    assert all(b.view is not None for b in model.buckets)
+    model.zero_grad_buffer()
+    assert all(b.view is None for b in model.buckets)
+    assert all(getattr(p, "main_grad", None) is None for p in model.module.parameters())

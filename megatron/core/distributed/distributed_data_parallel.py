@@ -1,7 +1,8 @@
 """Data-parallel wrapper: contiguous main-gradient buffer, buckets, overlapped reduction.
 
-Every trainable parameter gets ``param.main_grad``, a view into one contiguous buffer (fp32 when
-``grad_reduce_in_fp32``). A post-accumulate hook adds each freshly computed ``param.grad`` into it
+Every trainable parameter gets ``param.main_grad``, a view into its bucket's contiguous buffer (fp32
+when ``grad_reduce_in_fp32``), allocated at the bucket's first gradient of a step and released when
+the next step starts. A post-accumulate hook adds each freshly computed ``param.grad`` into it
 and frees ``param.grad``, so gradients accumulate across micro-batches in full precision whatever
 the parameter dtype.
 
@@ -26,12 +27,35 @@ from megatron.core.parallel_state import ParallelState, get_parallel_state
 
 
 class _Bucket:
-    """A contiguous slice of the gradient buffer and the parameters whose gradients live in it."""
+    """A contiguous fp32 (or param-dtype) gradient slice and the parameters whose ``main_grad`` live in it.
 
-    def __init__(self, params: list[nn.Parameter], view: torch.Tensor):
+    The storage exists only from the first gradient of a step until ``release`` (start of the next
+    step), so at the start of backward, when every activation is still alive, no gradient memory is
+    held yet: buckets appear one by one as backward frees activations.
+    """
+
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device):
         self.params = params
-        self.view = view
+        self.numel = sum(p.numel() for p in params)
+        self.dtype, self.device = dtype, device
+        self.view: torch.Tensor | None = None
         self.ready: set[int] = set()
+        self.handle = None
+
+    def allocate(self) -> torch.Tensor:
+        if self.view is None:
+            self.view = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            offset = 0
+            for p in self.params:
+                p.main_grad = self.view[offset:offset + p.numel()].view_as(p)  # type: ignore[attr-defined]
+                offset += p.numel()
+        return self.view
+
+    def release(self) -> None:
+        self.view = None
+        for p in self.params:
+            p.main_grad = None  # type: ignore[attr-defined]
+        self.ready.clear()
         self.handle = None
 
 
@@ -50,54 +74,58 @@ class DistributedDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else (params[0].dtype if params else torch.float32)
-        self.grad_buffer = torch.zeros(sum(p.numel() for p in params), dtype=grad_dtype, device=device)
-        self.buckets = self._make_buckets(list(reversed(params)))
+        self.buckets = self._make_buckets(list(reversed(params)), grad_dtype, device)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self._sync_enabled = True
 
-    def _bucket_size(self) -> int | None:
+    def _bucket_size(self) -> int:
         if self.ddp_config.bucket_size is not None:
             return self.ddp_config.bucket_size
-        if self.ddp_config.overlap_grad_reduce:
-            return max(40_000_000, 1_000_000 * self.dp_size)
-        return None  # one bucket
+        # Overlap: Megatron's default. Without overlap the buckets only bound how much gradient
+        # memory appears at once (and are reduced at the end of the step).
+        return max(40_000_000, 1_000_000 * self.dp_size)
 
-    def _make_buckets(self, params: list[nn.Parameter]) -> list[_Bucket]:
+    def _make_buckets(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device) -> list[_Bucket]:
         limit = self._bucket_size()
-        buckets, current, start, offset = [], [], 0, 0
+        buckets, current, size = [], [], 0
         for p in params:
-            p.main_grad = self.grad_buffer[offset:offset + p.numel()].view_as(p)  # type: ignore[attr-defined]
-            offset += p.numel()
             current.append(p)
-            if limit is not None and offset - start >= limit:
-                buckets.append(_Bucket(current, self.grad_buffer[start:offset]))
-                current, start = [], offset
+            size += p.numel()
+            if size >= limit:
+                buckets.append(_Bucket(current, dtype, device))
+                current, size = [], 0
         if current:
-            buckets.append(_Bucket(current, self.grad_buffer[start:offset]))
+            buckets.append(_Bucket(current, dtype, device))
         return buckets
+
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        """All gradients as one flat tensor (a copy), in bucket order; allocates missing buckets."""
+        return torch.cat([b.allocate() for b in self.buckets])
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        bucket = self._bucket_of[id(param)]
+        bucket.allocate()
         param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
         param.grad = None
         if not (self._sync_enabled and self.ddp_config.overlap_grad_reduce and self.dp_size > 1):
             return
-        bucket = self._bucket_of[id(param)]
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params) and bucket.handle is None:
             self._start_reduce(bucket, async_op=True)
 
     def _start_reduce(self, bucket: _Bucket, async_op: bool) -> None:
+        view = bucket.allocate()
         if self.ddp_config.average_in_collective:
-            bucket.handle = dist.all_reduce(bucket.view, op=dist.ReduceOp.AVG, group=self.dp_group,
-                                            async_op=async_op)
+            bucket.handle = dist.all_reduce(view, op=dist.ReduceOp.AVG, group=self.dp_group, async_op=async_op)
         else:
-            bucket.view.mul_(1.0 / self.dp_size)
-            bucket.handle = dist.all_reduce(bucket.view, group=self.dp_group, async_op=async_op)
+            view.mul_(1.0 / self.dp_size)
+            bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=async_op)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -109,15 +137,17 @@ class DistributedDataParallel(nn.Module):
             self._sync_enabled = True
 
     def zero_grad_buffer(self) -> None:
-        self.grad_buffer.zero_()
+        """Start a step: gradient memory is returned and re-created (zeroed) by the next backward."""
         for bucket in self.buckets:
-            bucket.ready.clear()
-            bucket.handle = None
+            bucket.release()
         for p in self.module.parameters():
             p.grad = None
 
     def finish_grad_sync(self) -> None:
-        """Wait for the buckets reduced during backward; reduce the others now."""
+        """Wait for the buckets reduced during backward; reduce the others now. Afterwards every
+        parameter has a ``main_grad`` (zeros where it got no gradient this step)."""
+        for bucket in self.buckets:
+            bucket.allocate()
         if self.dp_size == 1 or self.dp_group is None:
             return
         for bucket in self.buckets:
@@ -130,7 +160,8 @@ class DistributedDataParallel(nn.Module):
             bucket.ready.clear()
 
     def scale_gradients(self, factor: float | torch.Tensor) -> None:
-        self.grad_buffer.mul_(factor)
+        for bucket in self.buckets:
+            bucket.allocate().mul_(factor)
 
     # Checkpointing and attribute access go to the wrapped module.
     def sharded_state_dict(self, prefix: str = "", *args, **kwargs) -> dict:

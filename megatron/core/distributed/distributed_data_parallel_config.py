@@ -15,7 +15,8 @@ class DistributedDataParallelConfig:
     overlap_grad_reduce: bool = doc(False, "Reduce gradient buckets during backward as they become ready.")
     use_distributed_optimizer: bool = doc(False, "Shard optimizer state across data-parallel ranks (ZeRO-1).",
                                           flag=None)
-    bucket_size: int | None = doc(None, "Gradient bucket size in elements; default one bucket unless overlapping.",
+    bucket_size: int | None = doc(None, "Gradient bucket size in elements (buckets are also the unit in which gradient "
+                                        "memory is allocated during backward); default max(40M, 1M x DP).",
                                   flag="--ddp-bucket-size")
     average_in_collective: bool = doc(False, "Average in the collective instead of pre-scaling by 1/DP.",
                                       flag="--ddp-average-in-collective")
