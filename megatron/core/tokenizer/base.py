@@ -18,6 +18,9 @@ from typing import Any
 class MegatronTokenizer(ABC):
     """Abstract tokenizer. Subclasses set ``self.unique_identifiers`` entries in ``__init__``."""
 
+    _vocab_size: int
+    _eod: int
+
     def __init__(self, *paths: str | None, **options: Any) -> None:
         self.unique_identifiers: OrderedDict[str, Any] = OrderedDict()
         self.unique_identifiers["class"] = type(self).__name__
@@ -25,20 +28,22 @@ class MegatronTokenizer(ABC):
         for key, value in options.items():
             self.unique_identifiers[key] = str(value)
 
+    # Subclasses set ``_vocab_size`` and ``_eod`` (and ``_pad`` when they have one) in ``__init__``,
+    # or override these properties.
     @property
-    @abstractmethod
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can emit (before padding for the embedding table)."""
+        return self._vocab_size
 
     @property
-    @abstractmethod
     def eod(self) -> int:
         """End-of-document id appended by ``--append-eod`` and used by the masking flags."""
+        return self._eod
 
     @property
     def pad(self) -> int:
         """Padding id, or -1 when the tokenizer has none."""
-        return -1
+        return getattr(self, "_pad", -1)
 
     @property
     def bos(self) -> int:
@@ -74,6 +79,21 @@ class MegatronTokenizer(ABC):
     @property
     def eod_id(self) -> int:
         return self.eod
+
+
+class FastTokenizer(MegatronTokenizer):
+    """Encode/decode through a Hugging Face ``tokenizers.Tokenizer`` held in ``self._tok``."""
+
+    _tok: Any
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[Sequence[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def require_file(path: str | None, flag: str, what: str) -> str:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 
-from megatron.core.tokenizer.base import MegatronTokenizer, require_file
+from megatron.core.tokenizer.base import FastTokenizer, require_file
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -30,7 +29,7 @@ def load_byte_level_bpe(vocab_file: str, merge_file: str):
     return tok
 
 
-class GPT2BPETokenizer(MegatronTokenizer):
+class GPT2BPETokenizer(FastTokenizer):
     """Byte-level BPE (GPT-2). eod is ``<|endoftext|>`` (50256 for the original GPT-2 files).
 
     Args:
@@ -56,19 +55,4 @@ class GPT2BPETokenizer(MegatronTokenizer):
         self._vocab_size = len(vocab)
         self._tok = load_byte_level_bpe(vocab_file, merge_file)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
 
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[Sequence[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 
-from megatron.core.tokenizer.base import MegatronTokenizer
+from megatron.core.tokenizer.base import FastTokenizer
 
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 
@@ -20,7 +19,7 @@ def _eos_from_config(directory: str) -> str | None:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
-class HuggingFaceTokenizer(MegatronTokenizer):
+class HuggingFaceTokenizer(FastTokenizer):
     """A fast tokenizer read with the ``tokenizers`` library (no ``transformers``, no hub access).
 
     eod is the eos token named by ``tokenizer_config.json`` next to the file, else the first of
@@ -59,23 +58,4 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         pad = next((vocab[n] for n in ("<pad>", "[PAD]", "<|pad|>") if n in vocab), -1)
         self._pad = int(pad)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
 
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
-
-    def tokenize(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> list[Sequence[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

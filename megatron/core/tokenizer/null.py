@@ -31,17 +31,6 @@ class NullTokenizer(MegatronTokenizer):
         self._eod = eod_id
         self._pad = int(pad_id)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         try:

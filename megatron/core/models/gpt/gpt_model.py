@@ -192,8 +192,8 @@ class GPTModel(nn.Module):
 
 def _shard_of(key: str, tensor: torch.Tensor, tp_rank: int, dp_rank: int) -> ShardedTensor:
     """The ShardedTensor of one parameter. Stacked sub-tensors (SwiGLU's [gate; up], stride 2) are
-    always stored as ``[stride, rows / stride, ...]``, whatever the tp size, so the checkpoint's
-    global shape never depends on the layout."""
+    always stored as ``[stride, rows / stride, ...]``, whatever the tp size, so the shape a
+    checkpoint records never depends on the layout."""
     dim = getattr(tensor, "partition_dim", -1)
     parts = getattr(tensor, "partition_size", 1)
     stride = getattr(tensor, "partition_stride", 1)
