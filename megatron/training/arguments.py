@@ -103,6 +103,10 @@ ALIASES: dict[str, tuple[str, dict]] = {
 }
 
 
+# Fields without a usable default: the run stops with "--flag is required" when one is missing.
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size", "seq_length")
+
+
 def _flag_name(f: dataclasses.Field) -> str | None:
     flag = f.metadata.get("flag", "")
     if flag is None:
@@ -212,7 +216,7 @@ def configs_from_namespace(ns: dict) -> RunConfig:
     """Build (and so validate) every config from parsed flag values; raises ValueError on user errors."""
     ns = dict(ns)
     _apply_aliases(ns)
-    for required in ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size", "seq_length"):
+    for required in REQUIRED:
         if ns.get(required) is None:
             raise ValueError(f"--{required.replace('_', '-')} is required")
     model = _build(TransformerConfig, ns)

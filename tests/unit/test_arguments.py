@@ -101,3 +101,15 @@ def test_unknown_flag_one_line_with_suggestion(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did you mean --num-layers" in err[0]
+
+
+def test_flag_reference_is_current():
+    """docs/flags.md is generated from the parser; regenerate it with tools/flag_reference.py."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    spec = importlib.util.spec_from_file_location("flag_reference", os.path.join(root, "tools", "flag_reference.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with open(os.path.join(root, "docs", "flags.md")) as f:
+        assert f.read() == module.render(), "run: python tools/flag_reference.py > docs/flags.md"
