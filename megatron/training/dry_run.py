@@ -9,25 +9,32 @@ BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
 
 
 def estimate_memory_bytes(cfg, num_params: int, padded_vocab_size: int) -> dict[str, float]:
-    """Per-GPU memory estimate (one data-parallel replica, no recompute).
+    """Per-GPU memory estimate for the first pipeline stage (no recompute, no distributed optimizer).
 
-    Weights in the param dtype, fp32 main gradients, optimizer state (fp32 main params when the model
-    is bf16/fp16, plus Adam's two moments or SGD's momentum), and activations of one micro-batch:
-    about 34 bytes per token and hidden unit per layer with fused (flash/cuDNN) attention, plus the
-    logits in bf16 and fp32 for the loss.
+    Parameters are spread over tp x pp ranks. Per parameter: weights in the param dtype, fp32 main
+    gradients, optimizer state (fp32 main params when the model is bf16/fp16, plus Adam's two moments
+    or SGD's momentum). Activations: about 34 bytes per token and hidden unit per layer with fused
+    (flash/cuDNN) attention; 1F1B keeps pp micro-batches of L/pp layers alive on the first stage, i.e.
+    L layers' worth; tensor parallelism divides them (all of them with sequence parallelism, the
+    matmul-side half without). Plus the logits of one micro-batch chunk on the last stage, bounded by
+    the fused cross entropy.
     """
     m, t = cfg.model, cfg.training
+    tp, pp = m.tensor_model_parallel_size, getattr(m, "pipeline_model_parallel_size", 1)
+    local_params = num_params / (tp * pp)
     p_bytes = BYTES.get(str(m.params_dtype), 4)
     master = 4 if p_bytes < 4 else 0
     moments = 8 if cfg.optimizer.optimizer == "adam" else 4
     tokens = t.seq_length * t.micro_batch_size
     ffn_scale = m.ffn_hidden_size / (4 * m.hidden_size) * (1.5 if m.activation == "swiglu" else 1.0)
     per_layer = tokens * m.hidden_size * (18 + 16 * ffn_scale)
+    per_layer /= tp if m.sequence_parallel else 2.0 / (1.0 + 1.0 / tp)
+    logits = min(tokens * padded_vocab_size / tp, 2**28) * 10  # fused CE: ~1 GiB fp32 chunks
     return {
-        "weights": num_params * p_bytes,
-        "gradients": num_params * 4,
-        "optimizer": num_params * (master + moments),
-        "activations": per_layer * m.num_layers + tokens * padded_vocab_size * 10,
+        "weights": local_params * p_bytes,
+        "gradients": local_params * 4,
+        "optimizer": local_params * (master + moments),
+        "activations": per_layer * m.num_layers + logits,
     }
 
 
