@@ -19,7 +19,7 @@ def run(argv: list[str] | None = None) -> int:
     from megatron.training.arguments import parse_args
     from megatron.training.gpt import GPTProviders
     from megatron.training.initialize import destroy
-    from megatron.training.training import pretrain
+    from megatron.training.training import TrainingDiverged, pretrain
 
     try:
         cfg = parse_args(argv)
@@ -35,5 +35,9 @@ def run(argv: list[str] | None = None) -> int:
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         destroy()
         return 2
+    except TrainingDiverged as e:
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        destroy()
+        return 3
     destroy()
     return 0

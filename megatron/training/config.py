@@ -32,6 +32,9 @@ class TrainingConfig:
     exit_interval: int | None = doc(None, "Save (if --save) and exit when the iteration is a multiple of this.")
     exit_duration_in_mins: float | None = doc(None, "Save (if --save) and exit after this many minutes of training.")
     exit_signal_handler: bool = doc(False, "On SIGTERM, finish the current step, save a checkpoint and exit 0.")
+    check_for_nan_in_loss_and_grad: bool = doc(
+        True, "Stop (exit code 3, nothing saved) when the gradient norm is NaN or Inf; "
+        "--no-check-for-nan-in-loss-and-grad keeps going. fp16 overflow steps are skipped instead.")
     make_vocab_size_divisible_by: int = doc(128, "Pad the vocabulary to a multiple of this times the TP size.")
     max_position_embeddings: int | None = doc(None, "Positions in the learned position table; >= --seq-length.")
     distributed_backend: str = doc("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
@@ -28,6 +29,10 @@ from megatron.training.loop_utils import (
     reduce_max_bool,
 )
 from megatron.training.metrics import MetricsWriter, format_validation
+
+
+class TrainingDiverged(RuntimeError):
+    """Training produced NaN/Inf; reported as one line by the command-line entry point."""
 
 
 @dataclasses.dataclass
@@ -229,6 +234,20 @@ class Trainer:
             self.writer.log_scalars(scalars, self.state.iteration, self.state.consumed_train_samples)
 
     # ----------------------------------------------------------------------------------------------
+    def _check_finite(self, grad_norm, losses: dict) -> None:
+        """A NaN/Inf gradient norm means the step just taken poisoned the weights: stop before anything
+        is saved, so the newest checkpoint stays a good one."""
+        if not self.cfg.training.check_for_nan_in_loss_and_grad or grad_norm is None or math.isfinite(grad_norm):
+            return
+        loss = {k: float(v[0] / v[1].clamp(min=1)) for k, v in losses.items()}
+        last = checkpointing.read_tracker(self.cfg.checkpoint.save) if self.cfg.checkpoint.save else None
+        kept = f"the newest checkpoint (iteration {last}) is intact" if last is not None else "nothing was saved"
+        raise TrainingDiverged(
+            f"non-finite gradient norm ({grad_norm}) at iteration {self.state.iteration + 1} (loss {loss}); "
+            f"{kept}. Lower --lr, raise --lr-warmup-iters, check --clip-grad and the data, or pass "
+            "--no-check-for-nan-in-loss-and-grad to continue anyway"
+        )
+
     def _should_exit(self) -> str | None:
         t = self.cfg.training
         if self.signal_handler is not None and reduce_max_bool(self.signal_handler.received, self.device):
@@ -250,6 +269,7 @@ class Trainer:
         print_rank_0(f"training from iteration {self.state.iteration} to {self.train_iters}")
         while self.state.iteration < self.train_iters:
             losses, success, grad_norm = self.train_step()
+            self._check_finite(grad_norm, losses)
             self.state.iteration += 1
             self.state.consumed_train_samples += self.global_batch_size
             self.state.num_floating_point_operations_so_far += self.flops_per_step

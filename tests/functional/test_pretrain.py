@@ -229,3 +229,16 @@ def test_torchrun_two_processes_match_one(tmp_path):
     assert sorted(two) == [1, 2, 3, 4]
     for it in one:
         assert two[it] == pytest.approx(one[it], rel=1e-5, abs=1e-6)
+
+
+def test_divergence_stops_before_saving(tmp_path, capsys):
+    """A NaN gradient norm stops the run (exit 3, one line) before the poisoned weights are saved."""
+    ck = tmp_path / "ck"
+    argv = TINY + f"--train-iters 10 --lr 1e30 --lr-warmup-iters 0 --clip-grad 0 --save {ck} --save-interval 1".split()
+    assert run(argv) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "non-finite gradient norm" in err[0] and "is intact" in err[0]
+    it = checkpointing.read_tracker(str(ck))
+    assert it is not None and f"iteration {it + 1}" in err[0]
+    capsys.readouterr()
+    assert run(argv + ["--no-check-for-nan-in-loss-and-grad", "--train-iters", "3", "--save", str(tmp_path / "b")]) == 0
