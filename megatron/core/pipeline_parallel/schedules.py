@@ -37,6 +37,17 @@ def unwrap_model(model):
     return model
 
 
+def _one_chunk(model, data_iterator, error: str):
+    """The single model chunk and data iterator of a non-interleaved schedule (lists of one accepted)."""
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError(error)
+        model = model[0]
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    return model, data_iterator
+
+
 def _model_config(model):
     module = model[0] if isinstance(model, list) else model
     while not hasattr(module, "config") and hasattr(module, "module"):
@@ -179,12 +190,8 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
                                    first_val_step=None, adjust_tensor_shapes_fn=None) -> list:
     """Gradient accumulation over ``num_microbatches``; gradient reduction is deferred (``no_sync``)
     until the last micro-batch's backward, so overlapped reduction fires only then."""
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError("virtual pipeline chunks need --pipeline-model-parallel-size > 1")
-        model = model[0]
-    if isinstance(data_iterator, list):
-        data_iterator = data_iterator[0]
+    model, data_iterator = _one_chunk(model, data_iterator,
+                                      "virtual pipeline chunks need --pipeline-model-parallel-size > 1")
     config = _model_config(model)
     no_sync = config.no_sync_func or contextlib.nullcontext
     if isinstance(no_sync, (list, tuple)):
@@ -215,12 +222,8 @@ def forward_backward_pipelining_without_interleaving(
 
     ``p2p_communicator`` replaces the one built from the model's pipeline group (tests).
     """
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError("non-interleaved pipeline schedule expects one model chunk per rank")
-        model = model[0]
-    if isinstance(data_iterator, list):
-        data_iterator = data_iterator[0]
+    model, data_iterator = _one_chunk(model, data_iterator,
+                                      "non-interleaved pipeline schedule expects one model chunk per rank")
     config = _model_config(model)
     rank, pp = _stage(model)
     comm = p2p_communicator or make_communicator(model, config, seq_length, micro_batch_size)
