@@ -4,16 +4,13 @@ Same seed, same data, dropout off: per-step losses and grad norms must match the
 run to tight fp32 tolerance (the order of floating-point reductions differs, nothing else).
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from launch import metrics, torchrun
 
 from megatron.training.cli import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --mock-data --vocab-size 256 "
          "--num-workers 0 --log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 "
@@ -23,21 +20,8 @@ LLAMA = "--swiglu --normalization RMSNorm --position-embedding-type rope --disab
 
 
 def curves(path: str) -> dict[int, tuple[float, float]]:
-    out = {}
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            if "lm loss" in rec:
-                out[rec["iteration"]] = (rec["lm loss"], rec["grad-norm"])
-    return out
-
-
-def torchrun(nproc: int, args: list[str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "pretrain_gpt.py"), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
+    """Iteration -> (lm loss, grad norm)."""
+    return {it: (r["lm loss"], r["grad-norm"]) for it, r in metrics(path, "lm loss").items()}
 
 
 LAYOUTS = {
@@ -69,11 +53,7 @@ def test_layouts_match_single_process(tmp_path, arch):
 
 @pytest.mark.slow
 def test_simple_train_loop_example():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "examples", "run_simple_train_loop.py")]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = torchrun(2, [], script=os.path.join("examples", "run_simple_train_loop.py"), timeout=300)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("Iteration ")]
     assert len(lines) == 5 and lines[0].startswith("Iteration 0: Losses reduced: {'lm loss': ")
     assert "Successfully loaded the model" in res.stdout

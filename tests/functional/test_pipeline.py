@@ -6,16 +6,13 @@ pp2 x vpp2, tp2 x pp2 and pp2 x dp2 match the single-process run to tight fp32 t
 pp1) onto the uninterrupted curve. Bad layouts stop with their message before training.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from launch import metrics, torchrun
 
 from megatron.training.cli import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --mock-data --vocab-size 256 "
          "--num-workers 0 --log-interval 1 --eval-iters 1 --eval-interval 5 --hidden-dropout 0 "
@@ -36,25 +33,9 @@ UNTIED = ("pp2", "pp2-vpp2", "tp2xpp2")
 
 def records(path: str) -> tuple[dict[int, tuple[float, float]], dict[int, float]]:
     """(iteration -> (lm loss, grad norm), iteration -> validation lm loss) from a metrics file."""
-    train, valid = {}, {}
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            if "lm loss" in rec:
-                train[rec["iteration"]] = (rec["lm loss"], rec["grad-norm"])
-            if "lm loss validation" in rec:
-                valid[rec["iteration"]] = rec["lm loss validation"]
+    train = {it: (r["lm loss"], r["grad-norm"]) for it, r in metrics(path, "lm loss").items()}
+    valid = {it: r["lm loss validation"] for it, r in metrics(path, "lm loss validation").items()}
     return train, valid
-
-
-def torchrun(nproc: int, args: list[str], expect_ok: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "pretrain_gpt.py"), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if expect_ok:
-        assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
-    return res
 
 
 def assert_same(got, ref, name: str, iters=None) -> None:

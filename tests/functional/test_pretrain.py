@@ -1,17 +1,16 @@
 """pretrain_gpt.py end to end on the CPU: training, evaluation, checkpoints, resume, exits, errors."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
 
 import pytest
+from launch import ROOT, metrics, torchrun
 
 from megatron.training import checkpointing
 from megatron.training.cli import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
         "--lr-warmup-iters 2 --mock-data --vocab-size 128 --num-workers 0 --log-interval 1 --eval-iters 2").split()
@@ -19,13 +18,7 @@ TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
 
 def losses(path: str) -> dict[int, float]:
     """Iteration -> training loss from a metrics JSONL file."""
-    out = {}
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            if "lm loss" in rec:
-                out[rec["iteration"]] = rec["lm loss"]
-    return out
+    return {it: r["lm loss"] for it, r in metrics(path, "lm loss").items()}
 
 
 def test_trains_evaluates_and_logs(tmp_path, capsys):
@@ -221,10 +214,7 @@ def test_torchrun_two_processes_match_one(tmp_path):
     """Data parallelism over two gloo processes trains the same model as one process."""
     args = TINY + "--train-iters 4 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0".split()
     assert run(args + f"--metrics-file {tmp_path}/one.jsonl".split()) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "pretrain_gpt.py"), *args, "--metrics-file", f"{tmp_path}/two.jsonl"]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    torchrun(2, args + ["--metrics-file", f"{tmp_path}/two.jsonl"], timeout=300)
     one, two = losses(f"{tmp_path}/one.jsonl"), losses(f"{tmp_path}/two.jsonl")
     assert sorted(two) == [1, 2, 3, 4]
     for it in one:
