@@ -167,8 +167,21 @@ class LoggerConfig:
     metrics_file: str | None = doc(
         None, "JSON-lines metrics file; default metrics.jsonl in --tensorboard-dir, else --save, else none."
     )
+    profile: bool = doc(False, "Profile iterations --profile-step-start to --profile-step-end - 1 on --profile-ranks: "
+                               "with --use-pytorch-profiler a torch.profiler trace and a kernel-time summary, "
+                               "otherwise cudaProfilerStart/Stop around them for nsys --capture-range=cudaProfilerApi.")
+    use_pytorch_profiler: bool = doc(False, "Use torch.profiler for --profile.")
+    profile_step_start: int = doc(10, "First profiled iteration (1-based, as in the log line).")
+    profile_step_end: int = doc(12, "Profiling stops before this iteration.")
+    profile_ranks: list[int] = doc(default_factory=lambda: [0], help="Global ranks that profile.", nargs="+")
+    profile_dir: str | None = doc(None, "Where --use-pytorch-profiler writes its Chrome trace and kernel summary; "
+                                        "default --tensorboard-dir, else --save, else ./profile.")
 
     def __post_init__(self) -> None:
         check_positive("log_interval", self.log_interval)
         check_positive("eval_interval", self.eval_interval, allow_none=True)
         check_positive("eval_iters", self.eval_iters, allow_zero=True)
+        check_positive("profile_step_start", self.profile_step_start)
+        if self.profile and self.profile_step_end <= self.profile_step_start:
+            raise ValueError(f"--profile-step-end ({self.profile_step_end}) must be greater than --profile-step-start "
+                             f"({self.profile_step_start}), e.g. --profile-step-end {self.profile_step_start + 2}")

@@ -264,11 +264,18 @@ class Trainer:
         from megatron.training.loop_utils import IntervalLog
 
         ck, lg = self.cfg.checkpoint, self.cfg.logger
+        from megatron.training.profiling import StepProfiler
+
         interval = IntervalLog(self)
+        profiler = StepProfiler(lg, dist.get_rank(), self.device, lg.tensorboard_dir or ck.save)
         last_saved = self.state.iteration if ck.load else -1
         print_rank_0(f"training from iteration {self.state.iteration} to {self.train_iters}")
         while self.state.iteration < self.train_iters:
+            profiler.before_step(self.state.iteration + 1)
             losses, success, grad_norm = self.train_step()
+            summary = profiler.after_step(self.state.iteration + 1)
+            if summary:
+                print(summary, flush=True)
             self._check_finite(grad_norm, losses)
             self.state.iteration += 1
             self.state.consumed_train_samples += self.global_batch_size

@@ -232,3 +232,20 @@ def test_divergence_stops_before_saving(tmp_path, capsys):
     assert it is not None and f"iteration {it + 1}" in err[0]
     capsys.readouterr()
     assert run(argv + ["--no-check-for-nan-in-loss-and-grad", "--train-iters", "3", "--save", str(tmp_path / "b")]) == 0
+
+
+def test_pytorch_profiler_writes_trace_and_summary(tmp_path, capsys):
+    prof = tmp_path / "prof"
+    argv = TINY + (f"--train-iters 4 --eval-iters 0 --profile --use-pytorch-profiler --profile-step-start 2 "
+                   f"--profile-step-end 4 --profile-dir {prof}").split()
+    assert run(argv) == 0
+    out = capsys.readouterr().out
+    assert "profile of iterations 2-3 (rank 0)" in out
+    assert (prof / "trace_rank0.json").stat().st_size > 1000
+    assert (prof / "kernels_rank0.txt").read_text().startswith("GPU kernel time per step")
+
+
+def test_profile_step_range_must_be_nonempty(tmp_path, capsys):
+    rc = run(TINY + "--train-iters 4 --profile --profile-step-start 3 --profile-step-end 3".split())
+    assert rc == 2
+    assert "--profile-step-end (3) must be greater than --profile-step-start (3)" in capsys.readouterr().err

@@ -1,0 +1,106 @@
+"""``--profile``: a torch.profiler trace (or an nsys capture range) around chosen iterations.
+
+With ``--use-pytorch-profiler`` the profiled ranks write ``trace_rank{r}.json`` (open it in Perfetto
+or chrome://tracing) and ``kernels_rank{r}.txt``, GPU kernel time per profiled step summed by
+category (matmul, attention, elementwise, optimizer, communication, copies) with the top kernels,
+and print the category line. Without it, ``cudaProfilerStart``/``Stop`` bracket the iterations so
+that ``nsys profile --capture-range=cudaProfilerApi`` records exactly those.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# First match wins; names are lower-cased kernel names.
+CATEGORIES = (
+    ("communication", ("nccl",)),
+    ("attention", ("fmha", "flash", "cudnn", "attn", "sdpa")),
+    ("optimizer", ("adam", "sgd", "multi_tensor", "foreach", "clip")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "cublas", "matmul")),
+    ("copies", ("memcpy", "memset", "copy_kernel", "cat_")),
+    ("elementwise (triton)", ("triton",)),
+    ("elementwise (aten)", ("elementwise", "vectorized", "reduce", "softmax", "norm", "index", "embedding")),
+)
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for category, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+def kernel_summary(events, steps: int, top: int = 25) -> tuple[str, dict[str, float]]:
+    """(text table, {category: ms per step}) from ``profiler.key_averages()``."""
+    rows = []
+    for e in events:
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0)
+        if us and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+            rows.append((us / 1000.0 / steps, e.count // max(steps, 1), e.key))
+    by_cat: dict[str, float] = {}
+    for ms, _, name in rows:
+        cat = categorize(name)
+        by_cat[cat] = by_cat.get(cat, 0.0) + ms
+    total = sum(by_cat.values())
+    lines = [f"GPU kernel time per step: {total:.1f} ms over {steps} profiled step(s)"]
+    for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {cat:<22} {ms:9.2f} ms  {100 * ms / max(total, 1e-9):5.1f}%")
+    lines.append(f"top {top} kernels (ms per step, launches per step, category):")
+    for ms, count, name in sorted(rows, reverse=True)[:top]:
+        lines.append(f"  {ms:8.2f} {count:6d}  {categorize(name):<22} {name[:140]}")
+    return "\n".join(lines), by_cat
+
+
+class StepProfiler:
+    """Call :meth:`before_step` with the iteration about to run (1-based) and :meth:`after_step`
+    after it; does nothing unless ``--profile`` is on for this rank."""
+
+    def __init__(self, logger_cfg, rank: int, device: torch.device, default_dir: str | None):
+        self.cfg = logger_cfg
+        self.enabled = bool(logger_cfg.profile) and rank in logger_cfg.profile_ranks
+        self.rank = rank
+        self.cuda = device.type == "cuda"
+        self.dir = logger_cfg.profile_dir or default_dir or "profile"
+        self.prof = None
+        self.active = False
+
+    def before_step(self, iteration: int) -> None:
+        if not self.enabled or self.active or iteration != self.cfg.profile_step_start:
+            return
+        if self.cfg.use_pytorch_profiler:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=False)
+            self.prof.__enter__()
+        elif self.cuda:
+            torch.cuda.cudart().cudaProfilerStart()
+        self.active = True
+
+    def after_step(self, iteration: int) -> str | None:
+        """Stop after the last profiled iteration; returns the summary line(s) to print, if any."""
+        if not self.active or iteration + 1 < self.cfg.profile_step_end:
+            return None
+        self.active = False
+        if self.cuda:
+            torch.cuda.synchronize()
+        if self.prof is None:
+            if self.cuda:
+                torch.cuda.cudart().cudaProfilerStop()
+            return None
+        self.prof.__exit__(None, None, None)
+        steps = self.cfg.profile_step_end - self.cfg.profile_step_start
+        os.makedirs(self.dir, exist_ok=True)
+        trace = os.path.join(self.dir, f"trace_rank{self.rank}.json")
+        self.prof.export_chrome_trace(trace)
+        text, _ = kernel_summary(self.prof.key_averages(), steps)
+        with open(os.path.join(self.dir, f"kernels_rank{self.rank}.txt"), "w") as f:
+            f.write(text + "\n")
+        self.prof = None
+        return f" > profile of iterations {self.cfg.profile_step_start}-{self.cfg.profile_step_end - 1} " \
+               f"(rank {self.rank}) written to {trace}\n{text}"
