@@ -68,7 +68,8 @@ def forward_step_func(data_iterator, model, device):
         return loss, {"lm loss": loss.detach()}
 
     data = {k: v.to(device) for k, v in next(data_iterator).items()}
-    output_tensor = model(data["tokens"], data["position_ids"], None, labels=data["labels"])
+    output_tensor = model(data["tokens"], data["position_ids"], None, labels=data["labels"],
+                          loss_mask=data["loss_mask"])
     return output_tensor, partial(loss_func, data["loss_mask"])
 
 

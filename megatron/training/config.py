@@ -30,8 +30,11 @@ class TrainingConfig:
     train_samples: int | None = doc(None, "Samples to train; steps = samples / global batch.")
     seed: int = doc(1234, "Random seed for weights, dropout and data order.")
     exit_interval: int | None = doc(None, "Save (if --save) and exit when the iteration is a multiple of this.")
-    exit_duration_in_mins: float | None = doc(None, "Save (if --save) and exit after this many minutes of training.")
-    exit_signal_handler: bool = doc(False, "On SIGTERM, finish the current step, save a checkpoint and exit 0.")
+    exit_duration_in_mins: float | None = doc(
+        None, "Save (if --save) and exit after this many minutes of training (checked after every step; the "
+              "step already queued behind it finishes first).")
+    exit_signal_handler: bool = doc(
+        False, "On SIGTERM, finish the running step (and the one queued behind it), save a checkpoint and exit 0.")
     check_for_nan_in_loss_and_grad: bool = doc(
         True, "Stop (exit code 3, nothing saved) when the gradient norm is NaN or Inf; "
         "--no-check-for-nan-in-loss-and-grad keeps going. fp16 overflow steps are skipped instead.")

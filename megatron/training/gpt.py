@@ -112,7 +112,7 @@ def forward_step(data_iterator, model, seq_length: int | None = None, micro_batc
     keys = batch_keys(module.pre_process, module.post_process, attention_mask)
     batch = get_batch(data_iterator, device, module.pg, seq_length, micro_batch_size, keys)
     output = model(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"),
-                   labels=batch.get("labels"))
+                   labels=batch.get("labels"), loss_mask=batch.get("loss_mask"))
     return output, partial(loss_func, batch.get("loss_mask"))
 
 

@@ -104,7 +104,8 @@ def model_args_for_check(cfg, padded_vocab_size: int) -> dict:
 
 
 class IntervalLog:
-    """Collects per-step results between log lines without host syncs, then prints one line."""
+    """Collects per-step results (host numbers) between log lines, then prints one line. The time per
+    iteration is the wall time between two flushes over the steps recorded in between."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -115,21 +116,22 @@ class IntervalLog:
         self.grad_norm = None
         self.t0 = time.perf_counter()
 
-    def record(self, losses: dict, success: bool, grad_norm) -> None:
+    def record(self, losses: dict, success: bool, grad_norm, lr: float, loss_scale: float) -> None:
+        """One step's results: ``losses`` {name: (sum, count)}, and the learning rate and loss scale
+        that the step left behind."""
         self.steps.append((losses, success))
+        self.lr, self.loss_scale = lr, loss_scale
         if grad_norm is not None:
             self.grad_norm = grad_norm
 
     def flush(self) -> None:
         tr = self.trainer
-        if tr.device.type == "cuda":
-            torch.cuda.synchronize(tr.device)
         n = len(self.steps)
         elapsed = (time.perf_counter() - self.t0) / max(n, 1)
         sums: dict = {}
         skipped = nan = 0
         for losses, success in self.steps:
-            values = {k: float(v[0] / v[1].clamp(min=1)) for k, v in losses.items()}
+            values = {k: v[0] / max(v[1], 1.0) for k, v in losses.items()}
             if not success:
                 skipped += 1
                 nan += any(not math.isfinite(v) for v in values.values())
@@ -144,8 +146,8 @@ class IntervalLog:
             tflops_per_gpu=tflops,
             tokens_per_sec_per_gpu=tr.global_batch_size * tr.cfg.training.seq_length / elapsed / tr.world_size,
             mfu=(tflops / tr.peak_tflops) if tr.peak_tflops else None,
-            learning_rate=tr.optimizer.param_groups[0]["lr"], global_batch_size=tr.global_batch_size,
-            losses=avg, loss_scale=float(tr.optimizer.get_loss_scale()), grad_norm=self.grad_norm,
+            learning_rate=self.lr, global_batch_size=tr.global_batch_size,
+            losses=avg, loss_scale=self.loss_scale, grad_norm=self.grad_norm,
             skipped_iterations=skipped, nan_iterations=nan,
         )
         print_rank_last(format_iteration_line(tr.state.iteration, tr.train_iters, stats))

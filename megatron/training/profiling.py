@@ -19,7 +19,7 @@ CATEGORIES = (
     ("attention", ("fmha", "flash", "cudnn", "attn", "sdpa")),
     ("optimizer", ("adam", "sgd", "multi_tensor", "foreach", "clip")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "cublas", "matmul")),
-    ("copies", ("memcpy", "memset", "copy_kernel", "cat_")),
+    ("copies", ("memcpy", "memset", "copy_kernel")),
     ("elementwise (triton)", ("triton",)),
     ("elementwise (aten)", ("elementwise", "vectorized", "reduce", "softmax", "norm", "index", "embedding")),
 )
@@ -33,6 +33,13 @@ def categorize(name: str) -> str:
     return "other"
 
 
+def _is_kernel(e) -> bool:
+    """A GPU kernel/memcpy/memset, not a CPU op or a user annotation mirrored on the GPU timeline."""
+    if getattr(e, "is_user_annotation", False) or "#" in e.key or e.key.startswith("ProfilerStep"):
+        return False
+    return getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)
+
+
 def kernel_summary(events, steps: int, top: int = 25) -> tuple[str, dict[str, float]]:
     """(text table, {category: ms per step}) from ``profiler.key_averages()``."""
     rows = []
@@ -40,7 +47,7 @@ def kernel_summary(events, steps: int, top: int = 25) -> tuple[str, dict[str, fl
         us = getattr(e, "self_device_time_total", None)
         if us is None:
             us = getattr(e, "self_cuda_time_total", 0)
-        if us and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+        if us and _is_kernel(e):
             rows.append((us / 1000.0 / steps, e.count // max(steps, 1), e.key))
     by_cat: dict[str, float] = {}
     for ms, _, name in rows:
@@ -54,6 +61,27 @@ def kernel_summary(events, steps: int, top: int = 25) -> tuple[str, dict[str, fl
     for ms, count, name in sorted(rows, reverse=True)[:top]:
         lines.append(f"  {ms:8.2f} {count:6d}  {categorize(name):<22} {name[:140]}")
     return "\n".join(lines), by_cat
+
+
+def idle_summary(events, steps: int, top: int = 8) -> str:
+    """GPU idle time between kernels over the profiled window, and the largest gaps (with the
+    kernels around them), from ``profiler.events()``."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.key) for e in events if _is_kernel(e))
+    if not spans:
+        return "GPU idle: no kernels recorded"
+    gaps, busy_end, prev = [], spans[0][0], spans[0][2]
+    for start, end, name in spans:
+        if start > busy_end:
+            gaps.append((start - busy_end, prev, name))
+        if end > busy_end:
+            busy_end, prev = end, name
+    window = (busy_end - spans[0][0]) / 1000.0
+    idle = sum(g for g, _, _ in gaps) / 1000.0
+    lines = [f"GPU idle between kernels: {idle / steps:.2f} ms per step ({100 * idle / max(window, 1e-9):.1f}% of "
+             f"{window / steps:.1f} ms); largest gaps (ms, after -> before):"]
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap / 1000.0:7.2f}  {before[:70]} -> {after[:70]}")
+    return "\n".join(lines)
 
 
 class StepProfiler:
@@ -99,6 +127,7 @@ class StepProfiler:
         trace = os.path.join(self.dir, f"trace_rank{self.rank}.json")
         self.prof.export_chrome_trace(trace)
         text, _ = kernel_summary(self.prof.key_averages(), steps)
+        text += "\n" + idle_summary(self.prof.events(), steps)
         with open(os.path.join(self.dir, f"kernels_rank{self.rank}.txt"), "w") as f:
             f.write(text + "\n")
         self.prof = None

@@ -119,7 +119,7 @@ class Trainer:
         if not any(getattr(c, "post_process", False) for c in chunks):
             fused_ce = self.cfg.model.cross_entropy_loss_fusion and self.pg.tp_size == 1
         lines = kernel_report(self.cfg.model, self.device, self.pg.tp_size, compiled, reason, fused_ce,
-                              fp8_linears=fp8_linears)
+                              fp8_linears=fp8_linears, optimizer_config=self.cfg.optimizer)
         print_rank_0("\n".join(lines))
 
     def _writer_kwargs(self) -> dict:
@@ -172,9 +172,10 @@ class Trainer:
         )
 
     # ----------------------------------------------------------------------------------------------
-    def train_step(self):
-        """One optimizer step over ``num_microbatches`` micro-batches. Returns (loss sum/count tensor,
-        update_successful, grad_norm)."""
+    def train_step(self, sync: bool = True):
+        """One optimizer step over ``num_microbatches`` micro-batches. Returns (loss sum/count tensors,
+        update_successful, grad_norm); with ``sync=False`` the grad norm is a device tensor and
+        nothing waits for the device (see :class:`InFlightStep`)."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -184,7 +185,7 @@ class Trainer:
             num_microbatches=self.num_microbatches, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
-        success, grad_norm, _ = self.optimizer.step()
+        success, grad_norm, _ = self.optimizer.step(sync=sync)
         if success:
             self.scheduler.step(increment=self.global_batch_size)
         return self._reduce_losses(metrics), success, grad_norm
@@ -239,7 +240,7 @@ class Trainer:
         is saved, so the newest checkpoint stays a good one."""
         if not self.cfg.training.check_for_nan_in_loss_and_grad or grad_norm is None or math.isfinite(grad_norm):
             return
-        loss = {k: float(v[0] / v[1].clamp(min=1)) for k, v in losses.items()}
+        loss = {k: v[0] / max(v[1], 1.0) for k, v in losses.items()}
         last = checkpointing.read_tracker(self.cfg.checkpoint.save) if self.cfg.checkpoint.save else None
         kept = f"the newest checkpoint (iteration {last}) is intact" if last is not None else "nothing was saved"
         raise TrainingDiverged(
@@ -248,56 +249,135 @@ class Trainer:
             "--no-check-for-nan-in-loss-and-grad to continue anyway"
         )
 
-    def _should_exit(self) -> str | None:
+    def _exit_flags(self) -> torch.Tensor | None:
+        """This rank's [SIGTERM received, time is up] as a device tensor, max-reduced over ranks
+        without waiting (read when the step's results are), or None when neither exit is enabled."""
         t = self.cfg.training
-        if self.signal_handler is not None and reduce_max_bool(self.signal_handler.received, self.device):
+        if self.signal_handler is None and t.exit_duration_in_mins is None:
+            return None
+        late = t.exit_duration_in_mins is not None and (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins
+        received = self.signal_handler is not None and self.signal_handler.received
+        flags = torch.zeros(2, device=self.device)  # filled in place: no blocking host-to-device copy
+        flags[0], flags[1] = float(received), float(late)
+        if self.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags
+
+    def _exit_reason(self, flags: list[float] | None) -> str | None:
+        t = self.cfg.training
+        if flags is not None and flags[0] > 0:
             return "exiting on SIGTERM"
-        if t.exit_duration_in_mins is not None:
-            late = (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins
-            if reduce_max_bool(late, self.device):
-                return f"exiting after {t.exit_duration_in_mins} minutes (--exit-duration-in-mins)"
+        if flags is not None and flags[1] > 0:
+            return f"exiting after {t.exit_duration_in_mins} minutes (--exit-duration-in-mins)"
         if t.exit_interval and self.state.iteration % t.exit_interval == 0:
             return f"exiting at iteration {self.state.iteration} (--exit-interval {t.exit_interval})"
         return None
 
-    def train(self) -> None:
-        from megatron.training.loop_utils import IntervalLog
+    def _needs_barrier(self, iteration: int) -> bool:
+        """Iterations after which the loop evaluates, saves or stops: the next step must not have
+        started, so nothing is queued behind them."""
+        t, lg, ck = self.cfg.training, self.cfg.logger, self.cfg.checkpoint
+        return (iteration >= self.train_iters
+                or bool(lg.eval_interval and iteration % lg.eval_interval == 0)
+                or bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0)
+                or bool(t.exit_interval and iteration % t.exit_interval == 0))
 
-        ck, lg = self.cfg.checkpoint, self.cfg.logger
+    def _launch(self, iteration: int) -> InFlightStep:
+        losses, success, grad_norm = self.train_step(sync=False)
+        step = InFlightStep(iteration, losses, success, grad_norm, self._exit_flags(), self.device)
+        # What the log line of this step shows, as it is now (later launches change it).
+        step.lr, step.loss_scale = self.optimizer.param_groups[0]["lr"], float(self.optimizer.get_loss_scale())
+        return step
+
+    def train(self) -> None:
+        """The loop. Step k+1 is queued on the GPU before step k's loss and grad norm are read, so the
+        GPU never waits for the host between steps (no sync inside a step, one event wait per step).
+        Evaluation, saving and exits happen between steps with nothing queued behind them."""
+        from megatron.training.loop_utils import IntervalLog
         from megatron.training.profiling import StepProfiler
 
+        ck, lg = self.cfg.checkpoint, self.cfg.logger
         interval = IntervalLog(self)
         profiler = StepProfiler(lg, dist.get_rank(), self.device, lg.tensorboard_dir or ck.save)
         last_saved = self.state.iteration if ck.load else -1
         print_rank_0(f"training from iteration {self.state.iteration} to {self.train_iters}")
-        while self.state.iteration < self.train_iters:
-            profiler.before_step(self.state.iteration + 1)
-            losses, success, grad_norm = self.train_step()
-            summary = profiler.after_step(self.state.iteration + 1)
-            if summary:
-                print(summary, flush=True)
-            self._check_finite(grad_norm, losses)
-            self.state.iteration += 1
-            self.state.consumed_train_samples += self.global_batch_size
-            self.state.num_floating_point_operations_so_far += self.flops_per_step
-            interval.record(losses, success, grad_norm)
-            if self.state.iteration % lg.log_interval == 0 or self.state.iteration == 1:
-                interval.flush()
-            if lg.eval_interval and self.state.iteration % lg.eval_interval == 0:
-                self.evaluate_and_print(f"validation loss at iteration {self.state.iteration}", 1)
-            if ck.save and ck.save_interval and self.state.iteration % ck.save_interval == 0:
-                self.save()
-                last_saved = self.state.iteration
-            reason = self._should_exit()
-            if reason:
-                if ck.save and last_saved != self.state.iteration:
+        pending: InFlightStep | None = None
+        reason = None
+        while True:
+            launched = pending.iteration if pending is not None else self.state.iteration
+            step = None
+            if reason is None and launched < self.train_iters and (pending is None
+                                                                    or not self._needs_barrier(launched)):
+                profiler.before_step(launched + 1)
+                step = self._launch(launched + 1)
+                summary = profiler.after_step(launched + 1)
+                if summary:
+                    print(summary, flush=True)
+            if pending is not None:
+                losses, success, grad_norm, flags = pending.read()
+                self._check_finite(grad_norm, losses)
+                self.state.iteration = pending.iteration
+                self.state.consumed_train_samples += self.global_batch_size
+                self.state.num_floating_point_operations_so_far += self.flops_per_step
+                interval.record(losses, success, grad_norm, pending.lr, pending.loss_scale)
+                if self.state.iteration % lg.log_interval == 0 or self.state.iteration == 1:
+                    interval.flush()
+                if lg.eval_interval and self.state.iteration % lg.eval_interval == 0:
+                    self.evaluate_and_print(f"validation loss at iteration {self.state.iteration}", 1)
+                if ck.save and ck.save_interval and self.state.iteration % ck.save_interval == 0:
                     self.save()
-                print_rank_0(reason)
-                return
+                    last_saved = self.state.iteration
+                reason = reason or self._exit_reason(flags)
+            pending = step
+            if pending is None and (reason is not None or self.state.iteration >= self.train_iters):
+                break
         if ck.save and last_saved != self.state.iteration:
             self.save()
+        if reason:
+            print_rank_0(reason)
+            return
         self.evaluate_and_print(f"iteration {self.state.iteration} on validation set", 1, False)
         self.evaluate_and_print(f"iteration {self.state.iteration} on test set", 2, False)
+
+
+class InFlightStep:
+    """A queued step's loss sums, grad norm and exit flags on their way to the host: one
+    non-blocking copy into pinned memory and an event, so reading them waits for this step only,
+    not for the steps queued after it."""
+
+    def __init__(self, iteration: int, losses: dict, success: bool, grad_norm, flags, device: torch.device):
+        self.iteration, self.success = iteration, success
+        self.keys = list(losses)
+        parts = [losses[k].float().view(-1) for k in self.keys]
+        self.host_norm = grad_norm if not torch.is_tensor(grad_norm) else None
+        if torch.is_tensor(grad_norm):
+            parts.append(grad_norm.float().view(1))
+        self.has_flags = flags is not None
+        if flags is not None:
+            parts.append(flags.float().view(-1))
+        vec = torch.cat(parts) if parts else torch.zeros(0, device=device)
+        self.event = None
+        if device.type == "cuda":
+            self.values = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
+            self.values.copy_(vec, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.values = vec
+
+    def read(self) -> tuple[dict, bool, float | None, list[float] | None]:
+        """(losses {name: (sum, count)}, update_successful, grad_norm, exit flags); waits for this step."""
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.values.tolist()
+        losses = {k: (values[2 * i], values[2 * i + 1]) for i, k in enumerate(self.keys)}
+        pos = 2 * len(self.keys)
+        grad_norm = self.host_norm
+        if grad_norm is None and self.success:
+            grad_norm = values[pos]
+            pos += 1
+        flags = values[pos:pos + 2] if self.has_flags else None
+        return losses, self.success, grad_norm, flags
 
 
 def pretrain(cfg: RunConfig, providers) -> TrainState:

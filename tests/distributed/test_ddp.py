@@ -87,3 +87,30 @@ def test_gradient_memory_appears_bucket_by_bucket_during_backward() -> None:
     model.zero_grad_buffer()
     assert all(b.view is None for b in model.buckets)
     assert all(getattr(p, "main_grad", None) is None for p in model.module.parameters())
+
+
+def test_param_without_gradient_reads_zero_in_uninitialised_bucket(monkeypatch) -> None:
+    """Buckets are allocated uninitialised and filled by the first gradient's copy; a parameter that
+    got no gradient this step must still read zeros after finalize, whatever the storage held."""
+    from megatron.core.distributed import distributed_data_parallel as ddp_mod
+
+    real_empty = torch.empty
+    monkeypatch.setattr(ddp_mod.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    solo = ParallelState(grid=RankGrid(), rank=0)
+    module = _model(solo)
+    module.unused = torch.nn.Parameter(torch.ones(5, device=device()))
+    model = DistributedDataParallel(module.config, DistributedDataParallelConfig(), module, solo)
+    reference = _model(solo)
+    batches = _batches(0, 1) * 2  # four micro-batches: copy, then three accumulations
+    with model.no_sync():
+        for ids in batches[:-1]:
+            (model(ids, None, None, labels=ids).mean() / 4).backward()
+    (model(batches[-1], None, None, labels=batches[-1]).mean() / 4).backward()
+    for ids in batches:
+        (reference(ids, None, None, labels=ids).mean() / 4).backward()
+    finalize_model_grads([model])
+    assert torch.equal(module.unused.main_grad, torch.zeros(5, device=device()))
+    expected = dict(reference.named_parameters())
+    for name, p in module.named_parameters():
+        if name != "unused":
+            assert_close(p.main_grad, expected[name].grad, rtol=1e-5, atol=1e-7, msg=name)

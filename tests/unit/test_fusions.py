@@ -32,9 +32,9 @@ def test_linear_cross_entropy_matches_reference_fp32(chunk):
     w = torch.randn(v, hid, requires_grad=True)
     t = torch.randint(0, v, (n,))
     g = torch.rand(n)  # a per-token weighting, as a loss mask gives
-    loss = linear_cross_entropy(h, w, t, chunk)
-    (loss * g).sum().backward()
-    ref_loss, ref_h, ref_w = reference(h, w, t, g)
+    loss = linear_cross_entropy(h, w, t, chunk, loss_weights=g)
+    ((loss * g).sum() * 0.37).backward()
+    ref_loss, ref_h, ref_w = reference(h, w, t, g * 0.37)
     assert loss.dtype == torch.float32 and loss.shape == (n,)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h.grad, ref_h, rtol=1e-5, atol=1e-5)
@@ -49,7 +49,7 @@ def test_linear_cross_entropy_bf16_close_and_dtypes(chunk):
     w = torch.randn(v, hid, dtype=torch.bfloat16, requires_grad=True)
     t = torch.randint(0, v, (n,))
     g = torch.rand(n)
-    loss = linear_cross_entropy(h, w, t, chunk)
+    loss = linear_cross_entropy(h, w, t, chunk, loss_weights=g)
     (loss * g).sum().backward()
     ref_loss, ref_h, ref_w = reference(h, w, t, g)
     assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
@@ -64,6 +64,28 @@ def test_linear_cross_entropy_keeps_shape_and_checks_tokens():
     assert linear_cross_entropy(h, w, t, chunk=5).shape == (4, 3)
     with pytest.raises(ValueError, match="tokens"):
         linear_cross_entropy(h, w, t[:2])
+
+
+def test_linear_cross_entropy_default_weights_and_no_grad():
+    torch.manual_seed(2)
+    h = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(20, 8, requires_grad=True)
+    t = torch.randint(0, 20, (12,))
+    linear_cross_entropy(h, w, t, chunk=5).mean().backward()
+    ref_loss, ref_h, ref_w = reference(h, w, t, torch.full((12,), 1 / 12))
+    torch.testing.assert_close(h.grad, ref_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, ref_w, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk=5), ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_linear_cross_entropy_rejects_gradient_not_proportional_to_weights():
+    h = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(9, 4, requires_grad=True)
+    t = torch.randint(0, 9, (6,))
+    loss = linear_cross_entropy(h, w, t, loss_weights=torch.ones(6))
+    with pytest.raises(RuntimeError, match="one scalar times loss_weights"):
+        (loss * torch.arange(6.0)).sum().backward()
 
 
 def test_chunk_tokens_is_a_power_of_two_near_a_gib_of_logits():
@@ -88,10 +110,11 @@ def test_gpt_model_fused_loss_and_grads_match_unfused(tied):
     assert models[0].fused_cross_entropy and not models[1].fused_cross_entropy
     ids, labels = torch.randint(0, 64, (3, 16)), torch.randint(0, 64, (3, 16))
     losses = []
+    mask = torch.linspace(0.1, 1.0, 16).expand(3, 16)
     for m in models:
-        loss = m(ids, None, None, labels=labels)
+        loss = m(ids, None, None, labels=labels, loss_mask=mask)
         assert loss.shape == (3, 16)
-        (loss * torch.linspace(0.1, 1.0, 16)).sum().backward()
+        (loss * mask).sum().backward()
         losses.append(loss)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):

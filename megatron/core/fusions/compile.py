@@ -26,9 +26,12 @@ def compile_enabled() -> bool:
     return _STATE["enabled"]
 
 
-def maybe_compiled(fn):
-    """``fn`` compiled with ``torch.compile(dynamic=False)`` when its first tensor argument is on
-    CUDA and compilation is enabled; ``fn`` itself otherwise, or after a compilation error."""
+def maybe_compiled(fn=None, *, dynamic: bool = False):
+    """``fn`` compiled with ``torch.compile(dynamic=dynamic)`` when its first tensor argument is on
+    CUDA and compilation is enabled; ``fn`` itself otherwise, or after a compilation error.
+    ``dynamic=True`` suits helpers called on many shapes (one graph for all)."""
+    if fn is None:
+        return functools.partial(maybe_compiled, dynamic=dynamic)
     compiled = {"fn": None, "failed": False}
 
     @functools.wraps(fn)
@@ -36,7 +39,7 @@ def maybe_compiled(fn):
         if not (_STATE["enabled"] and args[0].is_cuda) or compiled["failed"]:
             return fn(*args)
         if compiled["fn"] is None:
-            compiled["fn"] = torch.compile(fn, dynamic=False)
+            compiled["fn"] = torch.compile(fn, dynamic=dynamic)
         try:
             return compiled["fn"](*args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back, say so once

@@ -26,7 +26,8 @@ def sdpa_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_k
 
 
 def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: int, compile_reason: str,
-                  fused_cross_entropy: bool, fp8_linears: int | None = None) -> list[str]:
+                  fused_cross_entropy: bool, fp8_linears: int | None = None,
+                  optimizer_config=None) -> list[str]:
     """Lines for the ``> kernels`` block printed at start-up; ``fp8_linears`` is what
     ``fusions.fp8.apply_fp8`` returned (None: not counted)."""
     dtype = config.params_dtype
@@ -48,8 +49,7 @@ def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: i
         ce = "vocab-parallel cross entropy over tp-sharded logits (fused path covers tp=1 only)"
     else:
         ce = "unfused (full fp32 logits): --no-cross-entropy-loss-fusion was given"
-    opt = "torch.optim.AdamW fused=True (multi-tensor, fp32 main params)" if device.type == "cuda" \
-        else "torch.optim.AdamW foreach (CPU)"
+    opt = optimizer_line(optimizer_config, device)
     return [
         " > kernels:",
         f"   attention: {attn}",
@@ -59,6 +59,16 @@ def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: i
         f"   FP8: {fp8_line(config, dtype, fp8_linears)}",
         "   Transformer Engine: not used (--transformer-impl local; no TE path is shipped)",
     ]
+
+
+def optimizer_line(optimizer_config, device: torch.device) -> str:
+    """Which optimizer kernels the step uses."""
+    where = "compiled on CUDA" if device.type == "cuda" else "eager on the CPU"
+    if optimizer_config is None or (optimizer_config.optimizer == "adam" and optimizer_config.use_fused_adam):
+        return ("AdamW, one pass per tensor: clipping, fp32 main param and moments, and the model-precision "
+                f"copy ({where}); no host sync in the step")
+    kernel = "fused" if device.type == "cuda" and optimizer_config.use_fused_adam else "foreach"
+    return f"torch.optim.{'SGD' if optimizer_config.optimizer == 'sgd' else 'AdamW'} {kernel} over fp32 main params"
 
 
 def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None) -> str:

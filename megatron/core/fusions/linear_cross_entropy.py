@@ -5,15 +5,21 @@
 dtype, an fp32 copy, fp32 log-probs saved for backward and fp32 then bf16 gradients: for llama-3b
 (N = 8192, V = 128256) about 17 GB at the start of backward, when every activation is still alive.
 
-Here the tokens are processed ``chunk`` at a time. Forward keeps only the per-token fp32 log-sum-exp
-(``[N]``). Backward recomputes each chunk's logits (one extra ``[chunk, H] x [H, V]`` GEMM, a third of
-the output layer's matmul work) and forms ``dlogits = g * (softmax - onehot)`` in one fused pass:
-``grad_h = dlogits @ W`` and ``grad_W += dlogits^T @ h`` (fp32 accumulation over chunks). The softmax
-and the reductions run in fp32, as ``F.cross_entropy(logits.float())`` does; logits and dlogits are
-in the param dtype, as the unfused path's matmul outputs and input gradients are.
+Here the tokens are processed ``chunk`` at a time, and the gradients are formed in the forward pass
+while each chunk's logits are at hand (as Liger-Kernel's fused linear cross entropy does), so the
+output-layer GEMM runs once instead of being recomputed in backward. Per chunk: the logits
+``h_c W^T``; one fused pass gives the fp32 loss and ``dlogits = w_t (softmax - onehot)``; then
+``G_h[c] = dlogits W`` and ``G_W += dlogits^T h_c`` (fp32 accumulation inside the GEMM on CUDA).
+Backward only scales: ``grad_h = s G_h`` and ``grad_W = s G_W``.
 
-On CUDA the two elementwise steps are compiled (``torch.compile``, one kernel each); elsewhere, or if
-compilation fails, they run eagerly with the same arithmetic. Tensor parallelism (vocab-sharded
+This needs the gradient reaching the per-token losses to be ``s * w_t`` for one scalar ``s`` (for
+example ``sum(loss * loss_mask) / count``): ``w`` is the ``loss_weights`` argument (the loss mask,
+default all ones). Backward checks this on the device and fails loudly otherwise. The softmax and
+the reductions run in fp32, as ``F.cross_entropy(logits.float())`` does; logits and dlogits are in
+the param dtype, as the unfused path's matmul outputs and input gradients are.
+
+On CUDA the elementwise step is compiled (``torch.compile``, one kernel per chunk); elsewhere, or if
+compilation fails, it runs eagerly with the same arithmetic. Tensor parallelism (vocab-sharded
 logits) keeps using :mod:`megatron.core.tensor_parallel.cross_entropy`.
 """
 
@@ -35,16 +41,34 @@ def _lse_and_target_logit(logits: torch.Tensor, target: torch.Tensor) -> tuple[t
     return lse, picked
 
 
-def _dlogits(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``grad[:, None] * (softmax(logits) - onehot(target))`` in fp32, returned in ``logits.dtype``."""
-    prob = torch.exp(logits.float() - lse.unsqueeze(-1))
+def _loss_and_dlogits(logits: torch.Tensor, target: torch.Tensor,
+                      weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 per-token loss and ``weights[:, None] * (softmax(logits) - onehot(target))`` in ``logits.dtype``."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    picked = lf.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    prob = torch.exp(lf - lse.unsqueeze(-1))
     cols = torch.arange(logits.shape[-1], device=logits.device)
     prob = torch.where(cols.unsqueeze(0) == target.unsqueeze(-1), prob - 1.0, prob)
-    return (prob * grad.unsqueeze(-1)).to(logits.dtype)
+    return lse - picked, (prob * weights.unsqueeze(-1)).to(logits.dtype)
 
 
 _lse_fn = maybe_compiled(_lse_and_target_logit)
-_dlogits_fn = maybe_compiled(_dlogits)
+_loss_dlogits_fn = maybe_compiled(_loss_and_dlogits)
+
+
+def _accumulate_wgrad(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor) -> None:
+    """``acc += dlogits^T @ hidden`` with ``acc`` fp32 and the operands in a lower precision.
+
+    On CUDA the GEMM accumulates into ``acc`` itself (``addmm`` with an fp32 output dtype); other
+    devices have no mixed-dtype GEMM, so the product is formed in the operands' dtype and added.
+    """
+    if acc.dtype == dlogits.dtype:
+        acc.addmm_(dlogits.t(), hidden)
+    elif acc.is_cuda:
+        torch.addmm(acc, dlogits.t(), hidden, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_((dlogits.t() @ hidden).to(acc.dtype))
 
 
 def chunk_tokens(num_tokens: int, vocab: int) -> int:
@@ -55,53 +79,58 @@ def chunk_tokens(num_tokens: int, vocab: int) -> int:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Forward: per-token fp32 loss; saves ``h``, ``W``, targets and the log-sum-exp.
-    Backward: recomputes logits chunk by chunk; returns ``grad_h`` and ``grad_W`` in their dtypes."""
+    """Forward: per-token fp32 loss and, when gradients are wanted, ``G_h`` and ``G_W`` for unit scale.
+    Backward: ``s * G`` where ``grad_loss = s * loss_weights``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, chunk):
+    def forward(ctx, hidden, weight, target, loss_weights, chunk):
         n = hidden.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_h or need_w):
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                lse, picked = _lse_fn(hidden[s:e] @ weight.t(), target[s:e])
+                loss[s:e] = lse - picked
+            return loss
+        weights = loss_weights.float() if loss_weights is not None else torch.ones(n, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        single = chunk >= n
+        grad_w = None
+        if need_w and not single:
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            logits = hidden[s:e] @ weight.t()  # [c, V]
-            c_lse, picked = _lse_fn(logits, target[s:e])
-            lse[s:e] = c_lse
-            loss[s:e] = c_lse - picked
-        ctx.save_for_backward(hidden, weight, target, lse)
-        ctx.chunk = chunk
+            h = hidden[s:e]
+            loss[s:e], dl = _loss_dlogits_fn(h @ weight.t(), target[s:e], weights[s:e])  # dl: [c, V]
+            if need_h:
+                torch.mm(dl, weight, out=grad_h[s:e])
+            if need_w:
+                if single:
+                    grad_w = dl.t() @ h
+                else:
+                    _accumulate_wgrad(grad_w, dl, h)
+        ctx.save_for_backward(grad_h, grad_w, weights)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, target, lse = ctx.saved_tensors
-        chunk, n = ctx.chunk, hidden.shape[0]
-        grad_loss = grad_loss.float().contiguous()
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        single = chunk >= n
-        grad_w = None if single or not need_w else torch.zeros(weight.shape, dtype=torch.float32,
-                                                               device=weight.device)
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            h = hidden[s:e]
-            dl = _dlogits_fn(h @ weight.t(), lse[s:e], target[s:e], grad_loss[s:e])  # [c, V]
-            if need_h:
-                torch.mm(dl, weight, out=grad_h[s:e])
-            if need_w:
-                part = dl.t() @ h  # [V, H]
-                if single:
-                    grad_w = part
-                else:
-                    grad_w.add_(part)
-        if grad_w is not None and grad_w.dtype != weight.dtype:
-            grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None
+        grad_h, grad_w, weights = ctx.saved_tensors
+        g = grad_loss.float()
+        scale = (g * weights).sum() / (weights * weights).sum().clamp(min=1e-30)
+        residual = (g - scale * weights).abs().max()
+        torch._assert_async(residual <= 1e-3 * scale.abs() + 1e-30,
+                            "linear_cross_entropy: the gradient of the per-token losses must be one scalar "
+                            "times loss_weights (GPTModel: pass loss_mask=; or --no-cross-entropy-loss-fusion)")
+        h_dtype, w_dtype = ctx.dtypes
+        out_h = (grad_h * scale).to(h_dtype) if grad_h is not None else None
+        out_w = (grad_w * scale).to(w_dtype) if grad_w is not None else None
+        return out_h, out_w, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         chunk: int | None = None) -> torch.Tensor:
+                         chunk: int | None = None, loss_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token cross entropy of ``hidden @ weight.T`` against ``target``, chunked over tokens.
 
     Args:
@@ -109,6 +138,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         weight: ``[V, H]`` output-layer (or tied embedding) weight, same dtype as ``hidden``.
         target: ``[...]`` token ids in ``[0, V)``.
         chunk: tokens per chunk (default :func:`chunk_tokens`).
+        loss_weights: ``[...]`` like ``target``: the gradient reaching the returned losses must be
+            one scalar times these (the loss mask); default all ones.
 
     Returns:
         ``[...]`` fp32 losses, equal to ``F.cross_entropy((hidden @ weight.T).float(), target,
@@ -121,4 +152,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         raise ValueError(f"hidden has {h.shape[0]} tokens but target has {t.shape[0]}")
     if chunk is None:
         chunk = chunk_tokens(h.shape[0], weight.shape[0])
-    return _LinearCrossEntropy.apply(h, weight, t, chunk).view(shape)
+    w = None if loss_weights is None else loss_weights.reshape(-1)
+    if w is not None and w.shape[0] != h.shape[0]:
+        raise ValueError(f"loss_weights has {w.shape[0]} tokens but target has {h.shape[0]}")
+    return _LinearCrossEntropy.apply(h, weight, t, w, chunk).view(shape)

@@ -51,15 +51,3 @@ def unscale_and_check_inf(grads: list[torch.Tensor], inv_scale: float, device: t
         torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv.to(dev))
         found_inf = torch.maximum(found_inf, flag.to(device))
     return found_inf
-
-
-def clip_grads_by_total_norm(grads: list[torch.Tensor], clip_grad: float, total_norm: float) -> None:
-    """Scale ``grads`` in place by ``clip_grad / (total_norm + 1e-6)`` when that is below 1.
-
-    ``clip_grad == 0`` disables clipping.
-    """
-    if clip_grad <= 0.0 or not grads:
-        return
-    clip_coeff = clip_grad / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0:
-        torch._foreach_mul_(grads, clip_coeff)

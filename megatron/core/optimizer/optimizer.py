@@ -5,13 +5,17 @@ params are updated in place (their main param *is* the model param). Gradients c
 ``param.main_grad`` (the fp32 buffer a DDP wrapper accumulates into) when it is set, else from
 ``param.grad``.
 
-One step, with exactly one host sync:
+One step, with at most one host sync (none with ``step(sync=False)`` and no loss scaler):
   1. point each main param's ``.grad`` at its model grad (fp32: alias, no copy);
   2. fp16: unscale in place and raise a found-inf flag;
   3. Σ‖g‖² (and the zero count) over non-duplicate grads;
-  4. one SUM all-reduce of ``[found_inf, Σ‖g‖², zeros]`` over the grad-stats group, one ``tolist()``;
-  5. update the loss scaler; on overflow return without touching params;
-  6. clip, inner step, copy main params back into the model params in one multi-tensor op.
+  4. one SUM all-reduce of ``[found_inf, Σ‖g‖², zeros]`` over the grad-stats group;
+  5. fp16: read the found-inf flag (host sync), update the loss scaler, on overflow return;
+  6. clip and update. AdamW (default kernels): one pass per tensor that divides the gradient by the
+     clipping factor as it reads it, updates the fp32 param and moments and writes the model copy
+     (:mod:`.fused_adamw`). Otherwise (SGD, ``--no-use-fused-adam``) the torch optimizer steps
+     (fused kernels take clipping as their ``grad_scale``) and one multi-tensor copy refreshes the
+     model params.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer import sharded_state
+from megatron.core.optimizer.fused_adamw import adamw_step
 from megatron.core.optimizer.clip_grads import (
-    clip_grads_by_total_norm,
     count_zeros,
     grad_norm_sq,
     param_is_not_duplicate,
@@ -101,6 +105,9 @@ class MegatronOptimizer:
         self._copy_pairs = [(p, m) for p, m in zip(self.model_params, self.main_params) if p is not m]
         self.device = self.main_params[0].device if self.main_params else torch.device("cpu")
         self.optimizer = make_inner_optimizer(config, inner_groups)
+        # AdamW with the multi-tensor/fused kernel choice runs our one-pass step (fused_adamw.py).
+        self._one_pass_adamw = config.optimizer == "adam" and config.use_fused_adam
+        self._model_of_main = {id(m): p for p, m in self._copy_pairs}
         self._sharded_keys: list[str] | None = None
 
     # ---------------------------------------------------------------- loss scaling
@@ -143,8 +150,14 @@ class MegatronOptimizer:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, int | None]:
+    def step(self, sync: bool = True) -> tuple[bool, Any, Any]:
         """Unscale, check overflow, clip and update.
+
+        Args:
+            sync: return Python numbers (one host sync). ``False`` returns the grad norm (and zero
+                count) as 0-dim device tensors and, without a loss scaler, never waits for the
+                device, so the caller can queue the next step before reading them. With a loss
+                scaler (fp16) the step always syncs: whether to skip depends on the overflow flag.
 
         Returns:
             ``(update_successful, grad_norm, num_zeros)``. On overflow (fp16) nothing is updated and
@@ -163,18 +176,51 @@ class MegatronOptimizer:
             parts.append(count_zeros(counted, self.device))
         stats = torch.stack(parts)
         self._reduce_stats(stats)
-        values = stats.tolist()  # the step's one host sync
-        found = values[0] > 0.0
         if self.grad_scaler is not None:
+            found = stats[0].item() > 0.0  # the step's one host sync
             self.grad_scaler.update(found)
-        if found:
-            return False, None, None
-        grad_norm = math.sqrt(values[1])
-        clip_grads_by_total_norm(present, self.config.clip_grad, grad_norm)
-        self.optimizer.step()
-        self._copy_main_params_to_model_params()
-        num_zeros = int(values[2]) if self.config.log_num_zeros_in_grad else None
-        return True, grad_norm, num_zeros
+            if found:
+                return False, None, None
+        grad_norm = stats[1].sqrt()
+        if self._one_pass_adamw:
+            divisor = self._clip_divisor(grad_norm) if present else None
+            adamw_step(self.optimizer, self._model_of_main, divisor)
+        else:
+            self._clipped_inner_step(present, grad_norm)
+            self._copy_main_params_to_model_params()
+        num_zeros = stats[2] if self.config.log_num_zeros_in_grad else None
+        if not sync:
+            return True, grad_norm, num_zeros
+        values = stats.tolist()
+        return True, math.sqrt(values[1]), int(values[2]) if num_zeros is not None else None
+
+    def _clip_divisor(self, grad_norm: torch.Tensor) -> torch.Tensor | None:
+        """``max(1, (‖g‖ + 1e-6) / clip_grad)`` as a 0-dim fp32 device tensor; None when clipping is off."""
+        clip = self.config.clip_grad
+        if clip <= 0.0:
+            return None
+        return torch.clamp((grad_norm + 1.0e-6) / clip, min=1.0).to(torch.float32)
+
+    def _clipped_inner_step(self, grads: list[torch.Tensor], grad_norm: torch.Tensor) -> None:
+        """Clip to ``clip_grad`` by a factor computed on the device (no host sync) and step.
+
+        torch's fused Adam/SGD kernels divide every gradient by their ``grad_scale`` tensor as they
+        read it, so there clipping costs no pass of its own; otherwise the grads are scaled in place.
+        A factor of exactly 1 (no clipping) leaves the gradients bit-for-bit unchanged.
+        """
+        divisor = self._clip_divisor(grad_norm)
+        if divisor is None or not grads:
+            self.optimizer.step()
+            return
+        if all(g.get("fused") for g in self.optimizer.param_groups):
+            self.optimizer.grad_scale = divisor
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.grad_scale
+        else:
+            torch._foreach_mul_(grads, 1.0 / divisor)
+            self.optimizer.step()
 
     def _copy_main_params_to_model_params(self) -> None:
         if self._copy_pairs:

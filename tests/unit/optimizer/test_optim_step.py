@@ -111,3 +111,27 @@ def test_duplicates_excluded_from_norm_and_zero_count():
         opt = get_megatron_optimizer(cfg, [model], tp_rank=tp_rank)
         ok, norm, zeros = opt.step()
         assert ok and norm == pytest.approx(expected_sq**0.5) and zeros == expected_zeros
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+@pytest.mark.parametrize("scale", [10.0, 1e-3])
+def test_fused_kernels_fold_clipping_into_the_gradient_read(tools, name, scale):
+    """With fused kernels (CUDA default; forced here on the CPU) clipping is the kernels' grad_scale:
+    the update equals clip-then-step with the multi-tensor kernels, and no pass rewrites the grads."""
+    results = []
+    for fused in (False, True):
+        model = tools["TinyMLP"]()
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer=name, lr=0.1, clip_grad=1.0, sgd_momentum=0.9),
+                                     [model])
+        for group in opt.optimizer.param_groups:
+            group["fused"], group["foreach"] = fused, not fused
+        for step in range(3):
+            for p, g in zip(model.parameters(), grads_for(model, scale * (step + 1))):
+                p.grad = g
+            ok, norm, _ = opt.step()
+        assert ok and not hasattr(opt.optimizer, "grad_scale")
+        results.append(([p.detach().clone() for p in model.parameters()], norm))
+    (plain, norm_plain), (fused_params, norm_fused) = results
+    assert norm_plain == pytest.approx(norm_fused, rel=1e-6)
+    for a, b in zip(plain, fused_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

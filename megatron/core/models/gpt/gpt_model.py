@@ -134,8 +134,9 @@ class GPTModel(nn.Module):
 
         ``decoder_input`` (else the tensor given to ``set_input_tensor``) replaces the embedding on
         stages without ``pre_process``. On stages without ``post_process`` the hidden states
-        ``[s(/tp with sequence parallelism), b, h]`` are returned. ``loss_mask`` is accepted for
-        Megatron compatibility; masking is applied by the caller's loss function.
+        ``[s(/tp with sequence parallelism), b, h]`` are returned. Masking is applied by the caller's
+        loss function; with the fused output layer + cross entropy, the gradient reaching the losses
+        must be one scalar times ``loss_mask`` (all ones when None), as a masked mean gives.
         """
         if position_ids is None and input_ids is not None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -158,7 +159,8 @@ class GPTModel(nn.Module):
         if labels is not None and self.fused_cross_entropy:
             # One rank holds the whole vocabulary: output layer + loss in token chunks, no full logits.
             w = weight if weight is not None else self.output_layer.weight
-            return linear_cross_entropy(hidden, w, labels.t()).t().contiguous()  # [s, b] -> [b, s]
+            weights = None if loss_mask is None else loss_mask.t()
+            return linear_cross_entropy(hidden, w, labels.t(), loss_weights=weights).t().contiguous()  # [b, s]
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V/tp]
         if labels is None:
             if not self.parallel_output:

@@ -1,0 +1,100 @@
+"""AdamW over fp32 main params that also writes the bf16/fp16 model copy, one pass per tensor.
+
+torch's fused AdamW updates the fp32 main params; a mixed-precision step then needs a second pass
+to copy them into the model's bf16 params, and clipping through its ``grad_scale`` makes it write the
+unscaled gradients back. Per parameter this kernel reads the fp32 param, gradient, ``exp_avg`` and
+``exp_avg_sq`` once and writes the param, both moments and the model copy: 30 bytes per parameter
+instead of about 42.
+
+The update is torch's AdamW (decoupled weight decay, bias corrections, ``eps`` outside the square
+root), in fp32, with the gradient divided by the clipping divisor as it is read. Hyper-parameters
+and the step count are device tensors, so the learning-rate schedule never recompiles and nothing
+waits for the host. The state lives in the wrapped ``torch.optim.AdamW`` (``step``, ``exp_avg``,
+``exp_avg_sq``), so checkpoints are unchanged. On CUDA the per-tensor function is compiled once
+(``torch.compile(dynamic=True)`` over flat views: one graph for every size); elsewhere it runs eagerly
+with the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron.core.fusions.compile import maybe_compiled
+
+
+def _update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+            step: torch.Tensor, hyper: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """One AdamW step of a flat fp32 ``param`` in place; returns the new param (for the model copy).
+
+    ``hyper`` is ``[lr, weight_decay, beta1, beta2, eps]`` (fp32, on the param's device).
+    """
+    lr, wd, beta1, beta2, eps = hyper[0], hyper[1], hyper[2], hyper[3], hyper[4]
+    step.add_(1)
+    g = grad.float() / divisor
+    param.mul_(1.0 - lr * wd)
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).add_((1.0 - beta2) * g * g)
+    bias_correction1 = 1.0 - torch.pow(beta1, step)
+    bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step))
+    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    param.sub_((lr / bias_correction1) * exp_avg / denom)
+    return param
+
+
+def _update_main(param, grad, exp_avg, exp_avg_sq, step, hyper, divisor) -> None:
+    _update(param, grad, exp_avg, exp_avg_sq, step, hyper, divisor)
+
+
+def _update_main_and_model(param, grad, exp_avg, exp_avg_sq, step, hyper, divisor, model_param) -> None:
+    model_param.copy_(_update(param, grad, exp_avg, exp_avg_sq, step, hyper, divisor))
+
+
+_update_main_fn = maybe_compiled(_update_main, dynamic=True)
+_update_main_and_model_fn = maybe_compiled(_update_main_and_model, dynamic=True)
+
+
+def _hyper(group: dict, device: torch.device) -> torch.Tensor:
+    """The group's [lr, weight_decay, beta1, beta2, eps] on ``device`` without a blocking copy."""
+    beta1, beta2 = group["betas"]
+    values = torch.tensor([group["lr"], group["weight_decay"], beta1, beta2, group["eps"]], dtype=torch.float32)
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
+@torch.no_grad()
+def adamw_step(optimizer: torch.optim.AdamW, model_params: dict[int, torch.Tensor],
+               divisor: torch.Tensor | None) -> None:
+    """Step every param of ``optimizer`` that has a ``.grad``.
+
+    Args:
+        optimizer: a ``torch.optim.AdamW`` whose params are the fp32 main params (amsgrad off).
+        model_params: ``id(main param) -> model param`` for main params that have a lower-precision
+            model copy to refresh; main params absent here are the model params themselves.
+        divisor: 0-dim fp32 device tensor the gradients are divided by (clipping), or None.
+    """
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ValueError("the fused AdamW step supports neither amsgrad nor maximize")
+        device = params[0].device
+        hyper = _hyper(group, device)
+        div = divisor if divisor is not None else torch.ones((), dtype=torch.float32, device=device)
+        for p in params:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            step = state["step"]
+            if step.device != device:  # a checkpoint from a non-fused run keeps it on the host
+                step = state["step"] = step.to(device=device, dtype=torch.float32)
+            args = (p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), step,
+                    hyper, div)
+            model = model_params.get(id(p))
+            if model is None:
+                _update_main_fn(*args)
+            else:
+                _update_main_and_model_fn(*args, model.view(-1))
