@@ -26,7 +26,6 @@ from megatron.training.loop_utils import (
     model_args_for_check,
     print_rank_0,
     print_rank_last,
-    reduce_max_bool,
 )
 from megatron.training.metrics import MetricsWriter, format_validation
 

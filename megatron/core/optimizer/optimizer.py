@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer import sharded_state
-from megatron.core.optimizer.fused_adamw import adamw_step
 from megatron.core.optimizer.clip_grads import (
     count_zeros,
     grad_norm_sq,
     param_is_not_duplicate,
     unscale_and_check_inf,
 )
+from megatron.core.optimizer.fused_adamw import adamw_step
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
