@@ -75,6 +75,8 @@ def test_compiled_one_pass_adamw_matches_eager_cpu():
             for m in mains:
                 m.grad = torch.randn(m.shape, generator=g).to(dev)
             adamw_step(opt, {id(m): p for m, p in zip(mains, models)}, torch.tensor(2.0, device=dev))
-        results.append([m.detach().cpu() for m in mains] + [p.cpu() for p in models])
+        for m, p in zip(mains, models):  # the model copy is the rounded main param, on each device
+            assert torch.equal(p, m.detach().to(torch.bfloat16))
+        results.append([m.detach().cpu() for m in mains])
     for a, b in zip(*results):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

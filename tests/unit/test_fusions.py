@@ -88,9 +88,10 @@ def test_linear_cross_entropy_rejects_gradient_not_proportional_to_weights():
         (loss * torch.arange(6.0)).sum().backward()
 
 
-def test_chunk_tokens_is_a_power_of_two_near_a_gib_of_logits():
-    assert chunk_tokens(8192, 128256) == 2048
-    assert chunk_tokens(16384, 50304) == 4096
+def test_chunk_tokens_is_a_power_of_two_near_two_gib_of_bf16_logits():
+    assert chunk_tokens(8192, 128256) == 8192  # llama-3b: one chunk
+    assert chunk_tokens(16384, 50304) == 16384  # gpt-1.3b: one chunk
+    assert chunk_tokens(32768, 128256) == 8192
     assert chunk_tokens(10, 128256) == 10
 
 

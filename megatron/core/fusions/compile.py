@@ -39,6 +39,7 @@ def maybe_compiled(fn=None, *, dynamic: bool = False):
         if not (_STATE["enabled"] and args[0].is_cuda) or compiled["failed"]:
             return fn(*args)
         if compiled["fn"] is None:
+            _raise_recompile_limits()
             compiled["fn"] = torch.compile(fn, dynamic=dynamic)
         try:
             return compiled["fn"](*args)
@@ -51,6 +52,21 @@ def maybe_compiled(fn=None, *, dynamic: bool = False):
     return wrapper
 
 
+def _raise_recompile_limits() -> None:
+    """Room for one graph per tensor size (static-shape helpers) and per layer variant, so nothing
+    silently falls back to eager after dynamo's default of 8; compiler failures fall back to eager
+    for that frame with a warning."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 64))
+    cfg.suppress_errors = True
+    if hasattr(cfg, "accumulated_cache_size_limit"):
+        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 512)
+
+
 def compile_layers(modules: list[nn.Module], layer_type: type) -> int:
     """``module.compile(dynamic=False)`` for every ``layer_type`` submodule; returns how many.
 
@@ -60,15 +76,7 @@ def compile_layers(modules: list[nn.Module], layer_type: type) -> int:
     layers = [m for root in modules for m in root.modules() if isinstance(m, layer_type)]
     if not layers:
         return 0
-    import torch._dynamo
-
-    cfg = torch._dynamo.config
-    for name in ("cache_size_limit", "recompile_limit"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), 64))
-    cfg.suppress_errors = True  # a compiler failure falls back to eager for that frame, with a warning
-    if hasattr(cfg, "accumulated_cache_size_limit"):
-        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 512)
+    _raise_recompile_limits()
     for layer in layers:
         layer.compile(dynamic=False)
     return len(layers)

@@ -8,8 +8,9 @@ dtype, an fp32 copy, fp32 log-probs saved for backward and fp32 then bf16 gradie
 Here the tokens are processed ``chunk`` at a time, and the gradients are formed in the forward pass
 while each chunk's logits are at hand (as Liger-Kernel's fused linear cross entropy does), so the
 output-layer GEMM runs once instead of being recomputed in backward. Per chunk: the logits
-``h_c W^T``; one fused pass gives the fp32 loss and ``dlogits = w_t (softmax - onehot)``; then
-``G_h[c] = dlogits W`` and ``G_W += dlogits^T h_c`` (fp32 accumulation inside the GEMM on CUDA).
+``h_c W^T``; one fused pass gives the fp32 loss and overwrites them with ``dlogits = w_t (softmax -
+onehot)``; then ``G_h[c] = dlogits W`` and ``G_W += dlogits^T h_c`` (with several chunks, fp32
+accumulation inside the GEMM on CUDA; with one chunk, one GEMM in the param dtype).
 Backward only scales: ``grad_h = s G_h`` and ``grad_W = s G_W``.
 
 This needs the gradient reaching the per-token losses to be ``s * w_t`` for one scalar ``s`` (for
@@ -29,8 +30,10 @@ import torch
 
 from megatron.core.fusions.compile import maybe_compiled
 
-# Target elements of one chunk's logits: 2^28 fp32 values is 1 GiB.
-CHUNK_ELEMENTS = 1 << 28
+# Target elements of one chunk's logits: 2^30 bf16 values is 2 GiB, overwritten in place by their
+# gradient. llama-3b (8192 x 128256) and gpt-1.3b (16384 x 50304) fit in one chunk: then the weight
+# gradient is one GEMM in the param dtype, as in the unfused path, with no fp32 accumulator.
+CHUNK_ELEMENTS = 1 << 30
 
 
 def _lse_and_target_logit(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,20 +44,20 @@ def _lse_and_target_logit(logits: torch.Tensor, target: torch.Tensor) -> tuple[t
     return lse, picked
 
 
-def _loss_and_dlogits(logits: torch.Tensor, target: torch.Tensor,
-                      weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 per-token loss and ``weights[:, None] * (softmax(logits) - onehot(target))`` in ``logits.dtype``."""
+def _loss_and_dlogits_(logits: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """fp32 per-token loss; overwrites ``logits`` with ``weights[:, None] * (softmax - onehot(target))``."""
     lf = logits.float()
     lse = torch.logsumexp(lf, dim=-1)
     picked = lf.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     prob = torch.exp(lf - lse.unsqueeze(-1))
     cols = torch.arange(logits.shape[-1], device=logits.device)
     prob = torch.where(cols.unsqueeze(0) == target.unsqueeze(-1), prob - 1.0, prob)
-    return lse - picked, (prob * weights.unsqueeze(-1)).to(logits.dtype)
+    logits.copy_(prob * weights.unsqueeze(-1))
+    return lse - picked
 
 
 _lse_fn = maybe_compiled(_lse_and_target_logit)
-_loss_dlogits_fn = maybe_compiled(_loss_and_dlogits)
+_loss_dlogits_fn = maybe_compiled(_loss_and_dlogits_)
 
 
 def _accumulate_wgrad(acc: torch.Tensor, dlogits: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -102,7 +105,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             h = hidden[s:e]
-            loss[s:e], dl = _loss_dlogits_fn(h @ weight.t(), target[s:e], weights[s:e])  # dl: [c, V]
+            dl = h @ weight.t()  # [c, V] logits, then (in place) their gradient
+            loss[s:e] = _loss_dlogits_fn(dl, target[s:e], weights[s:e])
             if need_h:
                 torch.mm(dl, weight, out=grad_h[s:e])
             if need_w:

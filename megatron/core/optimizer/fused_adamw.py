@@ -49,8 +49,12 @@ def _update_main_and_model(param, grad, exp_avg, exp_avg_sq, step, hyper, diviso
     model_param.copy_(_update(param, grad, exp_avg, exp_avg_sq, step, hyper, divisor))
 
 
-_update_main_fn = maybe_compiled(_update_main, dynamic=True)
-_update_main_and_model_fn = maybe_compiled(_update_main_and_model, dynamic=True)
+# Static shapes: one compiled kernel per distinct tensor size (a handful per model), each with the
+# alignment and size known to the compiler (vectorised loads); dynamic=True makes one graph for all.
+KERNELS = {
+    dynamic: (maybe_compiled(_update_main, dynamic=dynamic), maybe_compiled(_update_main_and_model, dynamic=dynamic))
+    for dynamic in (False, True)
+}
 
 
 def _hyper(group: dict, device: torch.device) -> torch.Tensor:
@@ -64,7 +68,7 @@ def _hyper(group: dict, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def adamw_step(optimizer: torch.optim.AdamW, model_params: dict[int, torch.Tensor],
-               divisor: torch.Tensor | None) -> None:
+               divisor: torch.Tensor | None, dynamic: bool = False) -> None:
     """Step every param of ``optimizer`` that has a ``.grad``.
 
     Args:
@@ -72,7 +76,9 @@ def adamw_step(optimizer: torch.optim.AdamW, model_params: dict[int, torch.Tenso
         model_params: ``id(main param) -> model param`` for main params that have a lower-precision
             model copy to refresh; main params absent here are the model params themselves.
         divisor: 0-dim fp32 device tensor the gradients are divided by (clipping), or None.
+        dynamic: compile one size-generic kernel instead of one per tensor size.
     """
+    update_main, update_main_and_model = KERNELS[dynamic]
     for group in optimizer.param_groups:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
@@ -95,6 +101,6 @@ def adamw_step(optimizer: torch.optim.AdamW, model_params: dict[int, torch.Tenso
                     hyper, div)
             model = model_params.get(id(p))
             if model is None:
-                _update_main_fn(*args)
+                update_main(*args)
             else:
-                _update_main_and_model_fn(*args, model.view(-1))
+                update_main_and_model(*args, model.view(-1))
