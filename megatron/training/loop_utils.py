@@ -105,29 +105,31 @@ def model_args_for_check(cfg, padded_vocab_size: int) -> dict:
 
 class IntervalLog:
     """Collects per-step results (host numbers) between log lines, then prints one line. The time per
-    iteration is the wall time between two flushes over the steps recorded in between."""
+    iteration is the time between the device finishing the last step of the previous line and the
+    last step of this one, over the steps in between."""
 
     def __init__(self, trainer):
         self.trainer = trainer
+        self.t0 = time.perf_counter()
         self._reset()
 
     def _reset(self) -> None:
         self.steps: list = []
         self.grad_norm = None
-        self.t0 = time.perf_counter()
 
-    def record(self, losses: dict, success: bool, grad_norm, lr: float, loss_scale: float) -> None:
-        """One step's results: ``losses`` {name: (sum, count)}, and the learning rate and loss scale
-        that the step left behind."""
+    def record(self, losses: dict, success: bool, grad_norm, lr: float, loss_scale: float, done: float) -> None:
+        """One step's results: ``losses`` {name: (sum, count)}, the learning rate and loss scale that
+        the step left behind, and ``done``, the ``perf_counter()`` time the step finished."""
         self.steps.append((losses, success))
-        self.lr, self.loss_scale = lr, loss_scale
+        self.lr, self.loss_scale, self.done = lr, loss_scale, done
         if grad_norm is not None:
             self.grad_norm = grad_norm
 
     def flush(self) -> None:
         tr = self.trainer
         n = len(self.steps)
-        elapsed = (time.perf_counter() - self.t0) / max(n, 1)
+        elapsed = (self.done - self.t0) / max(n, 1)
+        self.t0 = self.done
         sums: dict = {}
         skipped = nan = 0
         for losses, success in self.steps:

@@ -318,7 +318,7 @@ class Trainer:
                 self.state.iteration = pending.iteration
                 self.state.consumed_train_samples += self.global_batch_size
                 self.state.num_floating_point_operations_so_far += self.flops_per_step
-                interval.record(losses, success, grad_norm, pending.lr, pending.loss_scale)
+                interval.record(losses, success, grad_norm, pending.lr, pending.loss_scale, pending.done)
                 if self.state.iteration % lg.log_interval == 0 or self.state.iteration == 1:
                     interval.flush()
                 if lg.eval_interval and self.state.iteration % lg.eval_interval == 0:
@@ -356,6 +356,7 @@ class InFlightStep:
             parts.append(flags.float().view(-1))
         vec = torch.cat(parts) if parts else torch.zeros(0, device=device)
         self.event = None
+        self.done: float | None = None  # perf_counter() when the step had finished on the device
         if device.type == "cuda":
             self.values = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
             self.values.copy_(vec, non_blocking=True)
@@ -363,11 +364,13 @@ class InFlightStep:
             self.event.record()
         else:
             self.values = vec
+            self.done = time.perf_counter()  # CPU ops ran synchronously
 
     def read(self) -> tuple[dict, bool, float | None, list[float] | None]:
         """(losses {name: (sum, count)}, update_successful, grad_norm, exit flags); waits for this step."""
         if self.event is not None:
             self.event.synchronize()
+            self.done = time.perf_counter()
         values = self.values.tolist()
         losses = {k: (values[2 * i], values[2 * i + 1]) for i, k in enumerate(self.keys)}
         pos = 2 * len(self.keys)

@@ -36,6 +36,9 @@ def test_trains_evaluates_and_logs(tmp_path, capsys):
         assert field in line, field
     curve = losses(str(tb / "metrics.jsonl"))
     assert len(curve) == 30 and curve[30] < curve[1] - 0.5
+    # Every step's time is measured when it finished, though the loop queues the next one first.
+    times = [r["iteration-time"] for r in metrics(str(tb / "metrics.jsonl"), "iteration-time").values()]
+    assert len(times) == 30 and min(times) > 1e-3  # seconds; a step of this model takes tens of ms
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
     assert "lm loss validation" in open(tb / "metrics.jsonl").read()
 
