@@ -16,8 +16,8 @@ RMSNorm), bf16 parameters wrapped in ``Float16Module``, megatron-core's ``Distri
 with fp32 gradient accumulation, ``get_megatron_optimizer`` (torch AdamW under a mixed-precision
 wrapper with fp32 main weights) and the no-pipelining ``forward_backward_func``. Every fusion that
 needs Apex or Transformer Engine is off. Attention softmax runs in bf16, as under Megatron-LM's
-default flags; ``--attention-softmax-in-fp32`` gives the library's own default, fp32, which keeps
-an fp32 copy of every [b, heads, s, s] score tensor for backward.
+default flags; ``--attention-softmax-in-fp32`` gives the library's own default, fp32, which also
+keeps every layer's [b, heads, s, s] attention probabilities in fp32 for backward.
 
 One step is: zero the gradient buffers, forward and backward over one micro-batch of synthetic
 random tokens (the global batch is the micro-batch), optimizer step. After 3 warm-up steps each of
