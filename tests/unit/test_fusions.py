@@ -144,5 +144,9 @@ def test_kernel_report_names_every_part_on_cpu():
                           fused_cross_entropy=True)
     text = "\n".join(lines)
     assert lines[0] == " > kernels:"
-    for part in ("attention: SDPA", "not compiled: CPU run", "fused output layer", "FP8: off", "Transformer Engine"):
+    for part in ("attention: SDPA", "not compiled: CPU run", "fused output layer", "FP8: off", "Transformer Engine",
+                 "optimizer: AdamW, one pass per tensor", "recompute: off"):
         assert part in text
+    selective = kernel_report(tiny(recompute_granularity="selective"), torch.device("cpu"), tp_size=1,
+                              compiled_layers=0, compile_reason="CPU run", fused_cross_entropy=True)
+    assert any("recompute: selective" in ln and "--recompute-granularity full" in ln for ln in selective)

@@ -56,9 +56,23 @@ def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: i
         f"   layers: {layers}",
         f"   cross entropy: {ce}",
         f"   optimizer: {opt}",
+        f"   recompute: {recompute_line(config)}",
         f"   FP8: {fp8_line(config, dtype, fp8_linears)}",
         "   Transformer Engine: not used (--transformer-impl local; no TE path is shipped)",
     ]
+
+
+def recompute_line(config) -> str:
+    """What activation recompute does, and when it will not pay."""
+    g = getattr(config, "recompute_granularity", None)
+    if g == "full":
+        return (f"full, {config.recompute_method} over {config.recompute_num_layers} layer(s): layer inputs kept, "
+                "each layer's forward replayed in backward")
+    if g == "selective":
+        return ("selective (core attention only). The fused attention kernel keeps no [s, s] score matrix, so "
+                "this saves little memory (none measured on llama-3b, docs/performance.md); "
+                "--recompute-granularity full is what frees activation memory")
+    return "off (--recompute-granularity selective|full)"
 
 
 def optimizer_line(optimizer_config, device: torch.device) -> str:
