@@ -27,14 +27,18 @@ MODEL = ("--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --group-que
 
 
 def run(nproc: int, extra: str, iters: int, metrics: str) -> dict[int, float]:
+    return run_command(nproc, f"{MODEL} --train-iters {iters} {extra}", metrics)
+
+
+def run_command(nproc: int, flags: str, metrics: str) -> dict[int, float]:
+    """pretrain_gpt.py with ``flags`` under torchrun; returns iteration -> training loss."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "pretrain_gpt.py"), *MODEL.split(), "--train-iters", str(iters),
-           "--metrics-file", metrics, *extra.split()]
+           os.path.join(ROOT, "pretrain_gpt.py"), *flags.split(), "--metrics-file", metrics]
     print("$ " + " ".join(cmd), flush=True)
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if res.returncode != 0:
         print(res.stdout[-3000:], res.stderr[-5000:])
-        raise SystemExit(f"layout {nproc}:{extra} failed")
+        raise SystemExit(f"pretrain_gpt.py {flags} failed")
     with open(metrics) as f:
         return {r["iteration"]: r["lm loss"] for r in map(json.loads, f) if "lm loss" in r}
 

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""FP8 against bf16 on the bundled corpus: loss curves over 300 steps (issue 6's 1% criterion).
+
+    bash examples/prepare_corpus.sh                   # once, on any machine: data/prepared/
+    python bench/fp8_loss.py --iters 300 [--recipes hybrid:tensorwise,hybrid:delayed]
+
+Trains the same Llama-style model (12 layers, hidden 1024, GQA, SwiGLU, RoPE; vocab of the bundled
+corpus's 4096-token BPE) from the same seed on the same data order, once in bf16 and once per FP8
+recipe, through pretrain_gpt.py on one GPU. Reports, per recipe, the largest relative difference of
+the 20-step moving-average loss from bf16's after the first 20 steps, the difference of the mean loss
+over the last 50 steps, and PASS when both are within ``--tolerance`` (1%). ``--model tiny`` and
+``--recipes ""`` check the script on a CPU (FP8 itself needs a Hopper GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+from layout_match import ROOT, run_command
+
+MODELS = {
+    "small": ("--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --group-query-attention "
+              "--num-query-groups 4 --ffn-hidden-size 2816 --seq-length 1024 --max-position-embeddings 1024 "
+              "--micro-batch-size 8 --global-batch-size 8"),
+    "tiny": ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+             "--ffn-hidden-size 176 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 4 "
+             "--global-batch-size 4"),
+}
+COMMON = ("--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear --bf16 "
+          "--lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 30 --weight-decay 0.1 "
+          "--adam-beta2 0.95 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --seed 1234 "
+          "--log-interval 1 --eval-iters 0 --num-workers 1 --tokenizer-type GPT2BPETokenizer --split 100,0,0")
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def compare(ref: dict[int, float], other: dict[int, float], window: int = 20, tail: int = 50) -> dict:
+    steps = sorted(ref)
+    a, b = [ref[s] for s in steps], [other[s] for s in steps]
+    ma, mb = moving_average(a, window), moving_average(b, window)
+    curve = max(abs(x - y) / abs(x) for x, y in list(zip(ma, mb))[window:]) if len(steps) > window else float("nan")
+    last_a, last_b = statistics.fmean(a[-tail:]), statistics.fmean(b[-tail:])
+    return {"max_rel_diff_moving_avg": curve, "rel_diff_last_mean": abs(last_b - last_a) / abs(last_a),
+            "bf16_last_mean": last_a, "last_mean": last_b}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--recipes", default="hybrid:tensorwise,hybrid:delayed",
+                    help="comma-separated FORMAT:RECIPE pairs; empty runs bf16 only")
+    ap.add_argument("--model", default="small", choices=sorted(MODELS))
+    ap.add_argument("--data", default=os.path.join(ROOT, "data", "prepared"),
+                    help="folder written by examples/prepare_corpus.sh")
+    ap.add_argument("--tolerance", type=float, default=0.01)
+    args = ap.parse_args()
+    d = args.data
+    data = (f"--data-path {d}/corpus_text_document --vocab-file {d}/vocab.json --merge-file {d}/merges.txt")
+    base = f"{MODELS[args.model]} {COMMON} {data} --train-iters {args.iters}"
+    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        curves = {"bf16": run_command(1, base, os.path.join(tmp, "bf16.jsonl"))}
+        for spec in filter(None, args.recipes.split(",")):
+            fmt, recipe = spec.split(":")
+            extra = f"{base} --fp8-format {fmt} --fp8-recipe {recipe}"
+            curves[spec] = run_command(1, extra, os.path.join(tmp, f"{fmt}_{recipe}.jsonl"))
+    ref = curves["bf16"]
+    print(f"bf16: {len(ref)} steps, loss {ref[min(ref)]:.4f} -> {ref[max(ref)]:.4f}")
+    with open(os.path.join(out_dir, "fp8_loss.jsonl"), "a") as f:
+        f.write(json.dumps({"run": "bf16", "iters": args.iters, "model": args.model, "losses": ref}) + "\n")
+        for spec, curve in curves.items():
+            if spec == "bf16":
+                continue
+            res = compare(ref, curve)
+            ok = res["max_rel_diff_moving_avg"] <= args.tolerance and res["rel_diff_last_mean"] <= args.tolerance
+            print(f"{spec}: moving-average loss within {100 * res['max_rel_diff_moving_avg']:.2f}% of bf16, "
+                  f"last-{50} mean {res['last_mean']:.4f} vs {res['bf16_last_mean']:.4f} "
+                  f"({100 * res['rel_diff_last_mean']:.2f}%): {'PASS' if ok else 'FAIL'}")
+            f.write(json.dumps({"run": spec, "iters": args.iters, "model": args.model, **res, "pass": ok,
+                                "losses": curve}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
