@@ -94,7 +94,7 @@ class StepProfiler:
         self.rank = rank
         self.cuda = device.type == "cuda"
         self.dir = logger_cfg.profile_dir or default_dir or "profile"
-        self.prof = None
+        self.prof: torch.profiler.profile | None = None
         self.active = False
 
     def before_step(self, iteration: int) -> None:

@@ -346,6 +346,7 @@ class InFlightStep:
 
     def __init__(self, iteration: int, losses: dict, success: bool, grad_norm, flags, device: torch.device):
         self.iteration, self.success = iteration, success
+        self.lr, self.loss_scale = 0.0, 1.0  # set by the launcher: the values this step left behind
         self.keys = list(losses)
         parts = [losses[k].float().view(-1) for k in self.keys]
         self.host_norm = grad_norm if not torch.is_tensor(grad_norm) else None

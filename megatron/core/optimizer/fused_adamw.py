@@ -17,6 +17,8 @@ with the same arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from megatron.core.fusions.compile import maybe_compiled
@@ -67,7 +69,7 @@ def _hyper(group: dict, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def adamw_step(optimizer: torch.optim.AdamW, model_params: dict[int, torch.Tensor],
+def adamw_step(optimizer: torch.optim.Optimizer, model_params: Mapping[int, torch.Tensor],
                divisor: torch.Tensor | None, dynamic: bool = False) -> None:
     """Step every param of ``optimizer`` that has a ``.grad``.
 

@@ -213,11 +213,11 @@ class MegatronOptimizer:
             self.optimizer.step()
             return
         if all(g.get("fused") for g in self.optimizer.param_groups):
-            self.optimizer.grad_scale = divisor
+            setattr(self.optimizer, "grad_scale", divisor)  # noqa: B010 - read by torch's fused kernels
             try:
                 self.optimizer.step()
             finally:
-                del self.optimizer.grad_scale
+                delattr(self.optimizer, "grad_scale")
         else:
             torch._foreach_mul_(grads, 1.0 / divisor)
             self.optimizer.step()
