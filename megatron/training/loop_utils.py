@@ -115,15 +115,20 @@ class IntervalLog:
 
     def _reset(self) -> None:
         self.steps: list = []
-        self.grad_norm = None
+        self.grad_norm: float | None = None
+        self.num_zeros: float | None = None
 
-    def record(self, losses: dict, success: bool, grad_norm, lr: float, loss_scale: float, done: float) -> None:
+    def record(self, losses: dict, success: bool, grad_norm, lr: float, loss_scale: float, done: float,
+               num_zeros: float | None = None) -> None:
         """One step's results: ``losses`` {name: (sum, count)}, the learning rate and loss scale that
-        the step left behind, and ``done``, the ``perf_counter()`` time the step finished."""
+        the step left behind, ``done`` (the ``perf_counter()`` time the step finished) and, with
+        ``--log-num-zeros-in-grad``, the number of zero gradient elements."""
         self.steps.append((losses, success))
         self.lr, self.loss_scale, self.done = lr, loss_scale, done
         if grad_norm is not None:
             self.grad_norm = grad_norm
+        if num_zeros is not None:
+            self.num_zeros = num_zeros
 
     def flush(self) -> None:
         tr = self.trainer
@@ -149,7 +154,7 @@ class IntervalLog:
             tokens_per_sec_per_gpu=tr.global_batch_size * tr.cfg.training.seq_length / elapsed / tr.world_size,
             mfu=(tflops / tr.peak_tflops) if tr.peak_tflops else None,
             learning_rate=self.lr, global_batch_size=tr.global_batch_size,
-            losses=avg, loss_scale=self.loss_scale, grad_norm=self.grad_norm,
+            losses=avg, loss_scale=self.loss_scale, grad_norm=self.grad_norm, num_zeros=self.num_zeros,
             skipped_iterations=skipped, nan_iterations=nan,
         )
         print_rank_last(format_iteration_line(tr.state.iteration, tr.train_iters, stats))
@@ -158,6 +163,8 @@ class IntervalLog:
                    "iteration-time": elapsed, "throughput": tflops,
                    "tokens-per-sec-per-gpu": stats["tokens_per_sec_per_gpu"], "mfu": stats["mfu"],
                    "skipped-iterations": skipped, "nan-iterations": nan, **avg}
+        if self.num_zeros is not None:
+            scalars["num-zeros"] = self.num_zeros
         if tr.device.type == "cuda":
             scalars["mem-allocated-bytes"] = torch.cuda.memory_allocated(tr.device)
             scalars["mem-max-allocated-bytes"] = torch.cuda.max_memory_allocated(tr.device)

@@ -30,6 +30,8 @@ def format_iteration_line(it: int, train_iters: int, stats: dict) -> str:
     parts.append(f"loss scale: {stats['loss_scale']:.1f}")
     if stats.get("grad_norm") is not None:
         parts.append(f"grad norm: {stats['grad_norm']:.3f}")
+    if stats.get("num_zeros") is not None:
+        parts.append(f"num zeros: {stats['num_zeros']:.1f}")
     parts.append(f"number of skipped iterations: {stats['skipped_iterations']:3d}")
     parts.append(f"number of nan iterations: {stats['nan_iterations']:3d}")
     return " | ".join(parts) + " |"

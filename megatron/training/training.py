@@ -173,8 +173,8 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------
     def train_step(self, sync: bool = True):
         """One optimizer step over ``num_microbatches`` micro-batches. Returns (loss sum/count tensors,
-        update_successful, grad_norm); with ``sync=False`` the grad norm is a device tensor and
-        nothing waits for the device (see :class:`InFlightStep`)."""
+        update_successful, grad_norm, num_zeros); with ``sync=False`` the grad norm and zero count
+        are device tensors and nothing waits for the device (see :class:`InFlightStep`)."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -184,10 +184,10 @@ class Trainer:
             num_microbatches=self.num_microbatches, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
-        success, grad_norm, _ = self.optimizer.step(sync=sync)
+        success, grad_norm, num_zeros = self.optimizer.step(sync=sync)
         if success:
             self.scheduler.step(increment=self.global_batch_size)
-        return self._reduce_losses(metrics), success, grad_norm
+        return self._reduce_losses(metrics), success, grad_norm, num_zeros
 
     def _reduce_losses(self, metrics: list) -> dict:
         """Token-weighted sums over micro-batches and data-parallel ranks: {name: tensor([sum, count])}."""
@@ -282,8 +282,9 @@ class Trainer:
                 or bool(t.exit_interval and iteration % t.exit_interval == 0))
 
     def _launch(self, iteration: int) -> InFlightStep:
-        losses, success, grad_norm = self.train_step(sync=False)
-        step = InFlightStep(iteration, losses, success, grad_norm, self._exit_flags(), self.device)
+        losses, success, grad_norm, num_zeros = self.train_step(sync=False)
+        step = InFlightStep(iteration, losses, success, {"grad_norm": grad_norm, "num_zeros": num_zeros},
+                            self._exit_flags(), self.device)
         # What the log line of this step shows, as it is now (later launches change it).
         step.lr, step.loss_scale = self.optimizer.param_groups[0]["lr"], float(self.optimizer.get_loss_scale())
         return step
@@ -313,12 +314,14 @@ class Trainer:
                 if summary:
                     print(summary, flush=True)
             if pending is not None:
-                losses, success, grad_norm, flags = pending.read()
+                losses, scalars, flags = pending.read()
+                success, grad_norm = pending.success, scalars["grad_norm"]
                 self._check_finite(grad_norm, losses)
                 self.state.iteration = pending.iteration
                 self.state.consumed_train_samples += self.global_batch_size
                 self.state.num_floating_point_operations_so_far += self.flops_per_step
-                interval.record(losses, success, grad_norm, pending.lr, pending.loss_scale, pending.done)
+                interval.record(losses, success, grad_norm, pending.lr, pending.loss_scale, pending.done,
+                                scalars["num_zeros"])
                 if self.state.iteration % lg.log_interval == 0 or self.state.iteration == 1:
                     interval.flush()
                 if lg.eval_interval and self.state.iteration % lg.eval_interval == 0:
@@ -340,18 +343,22 @@ class Trainer:
 
 
 class InFlightStep:
-    """A queued step's loss sums, grad norm and exit flags on their way to the host: one
-    non-blocking copy into pinned memory and an event, so reading them waits for this step only,
-    not for the steps queued after it."""
+    """A queued step's loss sums and scalars (grad norm, zero count, exit flags) on their way to the
+    host: one non-blocking copy into pinned memory and an event, so reading them waits for this step
+    only, not for the steps queued after it.
 
-    def __init__(self, iteration: int, losses: dict, success: bool, grad_norm, flags, device: torch.device):
+    ``scalars`` maps names to 0-dim device tensors, host numbers or None (absent); ``flags`` is the
+    ``[SIGTERM, time is up]`` tensor or None.
+    """
+
+    def __init__(self, iteration: int, losses: dict, success: bool, scalars: dict, flags, device: torch.device):
         self.iteration, self.success = iteration, success
         self.lr, self.loss_scale = 0.0, 1.0  # set by the launcher: the values this step left behind
         self.keys = list(losses)
         parts = [losses[k].float().view(-1) for k in self.keys]
-        self.host_norm = grad_norm if not torch.is_tensor(grad_norm) else None
-        if torch.is_tensor(grad_norm):
-            parts.append(grad_norm.float().view(1))
+        self.host = {k: v for k, v in scalars.items() if not torch.is_tensor(v)}
+        self.queued = [k for k, v in scalars.items() if torch.is_tensor(v)]
+        parts += [scalars[k].float().view(1) for k in self.queued]
         self.has_flags = flags is not None
         if flags is not None:
             parts.append(flags.float().view(-1))
@@ -367,20 +374,20 @@ class InFlightStep:
             self.values = vec
             self.done = time.perf_counter()  # CPU ops ran synchronously
 
-    def read(self) -> tuple[dict, bool, float | None, list[float] | None]:
-        """(losses {name: (sum, count)}, update_successful, grad_norm, exit flags); waits for this step."""
+    def read(self) -> tuple[dict, dict, list[float] | None]:
+        """(losses {name: (sum, count)}, scalars {name: number or None}, exit flags); waits for this step."""
         if self.event is not None:
             self.event.synchronize()
             self.done = time.perf_counter()
         values = self.values.tolist()
         losses = {k: (values[2 * i], values[2 * i + 1]) for i, k in enumerate(self.keys)}
         pos = 2 * len(self.keys)
-        grad_norm = self.host_norm
-        if grad_norm is None and self.success:
-            grad_norm = values[pos]
+        scalars = dict(self.host)
+        for k in self.queued:
+            scalars[k] = values[pos]
             pos += 1
         flags = values[pos:pos + 2] if self.has_flags else None
-        return losses, self.success, grad_norm, flags
+        return losses, scalars, flags
 
 
 def pretrain(cfg: RunConfig, providers) -> TrainState:

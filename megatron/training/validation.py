@@ -143,7 +143,19 @@ def check_logging(cfg) -> None:
 
 
 # Checks that need the world size come first; the rest read the configs only.
-LAYOUT_CHECKS = (check_batch_sizes, check_pipeline)
+def check_lr_schedule(cfg, world_size: int) -> None:
+    """The LR/WD schedule's own checks (warm-up shorter than decay, WSD lengths, ...), run on a
+    stand-in optimizer so that they fail here, before any model is built."""
+    from types import SimpleNamespace
+
+    from megatron.training.loop_utils import build_scheduler
+
+    t = cfg.training
+    train_iters = t.train_iters if t.train_iters is not None else t.train_samples // t.global_batch_size
+    build_scheduler(cfg, SimpleNamespace(param_groups=[{"lr_mult": 1.0, "wd_mult": 1.0}]), train_iters)
+
+
+LAYOUT_CHECKS = (check_batch_sizes, check_pipeline, check_lr_schedule)
 CHECKS = (check_sequence, check_schedule_units, check_optimizer, check_data_and_tokenizer, check_checkpointing,
           check_implementation, check_fp8, check_logging)
 

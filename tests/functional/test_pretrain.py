@@ -254,3 +254,19 @@ def test_profile_step_range_must_be_nonempty(tmp_path, capsys):
     rc = run(TINY + "--train-iters 4 --profile --profile-step-start 3 --profile-step-end 3".split())
     assert rc == 2
     assert "--profile-step-end (3) must be greater than --profile-step-start (3)" in capsys.readouterr().err
+
+
+def test_log_num_zeros_in_grad(capsys):
+    assert run(TINY + "--train-iters 3 --eval-iters 0 --log-num-zeros-in-grad".split()) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln and "/       3" in ln]
+    assert len(lines) == 3
+    for line in lines:
+        zeros = _field(line, "num zeros")
+        assert line.index("grad norm:") < line.index("num zeros:") and 0.0 <= zeros < 1e6
+
+
+def test_bad_lr_schedule_fails_before_the_model_is_built(capsys):
+    assert run(TINY + "--train-iters 2".split()) == 2  # TINY warms up for 2 iterations: longer than the run
+    captured = capsys.readouterr()
+    assert "LR warm-up (8 samples" in captured.err and "Traceback" not in captured.err
+    assert "number of parameters" not in captured.out and "> kernels" not in captured.out
