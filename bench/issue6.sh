@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 6's measurements on one H200, in as few GPU calls as the device budget allows. Each stage
+# writes its figures under $OUT (or ./bench_out/); run the stages you need:
+#
+#   bash bench/issue6.sh check      # CUDA-only tests (compiled helpers, FP8 casts)       ~30 s
+#   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
+#   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
+#   bash bench/issue6.sh fp8        # FP8 speed on llama-3b and the 300-step loss check   ~5 min
+#
+# Device calls carry the git-ignored inputs: carry [".baselines", ".whl", "data/prepared"].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench_out}"
+mkdir -p "$OUT"
+for stage in "$@"; do
+  case "$stage" in
+    check) python3 -m pytest tests/gpu -q -p no:cacheprovider ;;
+    speed) python3 bench/bench_gpt.py --configs gpt-1.3b,llama-3b --iters 20 --warmup 5 --baseline .baselines ;;
+    mcore)
+      python3 -m pip install -q --no-deps --target /tmp/mcore .whl/megatron_core-*-cp312-*.whl
+      python3 bench/bench_megatron_core.py --mcore-site /tmp/mcore --configs gpt-1.3b,llama-3b --iters 10 ;;
+    fp8)
+      python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4 --tag _fp8 \
+          --extra="--fp8-format hybrid --fp8-recipe tensorwise"
+      [ -d data/prepared ] || bash examples/prepare_corpus.sh
+      python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed ;;
+    *) echo "unknown stage $stage (check, speed, mcore, fp8)" >&2; exit 2 ;;
+  esac
+done
