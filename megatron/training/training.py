@@ -21,6 +21,7 @@ from megatron.training.flops import num_floating_point_operations, peak_tflops, 
 from megatron.training.initialize import initialize_distributed, set_random_seeds
 from megatron.training.loop_utils import (
     DistributedSignalHandler,
+    InFlightStep,
     build_scheduler,
     is_last_rank,
     model_args_for_check,
@@ -340,54 +341,6 @@ class Trainer:
             return
         self.evaluate_and_print(f"iteration {self.state.iteration} on validation set", 1, False)
         self.evaluate_and_print(f"iteration {self.state.iteration} on test set", 2, False)
-
-
-class InFlightStep:
-    """A queued step's loss sums and scalars (grad norm, zero count, exit flags) on their way to the
-    host: one non-blocking copy into pinned memory and an event, so reading them waits for this step
-    only, not for the steps queued after it.
-
-    ``scalars`` maps names to 0-dim device tensors, host numbers or None (absent); ``flags`` is the
-    ``[SIGTERM, time is up]`` tensor or None.
-    """
-
-    def __init__(self, iteration: int, losses: dict, success: bool, scalars: dict, flags, device: torch.device):
-        self.iteration, self.success = iteration, success
-        self.lr, self.loss_scale = 0.0, 1.0  # set by the launcher: the values this step left behind
-        self.keys = list(losses)
-        parts = [losses[k].float().view(-1) for k in self.keys]
-        self.host = {k: v for k, v in scalars.items() if not torch.is_tensor(v)}
-        self.queued = [k for k, v in scalars.items() if torch.is_tensor(v)]
-        parts += [scalars[k].float().view(1) for k in self.queued]
-        self.has_flags = flags is not None
-        if flags is not None:
-            parts.append(flags.float().view(-1))
-        vec = torch.cat(parts) if parts else torch.zeros(0, device=device)
-        self.event = None
-        self.done: float | None = None  # perf_counter() when the step had finished on the device
-        if device.type == "cuda":
-            self.values = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
-            self.values.copy_(vec, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.values = vec
-            self.done = time.perf_counter()  # CPU ops ran synchronously
-
-    def read(self) -> tuple[dict, dict, list[float] | None]:
-        """(losses {name: (sum, count)}, scalars {name: number or None}, exit flags); waits for this step."""
-        if self.event is not None:
-            self.event.synchronize()
-            self.done = time.perf_counter()
-        values = self.values.tolist()
-        losses = {k: (values[2 * i], values[2 * i + 1]) for i, k in enumerate(self.keys)}
-        pos = 2 * len(self.keys)
-        scalars = dict(self.host)
-        for k in self.queued:
-            scalars[k] = values[pos]
-            pos += 1
-        flags = values[pos:pos + 2] if self.has_flags else None
-        return losses, scalars, flags
 
 
 def pretrain(cfg: RunConfig, providers) -> TrainState:
