@@ -6,6 +6,7 @@
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed on llama-3b and the 300-step loss check   ~5 min
+#   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b tp2+SP eager vs compiled layers, dp2 ~4 min
 #
 # Device calls carry the git-ignored inputs: carry [".baselines", ".whl", "data/prepared"].
 set -euo pipefail
@@ -24,6 +25,11 @@ for stage in "$@"; do
           --extra="--fp8-format hybrid --fp8-recipe tensorwise"
       [ -d data/prepared ] || bash examples/prepare_corpus.sh
       python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed ;;
-    *) echo "unknown stage $stage (check, speed, mcore, fp8)" >&2; exit 2 ;;
+    tp2)
+      B="python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --nproc 2"
+      $B --tag _tp2_eager --extra="--tensor-model-parallel-size 2 --sequence-parallel"
+      $B --tag _tp2_compiled --extra="--tensor-model-parallel-size 2 --sequence-parallel --torch-compile on"
+      $B --tag _dp2 --extra="--overlap-grad-reduce" ;;
+    *) echo "unknown stage $stage (check, speed, mcore, fp8, tp2)" >&2; exit 2 ;;
   esac
 done
