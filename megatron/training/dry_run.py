@@ -9,11 +9,12 @@ BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
 
 
 def estimate_memory_bytes(cfg, num_params: int, padded_vocab_size: int) -> dict[str, float]:
-    """Per-GPU memory estimate for the first pipeline stage (no recompute, no distributed optimizer).
+    """Per-GPU memory estimate for the first pipeline stage (no recompute).
 
     Parameters are spread over tp x pp ranks. Per parameter: weights in the param dtype, fp32 main
     gradients, optimizer state (fp32 main params when the model is bf16/fp16, plus Adam's two moments
-    or SGD's momentum). Activations: about 34 bytes per token and hidden unit per layer with fused
+    or SGD's momentum; divided by the data-parallel size with ``--use-distributed-optimizer``, which
+    splits whole params, so it is the balanced share). Activations: about 34 bytes per token and hidden unit per layer with fused
     (flash/cuDNN) attention; 1F1B keeps pp micro-batches of L/pp layers alive on the first stage, i.e.
     L layers' worth; tensor parallelism divides them (all of them with sequence parallelism, the
     matmul-side half without). Plus the logits of one micro-batch chunk on the last stage, bounded by
@@ -29,11 +30,12 @@ def estimate_memory_bytes(cfg, num_params: int, padded_vocab_size: int) -> dict[
     ffn_scale = m.ffn_hidden_size / (4 * m.hidden_size) * (1.5 if m.activation == "swiglu" else 1.0)
     per_layer = tokens * m.hidden_size * (18 + 16 * ffn_scale)
     per_layer /= tp if m.sequence_parallel else 2.0 / (1.0 + 1.0 / tp)
-    logits = min(tokens * padded_vocab_size / tp, 2**28) * 10  # fused CE: ~1 GiB fp32 chunks
+    logits = min(tokens * padded_vocab_size / tp, 2**30) * 2  # fused CE: bf16 logits overwritten by their grads
+    dp = world_size_from_env() // (tp * pp) if cfg.ddp.use_distributed_optimizer else 1
     return {
         "weights": local_params * p_bytes,
         "gradients": local_params * 4,
-        "optimizer": local_params * (master + moments),
+        "optimizer": local_params * (master + moments) / max(dp, 1),
         "activations": per_layer * m.num_layers + logits,
     }
 

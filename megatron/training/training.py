@@ -75,6 +75,12 @@ class Trainer:
         cfg.model.no_sync_func = [c.no_sync for c in self.model] if len(self.model) > 1 else self.model[0].no_sync
         self.optimizer = get_megatron_optimizer(cfg.optimizer, list(self.model), grad_stats_group=self.pg.mp_group,
                                                 tp_rank=self.pg.tp_rank)
+        if self.optimizer.param_sync is not None:
+            every = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
+            mine = sum(p.numel() for p in self.optimizer.model_params)
+            print_rank_0(f" > distributed optimizer: data-parallel rank 0 of {self.pg.dp_size} holds the optimizer "
+                         f"state of {len(self.optimizer.model_params)} params, {100 * mine / every:.1f}% of the "
+                         f"elements (even share {100 / self.pg.dp_size:.1f}%)")
         if cfg.model.fp16:
             cfg.model.grad_scale_func = self.optimizer.scale_loss
         self.global_batch_size = t.global_batch_size

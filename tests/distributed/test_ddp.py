@@ -114,3 +114,34 @@ def test_param_without_gradient_reads_zero_in_uninitialised_bucket(monkeypatch) 
     for name, p in module.named_parameters():
         if name != "unused":
             assert_close(p.main_grad, expected[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@distributed_test(world_size=2)
+def test_distributed_optimizer_keeps_state_only_for_owned_params(ps: ParallelState) -> None:
+    """Each rank holds fp32 main params and Adam moments for its own params only; together the two
+    ranks cover every param exactly once, and after a step the replicas hold identical weights."""
+    import torch.distributed as dist
+
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = DistributedDataParallel(_model(ps).config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                    _model(ps), ps)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+    every = list(model.module.parameters())
+    mine = opt.model_params
+    assert 0 < len(mine) < len(every)
+    counts = torch.zeros(len(every), device=device())
+    for i, p in enumerate(every):
+        counts[i] = float(any(p is q for q in mine))
+    dist.all_reduce(counts)
+    assert torch.equal(counts, torch.ones_like(counts))
+    ids = _batches(ps.dp_rank, ps.dp_size)[0]
+    model.zero_grad_buffer()
+    model(ids, None, None, labels=ids).mean().backward()
+    finalize_model_grads([model])
+    ok, _, _ = opt.step()
+    assert ok and len(opt.optimizer.state) == len(mine)
+    flat = torch.cat([p.detach().reshape(-1) for p in every])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    assert torch.equal(gathered[0], gathered[1])

@@ -30,6 +30,8 @@ LAYOUTS = {
     "dp2": (2, ""),
     "dp2-overlap": (2, "--overlap-grad-reduce --ddp-bucket-size 2000"),
     "tp2xdp2-sp": (4, "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"),
+    "dp2-distopt": (2, "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 2000"),
+    "tp2xdp2-sp-distopt": (4, "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer"),
 }
 
 
@@ -41,7 +43,7 @@ def test_layouts_match_single_process(tmp_path, arch):
     ref = curves(f"{tmp_path}/ref.jsonl")
     assert sorted(ref) == list(range(1, 11))
     for name, (nproc, extra) in LAYOUTS.items():
-        if arch == "llama" and name in ("dp2", "dp2-overlap"):
+        if arch == "llama" and name in ("dp2", "dp2-overlap", "dp2-distopt"):
             continue  # data parallelism does not touch the architecture; covered by the gpt case
         torchrun(nproc, base + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
         got = curves(f"{tmp_path}/{name}.jsonl")
@@ -112,3 +114,28 @@ def test_per_token_loss_is_layout_invariant(tmp_path):
         for it, (loss, gnorm) in ref.items():
             assert got[it][0] == pytest.approx(loss, rel=2e-5, abs=1e-6), (name, it)
             assert got[it][1] == pytest.approx(gnorm, rel=1e-4, abs=1e-6), (name, it)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save,load", [("dp2-distopt", "dp1"), ("dp1", "dp2-distopt")])
+def test_distributed_optimizer_checkpoints_reshard(tmp_path, save, load):
+    """The distributed optimizer saves each param's state from its owner in the layout of the plain
+    optimizer: a run saved under one resumes under the other (and another DP size) with the losses of
+    the uninterrupted one-process run."""
+    args = (" ".join(MODEL).replace("--train-iters 10", "--train-iters 6") + " " + " ".join(LLAMA)).split()
+    assert run(args + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
+    ck = f"{tmp_path}/ck"
+
+    def launch(layout: str, extra: str) -> None:
+        flags = args + f"--metrics-file {tmp_path}/r.jsonl {extra}".split()
+        if layout == "dp1":
+            assert run(flags) == 0
+        else:
+            torchrun(2, flags + ["--use-distributed-optimizer"])
+
+    launch(save, f"--save {ck} --save-interval 3 --exit-interval 3")
+    launch(load, f"--load {ck}")
+    ref, got = curves(f"{tmp_path}/ref.jsonl"), curves(f"{tmp_path}/r.jsonl")
+    assert sorted(got) == list(range(1, 7))
+    for it in ref:
+        assert got[it][0] == pytest.approx(ref[it][0], rel=2e-5), it

@@ -26,6 +26,8 @@ LAYOUTS = {
     "tp2xpp2": (4, "--pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel"),
     "pp4": (4, "--pipeline-model-parallel-size 4"),
     "pp2xdp2": (4, "--pipeline-model-parallel-size 2 --overlap-grad-reduce"),
+    # Tied embeddings across stages: both stages' copies must be owned by the same DP rank.
+    "pp2xdp2-distopt": (4, "--pipeline-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce"),
     "pp2-uneven": (2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1"),
 }
 UNTIED = ("pp2", "pp2-vpp2", "tp2xpp2")

@@ -19,12 +19,14 @@ parameters got no gradient). Without overlap, everything is reduced in ``finish_
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.param_owners import assign_owners
 from megatron.core.fusions.compile import maybe_compiled
 from megatron.core.parallel_state import ParallelState, get_parallel_state
 
@@ -53,7 +55,7 @@ class _Bucket:
         self.view: torch.Tensor | None = None
         self.written: set[int] = set()  # params whose main_grad holds this step's gradient
         self.ready: set[int] = set()
-        self.handle = None
+        self.handle: Any = None  # an async work handle, or a list of them (distributed optimizer)
 
     def allocate(self) -> torch.Tensor:
         """The bucket's storage; slices of params not yet written this step are uninitialised."""
@@ -110,6 +112,14 @@ class DistributedDataParallel(nn.Module):
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else (params[0].dtype if params else torch.float32)
         self.buckets = self._make_buckets(list(reversed(params)), grad_dtype, device)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        # --use-distributed-optimizer: each parameter's gradient is reduced to its owner only.
+        self.param_owner: dict[int, int] | None = None
+        if ddp_config.use_distributed_optimizer and self.dp_size > 1:
+            tied = []
+            if getattr(module, "share_embeddings_and_output_weights", False):
+                tied = [module.shared_embedding_or_output_weight()]  # type: ignore[operator]
+            self.param_owner = assign_owners(params, self.dp_size, pinned=tuple(t for t in tied if t is not None))
+            self._owner_global_rank = [dist.get_global_rank(self.dp_group, r) for r in range(self.dp_size)]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self._sync_enabled = True
 
@@ -154,6 +164,15 @@ class DistributedDataParallel(nn.Module):
 
     def _start_reduce(self, bucket: _Bucket, async_op: bool) -> None:
         view = bucket.materialize()
+        if self.param_owner is not None:
+            # Distributed optimizer: only the owner needs the sum (a reduce moves half an all-reduce's data).
+            view.mul_(1.0 / self.dp_size)
+            bucket.handle = [
+                dist.reduce(p.main_grad, dst=self._owner_global_rank[self.param_owner[id(p)]],  # type: ignore[attr-defined]
+                            group=self.dp_group, async_op=True)
+                for p in bucket.params
+            ]
+            return
         if self.ddp_config.average_in_collective:
             bucket.handle = dist.all_reduce(view, op=dist.ReduceOp.AVG, group=self.dp_group, async_op=async_op)
         else:
@@ -187,8 +206,9 @@ class DistributedDataParallel(nn.Module):
             if bucket.handle is None:
                 self._start_reduce(bucket, async_op=True)
         for bucket in self.buckets:
-            if bucket.handle is not None:
-                bucket.handle.wait()
+            for handle in bucket.handle if isinstance(bucket.handle, list) else [bucket.handle]:
+                if handle is not None:
+                    handle.wait()
             bucket.handle = None
             bucket.ready.clear()
 

@@ -13,8 +13,10 @@ class DistributedDataParallelConfig:
         True, "Accumulate and reduce gradients in fp32 main-grad buffers (bf16/fp16 params).", flag=None
     )
     overlap_grad_reduce: bool = doc(False, "Reduce gradient buckets during backward as they become ready.")
-    use_distributed_optimizer: bool = doc(False, "Shard optimizer state across data-parallel ranks (ZeRO-1).",
-                                          flag=None)
+    use_distributed_optimizer: bool = doc(
+        False, "Shard the optimizer across data-parallel ranks (ZeRO-1): each parameter's fp32 main copy and Adam "
+               "moments live on one rank, which receives its reduced gradient, updates it and broadcasts the "
+               "new weights. Optimizer memory per GPU drops about DP-fold; checkpoints keep the same layout.")
     bucket_size: int | None = doc(None, "Gradient bucket size in elements (buckets are also the unit in which gradient "
                                         "memory is allocated during backward); default max(40M, 1M x DP).",
                                   flag="--ddp-bucket-size")

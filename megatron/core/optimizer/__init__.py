@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.param_owners import ParamBroadcast
 from megatron.core.optimizer.clip_grads import param_is_not_duplicate
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
@@ -119,4 +120,17 @@ def get_megatron_optimizer(
     groups = get_param_groups(model_chunks, config, no_weight_decay_cond)
     if not groups:
         raise ValueError("the model has no trainable parameters (requires_grad=True) to optimize")
-    return MegatronOptimizer(config, groups, _make_grad_scaler(config), grad_stats_group, tp_rank)
+    owners: dict[int, int] = {}
+    for chunk in model_chunks:
+        owners.update(getattr(chunk, "param_owner", None) or {})
+    if not owners:
+        return MegatronOptimizer(config, groups, _make_grad_scaler(config), grad_stats_group, tp_rank)
+    # Distributed optimizer: this rank optimizes the params it owns and broadcasts them afterwards.
+    # Every group is kept (maybe empty) so that all ranks describe the same groups in checkpoints;
+    # grad statistics then sum over every rank (each owned param counted once, on its owner).
+    ddp = model_chunks[0]
+    dp_rank, dp_group = ddp.pg.dp_rank, ddp.dp_group  # type: ignore[union-attr]
+    every = [p for g in groups for p in g["params"]]
+    owned = [dict(g, params=[p for p in g["params"] if owners[id(p)] == dp_rank]) for g in groups]
+    sync = ParamBroadcast(every, owners, dp_group)
+    return MegatronOptimizer(config, owned, _make_grad_scaler(config), dist.group.WORLD, tp_rank, param_sync=sync)

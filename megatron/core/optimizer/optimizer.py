@@ -21,6 +21,7 @@ One step, with at most one host sync (none with ``step(sync=False)`` and no loss
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,6 +73,8 @@ class MegatronOptimizer:
             summed: the model-parallel group for this (non-distributed) optimizer. None means no
             reduction, i.e. this rank's grads cover the whole model (single process or pure DP).
         tp_rank: this rank's tensor-parallel rank, for :func:`param_is_not_duplicate`.
+        param_sync: called after every successful step (the distributed optimizer's broadcast of
+            the updated params from their owners); ``param_groups`` then hold only owned params.
 
     ``param_groups`` (the inner optimizer's groups, holding main params) carry ``lr`` and
     ``weight_decay``, which :class:`OptimizerParamScheduler` sets.
@@ -84,8 +87,10 @@ class MegatronOptimizer:
         grad_scaler: MegatronGradScaler | None = None,
         grad_stats_group: dist.ProcessGroup | None = None,
         tp_rank: int = 0,
+        param_sync: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
+        self.param_sync = param_sync
         self.grad_scaler = grad_scaler
         self.grad_stats_group = grad_stats_group
         self.model_params: list[torch.nn.Parameter] = []
@@ -188,6 +193,8 @@ class MegatronOptimizer:
         else:
             self._clipped_inner_step(present, grad_norm)
             self._copy_main_params_to_model_params()
+        if self.param_sync is not None:
+            self.param_sync()
         num_zeros = stats[2] if self.config.log_num_zeros_in_grad else None
         if not sync:
             return True, grad_norm, num_zeros

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -81,13 +82,19 @@ def param_keys(opt: MegatronOptimizer, model_sd: dict) -> list[str]:
     return [st.key for st in _model_tensors(opt, model_sd)]
 
 
-def _like(st: ShardedTensor, kind: str, data: torch.Tensor) -> ShardedTensor:
+def _like(st: ShardedTensor, kind: str, data: torch.Tensor, owner_writes: bool = False) -> ShardedTensor:
+    """``data`` sharded like the model tensor ``st``. ``owner_writes`` (distributed optimizer): the
+    state exists only on the param's owner, so the data-parallel part of the replica id (its last
+    entry) is 0 there; the other entries (tensor-parallel copies, tied-embedding copies) still decide."""
+    rid = st.replica_id
+    if owner_writes:
+        rid = (*rid[:-1], 0) if isinstance(rid, tuple) else 0
     return ShardedTensor(
         key=f"optimizer.state.{kind}.{st.key}",
         data=data.view(st.data.shape),
         global_shape=st.global_shape,
         global_offset=st.global_offset,
-        replica_id=st.replica_id,
+        replica_id=rid,
         allow_shape_mismatch=st.allow_shape_mismatch,
     )
 
@@ -100,24 +107,39 @@ def _group_step(opt: MegatronOptimizer, group: dict[str, Any]) -> float | None:
     return None
 
 
+def _agree_on_steps(opt: MegatronOptimizer, groups: dict[str, dict[str, Any]]) -> None:
+    """Distributed optimizer: the writer of ``optimizer.common`` may own no param of some group, so
+    take each group's step count as the maximum over all ranks (a collective; save is one too)."""
+    names = sorted(groups)
+    steps = torch.tensor([groups[n]["step"] if groups[n]["step"] is not None else -1.0 for n in names],
+                         dtype=torch.float64, device=opt.device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    for name, step in zip(names, steps.tolist()):
+        groups[name]["step"] = step if step >= 0 else None
+
+
 def build(opt: MegatronOptimizer, model_sd: dict, common_replica_id: int = 0) -> tuple[dict[str, Any], list[str]]:
     """The sharded state dict of ``opt`` and the model key of each param (see module docstring)."""
     opt.init_state()
     tensors = _model_tensors(opt, model_sd)
+    owner_writes = opt.param_sync is not None
     param_state: dict[str, dict[str, ShardedTensor]] = {}
     for model_p, main_p, st in zip(opt.model_params, opt.main_params, tensors):
         entry = {}
         if main_p is not model_p:
-            entry["fp32_param"] = _like(st, "fp32_param", main_p)
+            entry["fp32_param"] = _like(st, "fp32_param", main_p, owner_writes)
         for kind, value in opt.optimizer.state[main_p].items():
             if kind != "step" and torch.is_tensor(value) and value.shape == main_p.shape:
-                entry[kind] = _like(st, kind, value)
+                entry[kind] = _like(st, kind, value, owner_writes)
         param_state[st.key] = entry
     groups = {}
     for group in opt.optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
         hyper["step"] = _group_step(opt, group)
         groups[group["name"]] = hyper
+    if owner_writes:
+        _agree_on_steps(opt, groups)
     common = {
         "optimizer": opt.config.optimizer,
         "param_groups": groups,

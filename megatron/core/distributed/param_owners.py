@@ -1,0 +1,61 @@
+"""Which data-parallel rank owns (optimizes) each parameter under ``--use-distributed-optimizer``.
+
+Each parameter is owned whole by one data-parallel rank: its gradient is reduced to that rank, only
+that rank keeps its fp32 main copy and Adam moments, updates it and broadcasts the new weights to
+the other replicas. Whole parameters keep the optimizer state's checkpoint layout identical to the
+non-distributed optimizer's (so checkpoints reshard across any data-parallel size, and between the
+two optimizers); the cost is a coarser balance than splitting inside tensors.
+
+The assignment is the longest-processing-time greedy rule over element counts (largest parameter
+first, to the least-loaded rank; ties to the lower rank), deterministic on every rank: tensor-
+parallel ranks hold equally sized shards, so every tp rank of one data-parallel rank gets the same
+set. Word embeddings and their tied output-layer copies always go to rank 0, so the first and last
+pipeline stages agree on who holds the full gradient they exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def assign_owners(params: list[nn.Parameter], dp_size: int, pinned: tuple = ()) -> dict[int, int]:
+    """``id(param) -> owning data-parallel rank`` for ``params`` (in a rank-independent order);
+    the ``pinned`` params (tied word embeddings) go to rank 0.
+
+    Raises:
+        ValueError: fewer parameters than data-parallel ranks (a rank would own nothing).
+    """
+    if len(params) < dp_size:
+        raise ValueError(f"--use-distributed-optimizer needs at least one parameter per data-parallel rank: "
+                         f"{len(params)} parameters for {dp_size} ranks; drop the flag for so small a model")
+    load = [0] * dp_size
+    owners: dict[int, int] = {}
+    pinned_ids = {id(p) for p in pinned}
+    for p in params:
+        if id(p) in pinned_ids:
+            owners[id(p)] = 0
+            load[0] += p.numel()
+    rest = sorted((p for p in params if id(p) not in owners), key=lambda p: -p.numel())  # stable: ties keep order
+    for p in rest:
+        rank = min(range(dp_size), key=lambda r: (load[r], r))
+        owners[id(p)] = rank
+        load[rank] += p.numel()
+    return owners
+
+
+class ParamBroadcast:
+    """After an optimizer step: every parameter's new value from its owner to the other data-parallel
+    replicas (asynchronous broadcasts, then one wait)."""
+
+    def __init__(self, params: list[nn.Parameter], owners: dict[int, int], dp_group):
+        self.params, self.owners, self.dp_group = params, owners, dp_group
+        self.src = {r: dist.get_global_rank(dp_group, r) for r in set(owners.values())}
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        handles = [dist.broadcast(p.data, src=self.src[self.owners[id(p)]], group=self.dp_group, async_op=True)
+                   for p in self.params]
+        for handle in handles:
+            handle.wait()
