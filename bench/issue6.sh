@@ -7,6 +7,7 @@
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed on llama-3b and the 300-step loss check   ~5 min
 #   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b tp2+SP eager vs compiled layers, dp2 ~4 min
+#   bash bench/issue6.sh pipeline   # 2 GPUs: interleaved bubble with/without p2p overlap; dist-opt loss match
 #
 # Device calls carry the git-ignored inputs: carry [".baselines", ".whl", "data/prepared"].
 set -euo pipefail
@@ -30,6 +31,11 @@ for stage in "$@"; do
       $B --tag _tp2_eager --extra="--tensor-model-parallel-size 2 --sequence-parallel"
       $B --tag _tp2_compiled --extra="--tensor-model-parallel-size 2 --sequence-parallel --torch-compile on"
       $B --tag _dp2 --extra="--overlap-grad-reduce" ;;
-    *) echo "unknown stage $stage (check, speed, mcore, fp8, tp2)" >&2; exit 2 ;;
+    pipeline)
+      torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 1,2,4
+      torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
+          --no-overlap-p2p-communication
+      python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
+    *) echo "unknown stage $stage (check, speed, mcore, fp8, tp2, pipeline)" >&2; exit 2 ;;
   esac
 done

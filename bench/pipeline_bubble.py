@@ -47,6 +47,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--microbatches", default="1,2,4,8,16,32", help="comma-separated micro-batch counts m")
     p.add_argument("--vpp", default="1,2,4", help="comma-separated virtual chunks per rank v")
     p.add_argument("--steps", type=int, default=5, help="timed steps per point (after 2 warm-up steps)")
+    p.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",
+                   help="wait for each pipeline exchange instead of overlapping it with compute")
     return p.parse_args()
 
 
@@ -56,7 +58,7 @@ def build(args, pg, vpp: int, device) -> tuple[list[GPTModel], TransformerConfig
                             attention_dropout=0.0, pipeline_model_parallel_size=pg.pp_size,
                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                             position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
-                            add_bias_linear=False)
+                            add_bias_linear=False, overlap_p2p_comm=args.overlap_p2p_comm)
     layout = build_pipeline_layout(cfg.num_layers, pg.pp_size, vpp)
     chunks = [GPTModel(cfg, get_gpt_layer_local_spec(), args.vocab_size, args.seq_length, parallel_state=pg,
                        device=device, seed=1234, pre_process=pg.pp_rank == 0 and c == 0,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron.core.pipeline_parallel.interleaved import check_interleaving, schedule_table
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.p2p_communication import Exchange, P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_without_interleaving,
@@ -57,6 +57,10 @@ class FakeComm(P2PCommunicator):
             self.batches.append({"s+": send_next is not None, "s-": send_prev is not None,
                                  "r-": recv_prev, "r+": recv_next})
         return got[0], got[1]
+
+    def post(self, **kwargs):
+        """Completes at once (the queues are the wire); the schedule waits on it later."""
+        return Exchange([], *self.communicate(**kwargs))
 
 
 class _Track(torch.autograd.Function):
@@ -102,10 +106,10 @@ def _forward_step(data_iterator, model):
     return out, lambda y: (y.sum(), {"mb": y.detach().flatten()[0]})
 
 
-def _run_rank(rank, pp, v, m, links, results, forward_only):
+def _run_rank(rank, pp, v, m, links, results, forward_only, overlap=True):
     stats = {"live": 0, "peak": 0, "trace": [], "fwd": [], "bwd": [], "synced": [True] * v, "finalized": 0}
     config = SimpleNamespace(calculate_per_token_loss=False, grad_scale_func=None, hidden_size=SHAPE[2],
-                             microbatch_group_size_per_virtual_pipeline_stage=None,
+                             microbatch_group_size_per_virtual_pipeline_stage=None, overlap_p2p_comm=overlap,
                              finalize_model_grads_func=lambda chunks, n: stats.__setitem__("finalized", 1 + stats["finalized"]))
 
     def no_sync_for(c):
@@ -129,13 +133,13 @@ def _run_rank(rank, pp, v, m, links, results, forward_only):
                          grads=[c.weight.grad for c in chunks])
 
 
-def run_pipeline(pp: int, v: int, m: int, forward_only: bool = False) -> dict:
+def run_pipeline(pp: int, v: int, m: int, forward_only: bool = False, overlap: bool = True) -> dict:
     links = {(a, b): queue.Queue() for a in range(pp) for b in range(pp)}
     results, errors = {}, []
 
     def target(r):
         try:
-            _run_rank(r, pp, v, m, links, results, forward_only)
+            _run_rank(r, pp, v, m, links, results, forward_only, overlap)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append((r, e))
 
@@ -211,9 +215,10 @@ def test_1f1b_order_memory_and_grads(pp, m):
     assert res[pp - 1]["metrics"] == list(range(m))
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("pp, v, m", [(2, 2, 4), (2, 2, 2), (4, 2, 8), (4, 3, 4), (3, 2, 6), (2, 3, 6)])
-def test_interleaved_order_memory_and_grads(pp, v, m):
-    res = run_pipeline(pp=pp, v=v, m=m)
+def test_interleaved_order_memory_and_grads(pp, v, m, overlap):
+    res = run_pipeline(pp=pp, v=v, m=m, overlap=overlap)
     assert_lockstep(res, pp)
     table = schedule_table(m, v, pp)
     total = m * v

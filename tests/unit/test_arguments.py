@@ -113,3 +113,8 @@ def test_flag_reference_is_current():
     spec.loader.exec_module(module)
     with open(os.path.join(root, "docs", "flags.md")) as f:
         assert f.read() == module.render(), "run: python tools/flag_reference.py > docs/flags.md"
+
+
+def test_overlap_p2p_communication_is_on_by_default_and_can_be_turned_off():
+    assert parse_args(BASE).model.overlap_p2p_comm is True
+    assert parse_args(BASE + ["--no-overlap-p2p-communication"]).model.overlap_p2p_comm is False

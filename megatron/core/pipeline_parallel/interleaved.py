@@ -14,6 +14,11 @@ lock-step wave, hence deadlock-free, and it needs ``G >= pp`` (and a last partia
 ``pp``) so that the last rank's chunk ``c`` output reaches rank 0 before its chunk ``c + 1`` needs it.
 When the warm-up would exceed ``M * v`` (few micro-batches), ranks simply idle in some rounds
 instead of capping the warm-up, which keeps the wave intact.
+
+Overlap (``--overlap-p2p-communication``, default on): a round's exchange is split in two, the
+activations posted right after the forward and waited for after the backward, the gradients posted
+after the backward and waited for before the next round's backward, so transfers run during
+compute. Per pair of ranks the messages keep the unsplit order, so the pairing is the same.
 """
 
 from __future__ import annotations
@@ -151,6 +156,18 @@ def forward_backward_pipelining_with_interleaving(
     grads: list[deque] = [deque() for _ in range(v)]  # received output gradients, per chunk
     stored: list[deque] = [deque() for _ in range(v)]  # (input, output) awaiting backward
 
+    overlap = getattr(config, "overlap_p2p_comm", False)
+    in_flight = None  # the previous round's gradient exchange (overlap): (exchange, receiving chunk)
+
+    def take_gradients() -> None:
+        nonlocal in_flight
+        if in_flight is not None:
+            exchange, chunk = in_flight
+            got = exchange.wait()[1]
+            if chunk is not None:
+                grads[chunk].append(got)
+            in_flight = None
+
     for t in range(-1, plan.last_round(rank) + 1):
         send_next = send_prev = None
         k = plan.fwd(rank, t)
@@ -164,6 +181,12 @@ def forward_backward_pipelining_with_interleaving(
             if not forward_only:
                 stored[c].append((input_tensor, output))
             send_next = None if last else output
+        recv_f, recv_b = plan.recv_fwd(rank, t), plan.recv_bwd(rank, t)
+        # Overlap: the activation exchange runs during this round's backward; the gradient exchange
+        # during the next round's forward. Messages keep the order of the unsplit exchange
+        # (activations before gradients within a round), so pairing between ranks is unchanged.
+        forward_exchange = comm.post(send_next=send_next, recv_prev=recv_f is not None) if overlap else None
+        take_gradients()
         k = plan.bwd(rank, t)
         if k is not None:
             c = plan.bchunk(k)
@@ -175,15 +198,19 @@ def forward_backward_pipelining_with_interleaving(
                 sync.enable(c)
             input_grad = backward_step(input_tensor, output, output_grad, config)
             send_prev = None if first else input_grad
-        recv_f, recv_b = plan.recv_fwd(rank, t), plan.recv_bwd(rank, t)
-        got_f, got_b = comm.communicate(send_next=send_next, send_prev=send_prev, recv_prev=recv_f is not None,
-                                        recv_next=recv_b is not None)
+        if overlap:
+            in_flight = (comm.post(send_prev=send_prev, recv_next=recv_b is not None), recv_b)
+            got_f = forward_exchange.wait()[0]
+        else:
+            got_f, got_b = comm.communicate(send_next=send_next, send_prev=send_prev, recv_prev=recv_f is not None,
+                                            recv_next=recv_b is not None)
+            if recv_b is not None:
+                grads[recv_b].append(got_b)
         if not forward_only:
             deallocate_output_tensor(send_next)
         if recv_f is not None:
             inputs[recv_f].append(got_f)
-        if recv_b is not None:
-            grads[recv_b].append(got_b)
+    take_gradients()
     sync.enable_all()
     finalize(config, model, num_tokens, forward_only)
     return metrics if rank == pp - 1 else []

@@ -1,9 +1,10 @@
 """Point-to-point exchange of activations and their gradients between neighbouring pipeline stages.
 
 Every exchange is one batch of ``torch.distributed.P2POp`` (isend / irecv) posted together with
-``batch_isend_irecv`` and waited on before returning, so two neighbours that both send and receive
-in the same call never deadlock (on NCCL the batch is one ``ncclGroupStart/End``; on gloo the ops
-are simply asynchronous). Tensor shapes and dtypes are fixed in advance (``[s(/tp with sequence
+``batch_isend_irecv``, so two neighbours that both send and receive in the same call never deadlock
+(on NCCL the batch is one ``ncclGroupStart/End``; on gloo the ops are simply asynchronous).
+``communicate`` waits for it; ``post`` returns it in flight, for the interleaved schedule to overlap
+with compute. Tensor shapes and dtypes are fixed in advance (``[s(/tp with sequence
 parallelism), micro_batch_size, h]``), so no shape handshake is ever exchanged.
 
 The ring is closed: the stage after the last pipeline rank is rank 0 and vice versa. Plain 1F1B
@@ -63,12 +64,19 @@ class P2PCommunicator:
     def communicate(self, *, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
                     recv_prev: bool = False, recv_next: bool = False,
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One batched exchange. Returns ``(tensor from prev, tensor from next)``.
+        """One batched exchange, waited for. Returns ``(tensor from prev, tensor from next)``.
 
         ``send_next`` (an activation) goes to the next rank, ``send_prev`` (an input gradient) to the
         previous rank; ``recv_prev`` receives an activation from the previous rank (returned with
         ``requires_grad=True``) and ``recv_next`` a gradient from the next rank.
         """
+        return self.post(send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next).wait()
+
+    def post(self, *, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
+             recv_prev: bool = False, recv_next: bool = False) -> Exchange:
+        """Start one batched exchange (as :meth:`communicate`) without waiting: compute can run while
+        it is in flight; ``wait()`` on the result returns the received tensors. Sent tensors must not
+        be modified before then."""
         ops: list[dist.P2POp] = []
         from_prev = self._empty(True) if recv_prev else None
         from_next = self._empty(False) if recv_next else None
@@ -82,10 +90,7 @@ class P2PCommunicator:
             ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group))
         if from_next is not None:
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group))
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        return from_prev, from_next
+        return Exchange(dist.batch_isend_irecv(ops) if ops else [], from_prev, from_next)
 
     # Megatron-Core's names for the combinations the schedules use.
     def recv_forward(self, recv: bool = True) -> torch.Tensor | None:
@@ -105,6 +110,19 @@ class P2PCommunicator:
 
     def send_backward_recv_forward(self, input_grad: torch.Tensor | None, recv: bool = True) -> torch.Tensor | None:
         return self.communicate(send_prev=input_grad, recv_prev=recv)[0]
+
+
+class Exchange:
+    """An exchange in flight: ``wait()`` finishes it once and returns ``(from prev, from next)``."""
+
+    def __init__(self, requests: list, from_prev: torch.Tensor | None, from_next: torch.Tensor | None):
+        self.requests, self.received = requests, (from_prev, from_next)
+
+    def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        for req in self.requests:
+            req.wait()
+        self.requests = []
+        return self.received
 
 
 def _checked(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -68,6 +68,11 @@ class TransformerConfig:
     microbatch_group_size_per_virtual_pipeline_stage: int | None = doc(
         None, "Interleaved schedule: micro-batches run per chunk before switching chunks (G). Needs "
         "pp <= G <= micro-batches and micro-batches mod G either 0 or >= pp. Default: pp.")
+    overlap_p2p_comm: bool = doc(
+        True, "Interleaved schedule: exchange activations while the round's backward runs and gradients "
+        "while the next round's forward runs, instead of waiting for each exchange before computing on. "
+        "--no-overlap-p2p-communication waits (the order of messages is the same either way).",
+        flag="--no-overlap-p2p-communication")
     sequence_parallel: bool = doc(
         False, "With tensor parallelism, keep norms, dropout and residuals sharded along the sequence "
         "(all-gather / reduce-scatter around the tensor-parallel matmuls). Ignored when the TP size is 1."
