@@ -3,7 +3,8 @@
 With ``--use-pytorch-profiler`` the profiled ranks write ``trace_rank{r}.json`` (open it in Perfetto
 or chrome://tracing) and ``kernels_rank{r}.txt``, GPU kernel time per profiled step summed by
 category (matmul, attention, elementwise, optimizer, communication, copies) with the top kernels,
-and print the category line. Without it, ``cudaProfilerStart``/``Stop`` bracket the iterations so
+the GPU's idle time between kernels and the communication time not hidden behind compute, and
+print them. Without it, ``cudaProfilerStart``/``Stop`` bracket the iterations so
 that ``nsys profile --capture-range=cudaProfilerApi`` records exactly those.
 """
 
@@ -84,6 +85,33 @@ def idle_summary(events, steps: int, top: int = 8) -> str:
     return "\n".join(lines)
 
 
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def exposed_communication(events, steps: int) -> str:
+    """Time per step when a communication kernel runs and no other kernel does ("exposed"): what
+    overlapping communication with compute would save. In a pipeline stage this includes the
+    bubble, since NCCL receive kernels wait on the GPU for their data."""
+    comm, compute = [], []
+    for e in events:
+        if _is_kernel(e):
+            span = (e.time_range.start, e.time_range.end)
+            (comm if categorize(e.key) == "communication" else compute).append(span)
+    if not comm:
+        return "communication: none on this rank"
+    comm_total = _union_length(comm)
+    exposed = _union_length(comm + compute) - _union_length(compute)
+    return (f"communication: {comm_total / 1000.0 / steps:.2f} ms per step on the GPU, "
+            f"{exposed / 1000.0 / steps:.2f} ms of it exposed (no other kernel running)")
+
+
 class StepProfiler:
     """Call :meth:`before_step` with the iteration about to run (1-based) and :meth:`after_step`
     after it; does nothing unless ``--profile`` is on for this rank."""
@@ -127,7 +155,8 @@ class StepProfiler:
         trace = os.path.join(self.dir, f"trace_rank{self.rank}.json")
         self.prof.export_chrome_trace(trace)
         text, _ = kernel_summary(self.prof.key_averages(), steps)
-        text += "\n" + idle_summary(self.prof.events(), steps)
+        events = self.prof.events()
+        text += "\n" + idle_summary(events, steps) + "\n" + exposed_communication(events, steps)
         with open(os.path.join(self.dir, f"kernels_rank{self.rank}.txt"), "w") as f:
             f.write(text + "\n")
         self.prof = None
