@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -81,6 +82,27 @@ def summarise(name: str, records: list[dict], warmup: int, nproc: int, extra: st
     }
 
 
+def read_breakdown(path: str) -> dict:
+    """Per-step milliseconds from the profiler summary (megatron/training/profiling.py)."""
+    out: dict = {"by_category_ms": {}}
+    patterns = {
+        "kernel_ms": r"^GPU kernel time per step: ([\d.]+) ms",
+        "idle_ms": r"^GPU idle between kernels: ([\d.]+) ms",
+        "communication_ms": r"^communication: ([\d.]+) ms per step",
+        "exposed_communication_ms": r"^communication: .* ([\d.]+) ms of it exposed",
+    }
+    for line in open(path):
+        text = line.strip()
+        for key, pattern in patterns.items():
+            m = re.match(pattern, text)
+            if m:
+                out[key] = float(m.group(1))
+        m = re.match(r"^([a-z][a-z ()]*?)\s+([\d.]+) ms\s+[\d.]+%$", text)
+        if m:
+            out["by_category_ms"][m.group(1)] = float(m.group(2))
+    return out
+
+
 def run_baseline(baseline_dir: str, names: list[str], workdir: str) -> dict:
     known = [n for n in names if n != "tiny"]
     if not known:
@@ -109,13 +131,26 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="extra pretrain_gpt.py flags for every configuration")
     ap.add_argument("--tag", default="", help="suffix of the per-config logs copied to $OUT")
     ap.add_argument("--baseline", default=None, help="folder holding bench_plain.py (a copy of shared/baselines)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="profile the last two steps on rank 0 (left out of the medians) and add the step-time "
+                         "breakdown: GPU time by kernel category, idle time and exposed communication")
     args = ap.parse_args()
     names = args.configs.split(",")
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench_gpt_")
-    rows = [summarise(n, run_ours(n, args.iters, args.nproc, args.extra, workdir, args.tag), args.warmup, args.nproc,
-                      args.extra) for n in names]
+    rows = []
+    for n in names:
+        extra, prof_dir = args.extra, os.path.join(workdir, f"profile_{n}")
+        if args.breakdown:
+            extra += (f" --profile --use-pytorch-profiler --profile-step-start {args.iters - 1} "
+                      f"--profile-step-end {args.iters + 1} --profile-dir {prof_dir}")
+        records = run_ours(n, args.iters, args.nproc, extra, workdir, args.tag)
+        row = summarise(n, records[:-2] if args.breakdown else records, args.warmup, args.nproc, args.extra)
+        if args.breakdown:
+            row["breakdown"] = read_breakdown(os.path.join(prof_dir, "kernels_rank0.txt"))
+            shutil.copy(os.path.join(prof_dir, "kernels_rank0.txt"), os.path.join(out_dir, f"kernels_{n}{args.tag}.txt"))
+        rows.append(row)
     for r in rows:
         print("ours: " + json.dumps(r), flush=True)
     base = run_baseline(args.baseline, names, workdir) if args.baseline else {}

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 N="${1:-8}"
 # A layout that fails (for example out of memory) is reported and the next one runs.
-B="try python3 bench/bench_gpt.py --iters 20 --warmup 5"
+B="try python3 bench/bench_gpt.py --iters 20 --warmup 5 --breakdown"  # + step-time breakdown (idle, exposed comm)
 mkdir -p "${OUT:-bench_out}"
 try() { "$@" || echo "FAILED (exit $?): $*" | tee -a "${OUT:-bench_out}/scaling_failures.txt"; }
 
