@@ -2,14 +2,16 @@
 """Throughput of pretrain_gpt.py on the baseline's model shapes, and optionally the baseline itself.
 
     python bench/bench_gpt.py --configs gpt-1.3b,llama-3b [--iters 30] [--baseline DIR] [--nproc N]
-                              [--extra="--tensor-model-parallel-size 2 --sequence-parallel"]
+                              [--extra="--tensor-model-parallel-size 2 --sequence-parallel"] [--breakdown]
 
 Each configuration runs the real training path (``pretrain_gpt.py`` with mock data: loop, logging,
 data loader) under torchrun, logging every step to a metrics file. The table reports medians over
 the steps after ``--warmup``: step time, tokens/s per GPU, TFLOP/s per GPU and MFU (Megatron's FLOPs
 formula, causal attention halved) and peak allocated memory. With ``--baseline DIR`` (a copy of
 shared/baselines) the plain PyTorch script runs too, in the same job, and its tokens/s are printed
-beside ours. Results are appended as JSON lines to ``$OUT/bench_gpt.jsonl`` (or ./bench_out/).
+beside ours. ``--breakdown`` profiles the last two steps on rank 0 (left out of the medians) and adds
+where the step went: GPU time by kernel category, idle time and exposed communication. Results are
+appended as JSON lines to ``$OUT/bench_gpt.jsonl`` (or ./bench_out/).
 """
 
 from __future__ import annotations
