@@ -24,6 +24,24 @@ def curves(path: str) -> dict[int, tuple[float, float]]:
     return {it: (r["lm loss"], r["grad-norm"]) for it, r in metrics(path, "lm loss").items()}
 
 
+def save_then_resume(tmp_path, save: tuple[int, str], load: tuple[int, str]) -> None:
+    """6 steps of the Llama-style model: save at 3 under ``save`` = (processes, flags), resume under
+    ``load``; the losses must be those of the uninterrupted one-process run."""
+    args = (" ".join(MODEL).replace("--train-iters 10", "--train-iters 6") + " " + " ".join(LLAMA)).split()
+    assert run(args + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
+    ck = f"{tmp_path}/ck"
+    for (nproc, flags), extra in ((save, f"--save {ck} --save-interval 3 --exit-interval 3"), (load, f"--load {ck}")):
+        argv = args + f"--metrics-file {tmp_path}/r.jsonl {flags} {extra}".split()
+        if nproc == 1:
+            assert run(argv) == 0
+        else:
+            torchrun(nproc, argv)
+    ref, got = curves(f"{tmp_path}/ref.jsonl"), curves(f"{tmp_path}/r.jsonl")
+    assert sorted(got) == list(range(1, 7))
+    for it in ref:
+        assert got[it][0] == pytest.approx(ref[it][0], rel=2e-5), it
+
+
 LAYOUTS = {
     "tp2": (2, "--tensor-model-parallel-size 2"),
     "tp2-sp": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
@@ -82,23 +100,8 @@ def test_exact_resume_with_tp_dropout(tmp_path):
 def test_checkpoint_reshards_across_tensor_parallel_sizes(tmp_path, save_tp, load_tp):
     """Save under one tp size, resume under another (weights and optimizer state): the continued
     losses equal the uninterrupted one-process run. SwiGLU exercises the stacked fc1 layout."""
-    args = (" ".join(MODEL).replace("--train-iters 10", "--train-iters 6") + " " + " ".join(LLAMA)).split()
-    assert run(args + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
-    ck = f"{tmp_path}/ck"
-
-    def launch(tp: int, extra: str) -> None:
-        flags = args + f"--tensor-model-parallel-size {tp} --metrics-file {tmp_path}/r.jsonl {extra}".split()
-        if tp == 1:
-            assert run(flags) == 0
-        else:
-            torchrun(tp, flags)
-
-    launch(save_tp, f"--save {ck} --save-interval 3 --exit-interval 3")
-    launch(load_tp, f"--load {ck}")
-    ref, got = curves(f"{tmp_path}/ref.jsonl"), curves(f"{tmp_path}/r.jsonl")
-    assert sorted(got) == list(range(1, 7))
-    for it in ref:
-        assert got[it][0] == pytest.approx(ref[it][0], rel=2e-5), it
+    save_then_resume(tmp_path, (save_tp, f"--tensor-model-parallel-size {save_tp}"),
+                     (load_tp, f"--tensor-model-parallel-size {load_tp}"))
 
 
 @pytest.mark.slow
@@ -122,20 +125,5 @@ def test_distributed_optimizer_checkpoints_reshard(tmp_path, save, load):
     """The distributed optimizer saves each param's state from its owner in the layout of the plain
     optimizer: a run saved under one resumes under the other (and another DP size) with the losses of
     the uninterrupted one-process run."""
-    args = (" ".join(MODEL).replace("--train-iters 10", "--train-iters 6") + " " + " ".join(LLAMA)).split()
-    assert run(args + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
-    ck = f"{tmp_path}/ck"
-
-    def launch(layout: str, extra: str) -> None:
-        flags = args + f"--metrics-file {tmp_path}/r.jsonl {extra}".split()
-        if layout == "dp1":
-            assert run(flags) == 0
-        else:
-            torchrun(2, flags + ["--use-distributed-optimizer"])
-
-    launch(save, f"--save {ck} --save-interval 3 --exit-interval 3")
-    launch(load, f"--load {ck}")
-    ref, got = curves(f"{tmp_path}/ref.jsonl"), curves(f"{tmp_path}/r.jsonl")
-    assert sorted(got) == list(range(1, 7))
-    for it in ref:
-        assert got[it][0] == pytest.approx(ref[it][0], rel=2e-5), it
+    layouts = {"dp1": (1, ""), "dp2-distopt": (2, "--use-distributed-optimizer")}
+    save_then_resume(tmp_path, layouts[save], layouts[load])
