@@ -9,7 +9,11 @@
 #   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b tp2+SP eager vs compiled layers, dp2 ~4 min
 #   bash bench/issue6.sh pipeline   # 2 GPUs: interleaved bubble with/without p2p overlap; dist-opt loss match
 #
-# Device calls carry the git-ignored inputs: carry [".baselines", ".whl", "data/prepared"].
+# Device calls carry the git-ignored inputs: carry [".baselines", ".whl", "data/prepared"]. .whl/ holds
+# the megatron-core 0.16.1 wheel (cp312) and a tokenizers wheel (abi3) for machines without them:
+#   pip download megatron-core==0.16.1 --no-deps --python-version 3.12 --only-binary=:all: \
+#       --platform manylinux_2_28_x86_64 -d .whl
+#   pip download tokenizers --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 -d .whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench_out}"
@@ -24,6 +28,7 @@ for stage in "$@"; do
     fp8)
       python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4 --tag _fp8 \
           --extra="--fp8-format hybrid --fp8-recipe tensorwise"
+      python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
       [ -d data/prepared ] || bash examples/prepare_corpus.sh
       python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed ;;
     tp2)
