@@ -99,7 +99,8 @@ def exposed_communication(events, steps: int) -> str:
     """Time per step when a communication kernel runs and no other kernel does ("exposed"): what
     overlapping communication with compute would save. In a pipeline stage this includes the
     bubble, since NCCL receive kernels wait on the GPU for their data."""
-    comm, compute = [], []
+    comm: list[tuple[float, float]] = []
+    compute: list[tuple[float, float]] = []
     for e in events:
         if _is_kernel(e):
             span = (e.time_range.start, e.time_range.end)
