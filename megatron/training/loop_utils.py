@@ -170,12 +170,13 @@ class InFlightStep:
     only, not for the steps queued after it.
 
     ``scalars`` maps names to 0-dim device tensors, host numbers or None (absent); ``flags`` is the
-    ``[SIGTERM, time is up]`` tensor or None.
+    ``[SIGTERM, time is up]`` tensor or None; ``lr`` and ``loss_scale`` are what the step left behind.
     """
 
-    def __init__(self, iteration: int, losses: dict, success: bool, scalars: dict, flags, device: torch.device):
+    def __init__(self, iteration: int, losses: dict, success: bool, scalars: dict, flags, device: torch.device,
+                 lr: float, loss_scale: float):
         self.iteration, self.success = iteration, success
-        self.lr, self.loss_scale = 0.0, 1.0  # set by the launcher: the values this step left behind
+        self.lr, self.loss_scale = lr, loss_scale
         self.keys = list(losses)
         parts = [losses[k].float().view(-1) for k in self.keys]
         self.host = {k: v for k, v in scalars.items() if not torch.is_tensor(v)}

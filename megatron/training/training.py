@@ -269,32 +269,40 @@ class Trainer:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return flags
 
+    def _evaluates_at(self, iteration: int) -> bool:
+        lg = self.cfg.logger
+        return bool(lg.eval_interval and iteration % lg.eval_interval == 0)
+
+    def _saves_at(self, iteration: int) -> bool:
+        ck = self.cfg.checkpoint
+        return bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0)
+
+    def _exits_at(self, iteration: int) -> bool:
+        t = self.cfg.training
+        return bool(t.exit_interval and iteration % t.exit_interval == 0)
+
     def _exit_reason(self, flags: list[float] | None) -> str | None:
         t = self.cfg.training
         if flags is not None and flags[0] > 0:
             return "exiting on SIGTERM"
         if flags is not None and flags[1] > 0:
             return f"exiting after {t.exit_duration_in_mins} minutes (--exit-duration-in-mins)"
-        if t.exit_interval and self.state.iteration % t.exit_interval == 0:
+        if self._exits_at(self.state.iteration):
             return f"exiting at iteration {self.state.iteration} (--exit-interval {t.exit_interval})"
         return None
 
     def _needs_barrier(self, iteration: int) -> bool:
         """Iterations after which the loop evaluates, saves or stops: the next step must not have
         started, so nothing is queued behind them."""
-        t, lg, ck = self.cfg.training, self.cfg.logger, self.cfg.checkpoint
-        return (iteration >= self.train_iters
-                or bool(lg.eval_interval and iteration % lg.eval_interval == 0)
-                or bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0)
-                or bool(t.exit_interval and iteration % t.exit_interval == 0))
+        return (iteration >= self.train_iters or self._evaluates_at(iteration) or self._saves_at(iteration)
+                or self._exits_at(iteration))
 
     def _launch(self, iteration: int) -> InFlightStep:
         losses, success, grad_norm, num_zeros = self.train_step(sync=False)
-        step = InFlightStep(iteration, losses, success, {"grad_norm": grad_norm, "num_zeros": num_zeros},
-                            self._exit_flags(), self.device)
-        # What the log line of this step shows, as it is now (later launches change it).
-        step.lr, step.loss_scale = self.optimizer.param_groups[0]["lr"], float(self.optimizer.get_loss_scale())
-        return step
+        # The log line of this step shows the learning rate and loss scale as they are now.
+        return InFlightStep(iteration, losses, success, {"grad_norm": grad_norm, "num_zeros": num_zeros},
+                            self._exit_flags(), self.device, lr=self.optimizer.param_groups[0]["lr"],
+                            loss_scale=float(self.optimizer.get_loss_scale()))
 
     def train(self) -> None:
         """The loop. Step k+1 is queued on the GPU before step k's loss and grad norm are read, so the
@@ -331,9 +339,9 @@ class Trainer:
                                 scalars["num_zeros"])
                 if self.state.iteration % lg.log_interval == 0 or self.state.iteration == 1:
                     interval.flush()
-                if lg.eval_interval and self.state.iteration % lg.eval_interval == 0:
+                if self._evaluates_at(self.state.iteration):
                     self.evaluate_and_print(f"validation loss at iteration {self.state.iteration}", 1)
-                if ck.save and ck.save_interval and self.state.iteration % ck.save_interval == 0:
+                if self._saves_at(self.state.iteration):
                     self.save()
                     last_saved = self.state.iteration
                 reason = reason or self._exit_reason(flags)
