@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -84,27 +83,6 @@ def summarise(name: str, records: list[dict], warmup: int, nproc: int, extra: st
     }
 
 
-def read_breakdown(path: str) -> dict:
-    """Per-step milliseconds from the profiler summary (megatron/training/profiling.py)."""
-    out: dict = {"by_category_ms": {}}
-    patterns = {
-        "kernel_ms": r"^GPU kernel time per step: ([\d.]+) ms",
-        "idle_ms": r"^GPU idle between kernels: ([\d.]+) ms",
-        "communication_ms": r"^communication: ([\d.]+) ms per step",
-        "exposed_communication_ms": r"^communication: .* ([\d.]+) ms of it exposed",
-    }
-    for line in open(path):
-        text = line.strip()
-        for key, pattern in patterns.items():
-            m = re.match(pattern, text)
-            if m:
-                out[key] = float(m.group(1))
-        m = re.match(r"^([a-z][a-z ()]*?)\s+([\d.]+) ms\s+[\d.]+%$", text)
-        if m:
-            out["by_category_ms"][m.group(1)] = float(m.group(2))
-    return out
-
-
 def run_baseline(baseline_dir: str, names: list[str], workdir: str) -> dict:
     known = [n for n in names if n != "tiny"]
     if not known:
@@ -150,7 +128,8 @@ def main() -> None:
         records = run_ours(n, args.iters, args.nproc, extra, workdir, args.tag)
         row = summarise(n, records[:-2] if args.breakdown else records, args.warmup, args.nproc, args.extra)
         if args.breakdown:
-            row["breakdown"] = read_breakdown(os.path.join(prof_dir, "kernels_rank0.txt"))
+            with open(os.path.join(prof_dir, "breakdown_rank0.json")) as f:
+                row["breakdown"] = json.load(f)
             shutil.copy(os.path.join(prof_dir, "kernels_rank0.txt"), os.path.join(out_dir, f"kernels_{n}{args.tag}.txt"))
         rows.append(row)
     for r in rows:

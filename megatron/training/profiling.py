@@ -4,12 +4,13 @@ With ``--use-pytorch-profiler`` the profiled ranks write ``trace_rank{r}.json`` 
 or chrome://tracing) and ``kernels_rank{r}.txt``, GPU kernel time per profiled step summed by
 category (matmul, attention, elementwise, optimizer, communication, copies) with the top kernels,
 the GPU's idle time between kernels and the communication time not hidden behind compute, and
-print them. Without it, ``cudaProfilerStart``/``Stop`` bracket the iterations so
+print them; the same figures (ms per step) go to ``breakdown_rank{r}.json`` for scripts. Without it, ``cudaProfilerStart``/``Stop`` bracket the iterations so
 that ``nsys profile --capture-range=cudaProfilerApi`` records exactly those.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -64,12 +65,12 @@ def kernel_summary(events, steps: int, top: int = 25) -> tuple[str, dict[str, fl
     return "\n".join(lines), by_cat
 
 
-def idle_summary(events, steps: int, top: int = 8) -> str:
-    """GPU idle time between kernels over the profiled window, and the largest gaps (with the
-    kernels around them), from ``profiler.events()``."""
+def idle_summary(events, steps: int, top: int = 8) -> tuple[str, float | None]:
+    """(text, idle ms per step): GPU idle time between kernels over the profiled window, and the
+    largest gaps (with the kernels around them), from ``profiler.events()``."""
     spans = sorted((e.time_range.start, e.time_range.end, e.key) for e in events if _is_kernel(e))
     if not spans:
-        return "GPU idle: no kernels recorded"
+        return "GPU idle: no kernels recorded", None
     gaps, busy_end, prev = [], spans[0][0], spans[0][2]
     for start, end, name in spans:
         if start > busy_end:
@@ -82,7 +83,7 @@ def idle_summary(events, steps: int, top: int = 8) -> str:
              f"{window / steps:.1f} ms); largest gaps (ms, after -> before):"]
     for gap, before, after in sorted(gaps, reverse=True)[:top]:
         lines.append(f"  {gap / 1000.0:7.2f}  {before[:70]} -> {after[:70]}")
-    return "\n".join(lines)
+    return "\n".join(lines), idle / steps
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -95,10 +96,10 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def exposed_communication(events, steps: int) -> str:
-    """Time per step when a communication kernel runs and no other kernel does ("exposed"): what
-    overlapping communication with compute would save. In a pipeline stage this includes the
-    bubble, since NCCL receive kernels wait on the GPU for their data."""
+def exposed_communication(events, steps: int) -> tuple[str, float, float]:
+    """(text, communication ms, exposed ms) per step. Exposed: a communication kernel runs and no
+    other kernel does, what overlapping communication with compute would save. In a pipeline stage
+    this includes the bubble, since NCCL receive kernels wait on the GPU for their data."""
     comm: list[tuple[float, float]] = []
     compute: list[tuple[float, float]] = []
     for e in events:
@@ -106,11 +107,11 @@ def exposed_communication(events, steps: int) -> str:
             span = (e.time_range.start, e.time_range.end)
             (comm if categorize(e.key) == "communication" else compute).append(span)
     if not comm:
-        return "communication: none on this rank"
-    comm_total = _union_length(comm)
-    exposed = _union_length(comm + compute) - _union_length(compute)
-    return (f"communication: {comm_total / 1000.0 / steps:.2f} ms per step on the GPU, "
-            f"{exposed / 1000.0 / steps:.2f} ms of it exposed (no other kernel running)")
+        return "communication: none on this rank", 0.0, 0.0
+    comm_ms = _union_length(comm) / 1000.0 / steps
+    exposed_ms = (_union_length(comm + compute) - _union_length(compute)) / 1000.0 / steps
+    return (f"communication: {comm_ms:.2f} ms per step on the GPU, {exposed_ms:.2f} ms of it exposed "
+            "(no other kernel running)", comm_ms, exposed_ms)
 
 
 class StepProfiler:
@@ -155,11 +156,17 @@ class StepProfiler:
         os.makedirs(self.dir, exist_ok=True)
         trace = os.path.join(self.dir, f"trace_rank{self.rank}.json")
         self.prof.export_chrome_trace(trace)
-        text, _ = kernel_summary(self.prof.key_averages(), steps)
+        text, by_category = kernel_summary(self.prof.key_averages(), steps)
         events = self.prof.events()
-        text += "\n" + idle_summary(events, steps) + "\n" + exposed_communication(events, steps)
+        idle_text, idle_ms = idle_summary(events, steps)
+        comm_text, comm_ms, exposed_ms = exposed_communication(events, steps)
+        text += "\n" + idle_text + "\n" + comm_text
         with open(os.path.join(self.dir, f"kernels_rank{self.rank}.txt"), "w") as f:
             f.write(text + "\n")
+        breakdown = {"kernel_ms": sum(by_category.values()), "by_category_ms": by_category, "idle_ms": idle_ms,
+                     "communication_ms": comm_ms, "exposed_communication_ms": exposed_ms}
+        with open(os.path.join(self.dir, f"breakdown_rank{self.rank}.json"), "w") as f:
+            json.dump(breakdown, f, indent=1)
         self.prof = None
         return f" > profile of iterations {self.cfg.profile_step_start}-{self.cfg.profile_step_end - 1} " \
                f"(rank {self.rank}) written to {trace}\n{text}"

@@ -1,5 +1,6 @@
 """pretrain_gpt.py end to end on the CPU: training, evaluation, checkpoints, resume, exits, errors."""
 
+import json
 import os
 import signal
 import subprocess
@@ -248,6 +249,9 @@ def test_pytorch_profiler_writes_trace_and_summary(tmp_path, capsys):
     assert "profile of iterations 2-3 (rank 0)" in out
     assert (prof / "trace_rank0.json").stat().st_size > 1000
     assert (prof / "kernels_rank0.txt").read_text().startswith("GPU kernel time per step")
+    breakdown = json.loads((prof / "breakdown_rank0.json").read_text())
+    assert set(breakdown) == {"kernel_ms", "by_category_ms", "idle_ms", "communication_ms",
+                              "exposed_communication_ms"}
 
 
 def test_profile_step_range_must_be_nonempty(tmp_path, capsys):

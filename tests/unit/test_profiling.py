@@ -21,11 +21,13 @@ def test_exposed_communication_is_comm_time_without_compute():
     events = [kernel("gemm", 0, 100), kernel("ncclDevKernel_AllReduce", 80, 170), kernel("gemm", 150, 200),
               SimpleNamespace(key="Optimizer.step#AdamW.step", device_type="DeviceType.CUDA",
                               time_range=SimpleNamespace(start=0, end=500))]  # an annotation: ignored
-    text = exposed_communication(events, steps=1)
+    text, comm_ms, exposed_ms = exposed_communication(events, steps=1)
     assert "0.09 ms per step on the GPU, 0.05 ms of it exposed" in text
-    assert "idle between kernels: 0.00 ms" in idle_summary(events, steps=1)
+    assert (comm_ms, exposed_ms) == (0.09, 0.05)
+    assert "idle between kernels: 0.00 ms" in idle_summary(events, steps=1)[0]
 
 
 def test_idle_gaps_between_kernels():
-    text = idle_summary([kernel("a", 0, 100), kernel("b", 50, 80), kernel("c", 300, 400), kernel("d", 1400, 1500)], 1)
-    assert "1.20 ms per step" in text and "1.00  c -> d" in text
+    text, idle_ms = idle_summary([kernel("a", 0, 100), kernel("b", 50, 80), kernel("c", 300, 400),
+                                  kernel("d", 1400, 1500)], 1)
+    assert "1.20 ms per step" in text and "1.00  c -> d" in text and idle_ms == 1.2
