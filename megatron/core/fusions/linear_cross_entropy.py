@@ -38,17 +38,17 @@ CHUNK_ELEMENTS = 1 << 30
 
 def _lse_and_target_logit(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` ``[c, V]`` (any float dtype), ``target`` ``[c]`` -> fp32 ``(logsumexp, logits[target])``."""
-    lf = logits.float()
-    lse = torch.logsumexp(lf, dim=-1)
-    picked = lf.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    return lse, picked
+    return _lse_and_picked(logits.float(), target)
+
+
+def _lse_and_picked(lf: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.logsumexp(lf, dim=-1), lf.gather(-1, target.unsqueeze(-1)).squeeze(-1)
 
 
 def _loss_and_dlogits_(logits: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """fp32 per-token loss; overwrites ``logits`` with ``weights[:, None] * (softmax - onehot(target))``."""
     lf = logits.float()
-    lse = torch.logsumexp(lf, dim=-1)
-    picked = lf.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    lse, picked = _lse_and_picked(lf, target)
     prob = torch.exp(lf - lse.unsqueeze(-1))
     cols = torch.arange(logits.shape[-1], device=logits.device)
     prob = torch.where(cols.unsqueeze(0) == target.unsqueeze(-1), prob - 1.0, prob)

@@ -1,7 +1,9 @@
-"""Gradient statistics and clipping over fp32 main grads, without per-tensor host syncs.
+"""Gradient statistics over fp32 main grads (norm, zeros, overflow), without per-tensor host syncs.
 
-Every function here returns device tensors; the caller packs them into one buffer, reduces it once
-over the grad-stats group and reads it back once (the optimizer's single host sync per step).
+Clipping itself is applied by the optimizer step from a device-side factor (optimizer.py).
+
+Every function here returns device tensors; the caller packs them into one buffer and reduces it
+once over the grad-stats group; nothing here waits for the device.
 """
 
 from __future__ import annotations
