@@ -17,6 +17,7 @@ appended as JSON lines to ``$OUT/bench_gpt.jsonl`` (or ./bench_out/).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shutil
@@ -93,6 +94,8 @@ def run_baseline(baseline_dir: str, names: list[str], workdir: str) -> dict:
            "--configs", ",".join(known)]
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=baseline_dir, env=env, check=True)
+    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
+    shutil.copy(os.path.join(workdir, "results.jsonl"), os.path.join(out_dir, "baseline_results.jsonl"))
     out = {}
     with open(os.path.join(workdir, "results.jsonl")) as f:
         for line in f:
@@ -131,6 +134,9 @@ def main() -> None:
             with open(os.path.join(prof_dir, "breakdown_rank0.json")) as f:
                 row["breakdown"] = json.load(f)
             shutil.copy(os.path.join(prof_dir, "kernels_rank0.txt"), os.path.join(out_dir, f"kernels_{n}{args.tag}.txt"))
+            with open(os.path.join(prof_dir, "trace_rank0.json"), "rb") as src, \
+                    gzip.open(os.path.join(out_dir, f"trace_{n}{args.tag}.json.gz"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
         rows.append(row)
     for r in rows:
         print("ours: " + json.dumps(r), flush=True)
