@@ -72,7 +72,9 @@ def test_gradient_memory_appears_bucket_by_bucket_during_backward() -> None:
     """No gradient memory at the start of backward (when activations peak); buckets are created as
     their gradients arrive and returned when the next step starts."""
     solo = ParallelState(grid=RankGrid(), rank=0)
-    model = DistributedDataParallel(_model(solo).config, DistributedDataParallelConfig(bucket_size=3000),
+    # alias_single_gradients off: with one DP rank the buckets would otherwise not be needed at all.
+    model = DistributedDataParallel(_model(solo).config,
+                                    DistributedDataParallelConfig(bucket_size=3000, alias_single_gradients=False),
                                     _model(solo), solo)
     assert len(model.buckets) > 2 and all(b.view is None for b in model.buckets)
     allocated_when_first_grad_arrived = []
@@ -145,3 +147,63 @@ def test_distributed_optimizer_keeps_state_only_for_owned_params(ps: ParallelSta
     gathered = [torch.empty_like(flat) for _ in range(2)]
     dist.all_gather(gathered, flat)
     assert torch.equal(gathered[0], gathered[1])
+
+
+def _bf16_model(ps: ParallelState) -> GPTModel:
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                            attention_dropout=0.0, bf16=True)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                     parallel_state=ps, device=device(), seed=7)
+    model.unused = torch.nn.Parameter(torch.ones(5, device=device(), dtype=torch.bfloat16))
+    return model
+
+
+def _bf16_step(alias: bool, micro: int) -> tuple[DistributedDataParallel, list[torch.Tensor], list[torch.Tensor]]:
+    """One optimizer step of the bf16 model over ``micro`` micro-batches; (model, main grads read by
+    the optimizer, updated params)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    solo = ParallelState(grid=RankGrid(), rank=0)
+    module = _bf16_model(solo)
+    model = DistributedDataParallel(module.config, DistributedDataParallelConfig(alias_single_gradients=alias),
+                                    module, solo)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True, clip_grad=0.05), [model])
+    batches = (_batches(0, 1) * micro)[:micro]
+    model.zero_grad_buffer()
+    with model.no_sync():
+        for ids in batches[:-1]:
+            (model(ids, None, None, labels=ids).float().mean() / micro).backward()
+    (model(batches[-1], None, None, labels=batches[-1]).float().mean() / micro).backward()
+    finalize_model_grads([model])
+    grads = [p.main_grad.clone() for p in module.parameters()]
+    ok, norm, _ = opt.step()
+    assert ok and norm > 0.05  # clipping is active, so the grad norm reaches the update
+    return model, grads, [p.detach().clone() for p in module.parameters()]
+
+
+def test_single_gradient_is_aliased_without_bucket_memory_and_steps_identically() -> None:
+    """One DP rank, one micro-batch: each bf16 gradient is used as the main grad as is (no bucket is
+    ever allocated, no fp32 copy), a parameter without gradient reads zeros, and the optimizer step
+    gives bit-identical parameters to the fp32-buffer path (widening bf16 to fp32 is exact)."""
+    model, grads, params = _bf16_step(alias=True, micro=1)
+    assert all(b.view is None for b in model.buckets)
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+    assert torch.equal(model.module.unused.main_grad, torch.zeros(5, device=device(), dtype=torch.bfloat16))
+    _, ref_grads, ref_params = _bf16_step(alias=False, micro=1)
+    assert all(g.dtype == torch.float32 for g in ref_grads)
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g.float(), r)
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+
+
+def test_second_micro_batch_moves_aliased_gradient_into_fp32_buffer() -> None:
+    """Gradient accumulation still sums in fp32: with three micro-batches the aliased first gradient
+    is moved into the fp32 bucket and the result equals the copy-then-add path bit for bit."""
+    model, grads, params = _bf16_step(alias=True, micro=3)
+    assert all(g.dtype == torch.float32 for g in grads)
+    _, ref_grads, ref_params = _bf16_step(alias=False, micro=3)
+    for g, r in zip(grads, ref_grads):
+        assert torch.equal(g, r)
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)

@@ -8,6 +8,13 @@ the step into it (no zero fill, no read of zeros), adds later ones (gradient acc
 parameter dtype. ``finish_grad_sync`` (called by ``finalize_model_grads``) zeroes the slices of
 parameters that got no gradient; call it before reading ``main_grad``.
 
+Without data-parallel reduction (``alias_single_gradients``, one DP rank), a parameter whose
+gradient is not summed across ranks later (not a sequence-parallel or pipeline-tied one) keeps its
+first gradient of the step as ``main_grad`` as is, in the parameter's dtype: no bucket memory and
+no copy. The optimizer reads it in fp32, so this is exact (a bf16 value widens to fp32 without
+rounding). A second micro-batch's gradient moves it into the fp32 bucket and accumulates there, so
+gradient accumulation still sums in fp32.
+
 Parameters are laid out in reverse registration order (roughly the order backward produces their
 gradients) and cut into buckets of about ``bucket_size`` elements. With ``overlap_grad_reduce``,
 during the backward of the last micro-batch (outside ``no_sync``) a bucket's asynchronous
@@ -43,54 +50,95 @@ _accumulate = maybe_compiled(_add_into, dynamic=True)
 class _Bucket:
     """A contiguous fp32 (or param-dtype) gradient slice and the parameters whose ``main_grad`` live in it.
 
-    The storage exists only from the first gradient of a step until ``release`` (start of the next
-    step), so at the start of backward, when every activation is still alive, no gradient memory is
-    held yet: buckets appear one by one as backward frees activations.
+    The storage exists only from the first gradient of a step that needs it until ``release`` (start
+    of the next step), so at the start of backward, when every activation is still alive, no gradient
+    memory is held yet: buckets appear one by one as backward frees activations. Parameters in
+    ``aliasable`` keep a single gradient as their ``main_grad`` without any storage.
     """
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device):
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device,
+                 aliasable: frozenset[int] = frozenset()):
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.dtype, self.device = dtype, device
+        self.aliasable = aliasable
+        self.offsets: dict[int, int] = {}
+        offset = 0
+        for p in params:
+            self.offsets[id(p)] = offset
+            offset += p.numel()
         self.view: torch.Tensor | None = None
         self.written: set[int] = set()  # params whose main_grad holds this step's gradient
+        self.aliased: set[int] = set()  # ... as the gradient tensor itself (no storage)
         self.ready: set[int] = set()
         self.handle: Any = None  # an async work handle, or a list of them (distributed optimizer)
 
+    def _slice(self, param: torch.Tensor) -> torch.Tensor:
+        start = self.offsets[id(param)]
+        return self.allocate()[start:start + param.numel()].view_as(param)
+
     def allocate(self) -> torch.Tensor:
-        """The bucket's storage; slices of params not yet written this step are uninitialised."""
+        """The bucket's storage; slices of params not yet written this step are uninitialised.
+        Params holding an aliased gradient keep it (``_to_storage`` moves it in)."""
         if self.view is None:
             self.view = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-            offset = 0
             for p in self.params:
-                p.main_grad = self.view[offset:offset + p.numel()].view_as(p)  # type: ignore[attr-defined]
-                offset += p.numel()
+                if id(p) not in self.aliased:
+                    start = self.offsets[id(p)]
+                    p.main_grad = self.view[start:start + p.numel()].view_as(p)  # type: ignore[attr-defined]
         return self.view
 
+    def _to_storage(self, param: torch.Tensor) -> None:
+        """Move an aliased gradient into the bucket's storage (widening it to the bucket dtype)."""
+        grad = param.main_grad  # type: ignore[attr-defined]
+        self.aliased.discard(id(param))
+        param.main_grad = self._slice(param)  # type: ignore[attr-defined]
+        param.main_grad.copy_(grad)  # type: ignore[attr-defined]
+
     def accumulate(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """First gradient of the step: copy; later micro-batches: add."""
-        self.allocate()
-        if id(param) in self.written:
+        """First gradient of the step: keep it (aliasable params) or copy it; later micro-batches: add."""
+        key = id(param)
+        if key in self.aliased:
+            self._to_storage(param)
+        if key in self.written:
             _accumulate(param.main_grad.view(-1), grad.view(-1))  # type: ignore[attr-defined]
-        else:
-            param.main_grad.copy_(grad)  # type: ignore[attr-defined]
-            self.written.add(id(param))
+            return
+        self.written.add(key)
+        if key in self.aliasable:
+            param.main_grad = grad  # type: ignore[attr-defined]
+            self.aliased.add(key)
+            return
+        self.allocate()
+        param.main_grad.copy_(grad)  # type: ignore[attr-defined]
+
+    def finish(self) -> None:
+        """Every param gets a ``main_grad`` (zeros where it got no gradient this step); aliased
+        gradients stay aliased and no storage is created for them."""
+        for p in self.params:
+            if id(p) in self.written:
+                continue
+            self.written.add(id(p))
+            if self.view is None and id(p) in self.aliasable:
+                p.main_grad = torch.zeros_like(p)  # type: ignore[attr-defined]
+                self.aliased.add(id(p))
+            else:
+                self.allocate()
+                p.main_grad.zero_()  # type: ignore[attr-defined]
 
     def materialize(self) -> torch.Tensor:
-        """The storage with zeros for every param that got no gradient this step."""
-        view = self.allocate()
-        if len(self.written) < len(self.params):
-            for p in self.params:
-                if id(p) not in self.written:
-                    p.main_grad.zero_()  # type: ignore[attr-defined]
-                    self.written.add(id(p))
-        return view
+        """The storage, holding every param's gradient (zeros for params that got none this step)."""
+        self.finish()
+        for p in self.params:
+            if id(p) in self.aliased:
+                self._to_storage(p)
+        return self.allocate()
 
     def release(self) -> None:
         self.view = None
         for p in self.params:
             p.main_grad = None  # type: ignore[attr-defined]
         self.written.clear()
+        self.aliased.clear()
         self.ready.clear()
         self.handle = None
 
@@ -110,7 +158,14 @@ class DistributedDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else (params[0].dtype if params else torch.float32)
-        self.buckets = self._make_buckets(list(reversed(params)), grad_dtype, device)
+        aliasable: frozenset[int] = frozenset()
+        if ddp_config.alias_single_gradients and self.dp_size == 1:
+            # Gradients summed across ranks after backward (finalize_model_grads) need the storage.
+            tied = module.shared_embedding_or_output_weight() if (  # type: ignore[operator]
+                self.pg.pp_size > 1 and getattr(module, "share_embeddings_and_output_weights", False)) else None
+            aliasable = frozenset(id(p) for p in params
+                                  if not getattr(p, "sequence_parallel", False) and p is not tied)
+        self.buckets = self._make_buckets(list(reversed(params)), grad_dtype, device, aliasable)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         # --use-distributed-optimizer: each parameter's gradient is reduced to its owner only.
         self.param_owner: dict[int, int] | None = None
@@ -130,18 +185,19 @@ class DistributedDataParallel(nn.Module):
         # memory appears at once (and are reduced at the end of the step).
         return max(40_000_000, 1_000_000 * self.dp_size)
 
-    def _make_buckets(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device) -> list[_Bucket]:
+    def _make_buckets(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device,
+                      aliasable: frozenset[int]) -> list[_Bucket]:
         limit = self._bucket_size()
-        buckets, current, size = [], [], 0
+        groups, current, size = [], [], 0
         for p in params:
             current.append(p)
             size += p.numel()
             if size >= limit:
-                buckets.append(_Bucket(current, dtype, device))
+                groups.append(current)
                 current, size = [], 0
         if current:
-            buckets.append(_Bucket(current, dtype, device))
-        return buckets
+            groups.append(current)
+        return [_Bucket(g, dtype, device, frozenset(id(p) for p in g) & aliasable) for g in groups]
 
     @property
     def grad_buffer(self) -> torch.Tensor:
@@ -197,11 +253,14 @@ class DistributedDataParallel(nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Wait for the buckets reduced during backward; reduce the others now. Afterwards every
-        parameter has a ``main_grad`` (zeros where it got no gradient this step)."""
+        parameter has a ``main_grad`` (zeros where it got no gradient this step); without
+        data-parallel reduction aliased gradients stay in the parameter dtype."""
+        if self.dp_size == 1 or self.dp_group is None:
+            for bucket in self.buckets:
+                bucket.finish()
+            return
         for bucket in self.buckets:
             bucket.materialize()
-        if self.dp_size == 1 or self.dp_group is None:
-            return
         for bucket in self.buckets:
             if bucket.handle is None:
                 self._start_reduce(bucket, async_op=True)

@@ -22,3 +22,7 @@ class DistributedDataParallelConfig:
                                   flag="--ddp-bucket-size")
     average_in_collective: bool = doc(False, "Average in the collective instead of pre-scaling by 1/DP.",
                                       flag="--ddp-average-in-collective")
+    alias_single_gradients: bool = doc(
+        True, "Without data-parallel reduction, use a parameter's only gradient of the step as its main grad "
+              "as is (no fp32 copy, exact: the optimizer reads it in fp32); a second micro-batch moves it into "
+              "the fp32 buffer, so accumulation still sums in fp32.", flag=None)

@@ -27,7 +27,7 @@ def grad_norm_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tenso
     """Σ‖g‖² over ``grads`` as a 0-dim fp32 tensor on ``device`` (no host sync)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(grads)  # one fp32 norm per tensor
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # one fp32 norm per tensor, any grad dtype
     return torch.stack(norms).float().pow(2).sum()
 
 

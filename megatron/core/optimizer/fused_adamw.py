@@ -70,8 +70,9 @@ def _hyper(group: dict, device: torch.device) -> torch.Tensor:
 
 @torch.no_grad()
 def adamw_step(optimizer: torch.optim.Optimizer, model_params: Mapping[int, torch.Tensor],
-               divisor: torch.Tensor | None, dynamic: bool = False) -> None:
-    """Step every param of ``optimizer`` that has a ``.grad``.
+               divisor: torch.Tensor | None, dynamic: bool = False,
+               grads: Mapping[int, torch.Tensor] | None = None) -> None:
+    """Step every param of ``optimizer`` that has a gradient (``grads``, else ``.grad``).
 
     Args:
         optimizer: a ``torch.optim.AdamW`` whose params are the fp32 main params (amsgrad off).
@@ -79,10 +80,13 @@ def adamw_step(optimizer: torch.optim.Optimizer, model_params: Mapping[int, torc
             model copy to refresh; main params absent here are the model params themselves.
         divisor: 0-dim fp32 device tensor the gradients are divided by (clipping), or None.
         dynamic: compile one size-generic kernel instead of one per tensor size.
+        grads: ``id(main param) -> gradient`` (any float dtype, read in fp32) replacing ``.grad``.
     """
     update_main, update_main_and_model = KERNELS[dynamic]
+    if grads is None:
+        grads = {id(p): p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
     for group in optimizer.param_groups:
-        params = [p for p in group["params"] if p.grad is not None]
+        params = [p for p in group["params"] if id(p) in grads]
         if not params:
             continue
         if group.get("amsgrad") or group.get("maximize"):
@@ -99,7 +103,7 @@ def adamw_step(optimizer: torch.optim.Optimizer, model_params: Mapping[int, torc
             step = state["step"]
             if step.device != device:  # a checkpoint from a non-fused run keeps it on the host
                 step = state["step"] = step.to(device=device, dtype=torch.float32)
-            args = (p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), step,
+            args = (p.view(-1), grads[id(p)].view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), step,
                     hyper, div)
             model = model_params.get(id(p))
             if model is None:

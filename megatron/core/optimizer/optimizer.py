@@ -130,20 +130,23 @@ class MegatronOptimizer:
         return loss * self.get_loss_scale() if self.grad_scaler is not None else loss
 
     # ---------------------------------------------------------------- step
-    def _prepare_main_grads(self) -> list[torch.Tensor | None]:
+    def _prepare_main_grads(self, keep_model_dtype: bool) -> list[torch.Tensor | None]:
+        """Each main param's gradient, or None. An fp32 gradient becomes the main param's ``.grad``
+        (an alias); a bf16/fp16 one is widened into a fresh fp32 ``.grad``, unless ``keep_model_dtype``
+        (the one-pass AdamW widens as it reads): then it is returned as is and ``.grad`` stays None."""
         grads: list[torch.Tensor | None] = []
         for model_p, main_p in zip(self.model_params, self.main_params):
             g = getattr(model_p, "main_grad", None)
             if g is None:
                 g = model_p.grad
-            if g is None:
+            if g is None or (keep_model_dtype and g.dtype != main_p.dtype):
                 if main_p is not model_p:
                     main_p.grad = None
-                grads.append(None)
+                grads.append(g)
                 continue
             if g.dtype != main_p.dtype:
-                g = g.to(main_p.dtype)  # bf16/fp16 .grad -> fresh fp32 main grad
-            main_p.grad = g  # an alias when g is already an fp32 main_grad
+                g = g.to(main_p.dtype)
+            main_p.grad = g
             grads.append(g)
         return grads
 
@@ -169,7 +172,10 @@ class MegatronOptimizer:
             the result is ``(False, None, None)``. ``grad_norm`` is the global pre-clip L2 norm over
             non-duplicate grads; ``num_zeros`` is None unless ``config.log_num_zeros_in_grad``.
         """
-        grads = self._prepare_main_grads()
+        # Low-precision gradients (DDP's aliased single gradients) stay as they are for the
+        # one-pass AdamW and the norms, which compute in fp32: no widened copy.
+        keep = self._one_pass_adamw and self.grad_scaler is None
+        grads = self._prepare_main_grads(keep_model_dtype=keep)
         present = [g for g in grads if g is not None]
         counted = [g for g, c in zip(grads, self._counts_in_stats) if g is not None and c]
         if self.grad_scaler is not None:
@@ -189,7 +195,8 @@ class MegatronOptimizer:
         grad_norm = stats[1].sqrt()
         if self._one_pass_adamw:
             divisor = self._clip_divisor(grad_norm) if present else None
-            adamw_step(self.optimizer, self._model_of_main, divisor)
+            adamw_step(self.optimizer, self._model_of_main, divisor,
+                       grads={id(m): g for m, g in zip(self.main_params, grads) if g is not None})
         else:
             self._clipped_inner_step(present, grad_norm)
             self._copy_main_params_to_model_params()
