@@ -6,7 +6,7 @@
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed on llama-3b and the 300-step loss check   ~5 min
-#   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b tp2+SP eager vs compiled layers, dp2 ~4 min
+#   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b tp2+SP (eager layers) and dp2    ~3 min
 #   bash bench/issue6.sh pipeline   # 2 GPUs: interleaved bubble with/without p2p overlap; dist-opt loss match
 #
 # Device calls carry the git-ignored inputs: carry [".baselines", ".whl", "data/prepared"]. .whl/ holds
@@ -34,7 +34,6 @@ for stage in "$@"; do
     tp2)
       B="python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --nproc 2"
       $B --tag _tp2_eager --extra="--tensor-model-parallel-size 2 --sequence-parallel"
-      $B --tag _tp2_compiled --extra="--tensor-model-parallel-size 2 --sequence-parallel --torch-compile on"
       $B --tag _dp2 --extra="--overlap-grad-reduce" ;;
     pipeline)
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 1,2,4

@@ -118,3 +118,12 @@ def test_flag_reference_is_current():
 def test_overlap_p2p_communication_is_on_by_default_and_can_be_turned_off():
     assert parse_args(BASE).model.overlap_p2p_comm is True
     assert parse_args(BASE + ["--no-overlap-p2p-communication"]).model.overlap_p2p_comm is False
+
+
+def test_compiled_layers_are_refused_under_tensor_parallelism(monkeypatch):
+    """Compiled layers did not train at tp2 on CUDA: ``--torch-compile on`` there is a user error."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--torch-compile on with --tensor-model-parallel-size 2"):
+        parse_args(BASE + "--tensor-model-parallel-size 2 --torch-compile on".split())
+    assert parse_args(BASE + "--tensor-model-parallel-size 2".split()).impl.torch_compile == "auto"
+    assert parse_args(BASE + ["--torch-compile", "on"]).impl.torch_compile == "on"
