@@ -1,12 +1,18 @@
 """Timeline arithmetic of the profiler summary (kernel categories, idle gaps, exposed communication)."""
 
-from types import SimpleNamespace
+import json
 
-from megatron.training.profiling import categorize, exposed_communication, idle_summary
+from megatron.training.profiling import (
+    categorize,
+    exposed_communication,
+    idle_summary,
+    kernel_summary,
+    trace_kernels,
+)
 
 
 def kernel(name, start, end):
-    return SimpleNamespace(key=name, device_type="DeviceType.CUDA", time_range=SimpleNamespace(start=start, end=end))
+    return (name, float(start), float(end))
 
 
 def test_categories():
@@ -18,9 +24,7 @@ def test_categories():
 
 def test_exposed_communication_is_comm_time_without_compute():
     # compute 0-100 and 150-200; all-reduce 80-170: 20 us overlapped with compute at each end, 50 exposed.
-    events = [kernel("gemm", 0, 100), kernel("ncclDevKernel_AllReduce", 80, 170), kernel("gemm", 150, 200),
-              SimpleNamespace(key="Optimizer.step#AdamW.step", device_type="DeviceType.CUDA",
-                              time_range=SimpleNamespace(start=0, end=500))]  # an annotation: ignored
+    events = [kernel("gemm", 0, 100), kernel("ncclDevKernel_AllReduce", 80, 170), kernel("gemm", 150, 200)]
     text, comm_ms, exposed_ms = exposed_communication(events, steps=1)
     assert "0.09 ms per step on the GPU, 0.05 ms of it exposed" in text
     assert (comm_ms, exposed_ms) == (0.09, 0.05)
@@ -31,3 +35,27 @@ def test_idle_gaps_between_kernels():
     text, idle_ms = idle_summary([kernel("a", 0, 100), kernel("b", 50, 80), kernel("c", 300, 400),
                                   kernel("d", 1400, 1500)], 1)
     assert "1.20 ms per step" in text and "1.00  c -> d" in text and idle_ms == 1.2
+
+
+def test_trace_kernels_keeps_gpu_work_only_and_summary_counts_per_step(tmp_path):
+    """CPU ops and annotations mirrored on the GPU timeline are not kernels; copies and memsets are."""
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 0, "dur": 900},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_NTN", "ts": 100, "dur": 300},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_NTN", "ts": 1100, "dur": 300},
+        {"ph": "X", "cat": "kernel", "name": "unrolled_elementwise_kernel<direct_copy_kernel_cuda>", "ts": 400,
+         "dur": 200},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 700, "dur": 100},
+        {"ph": "f", "cat": "ac2g", "name": "launch", "ts": 90},
+    ]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    kernels = trace_kernels(str(path))
+    assert [k[0] for k in kernels] == ["nvjet_sm90_tst_NTN", "unrolled_elementwise_kernel<direct_copy_kernel_cuda>",
+                                       "Memset (Device)", "nvjet_sm90_tst_NTN"]
+    text, by_cat = kernel_summary(kernels, steps=2)
+    assert by_cat.keys() == {"matmul", "copies"}
+    assert abs(by_cat["matmul"] - 0.3) < 1e-9 and abs(by_cat["copies"] - 0.15) < 1e-9
+    assert "0.30      1  matmul" in text
+    assert abs(idle_summary(kernels, steps=2)[1] - 0.2) < 1e-9  # 600-700 and 800-1100 idle, over two steps
