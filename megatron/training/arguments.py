@@ -233,7 +233,10 @@ def configs_from_namespace(ns: dict) -> RunConfig:
         checkpoint=_build(CheckpointConfig, ns),
         logger=_build(LoggerConfig, ns),
         impl=_build(ModelImplConfig, ns),
-        ddp=_build(DistributedDataParallelConfig, ns),
+        # Aliased single gradients pay only when the optimizer reads them in their own dtype (the
+        # one-pass AdamW without a loss scaler); otherwise it would widen them into new fp32 tensors.
+        ddp=_build(DistributedDataParallelConfig, ns, alias_single_gradients=(
+            optimizer.optimizer == "adam" and optimizer.use_fused_adam and not model.fp16)),
     )
 
 

@@ -127,3 +127,11 @@ def test_compiled_layers_are_refused_under_tensor_parallelism(monkeypatch):
         parse_args(BASE + "--tensor-model-parallel-size 2 --torch-compile on".split())
     assert parse_args(BASE + "--tensor-model-parallel-size 2".split()).impl.torch_compile == "auto"
     assert parse_args(BASE + ["--torch-compile", "on"]).impl.torch_compile == "on"
+
+
+def test_gradients_are_aliased_only_for_the_optimizer_that_reads_them_in_place():
+    """The one-pass AdamW reads bf16 gradients as they are; with fp16 loss scaling or another
+    optimizer they would be widened into new fp32 tensors, so DDP keeps its fp32 buffer there."""
+    assert parse_args(BASE).ddp.alias_single_gradients is True
+    assert parse_args(BASE + ["--fp16"]).ddp.alias_single_gradients is False
+    assert parse_args(BASE + ["--optimizer", "sgd"]).ddp.alias_single_gradients is False
