@@ -57,10 +57,11 @@ def _loss_and_dlogits_(logits: torch.Tensor, target: torch.Tensor, weights: torc
 
 
 def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(grad * scale).to(dtype)`` for a 0-dim device ``scale``. Compiled on CUDA: eager ATen takes its
-    unvectorised broadcasting path for a 0-dim tensor operand (about 4x the memory-bound time for the
-    ``[V, H]`` weight gradient on an H200); the arithmetic (fp32 multiply, one rounding) is the same."""
-    return (grad * scale).to(dtype)
+    """``grad`` times the fp32 0-dim ``scale``, in fp32, rounded once to ``dtype``. Compiled on CUDA
+    (one vectorised pass): eager ATen takes an unvectorised broadcasting path for a 0-dim tensor
+    operand, about 4x the memory-bound time for the ``[V, H]`` weight gradient on an H200, and
+    would round ``scale`` to bf16 first for a bf16 ``grad``."""
+    return (grad.float() * scale).to(dtype)
 
 
 _lse_fn = maybe_compiled(_lse_and_target_logit)
