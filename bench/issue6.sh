@@ -6,7 +6,7 @@
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed on llama-3b and the 300-step loss check   ~5 min
-#   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b tp2+SP (eager layers) and dp2    ~3 min
+#   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, tp2+SP, dp2, dp2 + distributed optimizer ~5 min
 #   bash bench/issue6.sh pipeline   # 2 GPUs: interleaved bubble with/without p2p overlap; dist-opt loss match
 #
 # Device calls carry the git-ignored inputs: carry [".baselines", ".whl", "data/prepared"]. .whl/ holds
@@ -32,9 +32,12 @@ for stage in "$@"; do
       [ -d data/prepared ] || bash examples/prepare_corpus.sh
       python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed ;;
     tp2)
+      # One-GPU reference in the same job, so the scaling efficiencies compare like with like.
+      python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --tag _1gpu
       B="python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --nproc 2"
-      $B --tag _tp2_eager --extra="--tensor-model-parallel-size 2 --sequence-parallel"
-      $B --tag _dp2 --extra="--overlap-grad-reduce" ;;
+      $B --tag _tp2 --extra="--tensor-model-parallel-size 2 --sequence-parallel"
+      $B --tag _dp2 --extra="--overlap-grad-reduce"
+      $B --tag _dp2_distopt --extra="--overlap-grad-reduce --use-distributed-optimizer" ;;
     pipeline)
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 1,2,4
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
