@@ -11,7 +11,8 @@ Variants, each compiled with torch.compile as the library does:
   * ``inplace``: the library's step (one function; the gradient written over the logits);
   * ``out_of_place``: the same arithmetic returning a new gradient tensor (one more logits-sized buffer);
   * ``split``: log-sum-exp and target logit first, then an in-place pointwise pass with no column
-    index (``exp(l - lse) * w``), then ``-w`` scattered at the targets.
+    index (``exp(l - lse) * w``), then ``-w`` scattered at the targets;
+  * ``triton``: the hand-written kernel (megatron/core/fusions/triton_kernels.py), one program per row.
 Each is checked against the eager reference (max abs difference of the gradient, loss equality) and
 timed with CUDA events. Appends JSON lines to ``$OUT/bench_cross_entropy.jsonl`` (or ./bench_out/).
 """
@@ -27,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.core.fusions import triton_kernels  # noqa: E402
 from megatron.core.fusions.linear_cross_entropy import _loss_and_dlogits_, _lse_and_picked  # noqa: E402
 
 
@@ -63,7 +65,8 @@ def main() -> None:
 
     variants = {"inplace": lambda x, t, w: (inplace(x, t, w), x),
                 "out_of_place": lambda x, t, w: out_of_place(x, t, w),
-                "split": lambda x, t, w: (split(x, t, w), x)}
+                "split": lambda x, t, w: (split(x, t, w), x),
+                "triton": lambda x, t, w: (triton_kernels.cross_entropy_grad_triton(x, t, w), x)}
     out_dir = os.environ.get("OUT") or "bench_out"
     os.makedirs(out_dir, exist_ok=True)
     print(f"{'shape':<14} {'variant':<13} {'ms':>8} {'GB/s':>8} {'max |dgrad| err':>16}")

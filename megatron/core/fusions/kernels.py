@@ -35,16 +35,25 @@ def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: i
                         max(1, config.num_query_groups // tp_size), config.kv_channels)
     if device.type != "cuda":
         attn += " (the CPU kernel of that name; cuDNN fused attention needs a CUDA device)"
+    from megatron.core.fusions import triton_kernels
+
+    have_triton = device.type == "cuda" and triton_kernels.triton is not None
     if compiled_layers:
         layers = f"torch.compile of each TransformerLayer ({compiled_layers} layers, one shared graph): " \
                  f"norms, RoPE, {config.activation.upper()} and residual adds fused by Inductor"
     else:
         layers = f"eager (not compiled: {compile_reason}); norms via F.{'rms_norm' if config.normalization == 'RMSNorm' else 'layer_norm'}, " \
                  "RoPE and activations unfused"
+    if config.activation == "swiglu" and have_triton:
+        layers += "; SwiGLU backward: Triton kernel"
+    elif config.activation == "swiglu" and device.type == "cuda":
+        layers += "; SwiGLU backward: Inductor/ATen (Triton not importable)"
     if fused_cross_entropy:
         ce = "fused output layer + cross entropy, chunked over tokens (no full logits)"
-        if device.type == "cuda":
-            ce += ", softmax/grad steps compiled"
+        if have_triton:
+            ce += ", loss/gradient pass one Triton kernel per chunk"
+        elif device.type == "cuda":
+            ce += ", softmax/grad steps compiled (Triton not importable)"
     elif tp_size > 1:
         ce = "vocab-parallel cross entropy over tp-sharded logits (fused path covers tp=1 only)"
     else:

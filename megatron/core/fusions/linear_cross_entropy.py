@@ -19,8 +19,9 @@ default all ones). Backward checks this on the device and fails loudly otherwise
 the reductions run in fp32, as ``F.cross_entropy(logits.float())`` does; logits and dlogits are in
 the param dtype, as the unfused path's matmul outputs and input gradients are.
 
-On CUDA the elementwise step is compiled (``torch.compile``, one kernel per chunk); elsewhere, or if
-compilation fails, it runs eagerly with the same arithmetic. Tensor parallelism (vocab-sharded
+On CUDA the elementwise step is a Triton kernel (one program per row: online log-sum-exp, then the
+gradient in place; :mod:`.triton_kernels`), or compiled (``torch.compile``) without Triton; elsewhere,
+or if both fail, it runs eagerly with the same arithmetic. Tensor parallelism (vocab-sharded
 logits) keeps using :mod:`megatron.core.tensor_parallel.cross_entropy`.
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.fusions import triton_kernels
 from megatron.core.fusions.compile import maybe_compiled
 
 # Target elements of one chunk's logits: 2^30 bf16 values is 2 GiB, overwritten in place by their
@@ -115,7 +117,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             e = min(s + chunk, n)
             h = hidden[s:e]
             dl = h @ weight.t()  # [c, V] logits, then (in place) their gradient
-            loss[s:e] = _loss_dlogits_fn(dl, target[s:e], weights[s:e])
+            loss[s:e] = triton_kernels.cross_entropy_grad_(dl, target[s:e], weights[s:e], _loss_dlogits_fn)
             if need_h:
                 torch.mm(dl, weight, out=grad_h[s:e])
             if need_w:
