@@ -11,8 +11,9 @@
   row mostly hits L2.
 
 Both compute in fp32 and round once when storing, as Inductor's kernels do. They run on CUDA when
-Triton is importable (it ships with CUDA builds of torch) and otherwise fall back to the torch
-code that computes the same thing; under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors,
+Triton is importable (it ships with CUDA builds of torch) and their one-time self-check on the
+device (a small problem against the torch code) passes; otherwise, or after any failure, the torch
+code that computes the same thing runs, with a warning; under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors,
 which is how the tests check them without a GPU. ``swiglu_backward`` is a ``torch.library`` custom
 op so that compiled layers call it as an opaque kernel.
 """
@@ -33,6 +34,7 @@ except ImportError:  # pragma: no cover - depends on the installation
     tl = None
 
 _FAILED: set[str] = set()
+_CHECKED: set[str] = set()
 
 
 def interpreting() -> bool:
@@ -41,15 +43,58 @@ def interpreting() -> bool:
 
 
 def available(t: torch.Tensor, kernel: str) -> bool:
-    """Whether ``kernel`` runs for ``t``: Triton importable, a CUDA tensor (or the interpreter), and
-    no earlier failure of that kernel in this process."""
-    return triton is not None and (t.is_cuda or interpreting()) and kernel not in _FAILED
+    """Whether ``kernel`` runs for ``t``: Triton importable, a CUDA tensor (or the interpreter), no
+    earlier failure of that kernel in this process, and, on a GPU, its one-time self-check passed."""
+    if triton is None or kernel in _FAILED or not (t.is_cuda or interpreting()):
+        return False
+    if t.is_cuda and kernel not in _CHECKED:
+        _CHECKED.add(kernel)
+        try:
+            mismatch = _SELF_CHECKS[kernel](t.device)
+        except Exception as exc:  # noqa: BLE001 - a compiler/driver failure: fall back, say so once
+            _fallback(kernel, exc)
+            return False
+        if mismatch:
+            _FAILED.add(kernel)
+            warnings.warn(f"Triton kernel {kernel} disagrees with the torch code on this device ({mismatch}); "
+                          "using the torch code instead", stacklevel=2)
+            return False
+    return True
 
 
 def _fallback(kernel: str, exc: Exception) -> None:
     _FAILED.add(kernel)
     warnings.warn(f"Triton kernel {kernel} failed ({type(exc).__name__}: {exc}); using the torch code instead",
                   stacklevel=3)
+
+
+def _check_swiglu(device: torch.device) -> str:
+    """'' when the kernel matches the torch code on a small problem on ``device``, else what differs."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = (torch.randn(64, 2 * 1000, device=device, generator=g) * 3).bfloat16()
+    grad = torch.randn(64, 1000, device=device, generator=g).bfloat16()
+    return _compare(swiglu_backward_triton(grad, x), _swiglu_backward_torch(grad, x))
+
+
+def _compare(got: torch.Tensor, ref: torch.Tensor, tol: float = 2e-2) -> str:
+    """'' when ``|got - ref| <= tol * (1 + |ref|)`` everywhere (bf16 rounding), else the worst excess."""
+    excess = ((got.float() - ref.float()).abs() - tol * (1.0 + ref.float().abs())).max().item()
+    return "" if excess <= 0.0 else f"difference exceeds the bf16 tolerance by {excess:.3g}"
+
+
+def _check_cross_entropy(device: torch.device) -> str:
+    from megatron.core.fusions.linear_cross_entropy import _loss_and_dlogits_
+
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(16, 5000, device=device, generator=g) * 4).bfloat16()
+    target = torch.randint(0, 5000, (16,), device=device, generator=g)
+    weights = torch.ones(16, device=device)
+    ref, got = logits.clone(), logits.clone()
+    loss = cross_entropy_grad_triton(got, target, weights)
+    return _compare(loss, _loss_and_dlogits_(ref, target, weights), tol=1e-4) or _compare(got, ref)
+
+
+_SELF_CHECKS = {"swiglu_backward": _check_swiglu, "cross_entropy_grad": _check_cross_entropy}
 
 
 if triton is not None:
