@@ -2,7 +2,8 @@
 # Issue 6's measurements on one H200, in as few GPU calls as the device budget allows. Each stage
 # writes its figures under $OUT (or ./bench_out/); run the stages you need:
 #
-#   bash bench/issue6.sh check      # CUDA-only tests (compiled helpers, FP8 casts)       ~30 s
+#   bash bench/issue6.sh check      # CUDA-only tests (compiled helpers, Triton kernels, FP8 casts) ~40 s
+#   bash bench/issue6.sh kernels    # the cross entropy's loss/gradient pass: compiled variants vs Triton ~30 s
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed on llama-3b and the 300-step loss check   ~5 min
@@ -21,6 +22,7 @@ mkdir -p "$OUT"
 for stage in "$@"; do
   case "$stage" in
     check) python3 -m pytest tests/gpu -q -p no:cacheprovider ;;
+    kernels) python3 bench/bench_cross_entropy.py --iters 10 ;;
     speed) python3 bench/bench_gpt.py --configs gpt-1.3b,llama-3b --iters 20 --warmup 5 --baseline .baselines ;;
     mcore)
       python3 -m pip install -q --no-deps --target /tmp/mcore .whl/megatron_core-*-cp312-*.whl
@@ -43,6 +45,6 @@ for stage in "$@"; do
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, speed, mcore, fp8, tp2, pipeline)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, tp2, pipeline)" >&2; exit 2 ;;
   esac
 done
