@@ -49,6 +49,48 @@ COMMON = ("--bf16 --mock-data --tokenizer-type NullTokenizer --lr 1e-4 --min-lr 
           "--log-interval 1 --eval-iters 0 --num-workers 2 --seed 1234")
 
 
+class GpuMonitor:
+    """Samples GPU 0's SM clock and power with nvidia-smi while a run lasts. The medians over the busy
+    samples (power at least half the highest seen: training, not start-up) tell whether two runs of
+    the same kernels ran at the same clock (H200s are power-limited). Does nothing without nvidia-smi."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.path = ""
+
+    def __enter__(self) -> GpuMonitor:
+        if shutil.which("nvidia-smi") is None:
+            return self
+        fd, self.path = tempfile.mkstemp(suffix=".csv")
+        with os.fdopen(fd, "w") as out:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,clocks.sm,power.draw",
+                                          "--format=csv,noheader,nounits", "-lms", "200"],
+                                         stdout=out, stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+
+    def summary(self) -> dict:
+        samples = []
+        if self.path:
+            for line in open(self.path):
+                parts = [x.strip() for x in line.split(",")]
+                try:
+                    if len(parts) == 3 and parts[0] == "0":
+                        samples.append((float(parts[1]), float(parts[2])))
+                except ValueError:
+                    continue
+        if not samples:
+            return {}
+        top = max(w for _, w in samples)
+        busy = [(c, w) for c, w in samples if w >= 0.5 * top]
+        return {"sm_clock_mhz_median": statistics.median(c for c, _ in busy),
+                "power_w_median": statistics.median(w for _, w in busy), "gpu_samples": len(busy)}
+
+
 def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str, tag: str = "") -> list[dict]:
     metrics = os.path.join(workdir, f"{name}.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
@@ -56,8 +98,9 @@ def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str, tag: s
            "--train-iters", str(iters), "--metrics-file", metrics, *extra.split()]
     print("$ " + " ".join(cmd), flush=True)
     log = os.path.join(workdir, f"{name}.log")
-    with open(log, "w") as f:
+    with open(log, "w") as f, GpuMonitor() as monitor:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    run_ours.gpu = monitor.summary()  # type: ignore[attr-defined]
     if rc != 0:
         print(open(log).read()[-5000:], flush=True)
         raise SystemExit(f"{name}: pretrain_gpt.py failed with exit code {rc}")
@@ -93,7 +136,9 @@ def run_baseline(baseline_dir: str, names: list[str], workdir: str) -> dict:
     cmd = [sys.executable, os.path.join(baseline_dir, "bench_plain.py"), "--parts", "compile",
            "--configs", ",".join(known)]
     print("$ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=baseline_dir, env=env, check=True)
+    with GpuMonitor() as monitor:
+        subprocess.run(cmd, cwd=baseline_dir, env=env, check=True)
+    gpu = monitor.summary()
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
     shutil.copy(os.path.join(workdir, "results.jsonl"), os.path.join(out_dir, "baseline_results.jsonl"))
     out = {}
@@ -101,7 +146,7 @@ def run_baseline(baseline_dir: str, names: list[str], workdir: str) -> dict:
         for line in f:
             rec = json.loads(line)
             if rec.get("config") in known and "tokens_per_s" in rec:
-                out[rec["config"]] = rec
+                out[rec["config"]] = {**rec, "gpu_monitor_both_configs": gpu}
     return out
 
 
@@ -130,6 +175,7 @@ def main() -> None:
                       f"--profile-step-end {args.iters + 1} --profile-dir {prof_dir}")
         records = run_ours(n, args.iters, args.nproc, extra, workdir, args.tag)
         row = summarise(n, records[:-2] if args.breakdown else records, args.warmup, args.nproc, args.extra)
+        row.update(run_ours.gpu)  # type: ignore[attr-defined]
         if args.breakdown:
             with open(os.path.join(prof_dir, "breakdown_rank0.json")) as f:
                 row["breakdown"] = json.load(f)
@@ -142,16 +188,18 @@ def main() -> None:
         print("ours: " + json.dumps(r), flush=True)
     base = run_baseline(args.baseline, names, workdir) if args.baseline else {}
     print(f"\n{'config':<10} {'step ms':>9} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>12} {'MFU':>6} {'peak GiB':>9} "
-          f"{'baseline tok/s':>15} {'ratio':>6}")
+          f"{'baseline tok/s':>15} {'ratio':>6} {'SM MHz ours/base':>17}")
     with open(os.path.join(out_dir, "bench_gpt.jsonl"), "a") as f:
         for r in rows:
             b = base.get(r["config"], {}).get("tokens_per_s")
             r["baseline_compile_tokens_per_s"] = b
+            r["baseline_gpu"] = base.get(r["config"], {}).get("gpu_monitor_both_configs")
             f.write(json.dumps(r) + "\n")
             mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else "   n/a"
             ratio = f"{r['tokens_per_s_per_gpu'] / b:6.2f}" if b else "     -"
+            clocks = f"{r.get('sm_clock_mhz_median', '-')}/{(r['baseline_gpu'] or {}).get('sm_clock_mhz_median', '-')}"
             print(f"{r['config']:<10} {r['step_ms']:9.1f} {r['tokens_per_s_per_gpu']:10.0f} "
-                  f"{r['tflops_per_gpu']:12.1f} {mfu} {r['peak_gib']:9.1f} {b or '-':>15} {ratio}")
+                  f"{r['tflops_per_gpu']:12.1f} {mfu} {r['peak_gib']:9.1f} {b or '-':>15} {ratio} {clocks:>17}")
 
 
 if __name__ == "__main__":

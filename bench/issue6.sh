@@ -15,6 +15,8 @@
 #   pip download megatron-core==0.16.1 --no-deps --python-version 3.12 --only-binary=:all: \
 #       --platform manylinux_2_28_x86_64 -d .whl
 #   pip download tokenizers --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 -d .whl
+# The device tool brings back at most 8 files from $OUT: end a call that runs several stages with
+#   (cd "$OUT" && tar czf results.tgz --remove-files ./*)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench_out}"
