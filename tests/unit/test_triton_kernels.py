@@ -52,6 +52,12 @@ def test_swiglu_backward_kernel_matches_autograd():
             # the op (Triton under the interpreter) and the torch fallback agree too
             torch.testing.assert_close(tk.swiglu_backward(g, x.detach()).float(),
                                        tk._swiglu_backward_torch(g, x.detach()).float(), rtol=tol, atol=tol)
+        # rows of x that are not contiguous (a slice of a wider buffer)
+        wide = torch.randn(7, 2 * 50 + 10)
+        x = wide[:, :100]
+        g = torch.randn(7, 50)
+        torch.testing.assert_close(tk.swiglu_backward_triton(g, x), tk._swiglu_backward_torch(g, x),
+                                   rtol=1e-5, atol=1e-5)
         # through the autograd Function
         x = torch.randn(4, 2 * 96, requires_grad=True)
         tk.SwiGLU.apply(x).sum().backward()

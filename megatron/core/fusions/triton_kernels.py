@@ -100,7 +100,7 @@ _SELF_CHECKS = {"swiglu_backward": _check_swiglu, "cross_entropy_grad": _check_c
 if triton is not None:
 
     @triton.jit
-    def _swiglu_bwd_kernel(grad_ptr, x_ptr, dx_ptr, f, grad_stride, x_stride, BLOCK: tl.constexpr):
+    def _swiglu_bwd_kernel(grad_ptr, x_ptr, dx_ptr, f, grad_stride, x_stride, dx_stride, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < f
@@ -110,7 +110,7 @@ if triton is not None:
         s = tl.sigmoid(a)
         d_gate = g * b * s * (1.0 + a * (1.0 - s))
         d_up = g * a * s
-        out = dx_ptr + row * x_stride
+        out = dx_ptr + row * dx_stride
         tl.store(out + cols, d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(out + f + cols, d_up.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -164,7 +164,7 @@ def swiglu_backward_triton(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     dx = torch.empty((x2.shape[0], 2 * f), dtype=x.dtype, device=x.device)
     block = 1024
     grid = (x2.shape[0], triton.cdiv(f, block))
-    _swiglu_bwd_kernel[grid](g2, x2, dx, f, g2.stride(0), x2.stride(0), BLOCK=block, num_warps=4)
+    _swiglu_bwd_kernel[grid](g2, x2, dx, f, g2.stride(0), x2.stride(0), dx.stride(0), BLOCK=block, num_warps=4)
     return dx.view(x.shape)
 
 
