@@ -36,6 +36,9 @@ for stage in "$@"; do
       [ -d data/prepared ] || bash examples/prepare_corpus.sh
       python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed ;;
     tp2)
+      # Compiled tp2 + SP layers against eager on NCCL (the harness uses NCCL with two GPUs): the
+      # check for the CUDA-only defect that keeps --torch-compile on refused at tp > 1.
+      python3 -m pytest -q -p no:cacheprovider tests/distributed/test_compile.py || true
       # One-GPU reference in the same job, so the scaling efficiencies compare like with like.
       python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --tag _1gpu
       B="python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --nproc 2"

@@ -7,12 +7,19 @@ last dim. Slices are contiguous blocks in rank order: rank ``r`` of ``n`` holds 
 No collective modifies its input or the incoming gradient in place: autograd may hand the same
 gradient tensor to several consumers (``a + b`` gives both operands the same one), so an in-place
 all-reduce there would corrupt another branch's gradient.
+
+Inside ``torch.compile`` the collectives are the functional ones (``_functional_collectives``),
+which return new tensors and which the compiler orders with their waits itself; eager code uses the
+c10d calls writing into preallocated outputs. Dynamo's rewriting of in-place c10d collectives into
+functional ones has produced wrong results on CUDA (pytorch/pytorch#159350), and our compiled tp2
+layers did not train on two H200s with the in-place form.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 ProcessGroup = dist.ProcessGroup
 
@@ -39,10 +46,16 @@ def _check_divisible(x: torch.Tensor, n: int, dim: int) -> None:
         )
 
 
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
 def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum over the group into a new tensor (``x`` is left untouched)."""
     if group_size(group) == 1:
         return x
+    if _compiling():
+        return funcol.all_reduce(x.contiguous(), "sum", group)
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
     return out
@@ -54,8 +67,11 @@ def _gather(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tens
     if n == 1:
         return x
     x = x.contiguous()
-    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x, group=group)  # rank blocks stacked along dim 0
+    if _compiling():
+        out = funcol.all_gather_tensor(x, 0, group)  # rank blocks stacked along dim 0
+    else:
+        out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, x, group=group)
     if dim == 0:
         return out
     return torch.cat(out.chunk(n, dim=0), dim=dim)
@@ -77,6 +93,8 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
         return x
     _check_divisible(x, n, 0)
     x = x.contiguous()
+    if _compiling():
+        return funcol.reduce_scatter_tensor(x, "sum", 0, group)
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, x, group=group)
     return out

@@ -33,6 +33,7 @@ class GPTModel(nn.Module):
         parallel_state: process groups; defaults to the instance recorded by
             ``parallel_state.initialize_model_parallel``.
         num_layers / layer_offset: the layers this stage builds (default: all).
+        sequence_parallel: overrides ``config.sequence_parallel`` when given (on only with tp > 1).
         device: where parameters live; built on the meta device and materialised there.
         seed: initialisation seed; default ``torch.initial_seed()``. Weights depend only on the seed
             and each parameter's global name, never on the parallel layout.
@@ -44,7 +45,7 @@ class GPTModel(nn.Module):
                  position_embedding_type: str | None = None, rotary_percent: float | None = None,
                  rotary_base: int | None = None, parallel_output: bool = True,
                  parallel_state: ParallelState | None = None, num_layers: int | None = None,
-                 layer_offset: int = 0, sequence_parallel: bool = False,
+                 layer_offset: int = 0, sequence_parallel: bool | None = None,
                  device: torch.device | str | None = None, seed: int | None = None):
         super().__init__()
         self.config = config
@@ -61,7 +62,8 @@ class GPTModel(nn.Module):
         self.position_embedding_type = position_embedding_type or config.position_embedding_type
         self.rotary_dim = int(config.kv_channels * (rotary_percent or config.rotary_percent))
         self.rotary_base = rotary_base or config.rotary_base
-        sp = sequence_parallel and self.pg.tp_size > 1
+        # As in Megatron-Core, the config's sequence_parallel decides unless the argument overrides it.
+        sp = (config.sequence_parallel if sequence_parallel is None else sequence_parallel) and self.pg.tp_size > 1
         self.sequence_parallel = sp
         with torch.device("meta"):
             if pre_process:
