@@ -15,10 +15,19 @@
 #   pip download megatron-core==0.16.1 --no-deps --python-version 3.12 --only-binary=:all: \
 #       --platform manylinux_2_28_x86_64 -d .whl
 #   pip download tokenizers --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 -d .whl
-# The device tool brings back at most 8 files from $OUT: end a call that runs several stages with
-#   (cd "$OUT" && tar czf results.tgz --remove-files ./*)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The device tool brings back at most 8 files from $OUT: on exit (also after a failure), everything
+# written there is packed into $OUT/results.tgz.
+PACK_DIR="${OUT:-}"  # only a folder given from outside (the device tool's $OUT), not a local default
+pack_out() {
+  if [ -n "$PACK_DIR" ] && [ -d "$PACK_DIR" ]; then
+    (cd "$PACK_DIR" && files=$(ls -A | grep -v '^results.tgz$' || true) && [ -n "$files" ] && \
+      tar czf results.tgz $files && rm -f $files) || true
+  fi
+}
+trap pack_out EXIT
 OUT="${OUT:-bench_out}"
 mkdir -p "$OUT"
 for stage in "$@"; do
