@@ -3,7 +3,7 @@
 # writes its figures under $OUT (or ./bench_out/); run the stages you need:
 #
 #   bash bench/issue6.sh check      # CUDA-only tests (compiled helpers, Triton kernels, FP8 casts) ~40 s
-#   bash bench/issue6.sh kernels    # the cross entropy's loss/gradient pass: compiled variants vs Triton ~30 s
+#   bash bench/issue6.sh kernels    # CE loss/gradient pass and SwiGLU backward: compiled vs Triton    ~60 s
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed on llama-3b and the 300-step loss check   ~5 min
@@ -33,7 +33,7 @@ mkdir -p "$OUT"
 for stage in "$@"; do
   case "$stage" in
     check) python3 -m pytest tests/gpu -q -p no:cacheprovider ;;
-    kernels) python3 bench/bench_cross_entropy.py --iters 10 ;;
+    kernels) python3 bench/bench_cross_entropy.py --iters 10; python3 bench/bench_swiglu.py --iters 10 ;;
     speed) python3 bench/bench_gpt.py --configs gpt-1.3b,llama-3b --iters 20 --warmup 5 --baseline .baselines ;;
     mcore)
       python3 -m pip install -q --no-deps --target /tmp/mcore .whl/megatron_core-*-cp312-*.whl
