@@ -84,8 +84,7 @@ class _Bucket:
             self.view = torch.empty(self.numel, dtype=self.dtype, device=self.device)
             for p in self.params:
                 if id(p) not in self.aliased:
-                    start = self.offsets[id(p)]
-                    p.main_grad = self.view[start:start + p.numel()].view_as(p)  # type: ignore[attr-defined]
+                    p.main_grad = self._slice(p)  # type: ignore[attr-defined]
         return self.view
 
     def _to_storage(self, param: torch.Tensor) -> None:
