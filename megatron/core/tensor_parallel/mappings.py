@@ -46,15 +46,11 @@ def _check_divisible(x: torch.Tensor, n: int, dim: int) -> None:
         )
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum over the group into a new tensor (``x`` is left untouched)."""
     if group_size(group) == 1:
         return x
-    if _compiling():
+    if torch.compiler.is_compiling():
         return funcol.all_reduce(x.contiguous(), "sum", group)
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
@@ -67,7 +63,7 @@ def _gather(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tens
     if n == 1:
         return x
     x = x.contiguous()
-    if _compiling():
+    if torch.compiler.is_compiling():
         out = funcol.all_gather_tensor(x, 0, group)  # rank blocks stacked along dim 0
     else:
         out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -93,7 +89,7 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
         return x
     _check_divisible(x, n, 0)
     x = x.contiguous()
-    if _compiling():
+    if torch.compiler.is_compiling():
         return funcol.reduce_scatter_tensor(x, "sum", 0, group)
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, x, group=group)
