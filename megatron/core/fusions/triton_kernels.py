@@ -65,7 +65,18 @@ def available(t: torch.Tensor, kernel: str) -> bool:
 def _fallback(kernel: str, exc: Exception) -> None:
     _FAILED.add(kernel)
     warnings.warn(f"Triton kernel {kernel} failed ({type(exc).__name__}: {exc}); using the torch code instead",
-                  stacklevel=3)
+                  stacklevel=4)
+
+
+def _run(kernel: str, triton_fn, torch_fn, *args: torch.Tensor):
+    """``triton_fn(*args)`` where ``kernel`` is available for ``args[0]``, else (or after it fails,
+    which is said once) ``torch_fn(*args)``, which computes the same thing."""
+    if available(args[0], kernel):
+        try:
+            return triton_fn(*args)
+        except Exception as exc:  # noqa: BLE001 - a compiler/driver failure: fall back, say so once
+            _fallback(kernel, exc)
+    return torch_fn(*args)
 
 
 def _check_swiglu(device: torch.device) -> str:
@@ -171,12 +182,7 @@ def swiglu_backward_triton(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("megatron::swiglu_backward", mutates_args=())
 def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """d(silu(gate) * up) / d[gate; up] for the incoming ``grad`` of ``silu(gate) * up``."""
-    if available(x, "swiglu_backward"):
-        try:
-            return swiglu_backward_triton(grad, x)
-        except Exception as exc:  # noqa: BLE001 - a compiler/driver failure: fall back, say so once
-            _fallback("swiglu_backward", exc)
-    return _swiglu_backward_torch(grad, x)
+    return _run("swiglu_backward", swiglu_backward_triton, _swiglu_backward_torch, grad, x)
 
 
 @swiglu_backward.register_fake
@@ -213,9 +219,4 @@ def cross_entropy_grad_triton(logits: torch.Tensor, target: torch.Tensor, weight
 
 def cross_entropy_grad_(logits: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, fallback) -> torch.Tensor:
     """The Triton pass where it runs, else ``fallback(logits, target, weights)`` (same contract)."""
-    if available(logits, "cross_entropy_grad"):
-        try:
-            return cross_entropy_grad_triton(logits, target, weights)
-        except Exception as exc:  # noqa: BLE001 - a compiler/driver failure: fall back, say so once
-            _fallback("cross_entropy_grad", exc)
-    return fallback(logits, target, weights)
+    return _run("cross_entropy_grad", cross_entropy_grad_triton, fallback, logits, target, weights)
