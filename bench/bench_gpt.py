@@ -91,7 +91,8 @@ class GpuMonitor:
                 "power_w_median": statistics.median(w for _, w in busy), "gpu_samples": len(busy)}
 
 
-def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str, tag: str = "") -> list[dict]:
+def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str, tag: str = "") -> tuple[list[dict], dict]:
+    """(the per-step metric records, GPU clock/power summary) of one pretrain_gpt.py run."""
     metrics = os.path.join(workdir, f"{name}.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.join(ROOT, "pretrain_gpt.py"), *CONFIGS[name].split(), *COMMON.split(),
@@ -100,7 +101,6 @@ def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str, tag: s
     log = os.path.join(workdir, f"{name}.log")
     with open(log, "w") as f, GpuMonitor() as monitor:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    run_ours.gpu = monitor.summary()  # type: ignore[attr-defined]
     if rc != 0:
         print(open(log).read()[-5000:], flush=True)
         raise SystemExit(f"{name}: pretrain_gpt.py failed with exit code {rc}")
@@ -112,7 +112,7 @@ def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str, tag: s
     kernels = [] if start is None else lines[start:start + 8]
     print("\n".join(kernels), flush=True)
     with open(metrics) as f:
-        return [json.loads(line) for line in f if '"lm loss"' in line]
+        return [json.loads(line) for line in f if '"lm loss"' in line], monitor.summary()
 
 
 def summarise(name: str, records: list[dict], warmup: int, nproc: int, extra: str) -> dict:
@@ -173,9 +173,9 @@ def main() -> None:
         if args.breakdown:
             extra += (f" --profile --use-pytorch-profiler --profile-step-start {args.iters - 1} "
                       f"--profile-step-end {args.iters + 1} --profile-dir {prof_dir}")
-        records = run_ours(n, args.iters, args.nproc, extra, workdir, args.tag)
+        records, gpu = run_ours(n, args.iters, args.nproc, extra, workdir, args.tag)
         row = summarise(n, records[:-2] if args.breakdown else records, args.warmup, args.nproc, args.extra)
-        row.update(run_ours.gpu)  # type: ignore[attr-defined]
+        row.update(gpu)
         if args.breakdown:
             with open(os.path.join(prof_dir, "breakdown_rank0.json")) as f:
                 row["breakdown"] = json.load(f)
