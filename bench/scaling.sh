@@ -6,16 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The device tool brings back at most 8 files from $OUT: on exit (also after a failure), everything
-# written there is packed into $OUT/results.tgz.
-PACK_DIR="${OUT:-}"  # only a folder given from outside (the device tool's $OUT), not a local default
-pack_out() {
-  if [ -n "$PACK_DIR" ] && [ -d "$PACK_DIR" ]; then
-    (cd "$PACK_DIR" && files=$(ls -A | grep -v '^results.tgz$' || true) && [ -n "$files" ] && \
-      tar czf results.tgz $files && rm -f $files) || true
-  fi
-}
-trap pack_out EXIT
+source bench/pack_out.sh  # pack $OUT into results.tgz on exit
 N="${1:-8}"
 # A layout that fails (for example out of memory) is reported and the next one runs.
 B="try python3 bench/bench_gpt.py --iters 20 --warmup 5 --breakdown"  # + step-time breakdown (idle, exposed comm)
