@@ -21,11 +21,13 @@ cd "$(dirname "$0")/.."
 source bench/pack_out.sh  # pack $OUT into results.tgz on exit
 OUT="${OUT:-bench_out}"
 mkdir -p "$OUT"
-for stage in "$@"; do
+run_stage() {
+  local stage="$1"
   case "$stage" in
-    check) python3 -m pytest tests/gpu -q -p no:cacheprovider ;;
+    check) python3 -m pytest tests/gpu -q -p no:cacheprovider -rxXs ;;
     kernels) python3 bench/bench_cross_entropy.py --iters 10; python3 bench/bench_swiglu.py --iters 10 ;;
-    speed) python3 bench/bench_gpt.py --configs gpt-1.3b,llama-3b --iters 20 --warmup 5 --baseline .baselines ;;
+    speed) ANCHOR_PROFILE=1 python3 bench/bench_gpt.py --configs gpt-1.3b,llama-3b --iters 20 --warmup 5 \
+               --baseline .baselines --breakdown ;;
     mcore)
       python3 -m pip install -q --no-deps --target /tmp/mcore .whl/megatron_core-*-cp312-*.whl
       python3 bench/bench_megatron_core.py --mcore-site /tmp/mcore --configs gpt-1.3b,llama-3b --iters 10 ;;
@@ -50,6 +52,12 @@ for stage in "$@"; do
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, tp2, pipeline)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, tp2, pipeline)" >&2; return 2 ;;
   esac
+}
+# A failing stage (a failed GPU test, say) is reported and does not stop the stages after it.
+status=0
+for stage in "$@"; do
+  run_stage "$stage" || { rc=$?; echo "=== stage $stage failed (exit $rc)" >&2; status=1; }
 done
+exit $status
