@@ -9,7 +9,10 @@ corpus's 4096-token BPE) from the same seed on the same data order, once in bf16
 recipe, through pretrain_gpt.py on one GPU. Reports, per recipe, the largest relative difference of
 the 20-step moving-average loss from bf16's after the first 20 steps, the difference of the mean loss
 over the last 50 steps, and PASS when both are within ``--tolerance`` (1%). ``--model tiny`` and
-``--recipes ""`` check the script on a CPU (FP8 itself needs a Hopper GPU).
+``--recipes ""`` check the script on a CPU (FP8 itself needs a Hopper GPU). ``--bf16-repeat`` trains
+bf16 a second time, same seed and data, and compares it like a recipe: on a GPU the runs differ from
+the first step (cuDNN's attention backward is not deterministic), so that row is the noise floor
+of the comparison itself.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def main() -> None:
     ap.add_argument("--data", default=os.path.join(ROOT, "data", "prepared"),
                     help="folder written by examples/prepare_corpus.sh")
     ap.add_argument("--tolerance", type=float, default=0.01)
+    ap.add_argument("--bf16-repeat", action="store_true",
+                    help="train bf16 twice and report the repeat like a recipe (the run-to-run noise floor)")
     args = ap.parse_args()
     d = args.data
     data = (f"--data-path {d}/corpus_text_document --vocab-file {d}/vocab.json --merge-file {d}/merges.txt")
@@ -67,6 +72,8 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         curves = {"bf16": run_command(1, base, os.path.join(tmp, "bf16.jsonl"))}
+        if args.bf16_repeat:
+            curves["bf16-repeat"] = run_command(1, base, os.path.join(tmp, "bf16_repeat.jsonl"))
         for spec in filter(None, args.recipes.split(",")):
             fmt, recipe = spec.split(":")
             extra = f"{base} --fp8-format {fmt} --fp8-recipe {recipe}"

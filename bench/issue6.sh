@@ -24,7 +24,7 @@ mkdir -p "$OUT"
 run_stage() {
   local stage="$1"
   case "$stage" in
-    check) python3 -m pytest tests/gpu -q -p no:cacheprovider -rxXs ;;
+    check) python3 -m pytest tests/gpu -q -p no:cacheprovider -rxXs 2>&1 | tee "$OUT/check.log"; return "${PIPESTATUS[0]}" ;;
     kernels) python3 bench/bench_cross_entropy.py --iters 10; python3 bench/bench_swiglu.py --iters 10 ;;
     speed) ANCHOR_PROFILE=1 python3 bench/bench_gpt.py --configs gpt-1.3b,llama-3b --iters 20 --warmup 5 \
                --baseline .baselines --breakdown ;;
@@ -32,15 +32,15 @@ run_stage() {
       python3 -m pip install -q --no-deps --target /tmp/mcore .whl/megatron_core-*-cp312-*.whl
       python3 bench/bench_megatron_core.py --mcore-site /tmp/mcore --configs gpt-1.3b,llama-3b --iters 10 ;;
     fp8)
-      python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4 --tag _fp8 \
+      python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4 --tag _fp8 --breakdown \
           --extra="--fp8-format hybrid --fp8-recipe tensorwise"
       python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
       [ -d data/prepared ] || bash examples/prepare_corpus.sh
-      python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed ;;
+      python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed --bf16-repeat ;;
     tp2)
       # Compiled tp2 + SP layers against eager on NCCL (the harness uses NCCL with two GPUs): the
       # check for the CUDA-only defect that keeps --torch-compile on refused at tp > 1.
-      python3 -m pytest -q -p no:cacheprovider tests/distributed/test_compile.py || true
+      python3 -m pytest -q -p no:cacheprovider -rxXs tests/distributed/test_compile.py 2>&1 | tee "$OUT/test_compile_nccl.log" || true
       # One-GPU reference in the same job, so the scaling efficiencies compare like with like.
       python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --tag _1gpu
       B="python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --nproc 2"
