@@ -97,11 +97,18 @@ def model_args_for_check(cfg, padded_vocab_size: int) -> dict:
 class IntervalLog:
     """Collects per-step results (host numbers) between log lines, then prints one line. The time per
     iteration is the time between the device finishing the last step of the previous line and the
-    last step of this one, over the steps in between."""
+    last step of this one, over the steps in between.
+
+    On a GPU that time comes from the steps' CUDA events (the device's clock): the host runs ahead of
+    the device and can be held back inside a later step's launch (a full launch queue), so the host
+    time at which a step is read lags its end by a varying amount, which would shift time from one
+    step's figure to the next (the last step of a run looked twice as fast as it was)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.t0 = time.perf_counter()
+        self.event0 = None  # the CUDA event of the previous line's last step
+        self.event = None
         self._reset()
 
     def _reset(self) -> None:
@@ -110,12 +117,13 @@ class IntervalLog:
         self.num_zeros: float | None = None
 
     def record(self, losses: dict, success: bool, grad_norm, lr: float, loss_scale: float, done: float,
-               num_zeros: float | None = None) -> None:
+               num_zeros: float | None = None, event=None) -> None:
         """One step's results: ``losses`` {name: (sum, count)}, the learning rate and loss scale that
-        the step left behind, ``done`` (the ``perf_counter()`` time the step finished) and, with
-        ``--log-num-zeros-in-grad``, the number of zero gradient elements."""
+        the step left behind, ``done`` (the ``perf_counter()`` time the step was seen finished), with
+        ``--log-num-zeros-in-grad`` the number of zero gradient elements, and on a GPU the timing
+        event recorded at the step's end."""
         self.steps.append((losses, success))
-        self.lr, self.loss_scale, self.done = lr, loss_scale, done
+        self.lr, self.loss_scale, self.done, self.event = lr, loss_scale, done, event
         if grad_norm is not None:
             self.grad_norm = grad_norm
         if num_zeros is not None:
@@ -124,8 +132,11 @@ class IntervalLog:
     def flush(self) -> None:
         tr = self.trainer
         n = len(self.steps)
-        elapsed = (self.done - self.t0) / max(n, 1)
-        self.t0 = self.done
+        if self.event0 is not None and self.event is not None:
+            elapsed = self.event0.elapsed_time(self.event) / 1000.0 / max(n, 1)
+        else:  # the first line (from start-up, a host interval) or no device events (CPU)
+            elapsed = (self.done - self.t0) / max(n, 1)
+        self.t0, self.event0 = self.done, self.event
         sums: dict = {}
         skipped = nan = 0
         for losses, success in self.steps:
@@ -191,7 +202,7 @@ class InFlightStep:
         if device.type == "cuda":
             self.values = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
             self.values.copy_(vec, non_blocking=True)
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event(enable_timing=True)  # IntervalLog times steps by it
             self.event.record()
         else:
             self.values = vec

@@ -337,7 +337,7 @@ class Trainer:
                 self.state.consumed_train_samples += self.global_batch_size
                 self.state.num_floating_point_operations_so_far += self.flops_per_step
                 interval.record(losses, success, grad_norm, pending.lr, pending.loss_scale, pending.done,
-                                scalars["num_zeros"])
+                                scalars["num_zeros"], pending.event)
                 if self.state.iteration % lg.log_interval == 0 or self.state.iteration == 1:
                     interval.flush()
                 if self._evaluates_at(self.state.iteration):
