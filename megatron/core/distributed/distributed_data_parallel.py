@@ -174,6 +174,9 @@ class DistributedDataParallel(nn.Module):
                 tied = [module.shared_embedding_or_output_weight()]  # type: ignore[operator]
             self.param_owner = assign_owners(params, self.dp_size, pinned=tuple(t for t in tied if t is not None))
             self._owner_global_rank = [dist.get_global_rank(self.dp_group, r) for r in range(self.dp_size)]
+        # NCCL pre-multiplies by 1/DP inside the collective (the same fp32 multiply as a separate
+        # pass over the buffer, which on llama-3b's 12 GB of fp32 gradients costs ~7 ms per step).
+        self._premul = self.dp_size > 1 and dist.get_backend(self.dp_group) == "nccl"
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self._sync_enabled = True
 
@@ -217,22 +220,28 @@ class DistributedDataParallel(nn.Module):
         if len(bucket.ready) == len(bucket.params) and bucket.handle is None:
             self._start_reduce(bucket, async_op=True)
 
+    def _scaled_sum(self, view: torch.Tensor):
+        """The reduce op that sums ``view`` pre-scaled by 1/DP (scaling it here where NCCL cannot)."""
+        if self._premul:
+            return dist._make_nccl_premul_sum(1.0 / self.dp_size)
+        view.mul_(1.0 / self.dp_size)
+        return dist.ReduceOp.SUM
+
     def _start_reduce(self, bucket: _Bucket, async_op: bool) -> None:
         view = bucket.materialize()
         if self.param_owner is not None:
             # Distributed optimizer: only the owner needs the sum (a reduce moves half an all-reduce's data).
-            view.mul_(1.0 / self.dp_size)
+            op = self._scaled_sum(view)
             bucket.handle = [
                 dist.reduce(p.main_grad, dst=self._owner_global_rank[self.param_owner[id(p)]],  # type: ignore[attr-defined]
-                            group=self.dp_group, async_op=True)
+                            op=op, group=self.dp_group, async_op=True)
                 for p in bucket.params
             ]
             return
         if self.ddp_config.average_in_collective:
             bucket.handle = dist.all_reduce(view, op=dist.ReduceOp.AVG, group=self.dp_group, async_op=async_op)
         else:
-            view.mul_(1.0 / self.dp_size)
-            bucket.handle = dist.all_reduce(view, group=self.dp_group, async_op=async_op)
+            bucket.handle = dist.all_reduce(view, op=self._scaled_sum(view), group=self.dp_group, async_op=async_op)
 
     @contextlib.contextmanager
     def no_sync(self):
