@@ -40,9 +40,7 @@ class ModelImplConfig:
                                 choices=("local", "transformer_engine"))
     torch_compile: str = doc(
         "auto", "torch.compile each transformer layer (and the fused cross entropy's elementwise steps). "
-        "'auto': on CUDA with tensor-parallel size 1 (eager layers otherwise); 'on': the same, but an error at "
-        "tensor-parallel size > 1 (compiled layers under tensor parallelism did not train correctly on CUDA); "
-        "'off': eager everywhere. "
+        "'auto' and 'on': compiled on CUDA, at any tensor-parallel size; 'off': eager everywhere. "
         "Has no effect on CPU. Compilation adds about a minute at start-up.",
         choices=("auto", "on", "off"))
 

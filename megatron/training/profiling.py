@@ -15,14 +15,16 @@ import os
 
 import torch
 
-# First match wins; names are lower-cased kernel names.
+# First match wins; names are lower-cased kernel names. Triton kernels (Inductor's ``triton_*`` and
+# this package's own) come before matmul: Inductor names a kernel after the ops it fuses, so the FP8
+# quantisation kernels feeding a scaled GEMM are called ``triton_..._scaled_mm_...``.
 CATEGORIES = (
     ("communication", ("nccl",)),
     ("attention", ("fmha", "flash", "cudnn", "attn", "sdpa")),
+    ("elementwise (triton)", ("triton", "_swiglu_bwd_kernel", "_ce_grad_kernel")),
     ("optimizer", ("adam", "sgd", "multi_tensor", "foreach", "clip")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "cublas", "matmul")),
     ("copies", ("memcpy", "memset", "copy_kernel")),
-    ("elementwise (triton)", ("triton",)),
     ("elementwise (aten)", ("elementwise", "vectorized", "reduce", "softmax", "norm", "index", "embedding")),
 )
 

@@ -113,9 +113,6 @@ class Trainer:
             reason = "CPU run"
         elif mode == "off":
             reason = "--torch-compile off"
-        elif mode == "auto" and self.pg.tp_size > 1:
-            reason = ("tensor-parallel size > 1: compiled layers under tensor parallelism did not train "
-                      "correctly on CUDA, so they stay eager")
         else:
             reason = ""
         # Before compiling, so that the FP8 GEMMs are inside the layers' graphs; raises on a non-Hopper device.

@@ -118,15 +118,6 @@ def check_implementation(cfg) -> None:
             "--transformer-impl transformer_engine is not supported by this build; use --transformer-impl local "
             "(the default)"
         )
-    tp = cfg.model.tensor_model_parallel_size
-    if cfg.impl.torch_compile == "on" and tp > 1:
-        # Measured on two H200s: the compiled layers ran, but the loss of llama-3b under tp2 + SP stayed at
-        # its initial value while the eager layers trained (CPU tests of the same code pass). Not shipped.
-        raise ValueError(
-            f"--torch-compile on with --tensor-model-parallel-size {tp} is not supported: compiled layers under "
-            "tensor parallelism did not train correctly on CUDA; use --torch-compile auto (eager layers when "
-            "tensor-parallel size > 1) or --tensor-model-parallel-size 1"
-        )
 
 
 def check_fp8(cfg) -> None:

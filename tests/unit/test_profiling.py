@@ -20,6 +20,10 @@ def test_categories():
     assert categorize("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
     assert categorize("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "communication"
     assert categorize("triton_poi_fused_add_copy_div_lerp_mul_pow_sqrt_0") == "elementwise (triton)"
+    # Inductor's FP8 quantisation kernels carry the GEMM's name; they are not GEMMs.
+    assert categorize("triton_poi_fused__scaled_mm__to_copy_abs_clamp_mul_7") == "elementwise (triton)"
+    assert categorize("_swiglu_bwd_kernel") == "elementwise (triton)"
+    assert categorize("nvjet_sm90_qrtst_128x128_128x6_2x1_v_bz_coopA_algo2_TNT") == "matmul"
 
 
 def test_exposed_communication_is_comm_time_without_compute():

@@ -11,8 +11,8 @@ all-reduce there would corrupt another branch's gradient.
 Inside ``torch.compile`` the collectives are the functional ones (``_functional_collectives``),
 which return new tensors and which the compiler orders with their waits itself; eager code uses the
 c10d calls writing into preallocated outputs. Dynamo's rewriting of in-place c10d collectives into
-functional ones has produced wrong results on CUDA (pytorch/pytorch#159350), and our compiled tp2
-layers did not train on two H200s with the in-place form.
+functional ones has produced wrong results on CUDA (pytorch/pytorch#159350): our compiled tp2
+layers did not train on two H200s with the in-place form, and do with the functional one.
 """
 
 from __future__ import annotations
