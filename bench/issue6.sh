@@ -7,7 +7,7 @@
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed on llama-3b and the 300-step loss check   ~5 min
-#   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, tp2+SP, dp2, dp2 + distributed optimizer ~5 min
+#   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, tp2+SP, dp2, dp2 + distributed optimizer (+ overlapped param gather) ~6 min
 #   bash bench/issue6.sh pipeline   # 2 GPUs: interleaved bubble with/without p2p overlap; dist-opt loss match
 #
 # Device calls carry the git-ignored inputs: carry [".baselines", ".whl", "data/prepared"]. .whl/ holds
@@ -46,7 +46,9 @@ run_stage() {
       B="python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --nproc 2"
       $B --tag _tp2 --extra="--tensor-model-parallel-size 2 --sequence-parallel"
       $B --tag _dp2 --extra="--overlap-grad-reduce"
-      $B --tag _dp2_distopt --extra="--overlap-grad-reduce --use-distributed-optimizer" ;;
+      $B --tag _dp2_distopt --extra="--overlap-grad-reduce --use-distributed-optimizer"
+      $B --tag _dp2_distopt_opg --breakdown \
+          --extra="--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather" ;;
     pipeline)
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 1,2,4
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \

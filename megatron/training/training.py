@@ -164,6 +164,7 @@ class Trainer:
 
     def save(self) -> None:
         ck = self.cfg.checkpoint
+        self.optimizer.finish_param_sync()  # every replica's weights are this step's
         extra = dataclasses.asdict(self.state)
         # ``args``: the shape-defining flags at the top (what a later --load checks), the full config below.
         checks = model_args_for_check(self.cfg, self.padded_vocab_size)

@@ -89,6 +89,10 @@ def check_optimizer(cfg) -> None:
         raise ValueError(f"--min-lr {o.min_lr} is larger than --lr {o.lr}; use a value <= {o.lr}")
     if o.loss_scale is not None and not cfg.model.fp16:
         raise ValueError("--loss-scale only applies with --fp16; drop it (bf16 and fp32 need no loss scaling)")
+    d = cfg.ddp
+    if d.overlap_param_gather and not (d.use_distributed_optimizer and d.overlap_grad_reduce):
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce; "
+                         "add both or drop --overlap-param-gather")
 
 
 def check_data_and_tokenizer(cfg) -> None:

@@ -207,3 +207,46 @@ def test_second_micro_batch_moves_aliased_gradient_into_fp32_buffer() -> None:
         assert torch.equal(g, r)
     for p, r in zip(params, ref_params):
         assert torch.equal(p, r)
+
+
+def _distopt_run(ps: ParallelState, overlap: bool, steps: int = 3) -> tuple[list[float], torch.Tensor, list[int]]:
+    """``steps`` steps of the distributed optimizer; (losses, final weights, broadcasts still in flight
+    right after each step)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                               overlap_param_gather=overlap, bucket_size=3000)
+    model = DistributedDataParallel(_model(ps).config, ddp_config, _model(ps), ps)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
+    losses, in_flight = [], []
+    for step in range(steps):
+        ids = _batches(ps.dp_rank, ps.dp_size)[step % MICRO]
+        model.zero_grad_buffer()
+        loss = model(ids, None, None, labels=ids).mean()
+        if overlap and step > 0:
+            assert not opt.param_sync.pending, "the forward pass waits for every weight it uses"
+        loss.backward()
+        finalize_model_grads([model])
+        assert opt.step()[0]
+        in_flight.append(len(opt.param_sync.pending))
+        losses.append(loss.item())
+    opt.finish_param_sync()
+    return losses, torch.cat([p.detach().reshape(-1) for p in model.module.parameters()]), in_flight
+
+
+@distributed_test(world_size=2)
+def test_overlapped_param_broadcast_matches_waiting_at_the_step(ps: ParallelState) -> None:
+    """--overlap-param-gather: the step returns with the weight broadcasts in flight, the next forward
+    waits for each layer's own, and the run is bit-identical to waiting at the step."""
+    import torch.distributed as dist
+
+    losses, weights, in_flight = _distopt_run(ps, overlap=False)
+    o_losses, o_weights, o_in_flight = _distopt_run(ps, overlap=True)
+    assert in_flight == [0, 0, 0]
+    n_params = len(list(_model(ps).parameters()))
+    assert o_in_flight == [n_params] * 3
+    assert o_losses == losses
+    assert torch.equal(o_weights, weights)
+    gathered = [torch.empty_like(o_weights) for _ in range(2)]
+    dist.all_gather(gathered, o_weights)
+    assert torch.equal(gathered[0], gathered[1])

@@ -133,3 +133,11 @@ def test_gradients_are_aliased_only_for_the_optimizer_that_reads_them_in_place()
     assert parse_args(BASE).ddp.alias_single_gradients is True
     assert parse_args(BASE + ["--fp16"]).ddp.alias_single_gradients is False
     assert parse_args(BASE + ["--optimizer", "sgd"]).ddp.alias_single_gradients is False
+
+
+def test_overlap_param_gather_needs_the_distributed_optimizer_and_overlapped_reduction(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--overlap-param-gather needs --use-distributed-optimizer"):
+        parse_args(BASE + ["--overlap-param-gather", "--use-distributed-optimizer"])
+    cfg = parse_args(BASE + "--overlap-param-gather --use-distributed-optimizer --overlap-grad-reduce".split())
+    assert cfg.ddp.overlap_param_gather

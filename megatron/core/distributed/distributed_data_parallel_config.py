@@ -17,6 +17,10 @@ class DistributedDataParallelConfig:
         False, "Shard the optimizer across data-parallel ranks (ZeRO-1): each parameter's fp32 main copy and Adam "
                "moments live on one rank, which receives its reduced gradient, updates it and broadcasts the "
                "new weights. Optimizer memory per GPU drops about DP-fold; checkpoints keep the same layout.")
+    overlap_param_gather: bool = doc(
+        False, "With --use-distributed-optimizer: the broadcasts of the updated weights run during the next "
+               "forward pass instead of after the step; each layer waits only for its own weights. Needs "
+               "--overlap-grad-reduce.")
     bucket_size: int | None = doc(None, "Gradient bucket size in elements (buckets are also the unit in which gradient "
                                         "memory is allocated during backward); default max(40M, 1M x DP).",
                                   flag="--ddp-bucket-size")

@@ -47,15 +47,56 @@ def assign_owners(params: list[nn.Parameter], dp_size: int, pinned: tuple = ()) 
 
 class ParamBroadcast:
     """After an optimizer step: every parameter's new value from its owner to the other data-parallel
-    replicas (asynchronous broadcasts, then one wait)."""
+    replicas (asynchronous broadcasts, in the order the forward pass uses the parameters).
 
-    def __init__(self, params: list[nn.Parameter], owners: dict[int, int], dp_group):
-        self.params, self.owners, self.dp_group = params, owners, dp_group
+    Without ``overlap`` the step waits for all of them. With ``overlap`` (``--overlap-param-gather``)
+    nothing waits at the step: :meth:`attach` makes each transformer layer (just before it runs) and
+    every other module holding parameters (a forward pre-hook) wait for its own parameters only, so
+    the broadcasts run beside the next forward pass. On NCCL a wait orders the compute stream after
+    the broadcast; the host does not block. Whatever reads the parameters outside a forward pass
+    (checkpoint saving, the next optimizer step) calls :meth:`wait_all` first.
+    """
+
+    def __init__(self, params: list[nn.Parameter], owners: dict[int, int], dp_group, overlap: bool = False):
+        self.params, self.owners, self.dp_group, self.overlap = params, owners, dp_group, overlap
         self.src = {r: dist.get_global_rank(dp_group, r) for r in set(owners.values())}
+        self.pending: dict[int, object] = {}  # id(param) -> its broadcast's work handle
 
     @torch.no_grad()
     def __call__(self) -> None:
-        handles = [dist.broadcast(p.data, src=self.src[self.owners[id(p)]], group=self.dp_group, async_op=True)
-                   for p in self.params]
-        for handle in handles:
-            handle.wait()
+        self.wait_all()
+        for p in self.params:
+            self.pending[id(p)] = dist.broadcast(p.data, src=self.src[self.owners[id(p)]], group=self.dp_group,
+                                                 async_op=True)
+        if not self.overlap:
+            self.wait_all()
+
+    def wait_for(self, params) -> None:
+        """Wait for the broadcasts of ``params`` still in flight (none: nothing to do)."""
+        if not self.pending:
+            return
+        for p in params:
+            handle = self.pending.pop(id(p), None)
+            if handle is not None:
+                handle.wait()  # type: ignore[attr-defined]
+
+    def wait_all(self) -> None:
+        for handle in self.pending.values():
+            handle.wait()  # type: ignore[attr-defined]
+        self.pending.clear()
+
+    def attach(self, chunks: list[nn.Module]) -> None:
+        """Wait points for ``overlap``: each layer of a block with ``before_layer`` (the compiled unit,
+        so no hook runs inside a compiled graph) and every other module with parameters of its own."""
+        inside: set[int] = set()
+        for chunk in chunks:
+            for module in chunk.modules():
+                hooks: list | None = getattr(module, "before_layer", None)
+                if hooks is not None:
+                    hooks.append(lambda layer: self.wait_for(layer.parameters()))
+                    layers: nn.Module = module.layers  # type: ignore[assignment]
+                    inside.update(id(m) for layer in layers.children() for m in layer.modules())
+        for chunk in chunks:
+            for module in chunk.modules():
+                if id(module) not in inside and any(True for _ in module.parameters(recurse=False)):
+                    module.register_forward_pre_hook(lambda m, args: self.wait_for(m.parameters(recurse=False)))

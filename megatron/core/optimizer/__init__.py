@@ -130,7 +130,14 @@ def get_megatron_optimizer(
     # grad statistics then sum over every rank (each owned param counted once, on its owner).
     ddp = model_chunks[0]
     dp_rank, dp_group = ddp.pg.dp_rank, ddp.dp_group  # type: ignore[union-attr]
-    every = [p for g in groups for p in g["params"]]
+    # Broadcast in the order the forward pass uses the params (registration order), so that with
+    # --overlap-param-gather the first layers' weights arrive first.
+    in_groups = {id(p) for g in groups for p in g["params"]}
+    every = [p for chunk in model_chunks for p in chunk.parameters() if id(p) in in_groups]
+    every = list({id(p): p for p in every}.values())  # a tied weight once
     owned = [dict(g, params=[p for p in g["params"] if owners[id(p)] == dp_rank]) for g in groups]
-    sync = ParamBroadcast(every, owners, dp_group)
+    overlap = bool(getattr(getattr(ddp, "ddp_config", None), "overlap_param_gather", False))
+    sync = ParamBroadcast(every, owners, dp_group, overlap=overlap)
+    if overlap:
+        sync.attach(model_chunks)
     return MegatronOptimizer(config, owned, _make_grad_scaler(config), dist.group.WORLD, tp_rank, param_sync=sync)

@@ -74,7 +74,8 @@ class MegatronOptimizer:
             reduction, i.e. this rank's grads cover the whole model (single process or pure DP).
         tp_rank: this rank's tensor-parallel rank, for :func:`param_is_not_duplicate`.
         param_sync: called after every successful step (the distributed optimizer's broadcast of
-            the updated params from their owners); ``param_groups`` then hold only owned params.
+            the updated params from their owners); ``param_groups`` then hold only owned params. If
+            it has ``wait_all`` (an overlapped broadcast), :meth:`finish_param_sync` calls it.
 
     ``param_groups`` (the inner optimizer's groups, holding main params) carry ``lr`` and
     ``weight_decay``, which :class:`OptimizerParamScheduler` sets.
@@ -172,6 +173,7 @@ class MegatronOptimizer:
             the result is ``(False, None, None)``. ``grad_norm`` is the global pre-clip L2 norm over
             non-duplicate grads; ``num_zeros`` is None unless ``config.log_num_zeros_in_grad``.
         """
+        self.finish_param_sync()  # no broadcast of the last step may still read or write a param
         # Low-precision gradients (DDP's aliased single gradients) stay as they are for the
         # one-pass AdamW and the norms, which compute in fp32: no widened copy.
         keep = self._one_pass_adamw and self.grad_scaler is None
@@ -207,6 +209,13 @@ class MegatronOptimizer:
             return True, grad_norm, num_zeros
         values = stats.tolist()
         return True, math.sqrt(values[1]), int(values[2]) if num_zeros is not None else None
+
+    def finish_param_sync(self) -> None:
+        """Wait for the last step's weight broadcasts still in flight (``--overlap-param-gather``):
+        call before reading the model's parameters outside a forward pass (saving a checkpoint)."""
+        wait_all = getattr(self.param_sync, "wait_all", None)
+        if wait_all is not None:
+            wait_all()
 
     def _clip_divisor(self, grad_norm: torch.Tensor) -> torch.Tensor | None:
         """``max(1, (‖g‖ + 1e-6) / clip_grad)`` as a 0-dim fp32 device tensor; None when clipping is off."""

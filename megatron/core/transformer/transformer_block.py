@@ -32,10 +32,15 @@ class TransformerBlock(nn.Module):
         self.final_layernorm = (
             build_norm(config, config.hidden_size, sequence_parallel=sequence_parallel) if post_layer_norm else None
         )
+        # Called with each layer just before it runs, outside the layer (so outside a compiled layer's
+        # graph): the distributed optimizer's overlapped weight broadcast waits here.
+        self.before_layer: list = []
 
     def _run(self, start: int, end: int):
         def run_layers(hidden, attention_mask, rotary):
             for layer in self.layers[start:end]:
+                for fn in self.before_layer:
+                    fn(layer)
                 hidden = layer(hidden, attention_mask, rotary)
             return hidden
 
