@@ -6,7 +6,7 @@
 #   bash bench/issue6.sh kernels    # CE loss/gradient pass and SwiGLU backward: compiled vs Triton    ~60 s
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
-#   bash bench/issue6.sh fp8        # FP8 speed on llama-3b and the 300-step loss check   ~5 min
+#   bash bench/issue6.sh fp8        # FP8 speed (tensorwise, delayed) on llama-3b, the 300-step loss check ~8 min
 #   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, tp2+SP, dp2, dp2 + distributed optimizer (+ overlapped param gather) ~6 min
 #   bash bench/issue6.sh pipeline   # 2 GPUs: interleaved bubble with/without p2p overlap; dist-opt loss match
 #
@@ -34,9 +34,11 @@ run_stage() {
     fp8)
       python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4 --tag _fp8 --breakdown \
           --extra="--fp8-format hybrid --fp8-recipe tensorwise"
+      python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4 --tag _fp8_delayed \
+          --extra="--fp8-format hybrid --fp8-recipe delayed"
       python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
       [ -d data/prepared ] || bash examples/prepare_corpus.sh
-      python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed --bf16-repeat ;;
+      python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed --bf16-repeat --global-batch-size 32 ;;
     tp2)
       # Compiled tp2 + SP layers against eager on NCCL (the harness uses NCCL with two GPUs): the
       # check for the CUDA-only defect that keeps --torch-compile on refused at tp > 1.

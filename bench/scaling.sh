@@ -18,6 +18,10 @@ for cfg in llama-3b llama3-8b; do
   $B --configs "$cfg" --nproc "$N" --extra="--overlap-grad-reduce"                                        # dpN
   # Llama-3-8B under pure DP needs ~144 GB per GPU with a replicated optimizer: shard it.
   [ "$cfg" = llama3-8b ] && $B --configs "$cfg" --nproc "$N" --tag _distopt --extra="--overlap-grad-reduce --use-distributed-optimizer"
+  [ "$cfg" = llama3-8b ] && $B --configs "$cfg" --nproc "$N" --tag _distopt_opg \
+      --extra="--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather"
+  [ "$cfg" = llama3-8b ] && $B --configs "$cfg" --nproc "$N" --tag _tp2_distopt_opg \
+      --extra="--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather"
   $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"
   $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 4 --sequence-parallel --overlap-grad-reduce"
   [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 8 --sequence-parallel"
