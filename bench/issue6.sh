@@ -42,7 +42,9 @@ run_stage() {
     tp2)
       # Compiled tp2 + SP layers against eager on NCCL (the harness uses NCCL with two GPUs): the
       # check for the CUDA-only defect that keeps --torch-compile on refused at tp > 1.
-      python3 -m pytest -q -p no:cacheprovider -rxXs tests/distributed/test_compile.py 2>&1 | tee "$OUT/test_compile_nccl.log" || true
+      # And the DDP / distributed-optimizer tests (overlapped reduction and parameter gather) on NCCL.
+      python3 -m pytest -q -p no:cacheprovider -rxXs tests/distributed/test_compile.py tests/distributed/test_ddp.py \
+          2>&1 | tee "$OUT/test_nccl.log" || true
       # One-GPU reference in the same job, so the scaling efficiencies compare like with like.
       python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --tag _1gpu
       B="python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --nproc 2"
