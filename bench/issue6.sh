@@ -3,7 +3,7 @@
 # writes its figures under $OUT (or ./bench_out/); run the stages you need:
 #
 #   bash bench/issue6.sh check      # CUDA-only tests (compiled helpers, Triton kernels, FP8 casts) ~40 s
-#   bash bench/issue6.sh kernels    # CE loss/gradient pass and SwiGLU backward: compiled vs Triton    ~60 s
+#   bash bench/issue6.sh kernels    # CE pass, SwiGLU backward (compiled vs Triton); Liger-Kernel vs ours ~2 min
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed (tensorwise, delayed) on llama-3b, the 300-step loss check ~8 min
@@ -15,6 +15,7 @@
 #   pip download megatron-core==0.16.1 --no-deps --python-version 3.12 --only-binary=:all: \
 #       --platform manylinux_2_28_x86_64 -d .whl
 #   pip download tokenizers --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 -d .whl
+#   pip download liger-kernel==0.8.5 --no-deps -d .whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,7 +26,11 @@ run_stage() {
   local stage="$1"
   case "$stage" in
     check) python3 -m pytest tests/gpu -q -p no:cacheprovider -rxXs 2>&1 | tee "$OUT/check.log"; return "${PIPESTATUS[0]}" ;;
-    kernels) python3 bench/bench_cross_entropy.py --iters 10; python3 bench/bench_swiglu.py --iters 10 ;;
+    kernels)
+      python3 bench/bench_cross_entropy.py --iters 10; python3 bench/bench_swiglu.py --iters 10
+      # Liger-Kernel's norm / RoPE / SwiGLU / fused linear CE kernels against ours (choose by measurement).
+      python3 -c "import liger_kernel" 2>/dev/null || python3 -m pip install -q --no-deps .whl/liger_kernel-*.whl
+      python3 bench/bench_liger.py --iters 20 ;;
     speed) ANCHOR_PROFILE=1 python3 bench/bench_gpt.py --configs gpt-1.3b,llama-3b --iters 20 --warmup 5 \
                --baseline .baselines --breakdown ;;
     mcore)
