@@ -8,6 +8,7 @@
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed (tensorwise, delayed) on llama-3b, the 300-step loss check ~8 min
 #   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, tp2+SP, dp2, dp2 + distributed optimizer (+ overlapped param gather) ~6 min
+#   bash bench/issue6.sh dp2tune    # 2 GPUs: dp2 with fewer NCCL channels, other bucket sizes           ~6 min
 #   bash bench/issue6.sh pipeline   # 2 GPUs: interleaved bubble with/without p2p overlap; dist-opt loss match
 #
 # Device calls carry the git-ignored inputs: carry [".baselines", ".whl", "data/prepared"]. .whl/ holds
@@ -58,12 +59,21 @@ run_stage() {
       $B --tag _dp2_distopt --extra="--overlap-grad-reduce --use-distributed-optimizer"
       $B --tag _dp2_distopt_opg --breakdown \
           --extra="--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather" ;;
+    dp2tune)
+      # What slows dp2's GEMMs (NCCL's kernels take SMs beside them) and what stays exposed: fewer NCCL
+      # channels, larger / smaller buckets; each against a one-GPU run of the same job.
+      B="python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4"
+      $B --tag _1gpu
+      NCCL_MAX_NCHANNELS=8 $B --nproc 2 --tag _dp2_nch8 --extra="--overlap-grad-reduce"
+      NCCL_MAX_NCHANNELS=16 $B --nproc 2 --tag _dp2_nch16 --extra="--overlap-grad-reduce"
+      $B --nproc 2 --tag _dp2_b100m --extra="--overlap-grad-reduce --ddp-bucket-size 100000000"
+      $B --nproc 2 --tag _dp2_b20m --extra="--overlap-grad-reduce --ddp-bucket-size 20000000" ;;
     pipeline)
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 1,2,4
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, tp2, pipeline)" >&2; return 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, tp2, dp2tune, pipeline)" >&2; return 2 ;;
   esac
 }
 # A failing stage (a failed GPU test, say) is reported and does not stop the stages after it.
