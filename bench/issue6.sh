@@ -8,6 +8,7 @@
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed (tensorwise, delayed) on llama-3b, the 300-step loss check ~8 min
 #   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, tp2+SP, dp2, dp2 + distributed optimizer (+ overlapped param gather) ~6 min
+#   bash bench/issue6.sh inductor   # Inductor's coordinate-descent tuning and max-autotune on our runs   ~6 min
 #   bash bench/issue6.sh dp2tune    # 2 GPUs: dp2 with fewer NCCL channels, other bucket sizes           ~6 min
 #   bash bench/issue6.sh pipeline   # 2 GPUs: interleaved bubble with/without p2p overlap; dist-opt loss match
 #
@@ -59,6 +60,12 @@ run_stage() {
       $B --tag _dp2_distopt --extra="--overlap-grad-reduce --use-distributed-optimizer"
       $B --tag _dp2_distopt_opg --breakdown \
           --extra="--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather" ;;
+    inductor)
+      # Inductor's own tuning on the compiled layers and optimizer: block sizes of the Triton kernels
+      # (coordinate descent), then Triton GEMM templates benchmarked against cuBLAS (max-autotune).
+      B="python3 bench/bench_gpt.py --configs gpt-1.3b,llama-3b --iters 14 --warmup 4"
+      TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 $B --tag _cdt
+      TORCHINDUCTOR_MAX_AUTOTUNE=1 TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=1 $B --tag _maxautotune ;;
     dp2tune)
       # What slows dp2's GEMMs (NCCL's kernels take SMs beside them) and what stays exposed: fewer NCCL
       # channels, larger / smaller buckets; each against a one-GPU run of the same job.
@@ -73,7 +80,7 @@ run_stage() {
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, tp2, dp2tune, pipeline)" >&2; return 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
   esac
 }
 # A failing stage (a failed GPU test, say) is reported and does not stop the stages after it.
