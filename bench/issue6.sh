@@ -9,7 +9,7 @@
 #   bash bench/issue6.sh fp8        # FP8 speed (tensorwise, delayed) on llama-3b, the 300-step loss check ~8 min
 #   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, tp2+SP, dp2, dp2 + distributed optimizer (+ overlapped param gather) ~6 min
 #   bash bench/issue6.sh inductor   # Inductor's coordinate-descent tuning and max-autotune on our runs   ~6 min
-#   bash bench/issue6.sh dp2tune    # 2 GPUs: dp2 with fewer NCCL channels, other bucket sizes           ~6 min
+#   bash bench/issue6.sh dp2tune    # 2 GPUs: dp2 with fewer NCCL channels, other bucket sizes, bf16 reduction ~7 min
 #   bash bench/issue6.sh pipeline   # 2 GPUs: interleaved bubble with/without p2p overlap; dist-opt loss match
 #
 # Device calls carry the git-ignored inputs: carry [".baselines", ".whl", "data/prepared"]. .whl/ holds
@@ -74,7 +74,8 @@ run_stage() {
       NCCL_MAX_NCHANNELS=8 $B --nproc 2 --tag _dp2_nch8 --extra="--overlap-grad-reduce"
       NCCL_MAX_NCHANNELS=16 $B --nproc 2 --tag _dp2_nch16 --extra="--overlap-grad-reduce"
       $B --nproc 2 --tag _dp2_b100m --extra="--overlap-grad-reduce --ddp-bucket-size 100000000"
-      $B --nproc 2 --tag _dp2_b20m --extra="--overlap-grad-reduce --ddp-bucket-size 20000000" ;;
+      $B --nproc 2 --tag _dp2_b20m --extra="--overlap-grad-reduce --ddp-bucket-size 20000000"
+      $B --nproc 2 --tag _dp2_bf16 --breakdown --extra="--overlap-grad-reduce --grad-reduce-in-bf16" ;;
     pipeline)
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 1,2,4
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \

@@ -100,6 +100,10 @@ ALIASES: dict[str, tuple[str, dict]] = {
     "--group-query-attention": (
         "model", dict(action="store_true", help="Grouped-query attention with --num-query-groups groups.")),
     "--recompute-activations": ("model", dict(action="store_true", help="Same as --recompute-granularity selective.")),
+    "--grad-reduce-in-bf16": ("data-parallel", dict(
+        action="store_true", help="With --bf16: keep the main gradients in bf16 and reduce them across data-parallel "
+                                  "ranks in bf16 (half the communication and gradient memory; accumulation over "
+                                  "micro-batches also in bf16). Default: fp32.")),
 }
 
 
@@ -198,6 +202,11 @@ def _apply_aliases(ns: dict) -> None:
         ns["share_embeddings_and_output_weights"] = False
     if ns.pop("recompute_activations", False):
         ns.setdefault("recompute_granularity", "selective")
+    if ns.pop("grad_reduce_in_bf16", False):
+        if not ns.get("bf16"):
+            raise ValueError("--grad-reduce-in-bf16 needs --bf16 (the gradients are in the parameters' dtype); "
+                             "add --bf16 or drop --grad-reduce-in-bf16")
+        ns["grad_reduce_in_fp32"] = False
     gqa = ns.pop("group_query_attention", False)
     if not gqa and ns.get("num_query_groups") is not None:
         raise ValueError("--num-query-groups only takes effect with --group-query-attention; add that flag")

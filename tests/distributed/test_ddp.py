@@ -250,3 +250,35 @@ def test_overlapped_param_broadcast_matches_waiting_at_the_step(ps: ParallelStat
     gathered = [torch.empty_like(o_weights) for _ in range(2)]
     dist.all_gather(gathered, o_weights)
     assert torch.equal(gathered[0], gathered[1])
+
+
+@distributed_test(world_size=2)
+def test_bf16_gradient_reduction_keeps_bf16_buckets_and_matches_fp32_reduction(ps: ParallelState) -> None:
+    """--grad-reduce-in-bf16: main grads live and are reduced in bf16 (half the bytes); they equal the
+    fp32-reduced gradients up to bf16 rounding, and every replica steps to the same weights."""
+    import torch.distributed as dist
+
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    def run(fp32: bool):
+        module = _bf16_model(ps)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=fp32, overlap_grad_reduce=True, bucket_size=3000)
+        model = DistributedDataParallel(module.config, ddp_config, module, ps)
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True), [model])
+        ids = _batches(ps.dp_rank, ps.dp_size)[0]
+        model.zero_grad_buffer()
+        model(ids, None, None, labels=ids).float().mean().backward()
+        finalize_model_grads([model])
+        dtypes = {b.dtype for b in model.buckets}
+        grads = [p.main_grad.float().clone() for p in module.parameters()]
+        assert opt.step()[0]
+        return dtypes, grads, torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
+
+    dtypes16, grads16, weights16 = run(fp32=False)
+    dtypes32, grads32, _ = run(fp32=True)
+    assert dtypes16 == {torch.bfloat16} and dtypes32 == {torch.float32}
+    for g16, g32 in zip(grads16, grads32):
+        assert_close(g16, g32, rtol=2e-2, atol=1e-5)
+    gathered = [torch.empty_like(weights16) for _ in range(2)]
+    dist.all_gather(gathered, weights16)
+    assert torch.equal(gathered[0], gathered[1])

@@ -141,3 +141,10 @@ def test_overlap_param_gather_needs_the_distributed_optimizer_and_overlapped_red
         parse_args(BASE + ["--overlap-param-gather", "--use-distributed-optimizer"])
     cfg = parse_args(BASE + "--overlap-param-gather --use-distributed-optimizer --overlap-grad-reduce".split())
     assert cfg.ddp.overlap_param_gather
+
+
+def test_grad_reduce_in_bf16_needs_bf16():
+    with pytest.raises(ValueError, match="--grad-reduce-in-bf16 needs --bf16"):
+        parse_args(BASE + ["--grad-reduce-in-bf16"])
+    assert parse_args(BASE + ["--bf16", "--grad-reduce-in-bf16"]).ddp.grad_reduce_in_fp32 is False
+    assert parse_args(BASE + ["--bf16"]).ddp.grad_reduce_in_fp32 is True
