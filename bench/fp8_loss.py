@@ -8,8 +8,9 @@ Trains the same Llama-style model (12 layers, hidden 1024, GQA, SwiGLU, RoPE; vo
 corpus's 4096-token BPE) from the same seed on the same data order, once in bf16 and once per FP8
 recipe, through pretrain_gpt.py on one GPU. Reports, per recipe, the largest relative difference of
 the 20-step moving-average loss from bf16's after the first 20 steps, the difference of the mean loss
-over the last 50 steps, and PASS when both are within ``--tolerance`` (1%). ``--model tiny`` and
-``--recipes ""`` check the script on a CPU (FP8 itself needs a Hopper GPU). ``--bf16-repeat`` trains
+over the last 50 steps, PASS when both are within ``--tolerance`` (1%), and its tokens/s against
+bf16's (median after the first 10 steps; a small model's GEMMs say little about FP8 at scale: use
+bench_gpt.py for speed). ``--model tiny`` and ``--recipes ""`` check the script on a CPU (FP8 itself needs a Hopper GPU). ``--bf16-repeat`` trains
 bf16 a second time, same seed and data, and compares it like a recipe: on a GPU the runs differ from
 the first step (cuDNN's attention backward is not deterministic), so that row is the noise floor
 of the comparison itself.
@@ -53,6 +54,14 @@ def compare(ref: dict[int, float], other: dict[int, float], window: int = 20, ta
             "bf16_last_mean": last_a, "last_mean": last_b}
 
 
+def tokens_per_s(metrics: str, skip: int = 10) -> float | None:
+    """Median tokens/s per GPU of a run's metrics file over the steps after the first ``skip``
+    (compilation and warm-up); None when the run was too short."""
+    with open(metrics) as f:
+        rates = [r["tokens-per-sec-per-gpu"] for r in map(json.loads, f) if "tokens-per-sec-per-gpu" in r]
+    return statistics.median(rates[skip:]) if len(rates) > skip else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=300)
@@ -75,28 +84,34 @@ def main() -> None:
         base += f" --global-batch-size {args.global_batch_size}"  # the last occurrence wins
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
     os.makedirs(out_dir, exist_ok=True)
+    runs = [("bf16", base)] + ([("bf16-repeat", base)] if args.bf16_repeat else [])
+    for spec in filter(None, args.recipes.split(",")):
+        fmt, recipe = spec.split(":")
+        runs.append((spec, f"{base} --fp8-format {fmt} --fp8-recipe {recipe}"))
+    curves, speed = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        curves = {"bf16": run_command(1, base, os.path.join(tmp, "bf16.jsonl"))}
-        if args.bf16_repeat:
-            curves["bf16-repeat"] = run_command(1, base, os.path.join(tmp, "bf16_repeat.jsonl"))
-        for spec in filter(None, args.recipes.split(",")):
-            fmt, recipe = spec.split(":")
-            extra = f"{base} --fp8-format {fmt} --fp8-recipe {recipe}"
-            curves[spec] = run_command(1, extra, os.path.join(tmp, f"{fmt}_{recipe}.jsonl"))
+        for i, (name, flags) in enumerate(runs):
+            metrics = os.path.join(tmp, f"{i}.jsonl")
+            curves[name] = run_command(1, flags, metrics)
+            speed[name] = tokens_per_s(metrics)
     ref = curves["bf16"]
-    print(f"bf16: {len(ref)} steps, loss {ref[min(ref)]:.4f} -> {ref[max(ref)]:.4f}")
+    print(f"bf16: {len(ref)} steps, loss {ref[min(ref)]:.4f} -> {ref[max(ref)]:.4f}, "
+          f"{speed['bf16'] or float('nan'):.0f} tokens/s")
     with open(os.path.join(out_dir, "fp8_loss.jsonl"), "a") as f:
-        f.write(json.dumps({"run": "bf16", "iters": args.iters, "model": args.model, "losses": ref}) + "\n")
+        f.write(json.dumps({"run": "bf16", "iters": args.iters, "model": args.model, "tokens_per_s": speed["bf16"],
+                            "losses": ref}) + "\n")
         for spec, curve in curves.items():
             if spec == "bf16":
                 continue
             res = compare(ref, curve)
             ok = res["max_rel_diff_moving_avg"] <= args.tolerance and res["rel_diff_last_mean"] <= args.tolerance
+            ratio = speed[spec] / speed["bf16"] if speed[spec] and speed["bf16"] else None
             print(f"{spec}: moving-average loss within {100 * res['max_rel_diff_moving_avg']:.2f}% of bf16, "
                   f"last-{50} mean {res['last_mean']:.4f} vs {res['bf16_last_mean']:.4f} "
-                  f"({100 * res['rel_diff_last_mean']:.2f}%): {'PASS' if ok else 'FAIL'}")
+                  f"({100 * res['rel_diff_last_mean']:.2f}%): {'PASS' if ok else 'FAIL'}; tokens/s "
+                  + (f"{ratio:.3f}x bf16" if ratio else "n/a (too few steps)"))
             f.write(json.dumps({"run": spec, "iters": args.iters, "model": args.model, **res, "pass": ok,
-                                "losses": curve}) + "\n")
+                                "tokens_per_s": speed[spec], "speedup": ratio, "losses": curve}) + "\n")
 
 
 if __name__ == "__main__":
