@@ -26,7 +26,11 @@ for cfg in llama-3b llama3-8b; do
   $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 4 --sequence-parallel --overlap-grad-reduce"
   [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 8 --sequence-parallel"
   $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --global-batch-size $((4 * N))"
-  [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2 --global-batch-size $((8 * N))"
+  # tp2 x pp4 with two virtual stages per rank. llama-3b's 26 layers do not split evenly over 4 ranks:
+  # 6 / 8 / 8 / 4 (the last stage also holds the 128k-vocabulary output layer, worth ~4 layers of GEMMs).
+  vpp="--num-layers-per-virtual-pipeline-stage 2"
+  [ "$cfg" = llama-3b ] && vpp="--virtual-pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 4"
+  [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 4 $vpp --global-batch-size $((8 * N))"
 done
 
 # 2. Weak scaling: the same per-GPU work on 1, 2, 4, 8 GPUs (dp, then tp2 x dp).

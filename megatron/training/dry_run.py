@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.training.flops import num_floating_point_operations, shape_from_config
 from megatron.training.validation import world_size_from_env
 
@@ -44,7 +46,13 @@ def dry_run(cfg, padded_vocab_size: int, log=print) -> None:
     from megatron.core.parallel_state import ParallelState, RankGrid
     from megatron.training.gpt import model_provider
 
-    chunks = model_provider(cfg, padded_vocab_size, ParallelState(grid=RankGrid(), rank=0), "meta")
+    # The whole model in one process, so without the pipeline split (uneven first/last stage sizes
+    # only describe a split over several pipeline ranks); the parameter count is the same.
+    whole = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+        num_layers_per_virtual_pipeline_stage=None, decoder_first_pipeline_num_layers=None,
+        decoder_last_pipeline_num_layers=None, microbatch_group_size_per_virtual_pipeline_stage=None))
+    chunks = model_provider(whole, padded_vocab_size, ParallelState(grid=RankGrid(), rank=0), "meta")
     num_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     mem = estimate_memory_bytes(cfg, num_params, padded_vocab_size)
     world = world_size_from_env()

@@ -194,6 +194,23 @@ def test_dry_run_reports_parameters_without_training(tmp_path, capsys):
     assert " iteration " not in out and not (tmp_path / "ck").exists()
 
 
+def test_dry_run_of_an_uneven_interleaved_pipeline_counts_every_layer(monkeypatch, capsys):
+    """26 layers as 6 / 8 / 8 / 4 over 4 pipeline ranks with 2 virtual stages each (8 processes): the
+    dry run builds the whole model in one process and counts the same parameters as the even split."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert TINY[:2] == ["--num-layers", "2"]
+    shape = ["--num-layers", "26"] + TINY[2:] + "--train-iters 5 --dry-run".split()
+    assert run(shape + ("--pipeline-model-parallel-size 4 --global-batch-size 16 --virtual-pipeline-model-parallel-size 2 "
+                        "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 4").split()) == 0
+    uneven = capsys.readouterr().out
+    assert "configuration is valid for 8 process(es)" in uneven
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert run(shape) == 0
+    even = capsys.readouterr().out
+    count = [ln for ln in even.splitlines() if "parameters:" in ln]
+    assert count and count[0] in uneven
+
+
 def test_exit_duration(capsys):
     assert run(TINY + "--train-iters 50 --exit-duration-in-mins 0".split()) == 0
     out = capsys.readouterr().out

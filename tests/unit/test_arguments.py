@@ -148,3 +148,19 @@ def test_grad_reduce_in_bf16_needs_bf16():
         parse_args(BASE + ["--grad-reduce-in-bf16"])
     assert parse_args(BASE + ["--bf16", "--grad-reduce-in-bf16"]).ddp.grad_reduce_in_fp32 is False
     assert parse_args(BASE + ["--bf16"]).ddp.grad_reduce_in_fp32 is True
+
+
+def test_virtual_stage_errors_name_the_uneven_split(monkeypatch):
+    """26 layers on 4 pipeline ranks: --num-layers-per-virtual-pipeline-stage cannot apply (and says what
+    can); --virtual-pipeline-model-parallel-size with first/last stage sizes can."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert BASE[:2] == ["--num-layers", "2"]
+    base = ["--num-layers", "26"] + BASE[2:] + ["--global-batch-size", "16"]
+    with pytest.raises(ValueError, match="divisible by --pipeline-model-parallel-size .4.; for an uneven split"):
+        parse_args(base + "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2".split())
+    with pytest.raises(ValueError, match="does not divide the --num-layers 24"):
+        parse_args(["--num-layers", "24"] + base[2:]
+                   + "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4".split())
+    cfg = parse_args(base + ("--pipeline-model-parallel-size 4 --virtual-pipeline-model-parallel-size 2 "
+                             "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 4").split())
+    assert cfg.model.virtual_pipeline_model_parallel_size == 2

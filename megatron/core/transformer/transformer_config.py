@@ -204,7 +204,13 @@ class TransformerConfig:
                 raise ValueError("give --num-layers-per-virtual-pipeline-stage or "
                                  "--virtual-pipeline-model-parallel-size, not both")
             check_positive("num_layers_per_virtual_pipeline_stage", per_stage)
-            if self.num_layers % pp != 0 or (self.num_layers // pp) % per_stage != 0:
+            if self.num_layers % pp != 0:
+                raise ValueError(
+                    f"--num-layers-per-virtual-pipeline-stage needs --num-layers ({self.num_layers}) divisible by "
+                    f"--pipeline-model-parallel-size ({pp}); for an uneven split use "
+                    "--virtual-pipeline-model-parallel-size with --decoder-first-pipeline-num-layers / "
+                    "--decoder-last-pipeline-num-layers")
+            if (self.num_layers // pp) % per_stage != 0:
                 raise ValueError(
                     f"--num-layers-per-virtual-pipeline-stage {per_stage} does not divide the "
                     f"--num-layers {self.num_layers} / --pipeline-model-parallel-size {pp} layers per stage; "
