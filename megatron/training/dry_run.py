@@ -13,8 +13,8 @@ BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
 def estimate_memory_bytes(cfg, num_params: int, padded_vocab_size: int) -> dict[str, float]:
     """Per-GPU memory estimate for the first pipeline stage (no recompute).
 
-    Parameters are spread over tp x pp ranks. Per parameter: weights in the param dtype, fp32 main
-    gradients, optimizer state (fp32 main params when the model is bf16/fp16, plus Adam's two moments
+    Parameters are spread over tp x pp ranks. Per parameter: weights in the param dtype, main
+    gradients (fp32, or bf16 with ``--grad-reduce-in-bf16``), optimizer state (fp32 main params when the model is bf16/fp16, plus Adam's two moments
     or SGD's momentum; divided by the data-parallel size with ``--use-distributed-optimizer``, which
     splits whole params, so it is the balanced share). Activations: about 34 bytes per token and hidden unit per layer with fused
     (flash/cuDNN) attention; 1F1B keeps pp micro-batches of L/pp layers alive on the first stage, i.e.
@@ -36,7 +36,7 @@ def estimate_memory_bytes(cfg, num_params: int, padded_vocab_size: int) -> dict[
     dp = world_size_from_env() // (tp * pp) if cfg.ddp.use_distributed_optimizer else 1
     return {
         "weights": local_params * p_bytes,
-        "gradients": local_params * 4,
+        "gradients": local_params * (4 if cfg.ddp.grad_reduce_in_fp32 else p_bytes),  # --grad-reduce-in-bf16
         "optimizer": local_params * (master + moments) / max(dp, 1),
         "activations": per_layer * m.num_layers + logits,
     }

@@ -211,6 +211,19 @@ def test_dry_run_of_an_uneven_interleaved_pipeline_counts_every_layer(monkeypatc
     assert count and count[0] in uneven
 
 
+def test_dry_run_counts_bf16_gradients_with_grad_reduce_in_bf16(capsys):
+    assert TINY[:6] == ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+    shape = "--num-layers 8 --hidden-size 1024 --num-attention-heads 8".split() + TINY[6:]  # ~100 M params (meta)
+
+    def gradient_gib(extra: str) -> float:
+        assert run(shape + f"--train-iters 5 --dry-run --bf16 {extra}".split()) == 0
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if "gradients memory" in ln)
+        return float(line.split()[2])
+
+    fp32, bf16 = gradient_gib(""), gradient_gib("--grad-reduce-in-bf16")
+    assert fp32 > 0.1 and abs(bf16 - fp32 / 2) <= 0.01  # printed with two decimals
+
+
 def test_exit_duration(capsys):
     assert run(TINY + "--train-iters 50 --exit-duration-in-mins 0".split()) == 0
     out = capsys.readouterr().out
