@@ -64,8 +64,9 @@ run_stage() {
       # Inductor's own tuning on the compiled layers and optimizer: block sizes of the Triton kernels
       # (coordinate descent), then Triton GEMM templates benchmarked against cuBLAS (max-autotune).
       B="python3 bench/bench_gpt.py --configs gpt-1.3b,llama-3b --iters 14 --warmup 4"
-      TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 $B --tag _cdt
-      TORCHINDUCTOR_MAX_AUTOTUNE=1 TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=1 $B --tag _maxautotune ;;
+      # (each under a time limit: max-autotune's compilation can take minutes per graph)
+      TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 timeout 240 $B --tag _cdt
+      TORCHINDUCTOR_MAX_AUTOTUNE=1 TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE=1 timeout 300 $B --tag _maxautotune ;;
     dp2tune)
       # What slows dp2's GEMMs (NCCL's kernels take SMs beside them) and what stays exposed: fewer NCCL
       # channels, larger / smaller buckets; each against a one-GPU run of the same job.
