@@ -267,3 +267,85 @@ def test_fp8_matmul_emits_no_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fp8_matmul(*inputs()[:2], Fp8Recipe("e4m3", "tensorwise"), use_scaled_mm=False)
+
+
+def _delayed_steps(gemm_fn, steps=3, algo="max"):
+    """(outputs, x grads, w grads, history) of ``steps`` forward/backward calls of a delayed-scaling GEMM."""
+    x, w, dy = inputs(m=32)
+    outs, dxs, dws = [], [], []
+    for step in range(steps):
+        xs, ws = x.detach().mul(step + 1).requires_grad_(), w.detach().requires_grad_()
+        y = gemm_fn(xs, ws)
+        y.backward(dy * (3 - step))
+        outs.append(y.detach())
+        dxs.append(xs.grad)
+        dws.append(ws.grad)
+    return outs, dxs, dws
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_layer_delayed_path_matches_the_eager_reference(algo):
+    """Fp8Gemm's compile-friendly delayed path (scales read from the history, amaxes recorded outside
+    the autograd function) gives the eager reference's outputs, gradients and history, step by step."""
+    recipe = Fp8Recipe("hybrid", "delayed", 4, algo)
+    hist, init = torch.zeros(3, 4), torch.zeros(3, dtype=torch.bool)
+    ref = _delayed_steps(lambda x, w: fp8_matmul(x, w, recipe, hist, init, use_scaled_mm=False), algo=algo)
+    gemm = Fp8Gemm(recipe, use_scaled_mm=False)
+    got = _delayed_steps(lambda x, w: gemm(x, w, None), algo=algo)
+    for a, b in zip(got, ref):
+        for t, r in zip(a, b):
+            assert torch.equal(t, r)
+    assert torch.equal(gemm.amax_history, hist) and torch.equal(gemm.initialized, init)
+    assert gemm.dy_amax_sink is not None and gemm.dy_amax_sink.grad is None
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_layer_delayed_path_compiles_without_graph_breaks(backend):
+    """The delayed path inside torch.compile (fullgraph: no break at the FP8 GEMM) updates the history
+    like eager code and gives the same results (reference matmul path on the CPU)."""
+    recipe = Fp8Recipe("hybrid", "delayed", 4, "max")
+    eager, compiled = Fp8Gemm(recipe, use_scaled_mm=False), Fp8Gemm(recipe, use_scaled_mm=False)
+    fn = torch.compile(lambda x, w: compiled(x, w, None), backend=backend, fullgraph=True)
+    ref = _delayed_steps(lambda x, w: eager(x, w, None))
+    got = _delayed_steps(fn)
+    for a, b in zip(got, ref):
+        for t, r in zip(a, b):
+            torch.testing.assert_close(t, r, rtol=0, atol=0)
+    assert torch.equal(compiled.amax_history, eager.amax_history)
+    assert compiled.initialized.all() and compiled.amax_history[:, :3].gt(0).all()
+
+
+def test_compiled_layers_with_delayed_fp8_train_like_eager_ones(monkeypatch):
+    """Whole transformer layers compiled (fullgraph: the FP8 GEMMs no longer break the graph) with
+    delayed scaling: three steps give eager's losses, weight gradients and amax histories."""
+    from megatron.core.fusions.compile import compile_layers
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)  # pretend Hopper
+    monkeypatch.setattr(fp8_mod.Fp8Gemm.__init__, "__defaults__", (None, False))  # the reference matmul path
+    cfg = tiny_config(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4)
+    models = [GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
+              for _ in range(2)]
+    for m in models:
+        apply_fp8([m], cfg, torch.device("cpu"))
+    monkeypatch.setattr(TransformerLayer, "compile",
+                        lambda self, **kw: torch.nn.Module.compile(self, backend="aot_eager", fullgraph=True))
+    assert compile_layers([models[1]], TransformerLayer) == cfg.num_layers
+    results = []
+    for m in models:
+        losses = []
+        for step in range(3):
+            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
+            for p in m.parameters():
+                p.grad = None
+            loss = m(ids, None, None, labels=ids).float().mean()
+            loss.backward()
+            losses.append(loss.item())
+        grads = [p.grad for p in m.parameters() if p.grad is not None]
+        hists = [g.amax_history.clone() for g in m.modules() if isinstance(g, Fp8Gemm)]
+        results.append((losses, grads, hists))
+    (l0, g0, h0), (l1, g1, h1) = results
+    assert l1 == l0
+    assert len(g1) == len(g0) and all(torch.equal(a, b) for a, b in zip(g1, g0))
+    assert len(h1) == 4 * cfg.num_layers and all(torch.equal(a, b) for a, b in zip(h1, h0))
+    assert all(h[:, :3].gt(0).all() for h in h1)

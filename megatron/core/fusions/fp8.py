@@ -156,20 +156,82 @@ class _Fp8Matmul(torch.autograd.Function):
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history: torch.Tensor | None = None,
                initialized: torch.Tensor | None = None, use_scaled_mm: bool = True) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K]^T`` in FP8 (see :class:`_Fp8Matmul`); M, N, K multiples of 16."""
+    """``x [M, K] @ weight[N, K]^T`` in FP8 (see :class:`_Fp8Matmul`); M, N, K multiples of 16.
+
+    With ``history``, delayed scaling updates it inside forward and backward (eager code; the layers
+    use :class:`Fp8Gemm`, whose delayed path compiles)."""
     return _Fp8Matmul.apply(x, weight, recipe, history, initialized, use_scaled_mm)
 
 
-# Delayed scaling mutates its history inside forward and backward: keep that out of compiled graphs.
-_fp8_matmul_eager = torch.compiler.disable(fp8_matmul)
+def _delayed_scale(row: torch.Tensor, initialized: torch.Tensor, cur: torch.Tensor, dtype: torch.dtype,
+                   algo: str) -> torch.Tensor:
+    """Delayed scaling's scale: from the history ``row`` (its max or most recent entry), or from the
+    current amax ``cur`` before the first entry (``initialized`` False). Reads, never writes."""
+    past = row.amax() if algo == "max" else row[0]
+    return scale_from_amax(torch.where(initialized, past, cur), dtype)
+
+
+def _push(history: torch.Tensor, initialized: torch.Tensor, row: int, amax: torch.Tensor) -> None:
+    """Record ``amax`` as the most recent entry of ``history[row]`` (the oldest falls out)."""
+    history[row].copy_(torch.roll(history[row], 1))
+    history[row, 0] = amax
+    initialized[row] = True
+
+
+class _Fp8MatmulDelayed(torch.autograd.Function):
+    """Delayed scaling with the same numerics as :class:`_Fp8Matmul` with a history, but no state is
+    written inside it, so that it compiles into the layers' graphs (the eager version broke each
+    layer's graph at every FP8 linear and quantised with unfused eager kernels):
+
+    * forward: the scales come from the history (read only); the current amaxes of ``x`` and ``w``
+      are returned, and :class:`Fp8Gemm` records them (buffer updates, which compile);
+    * backward: the gradient's scale comes from the history values saved in forward; its current
+      amax leaves as the gradient of ``dy_amax_sink``, a leaf tensor whose post-accumulate hook
+      records it (outside any graph), one backward at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, dy_amax_sink, history, initialized, recipe, use_scaled_mm):  # type: ignore[override]
+        fwd, algo = recipe.fwd_dtype, recipe.amax_compute_algo
+        x_amax, w_amax = x.detach().abs().amax().float(), weight.detach().abs().amax().float()
+        x_scale = _delayed_scale(history[X], initialized[X], x_amax, fwd, algo)
+        w_scale = _delayed_scale(history[W], initialized[W], w_amax, fwd, algo)
+        x8, w8 = quantize(x, x_scale, fwd), quantize(weight, w_scale, fwd)
+        x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
+        out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, use_scaled_mm)
+        dy_past = history[DY].amax() if algo == "max" else history[DY, 0]
+        ctx.save_for_backward(x8, w8, x_inv, w_inv, dy_past.clone(), initialized[DY].clone())
+        ctx.recipe, ctx.use_scaled_mm, ctx.dtypes = recipe, use_scaled_mm, (x.dtype, weight.dtype)
+        ctx.mark_non_differentiable(x_amax, w_amax)
+        return out, x_amax, w_amax
+
+    @staticmethod
+    def backward(ctx, grad_out, _x_amax_grad, _w_amax_grad):  # type: ignore[override]
+        x8, w8, x_inv, w_inv, dy_past, dy_initialized = ctx.saved_tensors
+        bwd = ctx.recipe.bwd_dtype
+        dy = grad_out.contiguous()
+        cur = dy.abs().amax().float()
+        g_scale = scale_from_amax(torch.where(dy_initialized, dy_past, cur), bwd)
+        dy8, g_inv = quantize(dy, g_scale, bwd), g_scale.reciprocal()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = scaled_mm(dy8, _col_major(w8), g_inv, w_inv, ctx.dtypes[0], ctx.use_scaled_mm)
+        if ctx.needs_input_grad[1]:
+            dw = scaled_mm(dy8.t().contiguous(), _col_major(x8), g_inv, x_inv, ctx.dtypes[1], ctx.use_scaled_mm)
+        return dx, dw, cur, None, None, None, None
 
 
 class Fp8Gemm(nn.Module):
     """The FP8 compute of one linear (held as its ``fp8`` submodule): scaling state, no weights.
 
     The amax history is a non-persistent buffer (``[3, L]`` rows X, W, dY): checkpoints do not
-    change, and a resumed run re-learns it from its first step.
+    change, and a resumed run re-learns it from its first step. With delayed scaling the gradient's
+    amax arrives as the gradient of ``dy_amax_sink`` (see :class:`_Fp8MatmulDelayed`), a plain
+    tensor (not a parameter: no optimizer, no data-parallel reduction sees it).
     """
+
+    amax_history: torch.Tensor
+    initialized: torch.Tensor
 
     def __init__(self, recipe: Fp8Recipe, device: torch.device | str | None = None, use_scaled_mm: bool = True):
         super().__init__()
@@ -178,6 +240,24 @@ class Fp8Gemm(nn.Module):
         length = recipe.amax_history_len if recipe.recipe == "delayed" else 1
         self.register_buffer("amax_history", torch.zeros(3, length, device=device), persistent=False)
         self.register_buffer("initialized", torch.zeros(3, dtype=torch.bool, device=device), persistent=False)
+        self.dy_amax_sink: torch.Tensor | None = None
+        if recipe.recipe == "delayed":
+            self.dy_amax_sink = torch.zeros((), device=device, requires_grad=True)
+            self.dy_amax_sink.register_post_accumulate_grad_hook(self._record_dy_amax)
+
+    @torch.no_grad()
+    def _record_dy_amax(self, sink: torch.Tensor) -> None:
+        """After each backward through this GEMM: the gradient's amax into the history."""
+        if sink.grad is not None:
+            _push(self.amax_history, self.initialized, DY, sink.grad)
+            sink.grad = None
+
+    def _apply(self, fn, recurse=True):  # .to() / .cuda(): the sink follows the buffers
+        out = super()._apply(fn, recurse)
+        if self.dy_amax_sink is not None and self.dy_amax_sink.device != self.amax_history.device:
+            self.dy_amax_sink = torch.zeros((), device=self.amax_history.device, requires_grad=True)
+            self.dy_amax_sink.register_post_accumulate_grad_hook(self._record_dy_amax)
+        return out
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``[..., K] -> [..., N]``; falls back to ``F.linear`` when the token count is not a multiple of 16."""
@@ -188,8 +268,11 @@ class Fp8Gemm(nn.Module):
                           stacklevel=2)
             return F.linear(x, weight, bias)
         if self.recipe.recipe == "delayed":
-            out = _fp8_matmul_eager(x2d, weight, self.recipe, self.amax_history, self.initialized,
-                                    self.use_scaled_mm)
+            out, x_amax, w_amax = _Fp8MatmulDelayed.apply(x2d, weight, self.dy_amax_sink, self.amax_history,
+                                                           self.initialized, self.recipe, self.use_scaled_mm)
+            with torch.no_grad():
+                _push(self.amax_history, self.initialized, X, x_amax)
+                _push(self.amax_history, self.initialized, W, w_amax)
         else:
             out = fp8_matmul(x2d, weight, self.recipe, None, None, self.use_scaled_mm)
         out = out.view(*x.shape[:-1], weight.shape[0])
