@@ -179,19 +179,23 @@ def _push(history: torch.Tensor, initialized: torch.Tensor, row: int, amax: torc
 
 
 class _Fp8MatmulDelayed(torch.autograd.Function):
-    """Delayed scaling with the same numerics as :class:`_Fp8Matmul` with a history, but no state is
-    written inside it, so that it compiles into the layers' graphs (the eager version broke each
-    layer's graph at every FP8 linear and quantised with unfused eager kernels):
+    """Delayed scaling with the numerics of :class:`_Fp8Matmul` with a history, but nothing is written
+    inside it, so that it compiles into the layers' graphs (the eager version broke each layer's graph
+    at every FP8 linear and quantised with unfused eager kernels) and an activation-recompute replay
+    of the forward computes exactly what the original forward did:
 
-    * forward: the scales come from the history (read only); the current amaxes of ``x`` and ``w``
-      are returned, and :class:`Fp8Gemm` records them (buffer updates, which compile);
-    * backward: the gradient's scale comes from the history values saved in forward; its current
-      amax leaves as the gradient of ``dy_amax_sink``, a leaf tensor whose post-accumulate hook
-      records it (outside any graph), one backward at a time.
+    * forward: the scales of ``x`` and ``w`` come from the history (read only; the current amax
+      before the first entry); their current amaxes are saved;
+    * backward: the gradient's scale likewise from the history values read in forward; the three
+      current amaxes ``[x, w, dy]`` leave as the gradient of ``amax_sink``, a leaf tensor whose
+      post-accumulate hook (:class:`Fp8Gemm`) records them, outside any graph.
+
+    So a forward's amaxes enter the history when its backward has run (the next forward sees them,
+    as in eager delayed scaling); a forward without backward (evaluation) records nothing.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, dy_amax_sink, history, initialized, recipe, use_scaled_mm):  # type: ignore[override]
+    def forward(ctx, x, weight, amax_sink, history, initialized, recipe, use_scaled_mm):  # type: ignore[override]
         fwd, algo = recipe.fwd_dtype, recipe.amax_compute_algo
         x_amax, w_amax = x.detach().abs().amax().float(), weight.detach().abs().amax().float()
         x_scale = _delayed_scale(history[X], initialized[X], x_amax, fwd, algo)
@@ -200,14 +204,14 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, use_scaled_mm)
         dy_past = history[DY].amax() if algo == "max" else history[DY, 0]
-        ctx.save_for_backward(x8, w8, x_inv, w_inv, dy_past.clone(), initialized[DY].clone())
+        ctx.save_for_backward(x8, w8, x_inv, w_inv, dy_past.clone(), initialized[DY].clone(),
+                              torch.stack((x_amax, w_amax)))
         ctx.recipe, ctx.use_scaled_mm, ctx.dtypes = recipe, use_scaled_mm, (x.dtype, weight.dtype)
-        ctx.mark_non_differentiable(x_amax, w_amax)
-        return out, x_amax, w_amax
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out, _x_amax_grad, _w_amax_grad):  # type: ignore[override]
-        x8, w8, x_inv, w_inv, dy_past, dy_initialized = ctx.saved_tensors
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x8, w8, x_inv, w_inv, dy_past, dy_initialized, xw_amax = ctx.saved_tensors
         bwd = ctx.recipe.bwd_dtype
         dy = grad_out.contiguous()
         cur = dy.abs().amax().float()
@@ -218,16 +222,16 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
             dx = scaled_mm(dy8, _col_major(w8), g_inv, w_inv, ctx.dtypes[0], ctx.use_scaled_mm)
         if ctx.needs_input_grad[1]:
             dw = scaled_mm(dy8.t().contiguous(), _col_major(x8), g_inv, x_inv, ctx.dtypes[1], ctx.use_scaled_mm)
-        return dx, dw, cur, None, None, None, None
+        return dx, dw, torch.cat((xw_amax, cur.view(1))), None, None, None, None
 
 
 class Fp8Gemm(nn.Module):
     """The FP8 compute of one linear (held as its ``fp8`` submodule): scaling state, no weights.
 
     The amax history is a non-persistent buffer (``[3, L]`` rows X, W, dY): checkpoints do not
-    change, and a resumed run re-learns it from its first step. With delayed scaling the gradient's
-    amax arrives as the gradient of ``dy_amax_sink`` (see :class:`_Fp8MatmulDelayed`), a plain
-    tensor (not a parameter: no optimizer, no data-parallel reduction sees it).
+    change, and a resumed run re-learns it from its first step. With delayed scaling the amaxes of
+    a forward/backward arrive as the gradient of ``amax_sink`` (see :class:`_Fp8MatmulDelayed`), a
+    plain ``[3]`` tensor (not a parameter: no optimizer, no data-parallel reduction sees it).
     """
 
     amax_history: torch.Tensor
@@ -240,23 +244,26 @@ class Fp8Gemm(nn.Module):
         length = recipe.amax_history_len if recipe.recipe == "delayed" else 1
         self.register_buffer("amax_history", torch.zeros(3, length, device=device), persistent=False)
         self.register_buffer("initialized", torch.zeros(3, dtype=torch.bool, device=device), persistent=False)
-        self.dy_amax_sink: torch.Tensor | None = None
+        self.amax_sink: torch.Tensor | None = None
         if recipe.recipe == "delayed":
-            self.dy_amax_sink = torch.zeros((), device=device, requires_grad=True)
-            self.dy_amax_sink.register_post_accumulate_grad_hook(self._record_dy_amax)
+            self._make_sink(self.amax_history.device)
+
+    def _make_sink(self, device: torch.device) -> None:
+        self.amax_sink = torch.zeros(3, device=device, requires_grad=True)
+        self.amax_sink.register_post_accumulate_grad_hook(self._record_amaxes)
 
     @torch.no_grad()
-    def _record_dy_amax(self, sink: torch.Tensor) -> None:
-        """After each backward through this GEMM: the gradient's amax into the history."""
+    def _record_amaxes(self, sink: torch.Tensor) -> None:
+        """After each backward through this GEMM: its forward's x / w amaxes and the gradient's amax."""
         if sink.grad is not None:
-            _push(self.amax_history, self.initialized, DY, sink.grad)
+            for row in (X, W, DY):
+                _push(self.amax_history, self.initialized, row, sink.grad[row])
             sink.grad = None
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda(): the sink follows the buffers
         out = super()._apply(fn, recurse)
-        if self.dy_amax_sink is not None and self.dy_amax_sink.device != self.amax_history.device:
-            self.dy_amax_sink = torch.zeros((), device=self.amax_history.device, requires_grad=True)
-            self.dy_amax_sink.register_post_accumulate_grad_hook(self._record_dy_amax)
+        if self.amax_sink is not None and self.amax_sink.device != self.amax_history.device:
+            self._make_sink(self.amax_history.device)
         return out
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -268,11 +275,8 @@ class Fp8Gemm(nn.Module):
                           stacklevel=2)
             return F.linear(x, weight, bias)
         if self.recipe.recipe == "delayed":
-            out, x_amax, w_amax = _Fp8MatmulDelayed.apply(x2d, weight, self.dy_amax_sink, self.amax_history,
-                                                           self.initialized, self.recipe, self.use_scaled_mm)
-            with torch.no_grad():
-                _push(self.amax_history, self.initialized, X, x_amax)
-                _push(self.amax_history, self.initialized, W, w_amax)
+            out = _Fp8MatmulDelayed.apply(x2d, weight, self.amax_sink, self.amax_history, self.initialized,
+                                          self.recipe, self.use_scaled_mm)
         else:
             out = fp8_matmul(x2d, weight, self.recipe, None, None, self.use_scaled_mm)
         out = out.view(*x.shape[:-1], weight.shape[0])
