@@ -8,8 +8,9 @@ and Megatron define the formats) and computes ``dX = dY W`` and ``dW = dY^T X`` 
 Scaling recipes (``scale = fp8_max / amax``, so the largest value maps to the top of the format):
   * ``tensorwise``: amax of the tensor being quantised (exact, one reduction per tensor, no state);
   * ``delayed``: amax from a per-tensor history of the previous calls (``max`` over it or the
-    ``most_recent`` entry); the current amax is then pushed into the history. The first call uses
-    the current amax. Values above the delayed scale saturate at fp8_max.
+    ``most_recent`` entry); the current amax is then pushed into the history (in the layers, once
+    the call's backward has run; see :class:`Fp8Gemm`). The first call uses the current amax.
+    Values above the delayed scale saturate at fp8_max.
 
 The numerics are one code path for every device: quantise -> :func:`scaled_mm`. That function
 calls ``torch._scaled_mm`` (first operand row-major, second column-major, every dim a multiple of
