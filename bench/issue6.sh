@@ -6,7 +6,7 @@
 #   bash bench/issue6.sh kernels    # CE pass, SwiGLU backward (compiled vs Triton); Liger-Kernel vs ours ~2 min
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
-#   bash bench/issue6.sh fp8        # FP8 speed (tensorwise, delayed) on llama-3b, the 300-step loss check ~8 min
+#   bash bench/issue6.sh fp8        # FP8 speed (tensorwise, delayed; ours vs torchao per linear), 300-step loss ~9 min
 #   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, tp2+SP, dp2, dp2 + distributed optimizer (+ overlapped param gather) ~6 min
 #   bash bench/issue6.sh inductor   # Inductor's coordinate-descent tuning and max-autotune on our runs   ~6 min
 #   bash bench/issue6.sh dp2tune    # 2 GPUs: dp2 with fewer NCCL channels, other bucket sizes, bf16 reduction ~7 min
@@ -18,6 +18,7 @@
 #       --platform manylinux_2_28_x86_64 -d .whl
 #   pip download tokenizers --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 -d .whl
 #   pip download liger-kernel==0.8.5 --no-deps -d .whl
+#   pip download torchao==0.16.0 --no-deps -d .whl   (float8 training; if it does not import with the torch there, the bench says so)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,6 +44,9 @@ run_stage() {
           --extra="--fp8-format hybrid --fp8-recipe tensorwise"
       python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4 --tag _fp8_delayed \
           --extra="--fp8-format hybrid --fp8-recipe delayed"
+      # Ours against torchao's float8 training, one linear at a time (choose the FP8 path by measurement).
+      python3 -c "import torchao" 2>/dev/null || python3 -m pip install -q --no-deps .whl/torchao-*.whl
+      python3 bench/bench_fp8_linear.py --iters 20
       python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
       [ -d data/prepared ] || bash examples/prepare_corpus.sh
       python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed --bf16-repeat --global-batch-size 32 ;;
