@@ -176,6 +176,7 @@ def main() -> None:
         records, gpu = run_ours(n, args.iters, args.nproc, extra, workdir, args.tag)
         row = summarise(n, records[:-2] if args.breakdown else records, args.warmup, args.nproc, args.extra)
         row.update(gpu)
+        row["tag"] = args.tag
         if args.breakdown:
             with open(os.path.join(prof_dir, "breakdown_rank0.json")) as f:
                 row["breakdown"] = json.load(f)

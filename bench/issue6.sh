@@ -94,4 +94,5 @@ status=0
 for stage in "$@"; do
   run_stage "$stage" || { rc=$?; echo "=== stage $stage failed (exit $rc)" >&2; status=1; }
 done
+python3 bench/summary.py "$OUT" || true  # every figure, in the few kilobytes of output that come back
 exit $status

@@ -42,4 +42,7 @@ done
 
 # 3. Correctness on NCCL: every layout against one GPU over 50 bf16 steps (a smaller model).
 G="--global-batch-size 32"  # divisible by micro-batch 4 x every DP degree below
-python3 bench/layout_match.py --iters 50 --layouts "1:$G;$N:$G;$N:$G --tensor-model-parallel-size 2 --sequence-parallel;$N:$G --tensor-model-parallel-size 4 --sequence-parallel;$N:$G --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
+try python3 bench/layout_match.py --iters 50 --layouts "1:$G;$N:$G;$N:$G --tensor-model-parallel-size 2 --sequence-parallel;$N:$G --tensor-model-parallel-size 4 --sequence-parallel;$N:$G --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
+
+# Every figure of the run, in the few kilobytes of output that come back.
+python3 bench/summary.py "${OUT:-bench_out}" || true
