@@ -100,6 +100,21 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _delayed_scale(row: torch.Tensor, initialized: torch.Tensor, cur: torch.Tensor, dtype: torch.dtype,
+                   algo: str) -> torch.Tensor:
+    """Delayed scaling's scale: from the history ``row`` (its max or most recent entry), or from the
+    current amax ``cur`` before the first entry (``initialized`` False). Reads, never writes."""
+    past = row.amax() if algo == "max" else row[0]
+    return scale_from_amax(torch.where(initialized, past, cur), dtype)
+
+
+def _push(history: torch.Tensor, initialized: torch.Tensor, row: int, amax: torch.Tensor) -> None:
+    """Record ``amax`` as the most recent entry of ``history[row]`` (the oldest falls out)."""
+    history[row].copy_(torch.roll(history[row], 1))
+    history[row, 0] = amax
+    initialized[row] = True
+
+
 def tensor_scale(t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, history: torch.Tensor | None,
                  initialized: torch.Tensor | None, row: int) -> torch.Tensor:
     """The quantisation scale of ``t``; with delayed scaling also pushes its amax into ``history[row]``.
@@ -109,13 +124,9 @@ def tensor_scale(t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, history
     cur = t.detach().abs().amax().float()
     if recipe.recipe == "tensorwise" or history is None or initialized is None:
         return scale_from_amax(cur, dtype)
-    hist = history[row]  # [L], most recent first
-    past = hist.amax() if recipe.amax_compute_algo == "max" else hist[0]
-    amax = torch.where(initialized[row], past, cur)
-    hist.copy_(torch.roll(hist, 1))
-    hist[0] = cur
-    initialized[row] = True
-    return scale_from_amax(amax, dtype)
+    scale = _delayed_scale(history[row], initialized[row], cur, dtype, recipe.amax_compute_algo)
+    _push(history, initialized, row, cur)
+    return scale
 
 
 class _Fp8Matmul(torch.autograd.Function):
@@ -162,21 +173,6 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history
     With ``history``, delayed scaling updates it inside forward and backward (eager code; the layers
     use :class:`Fp8Gemm`, whose delayed path compiles)."""
     return _Fp8Matmul.apply(x, weight, recipe, history, initialized, use_scaled_mm)
-
-
-def _delayed_scale(row: torch.Tensor, initialized: torch.Tensor, cur: torch.Tensor, dtype: torch.dtype,
-                   algo: str) -> torch.Tensor:
-    """Delayed scaling's scale: from the history ``row`` (its max or most recent entry), or from the
-    current amax ``cur`` before the first entry (``initialized`` False). Reads, never writes."""
-    past = row.amax() if algo == "max" else row[0]
-    return scale_from_amax(torch.where(initialized, past, cur), dtype)
-
-
-def _push(history: torch.Tensor, initialized: torch.Tensor, row: int, amax: torch.Tensor) -> None:
-    """Record ``amax`` as the most recent entry of ``history[row]`` (the oldest falls out)."""
-    history[row].copy_(torch.roll(history[row], 1))
-    history[row, 0] = amax
-    initialized[row] = True
 
 
 class _Fp8MatmulDelayed(torch.autograd.Function):
