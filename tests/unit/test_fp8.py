@@ -315,39 +315,47 @@ def test_layer_delayed_path_compiles_without_graph_breaks(backend):
     assert compiled.initialized.all() and compiled.amax_history[:, :3].gt(0).all()
 
 
+def _delayed_fp8_gpt(monkeypatch, **config) -> GPTModel:
+    """A tiny GPT with delayed-scaling FP8 linears on the CPU (the reference matmul path); its
+    TransformerLayer.compile is aot_eager with fullgraph (a graph break fails)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)  # pretend Hopper
+    monkeypatch.setattr(fp8_mod.Fp8Gemm.__init__, "__defaults__", (None, False))  # the reference matmul path
+    monkeypatch.setattr(TransformerLayer, "compile",
+                        lambda self, **kw: torch.nn.Module.compile(self, backend="aot_eager", fullgraph=True))
+    cfg = tiny_config(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, **config)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
+    apply_fp8([model], cfg, torch.device("cpu"))
+    return model
+
+
+def _three_steps(model: GPTModel) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
+    """(losses, weight gradients of the last step, amax histories) after three forward/backward steps."""
+    losses = []
+    for step in range(3):
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
+        for p in model.parameters():
+            p.grad = None
+        loss = model(ids, None, None, labels=ids).float().mean()
+        loss.backward()
+        losses.append(loss.item())
+    return (losses, [p.grad for p in model.parameters() if p.grad is not None],
+            [g.amax_history.clone() for g in model.modules() if isinstance(g, Fp8Gemm)])
+
+
 def test_compiled_layers_with_delayed_fp8_train_like_eager_ones(monkeypatch):
     """Whole transformer layers compiled (fullgraph: the FP8 GEMMs no longer break the graph) with
     delayed scaling: three steps give eager's losses, weight gradients and amax histories."""
     from megatron.core.fusions.compile import compile_layers
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)  # pretend Hopper
-    monkeypatch.setattr(fp8_mod.Fp8Gemm.__init__, "__defaults__", (None, False))  # the reference matmul path
-    cfg = tiny_config(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4)
-    models = [GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
-              for _ in range(2)]
-    for m in models:
-        apply_fp8([m], cfg, torch.device("cpu"))
-    monkeypatch.setattr(TransformerLayer, "compile",
-                        lambda self, **kw: torch.nn.Module.compile(self, backend="aot_eager", fullgraph=True))
-    assert compile_layers([models[1]], TransformerLayer) == cfg.num_layers
-    results = []
-    for m in models:
-        losses = []
-        for step in range(3):
-            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
-            for p in m.parameters():
-                p.grad = None
-            loss = m(ids, None, None, labels=ids).float().mean()
-            loss.backward()
-            losses.append(loss.item())
-        grads = [p.grad for p in m.parameters() if p.grad is not None]
-        hists = [g.amax_history.clone() for g in m.modules() if isinstance(g, Fp8Gemm)]
-        results.append((losses, grads, hists))
-    (l0, g0, h0), (l1, g1, h1) = results
+    models = [_delayed_fp8_gpt(monkeypatch) for _ in range(2)]
+    assert compile_layers([models[1]], TransformerLayer) == models[1].config.num_layers
+    (l0, g0, h0), (l1, g1, h1) = [_three_steps(m) for m in models]
     assert l1 == l0
     assert len(g1) == len(g0) and all(torch.equal(a, b) for a, b in zip(g1, g0))
-    assert len(h1) == 4 * cfg.num_layers and all(torch.equal(a, b) for a, b in zip(h1, h0))
+    assert len(h1) == 4 * models[1].config.num_layers and all(torch.equal(a, b) for a, b in zip(h1, h0))
     assert all(h[:, :3].gt(0).all() for h in h1)
 
 
@@ -359,27 +367,12 @@ def test_recompute_keeps_delayed_fp8_bitwise_identical(monkeypatch, compiled):
     from megatron.core.fusions.compile import compile_layers
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)  # pretend Hopper
-    monkeypatch.setattr(fp8_mod.Fp8Gemm.__init__, "__defaults__", (None, False))  # the reference matmul path
-    monkeypatch.setattr(TransformerLayer, "compile",
-                        lambda self, **kw: torch.nn.Module.compile(self, backend="aot_eager", fullgraph=True))
     results = []
     for recompute in ({}, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
-        cfg = tiny_config(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, **recompute)
-        model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
-        apply_fp8([model], cfg, torch.device("cpu"))
+        model = _delayed_fp8_gpt(monkeypatch, **recompute)
         if compiled:
             compile_layers([model], TransformerLayer)
-        losses = []
-        for step in range(3):
-            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(step))
-            for p in model.parameters():
-                p.grad = None
-            loss = model(ids, None, None, labels=ids).float().mean()
-            loss.backward()
-            losses.append(loss.item())
-        results.append((losses, [p.grad for p in model.parameters()],
-                        [g.amax_history.clone() for g in model.modules() if isinstance(g, Fp8Gemm)]))
+        results.append(_three_steps(model))
     (l0, g0, h0), (l1, g1, h1) = results
     assert l1 == l0
     assert all(torch.equal(a, b) for a, b in zip(g1, g0))
