@@ -183,9 +183,9 @@ class DistributedDataParallel(nn.Module):
                 tied = [module.shared_embedding_or_output_weight()]  # type: ignore[operator]
             self.param_owner = assign_owners(params, self.dp_size, pinned=tuple(t for t in tied if t is not None))
             self._owner_global_rank = [dist.get_global_rank(self.dp_group, r) for r in range(self.dp_size)]
-        # NCCL pre-multiplies by 1/DP inside the collective (the same fp32 multiply as a separate
-        # pass over the buffer, which on llama-3b's 12 GB of fp32 gradients costs ~7 ms per step).
-        self._premul = self.dp_size > 1 and dist.get_backend(self.dp_group) == "nccl"
+        # NCCL averages inside the collective (ncclAvg pre-multiplies each contribution by 1/DP): no
+        # separate pass over the buffer, which on llama-3b's 12 GB of fp32 gradients costs ~7 ms per step.
+        self._avg_in_nccl = self.dp_size > 1 and dist.get_backend(self.dp_group) == "nccl"
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self._sync_enabled = True
 
@@ -229,10 +229,15 @@ class DistributedDataParallel(nn.Module):
         if len(bucket.ready) == len(bucket.params) and bucket.handle is None:
             self._start_reduce(bucket, async_op=True)
 
-    def _scaled_sum(self, view: torch.Tensor):
-        """The reduce op that sums ``view`` pre-scaled by 1/DP (scaling it here where NCCL cannot)."""
-        if self._premul:
-            return dist._make_nccl_premul_sum(1.0 / self.dp_size)
+    def _average_op(self, view: torch.Tensor):
+        """The reduce op that averages ``view`` over DP (pre-scaling it here where the backend cannot).
+
+        NCCL's own average, not torch's ``_make_nccl_premul_sum``: for bf16 buffers torch 2.11 hands
+        NCCL the factor as a 4-byte float where NCCL reads 2 bytes, so 1/2 arrives as 0 and every
+        gradient as zero (pytorch/pytorch#190745; caught by the bf16-reduction test on two H200s).
+        """
+        if self._avg_in_nccl:
+            return dist.ReduceOp.AVG
         view.mul_(1.0 / self.dp_size)
         return dist.ReduceOp.SUM
 
@@ -240,7 +245,7 @@ class DistributedDataParallel(nn.Module):
         view = bucket.materialize()
         if self.param_owner is not None:
             # Distributed optimizer: only the owner needs the sum (a reduce moves half an all-reduce's data).
-            op = self._scaled_sum(view)
+            op = self._average_op(view)
             bucket.handle = [
                 dist.reduce(p.main_grad, dst=self._owner_global_rank[self.param_owner[id(p)]],  # type: ignore[attr-defined]
                             op=op, group=self.dp_group, async_op=True)
@@ -250,7 +255,7 @@ class DistributedDataParallel(nn.Module):
         if self.ddp_config.average_in_collective:
             bucket.handle = dist.all_reduce(view, op=dist.ReduceOp.AVG, group=self.dp_group, async_op=async_op)
         else:
-            bucket.handle = dist.all_reduce(view, op=self._scaled_sum(view), group=self.dp_group, async_op=async_op)
+            bucket.handle = dist.all_reduce(view, op=self._average_op(view), group=self.dp_group, async_op=async_op)
 
     @contextlib.contextmanager
     def no_sync(self):

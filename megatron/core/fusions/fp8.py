@@ -112,7 +112,13 @@ def _push(history: torch.Tensor, initialized: torch.Tensor, row: int, amax: torc
     """Record ``amax`` as the most recent entry of ``history[row]`` (the oldest falls out)."""
     history[row].copy_(torch.roll(history[row], 1))
     history[row, 0] = amax
-    initialized[row] = True
+    initialized[row].fill_(True)  # not ``= True``: on a GPU that copies a host tensor and waits for the stream
+
+
+def _push_rows(history: torch.Tensor, initialized: torch.Tensor, amaxes: torch.Tensor) -> None:
+    """:func:`_push` of ``amaxes[r]`` into every row ``r`` at once (two kernels, no host sync)."""
+    history.copy_(torch.cat((amaxes.reshape(-1, 1).to(history.dtype), history[:, :-1]), dim=1))
+    initialized.fill_(True)
 
 
 def tensor_scale(t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, history: torch.Tensor | None,
@@ -253,8 +259,7 @@ class Fp8Gemm(nn.Module):
     def _record_amaxes(self, sink: torch.Tensor) -> None:
         """After each backward through this GEMM: its forward's x / w amaxes and the gradient's amax."""
         if sink.grad is not None:
-            for row in (X, W, DY):
-                _push(self.amax_history, self.initialized, row, sink.grad[row])
+            _push_rows(self.amax_history, self.initialized, sink.grad)
             sink.grad = None
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda(): the sink follows the buffers
