@@ -7,7 +7,8 @@
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed (tensorwise, delayed; ours vs torchao per linear), 300-step loss ~9 min
-#   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, tp2+SP, dp2, dp2 + distributed optimizer (+ overlapped param gather) ~6 min
+#   bash bench/issue6.sh nccltests  # 2 GPUs: compiled tp2 and DDP / distributed-optimizer tests over NCCL   ~4 min
+#   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, dp2 (fp32, bf16 reduction), tp2+SP, dist. optimizer + param gather ~8 min
 #   bash bench/issue6.sh inductor   # Inductor's coordinate-descent tuning and max-autotune on our runs   ~6 min
 #   bash bench/issue6.sh dp2tune    # 2 GPUs: dp2 with fewer NCCL channels, other bucket sizes, bf16 reduction ~7 min
 #   bash bench/issue6.sh pipeline   # 2 GPUs: interleaved bubble with/without p2p overlap; dist-opt loss match
@@ -50,18 +51,21 @@ run_stage() {
       python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
       [ -d data/prepared ] || bash examples/prepare_corpus.sh
       python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed --bf16-repeat --global-batch-size 32 ;;
-    tp2)
-      # Compiled tp2 + SP layers against eager on NCCL (the harness uses NCCL with two GPUs): the
-      # check for the CUDA-only defect that keeps --torch-compile on refused at tp > 1.
-      # And the DDP / distributed-optimizer tests (overlapped reduction and parameter gather) on NCCL.
+    nccltests)
+      # Compiled tp2 + SP layers against eager, and the DDP / distributed-optimizer tests (overlapped
+      # reduction and parameter gather, bf16 reduction) over NCCL (the harness uses NCCL with two GPUs). ~4 min
       python3 -m pytest -q -p no:cacheprovider -rxXs tests/distributed/test_compile.py tests/distributed/test_ddp.py \
-          2>&1 | tee "$OUT/test_nccl.log" || true
+          2>&1 | tee "$OUT/test_nccl.log"; return "${PIPESTATUS[0]}" ;;
+    tp2)
+      # How the two GPUs are connected (NVLink P2P or through host memory), which NCCL chooses.
+      nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
       # One-GPU reference in the same job, so the scaling efficiencies compare like with like.
       python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --tag _1gpu
       B="python3 bench/bench_gpt.py --configs llama-3b --iters 12 --warmup 4 --nproc 2"
+      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH $B --tag _dp2 --breakdown --extra="--overlap-grad-reduce"
+      grep -h "via P2P\|via SHM\|Channel 00\|NCCL version" "$OUT"/llama-3b_dp2.log | head -12 > "$OUT/nccl_transport.txt" || true
+      $B --tag _dp2_bf16 --extra="--overlap-grad-reduce --grad-reduce-in-bf16"
       $B --tag _tp2 --extra="--tensor-model-parallel-size 2 --sequence-parallel"
-      $B --tag _dp2 --extra="--overlap-grad-reduce"
-      $B --tag _dp2_distopt --extra="--overlap-grad-reduce --use-distributed-optimizer"
       $B --tag _dp2_distopt_opg --breakdown \
           --extra="--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather" ;;
     inductor)
@@ -86,7 +90,7 @@ run_stage() {
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
   esac
 }
 # A failing stage (a failed GPU test, say) is reported and does not stop the stages after it.

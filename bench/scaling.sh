@@ -11,6 +11,7 @@ N="${1:-8}"
 # A layout that fails (for example out of memory) is reported and the next one runs.
 B="try python3 bench/bench_gpt.py --iters 20 --warmup 5 --breakdown"  # + step-time breakdown (idle, exposed comm)
 mkdir -p "${OUT:-bench_out}"
+nvidia-smi topo -m > "${OUT:-bench_out}/topo.txt" 2>&1 || true  # how the GPUs are connected (NVLink or not)
 try() { "$@" || echo "FAILED (exit $?): $*" | tee -a "${OUT:-bench_out}/scaling_failures.txt"; }
 
 # 1. Layouts on N GPUs, llama-3b and Llama-3-8B (global batch = micro-batch x DP unless given).

@@ -70,6 +70,7 @@ TABLES = {
     "bench_fp8_linear.jsonl": generic("fp8 linears", ("bench", "shape", "variant", "ms", "rel_err_out", "error")),
     "layout_match.jsonl": generic("layout match", ("nproc", "extra", "max_rel_diff", "final")),
 }
+NOTES = ("nccl_transport.txt", "topo.txt")  # short text files printed as they are (how the GPUs are connected)
 
 
 def main() -> None:
@@ -81,6 +82,10 @@ def main() -> None:
                 print("\n".join(table(_rows(path))), flush=True)
             except (KeyError, TypeError, ValueError) as exc:  # a format this script does not know: say so
                 print(f"{name}: could not summarise ({type(exc).__name__}: {exc})")
+    for name in NOTES:
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            print(f"{name}:\n" + open(path).read()[-2000:], flush=True)
 
 
 if __name__ == "__main__":
