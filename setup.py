@@ -21,5 +21,6 @@ setup(
         "dev": ["pytest", "ruff", "mypy"],
         "wandb": ["wandb"],
         "te": ["transformer-engine[pytorch]"],
+        "torchao": ["torchao>=0.16"],  # --fp8-gemm-impl torchao
     },
 )

@@ -348,15 +348,15 @@ def test_layer_delayed_path_compiles_without_graph_breaks(backend):
 
 
 def _delayed_fp8_gpt(monkeypatch, **config) -> GPTModel:
-    """A tiny GPT with delayed-scaling FP8 linears on the CPU (the reference matmul path); its
-    TransformerLayer.compile is aot_eager with fullgraph (a graph break fails)."""
+    """A tiny GPT with delayed-scaling FP8 linears (or ``config``'s recipe) on the CPU (the reference
+    matmul path); its TransformerLayer.compile is aot_eager with fullgraph (a graph break fails)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)  # pretend Hopper
     monkeypatch.setattr(fp8_mod.Fp8Gemm.__init__, "__defaults__", (None, False))  # the reference matmul path
     monkeypatch.setattr(TransformerLayer, "compile",
                         lambda self, **kw: torch.nn.Module.compile(self, backend="aot_eager", fullgraph=True))
-    cfg = tiny_config(fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, **config)
+    cfg = tiny_config(**{"fp8_format": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 4, **config})
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
     apply_fp8([model], cfg, torch.device("cpu"))
     return model
@@ -409,3 +409,61 @@ def test_recompute_keeps_delayed_fp8_bitwise_identical(monkeypatch, compiled):
     assert l1 == l0
     assert all(torch.equal(a, b) for a, b in zip(g1, g0))
     assert all(torch.equal(a, b) for a, b in zip(h1, h0))
+
+
+# ------------------------------------------------------------------------------------------------
+# --fp8-gemm-impl torchao: torchao's float8 training behind the same Fp8Gemm (emulated on the CPU).
+
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+def test_torchao_gemms_quantise_like_ours(fmt):
+    """Same tensorwise quantisation and formats: torchao's outputs and gradients equal our reference's
+    up to one bf16 rounding of the emulated GEMM's output, eager and compiled (fullgraph)."""
+    pytest.importorskip("torchao.float8")
+    x, w, dy = inputs(m=64)
+    x, w = x.detach(), w.detach()
+
+    def step(gemm, compile_it=False):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fn = torch.compile(lambda a, b: gemm(a, b, None), fullgraph=True) if compile_it else (lambda a, b: gemm(a, b, None))
+        y = fn(xs, ws)
+        y.backward(dy)
+        return y.detach(), xs.grad, ws.grad
+
+    ours = step(Fp8Gemm(Fp8Recipe(fmt, "tensorwise", 1, "max", "scaled_mm"), use_scaled_mm=False))
+    ao = Fp8Gemm(Fp8Recipe(fmt, "tensorwise", 1, "max", "torchao"), use_scaled_mm=False)
+    for got in (step(ao), step(ao, compile_it=True)):
+        for g, r in zip(got, ours):
+            assert g.dtype == r.dtype and g.shape == r.shape
+            torch.testing.assert_close(g, r, rtol=2 ** -7, atol=1e-5)
+    # and not the bf16 GEMM: the quantisation really happened
+    assert not torch.allclose(step(ao)[0], (x.float() @ w.float().t()).bfloat16(), rtol=1e-3, atol=1e-4)
+
+
+def test_torchao_gemm_impl_flag_and_errors(monkeypatch):
+    pytest.importorskip("torchao.float8")
+    cfg = tiny_config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_gemm_impl="torchao")
+    assert Fp8Recipe.from_config(cfg).gemm_impl == "torchao"
+    lines = kernel_report(cfg, torch.device("cpu"), 1, 0, "CPU run", True)
+    assert "torchao float8 training" in next(line for line in lines if "FP8:" in line)
+    assert parse_args(BASE + ["--dry-run"]).model.fp8_gemm_impl == "scaled_mm"
+    with pytest.raises(ValueError, match="--fp8-gemm-impl torchao runs the tensorwise recipe only.*--fp8-recipe tensorwise"):
+        tiny_config(fp8_format="hybrid", fp8_recipe="delayed", fp8_gemm_impl="torchao")
+    with pytest.raises(ValueError, match="--fp8-gemm-impl 'cublas' is not valid"):
+        tiny_config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_gemm_impl="cublas")
+    monkeypatch.setitem(__import__("sys").modules, "torchao.float8.float8_linear", None)  # torchao not importable
+    with pytest.raises(ValueError, match="--fp8-gemm-impl torchao needs torchao.*pip install torchao"):
+        tiny_config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_gemm_impl="torchao")
+
+
+def test_compiled_layers_with_torchao_gemms_train_like_eager_ones(monkeypatch):
+    """--fp8-gemm-impl torchao inside whole compiled layers (fullgraph): eager's losses and gradients."""
+    pytest.importorskip("torchao.float8")
+    from megatron.core.fusions.compile import compile_layers
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    models = [_delayed_fp8_gpt(monkeypatch, fp8_recipe="tensorwise", fp8_gemm_impl="torchao") for _ in range(2)]
+    assert all(g._torchao is not None for g in models[0].modules() if isinstance(g, Fp8Gemm))
+    assert compile_layers([models[1]], TransformerLayer) == models[1].config.num_layers
+    (l0, g0, _), (l1, g1, _) = [_three_steps(m) for m in models]
+    assert l1 == l0
+    assert len(g1) == len(g0) and all(torch.equal(a, b) for a, b in zip(g1, g0))

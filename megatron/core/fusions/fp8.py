@@ -16,6 +16,11 @@ The numerics are one code path for every device: quantise -> :func:`scaled_mm`. 
 calls ``torch._scaled_mm`` (first operand row-major, second column-major, every dim a multiple of
 16, bf16 output) or, with ``use_scaled_mm=False``, multiplies the dequantised fp8 values in fp32 —
 the reference the tests compare it against.
+
+``--fp8-gemm-impl torchao`` hands the tensorwise recipe's GEMMs to torchao's float8 training
+(``matmul_with_hp_or_float8_args``, the function behind its ``Float8Linear``): the same quantisation,
+torchao's choices of what to save for backward and of fast accumulation in the forward GEMM. It is
+there to choose the faster implementation by measurement (docs/performance.md); torchao is optional.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "delayed")
+GEMM_IMPLS = ("scaled_mm", "torchao")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 # The linears that run in FP8 (Megatron: the transformer layers' GEMMs, never the output layer).
 FP8_LINEAR_NAMES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -45,6 +51,7 @@ class Fp8Recipe:
     recipe: str = "delayed"
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
+    gemm_impl: str = "scaled_mm"
 
     @property
     def fwd_dtype(self) -> torch.dtype:
@@ -59,13 +66,47 @@ class Fp8Recipe:
         """The recipe of a ``TransformerConfig`` (None when ``--fp8-format`` is not given)."""
         if not getattr(config, "fp8_format", None):
             return None
-        return cls(config.fp8_format, config.fp8_recipe, config.fp8_amax_history_len, config.fp8_amax_compute_algo)
+        return cls(config.fp8_format, config.fp8_recipe, config.fp8_amax_history_len, config.fp8_amax_compute_algo,
+                   getattr(config, "fp8_gemm_impl", "scaled_mm"))
 
     def describe(self) -> str:
         grads = "e5m2" if self.format == "hybrid" else "e4m3"
         scaling = ("tensorwise scaling (current amax)" if self.recipe == "tensorwise" else
                    f"delayed scaling (amax history {self.amax_history_len}, {self.amax_compute_algo})")
         return f"{self.format} (e4m3 forward, {grads} gradients), {scaling}"
+
+    @property
+    def gemm_name(self) -> str:
+        return "torchao float8 training" if self.gemm_impl == "torchao" else "torch._scaled_mm"
+
+
+def torchao_error() -> str | None:
+    """Why ``--fp8-gemm-impl torchao`` cannot run here (None when torchao's float8 training imports)."""
+    try:
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args  # noqa: F401
+    except ImportError as exc:
+        return (f"--fp8-gemm-impl torchao needs torchao's float8 training ({exc}); pip install torchao, or use "
+                "--fp8-gemm-impl scaled_mm (the default)")
+    return None
+
+
+def _torchao_matmul(recipe: Fp8Recipe, emulate: bool):
+    """``(x2d, weight) -> x2d @ weight.T`` through torchao's float8 training, tensorwise scaling, with
+    ``recipe``'s formats (``emulate``: dequantised fp32 GEMMs, for devices without FP8)."""
+    import dataclasses
+
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    grads = {f: dataclasses.replace(getattr(config, f), target_dtype=recipe.bwd_dtype)
+             for f in ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight")}
+    config = dataclasses.replace(config, emulate=emulate, **grads)
+    mm = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, config.pad_inner_dim)
+                          for g in (config.gemm_config_output, config.gemm_config_grad_input,
+                                    config.gemm_config_grad_weight)))
+    return lambda x2d, weight: matmul_with_hp_or_float8_args.apply(x2d, weight.t(), mm, config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,6 +291,7 @@ class Fp8Gemm(nn.Module):
         self.amax_sink: torch.Tensor | None = None
         if recipe.recipe == "delayed":
             self._make_sink(self.amax_history.device)
+        self._torchao = _torchao_matmul(recipe, emulate=not use_scaled_mm) if recipe.gemm_impl == "torchao" else None
 
     def _make_sink(self, device: torch.device) -> None:
         self.amax_sink = torch.zeros(3, device=device, requires_grad=True)
@@ -276,7 +318,9 @@ class Fp8Gemm(nn.Module):
                           "those GEMMs run in bf16 (use a micro-batch x sequence length divisible by 16)",
                           stacklevel=2)
             return F.linear(x, weight, bias)
-        if self.recipe.recipe == "delayed":
+        if self._torchao is not None:
+            out = self._torchao(x2d, weight)
+        elif self.recipe.recipe == "delayed":
             out = _Fp8MatmulDelayed.apply(x2d, weight, self.amax_sink, self.amax_history, self.initialized,
                                           self.recipe, self.use_scaled_mm)
         else:

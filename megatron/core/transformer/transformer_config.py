@@ -108,6 +108,11 @@ class TransformerConfig:
     fp8_amax_compute_algo: str = doc(
         "max", "Delayed FP8 scaling: the amax of a tensor is the 'max' over its history or the "
         "'most_recent' entry. Only with --fp8-format and --fp8-recipe delayed.", choices=("max", "most_recent"))
+    fp8_gemm_impl: str = doc(
+        "scaled_mm", "Who runs the FP8 GEMMs: 'scaled_mm' (ours: torch._scaled_mm, quantisation compiled into "
+        "the layers) or 'torchao' (torchao's float8 training; tensorwise recipe only; needs torchao installed). "
+        "Same quantisation; pick the faster by measurement (docs/performance.md). Only with --fp8-format.",
+        choices=("scaled_mm", "torchao"))
     # Hooks the training application sets for the schedules (not flags).
     grad_scale_func: object = doc(None, "Scales the loss before backward (fp16 loss scaling).", flag=None)
     no_sync_func: object = doc(None, "Context manager that defers gradient reduction.", flag=None)
@@ -170,6 +175,16 @@ class TransformerConfig:
         check_choice("fp8_recipe", self.fp8_recipe, ("tensorwise", "delayed"))
         check_choice("fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("max", "most_recent"))
         check_positive("fp8_amax_history_len", self.fp8_amax_history_len)
+        check_choice("fp8_gemm_impl", self.fp8_gemm_impl, ("scaled_mm", "torchao"))
+        if self.fp8_gemm_impl == "torchao":
+            if self.fp8_recipe != "tensorwise":
+                raise ValueError(f"--fp8-gemm-impl torchao runs the tensorwise recipe only, not --fp8-recipe "
+                                 f"{self.fp8_recipe}; add --fp8-recipe tensorwise or use --fp8-gemm-impl scaled_mm")
+            from megatron.core.fusions.fp8 import torchao_error
+
+            error = torchao_error()
+            if error:
+                raise ValueError(error)
         if not self.bf16:
             raise ValueError(f"--fp8-format {self.fp8_format} needs --bf16 (FP8 GEMMs take bf16 activations and "
                              "weights); add --bf16")
