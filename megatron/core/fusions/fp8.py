@@ -45,7 +45,8 @@ X, W, DY = 0, 1, 2  # rows of the amax history
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """How one run quantises: ``format`` in FORMATS, ``recipe`` in RECIPES, and delayed scaling's history."""
+    """How one run quantises: ``format`` in FORMATS, ``recipe`` in RECIPES, delayed scaling's history,
+    and who runs the GEMMs (``gemm_impl`` in GEMM_IMPLS)."""
 
     format: str = "hybrid"
     recipe: str = "delayed"

@@ -175,13 +175,13 @@ class TransformerConfig:
         check_choice("fp8_recipe", self.fp8_recipe, ("tensorwise", "delayed"))
         check_choice("fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("max", "most_recent"))
         check_positive("fp8_amax_history_len", self.fp8_amax_history_len)
-        check_choice("fp8_gemm_impl", self.fp8_gemm_impl, ("scaled_mm", "torchao"))
+        from megatron.core.fusions.fp8 import GEMM_IMPLS, torchao_error
+
+        check_choice("fp8_gemm_impl", self.fp8_gemm_impl, GEMM_IMPLS)
         if self.fp8_gemm_impl == "torchao":
             if self.fp8_recipe != "tensorwise":
                 raise ValueError(f"--fp8-gemm-impl torchao runs the tensorwise recipe only, not --fp8-recipe "
                                  f"{self.fp8_recipe}; add --fp8-recipe tensorwise or use --fp8-gemm-impl scaled_mm")
-            from megatron.core.fusions.fp8 import torchao_error
-
             error = torchao_error()
             if error:
                 raise ValueError(error)
