@@ -467,3 +467,27 @@ def test_compiled_layers_with_torchao_gemms_train_like_eager_ones(monkeypatch):
     (l0, g0, _), (l1, g1, _) = [_three_steps(m) for m in models]
     assert l1 == l0
     assert len(g1) == len(g0) and all(torch.equal(a, b) for a, b in zip(g1, g0))
+
+
+def test_delayed_fp8_layers_recompile_once_when_the_history_fills(monkeypatch):
+    """Delayed scaling's scales depend on the history alone once it has entries (``Fp8Gemm.warm``, a
+    host flag, so that no cast waits for its tensor's amax): the compiled layers (two, sharing one
+    graph) compile once for the first step and once more after it, never again."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from megatron.core.fusions.compile import compile_layers
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    torch._dynamo.reset()
+    model = _delayed_fp8_gpt(monkeypatch)
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(TransformerLayer, "compile",
+                        lambda self, **kw: torch.nn.Module.compile(self, backend=counter, fullgraph=True))
+    gemms = [g for g in model.modules() if isinstance(g, Fp8Gemm)]
+    with torch.no_grad():  # an evaluation forward records nothing and leaves the history cold
+        model(torch.zeros(2, 16, dtype=torch.long), None, None)
+    assert not any(g.warm for g in gemms)
+    assert compile_layers([model], TransformerLayer) == model.config.num_layers
+    _three_steps(model)
+    assert all(g.warm for g in gemms)
+    assert counter.frame_count == 2

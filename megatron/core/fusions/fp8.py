@@ -143,11 +143,14 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _delayed_scale(row: torch.Tensor, initialized: torch.Tensor, cur: torch.Tensor, dtype: torch.dtype,
-                   algo: str) -> torch.Tensor:
+                   algo: str, warm: bool = False) -> torch.Tensor:
     """Delayed scaling's scale: from the history ``row`` (its max or most recent entry), or from the
-    current amax ``cur`` before the first entry (``initialized`` False). Reads, never writes."""
+    current amax ``cur`` before the first entry (``initialized`` False). Reads, never writes.
+
+    ``warm`` (known on the host: the history has entries) leaves ``cur`` out, so that the cast does
+    not wait for the reduction that computes it."""
     past = row.amax() if algo == "max" else row[0]
-    return scale_from_amax(torch.where(initialized, past, cur), dtype)
+    return scale_from_amax(past if warm else torch.where(initialized, past, cur), dtype)
 
 
 def _push(history: torch.Tensor, initialized: torch.Tensor, row: int, amax: torch.Tensor) -> None:
@@ -237,21 +240,25 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
 
     So a forward's amaxes enter the history when its backward has run (the next forward sees them,
     as in eager delayed scaling); a forward without backward (evaluation) records nothing.
+
+    ``warm`` (a host bool: the history has entries) drops the device-side choice between history and
+    current amax, the same values from then on: no cast waits for its tensor's amax reduction, so
+    Inductor may compute both in one pass. A compiled layer recompiles once, when it turns True.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, amax_sink, history, initialized, recipe, use_scaled_mm):  # type: ignore[override]
+    def forward(ctx, x, weight, amax_sink, history, initialized, recipe, use_scaled_mm, warm):  # type: ignore[override]
         fwd, algo = recipe.fwd_dtype, recipe.amax_compute_algo
         x_amax, w_amax = x.detach().abs().amax().float(), weight.detach().abs().amax().float()
-        x_scale = _delayed_scale(history[X], initialized[X], x_amax, fwd, algo)
-        w_scale = _delayed_scale(history[W], initialized[W], w_amax, fwd, algo)
+        x_scale = _delayed_scale(history[X], initialized[X], x_amax, fwd, algo, warm)
+        w_scale = _delayed_scale(history[W], initialized[W], w_amax, fwd, algo, warm)
         x8, w8 = quantize(x, x_scale, fwd), quantize(weight, w_scale, fwd)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, use_scaled_mm)
         dy_past = history[DY].amax() if algo == "max" else history[DY, 0]
         ctx.save_for_backward(x8, w8, x_inv, w_inv, dy_past.clone(), initialized[DY].clone(),
                               torch.stack((x_amax, w_amax)))
-        ctx.recipe, ctx.use_scaled_mm, ctx.dtypes = recipe, use_scaled_mm, (x.dtype, weight.dtype)
+        ctx.recipe, ctx.use_scaled_mm, ctx.dtypes, ctx.warm = recipe, use_scaled_mm, (x.dtype, weight.dtype), warm
         return out
 
     @staticmethod
@@ -260,14 +267,14 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
         bwd = ctx.recipe.bwd_dtype
         dy = grad_out.contiguous()
         cur = dy.abs().amax().float()
-        g_scale = scale_from_amax(torch.where(dy_initialized, dy_past, cur), bwd)
+        g_scale = scale_from_amax(dy_past if ctx.warm else torch.where(dy_initialized, dy_past, cur), bwd)
         dy8, g_inv = quantize(dy, g_scale, bwd), g_scale.reciprocal()
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = scaled_mm(dy8, _col_major(w8), g_inv, w_inv, ctx.dtypes[0], ctx.use_scaled_mm)
         if ctx.needs_input_grad[1]:
             dw = scaled_mm(dy8.t().contiguous(), _col_major(x8), g_inv, x_inv, ctx.dtypes[1], ctx.use_scaled_mm)
-        return dx, dw, torch.cat((xw_amax, cur.view(1))), None, None, None, None
+        return dx, dw, torch.cat((xw_amax, cur.view(1))), None, None, None, None, None
 
 
 class Fp8Gemm(nn.Module):
@@ -290,6 +297,7 @@ class Fp8Gemm(nn.Module):
         self.register_buffer("amax_history", torch.zeros(3, length, device=device), persistent=False)
         self.register_buffer("initialized", torch.zeros(3, dtype=torch.bool, device=device), persistent=False)
         self.amax_sink: torch.Tensor | None = None
+        self.warm = False  # delayed scaling: the history has entries (set by the hook; see _Fp8MatmulDelayed)
         if recipe.recipe == "delayed":
             self._make_sink(self.amax_history.device)
         self._torchao = _torchao_matmul(recipe, emulate=not use_scaled_mm) if recipe.gemm_impl == "torchao" else None
@@ -304,6 +312,7 @@ class Fp8Gemm(nn.Module):
         if sink.grad is not None:
             _push_rows(self.amax_history, self.initialized, sink.grad)
             sink.grad = None
+            self.warm = True
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda(): the sink follows the buffers
         out = super()._apply(fn, recurse)
@@ -323,7 +332,7 @@ class Fp8Gemm(nn.Module):
             out = self._torchao(x2d, weight)
         elif self.recipe.recipe == "delayed":
             out = _Fp8MatmulDelayed.apply(x2d, weight, self.amax_sink, self.amax_history, self.initialized,
-                                          self.recipe, self.use_scaled_mm)
+                                          self.recipe, self.use_scaled_mm, self.warm)
         else:
             out = fp8_matmul(x2d, weight, self.recipe, None, None, self.use_scaled_mm)
         out = out.view(*x.shape[:-1], weight.shape[0])
