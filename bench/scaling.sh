@@ -1,49 +1,87 @@
 #!/usr/bin/env bash
-# Scaling runs of issue 7 on one node of 8 (or 4) H200s: the layouts, weak scaling and NCCL loss
-# matches. Every figure lands in $OUT/bench_gpt.jsonl and $OUT/layout_match.jsonl (or ./bench_out/).
+# Scaling runs of issue 7 on one node of 8 (or 4) H200s, in stages that each fit one 10-minute device
+# call (a run is ~1.5-2 min, most of it compilation). Every figure lands in $OUT/bench_gpt.jsonl and
+# $OUT/layout_match.jsonl (or ./bench_out/), and the summary is printed last.
 #
-#   bash bench/scaling.sh [NGPUS]      (default 8; 4 runs the layouts that fit)
+#   NGPUS=8 bash bench/scaling.sh STAGE...      (NGPUS defaults to 8; with 4, runs needing 8 are skipped)
+#
+#   weak-dp      llama-3b, the same per-GPU work on 1, 2, 4, 8 GPUs, dp with bf16 gradient reduction  ~8 min
+#   weak-tp2     llama-3b, tp2 (+SP) x dp1/2/4 on 2, 4, 8 GPUs (efficiency against the tp2 pair)        ~6 min
+#   weak-fp32    llama-3b, dp on 2, 4, 8 GPUs with fp32 gradient reduction (the default)              ~6 min
+#   8b-best      Llama-3-8B: distributed optimizer + overlapped param gather, dp and tp2 x dp          ~8 min
+#   8b-layouts   Llama-3-8B: tp4 x dp, tp8, tp2 x pp2 x dp, tp2 x pp4 with virtual stages              ~8 min
+#   3b-layouts   llama-3b: tp4 x dp, tp8, tp2 x pp2 x dp, tp2 x pp4 with virtual stages                ~8 min
+#   match        every layout against one GPU over 50 bf16 steps of a smaller model, on NCCL          ~4 min
+#
+# Priority for a short session: weak-dp, weak-tp2, 8b-best (the issue's three targets), then the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 source bench/pack_out.sh  # pack $OUT into results.tgz on exit
-N="${1:-8}"
-# A layout that fails (for example out of memory) is reported and the next one runs.
-B="try python3 bench/bench_gpt.py --iters 20 --warmup 5 --breakdown"  # + step-time breakdown (idle, exposed comm)
-mkdir -p "${OUT:-bench_out}"
-nvidia-smi topo -m > "${OUT:-bench_out}/topo.txt" 2>&1 || true  # how the GPUs are connected (NVLink or not)
-try() { "$@" || echo "FAILED (exit $?): $*" | tee -a "${OUT:-bench_out}/scaling_failures.txt"; }
+N="${NGPUS:-8}"
+OUT_DIR="${OUT:-bench_out}"
+mkdir -p "$OUT_DIR"
+nvidia-smi topo -m > "$OUT_DIR/topo.txt" 2>&1 || true  # how the GPUs are connected (NVLink or not)
+# A run that fails (for example out of memory) is reported and the next one runs.
+try() { "$@" || echo "FAILED (exit $?): $*" | tee -a "$OUT_DIR/scaling_failures.txt"; }
+# + step-time breakdown (idle, exposed communication) of every run
+B="try python3 bench/bench_gpt.py --iters 16 --warmup 4 --breakdown"
+SP="--sequence-parallel"
+DP="--overlap-grad-reduce"
+BF16R="--overlap-grad-reduce --grad-reduce-in-bf16"
+DISTOPT="--use-distributed-optimizer --overlap-param-gather"
 
-# 1. Layouts on N GPUs, llama-3b and Llama-3-8B (global batch = micro-batch x DP unless given).
-for cfg in llama-3b llama3-8b; do
-  $B --configs "$cfg" --nproc "$N" --extra="--overlap-grad-reduce"                                        # dpN
-  # Llama-3-8B under pure DP needs ~144 GB per GPU with a replicated optimizer: shard it.
-  [ "$cfg" = llama3-8b ] && $B --configs "$cfg" --nproc "$N" --tag _distopt --extra="--overlap-grad-reduce --use-distributed-optimizer"
-  [ "$cfg" = llama3-8b ] && $B --configs "$cfg" --nproc "$N" --tag _distopt_opg \
-      --extra="--overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather"
-  [ "$cfg" = llama3-8b ] && $B --configs "$cfg" --nproc "$N" --tag _tp2_distopt_opg \
-      --extra="--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce --use-distributed-optimizer --overlap-param-gather"
-  $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"
-  $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 4 --sequence-parallel --overlap-grad-reduce"
-  [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 8 --sequence-parallel"
-  $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --global-batch-size $((4 * N))"
-  # tp2 x pp4 with two virtual stages per rank. llama-3b's 26 layers do not split evenly over 4 ranks:
-  # 6 / 8 / 8 / 4 (the last stage also holds the 128k-vocabulary output layer, worth ~4 layers of GEMMs).
-  vpp="--num-layers-per-virtual-pipeline-stage 2"
+# layouts CONFIG: tp4 x dp, tp8, tp2 x pp2 x dp, tp2 x pp4 with two virtual stages per rank.
+layouts() {
+  local cfg="$1" vpp="--num-layers-per-virtual-pipeline-stage 2"
+  # llama-3b's 26 layers do not split evenly over 4 ranks: 6 / 8 / 8 / 4 (the last stage also holds
+  # the 128k-vocabulary output layer, worth ~4 layers of GEMMs).
   [ "$cfg" = llama-3b ] && vpp="--virtual-pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 4"
-  [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --extra="--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 4 $vpp --global-batch-size $((8 * N))"
+  $B --configs "$cfg" --nproc "$N" --tag _tp4 --extra="--tensor-model-parallel-size 4 $SP $BF16R"
+  [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --tag _tp8 --extra="--tensor-model-parallel-size 8 $SP"
+  $B --configs "$cfg" --nproc "$N" --tag _tp2pp2 \
+      --extra="--tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 2 $BF16R --global-batch-size $((4 * N))"
+  [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --tag _tp2pp4vpp \
+      --extra="--tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 4 $vpp --global-batch-size $((8 * N))"
+  return 0
+}
+
+run_stage() {
+  case "$1" in
+    weak-dp)
+      for n in 1 2 4 8; do
+        [ "$n" -le "$N" ] || continue
+        if [ "$n" = 1 ]; then $B --configs llama-3b --tag _1gpu; else $B --configs llama-3b --nproc "$n" --tag "_dp${n}_bf16r" --extra="$BF16R"; fi
+      done ;;
+    weak-tp2)
+      for n in 2 4 8; do
+        [ "$n" -le "$N" ] || continue
+        $B --configs llama-3b --nproc "$n" --tag "_tp2dp$((n / 2))" --extra="--tensor-model-parallel-size 2 $SP $BF16R"
+      done ;;
+    weak-fp32)
+      for n in 2 4 8; do
+        [ "$n" -le "$N" ] || continue
+        $B --configs llama-3b --nproc "$n" --tag "_dp${n}" --extra="$DP"
+      done ;;
+    8b-best)
+      # Llama-3-8B under pure DP needs ~144 GB per GPU with a replicated optimizer: shard it.
+      $B --configs llama3-8b --nproc "$N" --tag _distopt_opg --extra="$BF16R $DISTOPT"
+      $B --configs llama3-8b --nproc "$N" --tag _tp2_distopt_opg --extra="--tensor-model-parallel-size 2 $SP $BF16R $DISTOPT"
+      $B --configs llama3-8b --nproc "$N" --tag _tp2 --extra="--tensor-model-parallel-size 2 $SP $BF16R" ;;
+    8b-layouts) layouts llama3-8b ;;
+    3b-layouts) layouts llama-3b ;;
+    match)
+      local g="--global-batch-size 32"  # divisible by micro-batch 4 x every DP degree below
+      try python3 bench/layout_match.py --iters 50 --layouts "1:$g;$N:$g;$N:$g --tensor-model-parallel-size 2 $SP;$N:$g --tensor-model-parallel-size 4 $SP;$N:$g --tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 2" ;;
+    *) echo "unknown stage $1 (weak-dp, weak-tp2, weak-fp32, 8b-best, 8b-layouts, 3b-layouts, match)" >&2; return 2 ;;
+  esac
+}
+
+[ "$#" -gt 0 ] || { echo "usage: NGPUS=8 bash bench/scaling.sh STAGE... (see the header)" >&2; exit 2; }
+status=0
+for stage in "$@"; do
+  run_stage "$stage" || { rc=$?; echo "=== stage $stage failed (exit $rc)" >&2; status=1; }
 done
-
-# 2. Weak scaling: the same per-GPU work on 1, 2, 4, 8 GPUs (dp, then tp2 x dp).
-for n in 1 2 4 8; do
-  [ "$n" -le "$N" ] || continue
-  $B --configs llama-3b --nproc "$n" --extra="--overlap-grad-reduce"
-  [ "$n" -ge 2 ] && $B --configs llama-3b --nproc "$n" --extra="--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"
-done
-
-# 3. Correctness on NCCL: every layout against one GPU over 50 bf16 steps (a smaller model).
-G="--global-batch-size 32"  # divisible by micro-batch 4 x every DP degree below
-try python3 bench/layout_match.py --iters 50 --layouts "1:$G;$N:$G;$N:$G --tensor-model-parallel-size 2 --sequence-parallel;$N:$G --tensor-model-parallel-size 4 --sequence-parallel;$N:$G --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2"
-
 # Every figure of the run, in the few kilobytes of output that come back.
-python3 bench/summary.py "${OUT:-bench_out}" || true
+python3 bench/summary.py "$OUT_DIR" || true
+exit $status
