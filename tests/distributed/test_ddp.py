@@ -3,6 +3,7 @@ the end, and both equal the gradient of the whole batch on one process."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from harness import device, distributed_test
 from torch.testing import assert_close
@@ -16,6 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import ParallelState, RankGrid
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.host_transfers import HostTransfers
 
 VOCAB, SEQ, MBS, MICRO = 64, 16, 2, 2
 
@@ -282,3 +284,44 @@ def test_bf16_gradient_reduction_keeps_bf16_buckets_and_matches_fp32_reduction(p
     gathered = [torch.empty_like(weights16) for _ in range(2)]
     dist.all_gather(gathered, weights16)
     assert torch.equal(gathered[0], gathered[1])
+
+
+STEP_LAYOUTS = {
+    "fp32 reduction": dict(overlap_grad_reduce=True, bucket_size=3000),
+    "bf16 reduction": dict(overlap_grad_reduce=True, bucket_size=3000, grad_reduce_in_fp32=False),
+    "distributed optimizer": dict(overlap_grad_reduce=True, bucket_size=3000, use_distributed_optimizer=True,
+                                  overlap_param_gather=True),
+}
+
+
+@pytest.mark.parametrize("layout", list(STEP_LAYOUTS))
+@distributed_test(world_size=2)
+def test_a_training_step_makes_no_host_transfer(ps: ParallelState, layout: str) -> None:
+    """Issue 6's "no host syncs inside the step": two micro-batches of forward and backward, the
+    overlapped gradient reduction, the grad norm, clipping and the optimizer step (``sync=False``, as
+    the training loop runs it) read nothing back and create no tensor from a host value except the
+    optimizer's hyperparameters."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    module = _bf16_model(ps)
+    model = DistributedDataParallel(module.config, DistributedDataParallelConfig(**STEP_LAYOUTS[layout]), module, ps)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True, clip_grad=1.0), [model])
+    batches = _batches(ps.dp_rank, ps.dp_size)
+
+    def step():
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        with model.no_sync():
+            model(batches[0], None, None, labels=batches[0]).float().mean().backward()
+        model(batches[1], None, None, labels=batches[1]).float().mean().backward()
+        finalize_model_grads([model])
+        return opt.step(sync=False)
+
+    step()  # the first step allocates state
+    with HostTransfers() as rec:
+        success, grad_norm, _ = step()
+    # The one transfer allowed: the step's learning rate and other AdamW hyperparameters, which on a GPU
+    # go through pinned memory without blocking.
+    assert set(rec.seen) == {("aten.lift_fresh.default", "megatron/core/optimizer/fused_adamw.py:_hyper")}
+    assert success and torch.is_tensor(grad_norm) and float(grad_norm) > 0
+    opt.finish_param_sync()

@@ -28,6 +28,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.arguments import parse_args
+from tests.host_transfers import HostTransfers
 
 
 def _scaled_mm_on_cpu() -> bool:
@@ -142,23 +143,6 @@ def test_delayed_history_updates_in_forward_and_backward():
     assert list(gemm.state_dict()) == []  # compute state only: never in checkpoints
 
 
-class _HostTransfers(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the ops that, on a GPU, move a value between host and device and so wait for the
-    stream: a tensor made from a Python value (``lift_fresh``: ``t[i] = True``, ``torch.tensor(...)``)
-    and a read back to Python (``item()``, ``tolist()``)."""
-
-    SYNCING = {"aten.lift_fresh.default", "aten._local_scalar_dense.default"}
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) in self.SYNCING:
-            self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_fp8_linear_steps_without_host_sync(recipe):
     """Forward, backward and the delayed history update never wait for the GPU: a ``t[i] = True`` in the
@@ -166,7 +150,7 @@ def test_fp8_linear_steps_without_host_sync(recipe):
     gemm = Fp8Gemm(Fp8Recipe("hybrid", recipe, 4), use_scaled_mm=False)
     x, w, dy = inputs(m=32)
     gemm(x, w, None).backward(dy)  # the first step (no history yet) too
-    with _HostTransfers() as rec:
+    with HostTransfers() as rec:
         for _ in range(2):
             gemm(x, w, None).backward(dy)
     assert rec.seen == []
