@@ -11,7 +11,7 @@
 #   8b-best      Llama-3-8B: distributed optimizer + overlapped param gather, dp and tp2 x dp          ~8 min
 #   8b-layouts   Llama-3-8B: tp4 x dp, tp8, tp2 x pp2 x dp, tp2 x pp4 with virtual stages              ~8 min
 #   3b-layouts   llama-3b: tp4 x dp, tp8, tp2 x pp2 x dp, tp2 x pp4 with virtual stages                ~8 min
-#   match        every layout against one GPU over 50 bf16 steps of a smaller model, on NCCL          ~4 min
+#   match        every layout above against one GPU over 50 bf16 steps of a smaller model, on NCCL    ~7 min
 #
 # Priority for a short session: weak-dp, weak-tp2, 8b-best (the three targets), then the rest.
 set -euo pipefail
@@ -71,8 +71,12 @@ run_stage() {
     8b-layouts) layouts llama3-8b ;;
     3b-layouts) layouts llama-3b ;;
     match)
-      local g="--global-batch-size 32"  # divisible by micro-batch 4 x every DP degree below
-      try python3 bench/layout_match.py --iters 50 --layouts "1:$g;$N:$g;$N:$g --tensor-model-parallel-size 2 $SP;$N:$g --tensor-model-parallel-size 4 $SP;$N:$g --tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 2" ;;
+      # Global batch divisible by micro-batch 4 x every DP degree below; 8 query groups so that tp8 splits them.
+      local g="--global-batch-size 32 --num-query-groups 8"
+      local l="1:$g;$N:$g;$N:$g --tensor-model-parallel-size 2 $SP;$N:$g --tensor-model-parallel-size 4 $SP"
+      l="$l;$N:$g --tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 2"
+      [ "$N" -ge 8 ] && l="$l;$N:$g --tensor-model-parallel-size 8 $SP;$N:$g --tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1"
+      try python3 bench/layout_match.py --iters 50 --layouts "$l" ;;
     *) echo "unknown stage $1 (weak-dp, weak-tp2, weak-fp32, 8b-best, 8b-layouts, 3b-layouts, match)" >&2; return 2 ;;
   esac
 }
