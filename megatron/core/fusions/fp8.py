@@ -149,8 +149,25 @@ def _delayed_scale(row: torch.Tensor, initialized: torch.Tensor, cur: torch.Tens
 
     ``warm`` (known on the host: the history has entries) leaves ``cur`` out, so that the cast does
     not wait for the reduction that computes it."""
-    past = row.amax() if algo == "max" else row[0]
+    past = _history_amax(row, algo)
     return scale_from_amax(past if warm else torch.where(initialized, past, cur), dtype)
+
+
+def _history_amax(row: torch.Tensor, algo: str) -> torch.Tensor:
+    """The amax delayed scaling reads from one history row: its max or its most recent entry."""
+    return row.amax() if algo == "max" else row[0]
+
+
+def _fp8_grads(ctx, dy8: torch.Tensor, g_inv: torch.Tensor, x8: torch.Tensor, w8: torch.Tensor,
+               x_inv: torch.Tensor, w_inv: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The FP8 backward GEMMs ``dX = dY8 W8`` [M, K] and ``dW = dY8^T X8`` [N, K], each only where
+    autograd needs it (``ctx.needs_input_grad`` of x and weight, the first two inputs)."""
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = scaled_mm(dy8, _col_major(w8), g_inv, w_inv, ctx.dtypes[0], ctx.use_scaled_mm)
+    if ctx.needs_input_grad[1]:
+        dw = scaled_mm(dy8.t().contiguous(), _col_major(x8), g_inv, x_inv, ctx.dtypes[1], ctx.use_scaled_mm)
+    return dx, dw
 
 
 def _push(history: torch.Tensor, initialized: torch.Tensor, row: int, amax: torch.Tensor) -> None:
@@ -208,13 +225,7 @@ class _Fp8Matmul(torch.autograd.Function):
         dy = grad_out.contiguous()  # [M, N]
         g_scale = tensor_scale(dy, bwd, ctx.recipe, ctx.history, ctx.initialized, DY)
         dy8, g_inv = quantize(dy, g_scale, bwd), g_scale.reciprocal()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = scaled_mm(dy8, _col_major(w8), g_inv, w_inv, ctx.dtypes[0], ctx.use_scaled_mm)  # [M, K]
-        if ctx.needs_input_grad[1]:
-            dw = scaled_mm(dy8.t().contiguous(), _col_major(x8), g_inv, x_inv, ctx.dtypes[1],
-                           ctx.use_scaled_mm)  # [N, K]
-        return dx, dw, None, None, None, None
+        return (*_fp8_grads(ctx, dy8, g_inv, x8, w8, x_inv, w_inv), None, None, None, None)
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history: torch.Tensor | None = None,
@@ -255,7 +266,7 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
         x8, w8 = quantize(x, x_scale, fwd), quantize(weight, w_scale, fwd)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, use_scaled_mm)
-        dy_past = history[DY].amax() if algo == "max" else history[DY, 0]
+        dy_past = _history_amax(history[DY], algo)
         ctx.save_for_backward(x8, w8, x_inv, w_inv, dy_past.clone(), initialized[DY].clone(),
                               torch.stack((x_amax, w_amax)))
         ctx.recipe, ctx.use_scaled_mm, ctx.dtypes, ctx.warm = recipe, use_scaled_mm, (x.dtype, weight.dtype), warm
@@ -269,11 +280,7 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
         cur = dy.abs().amax().float()
         g_scale = scale_from_amax(dy_past if ctx.warm else torch.where(dy_initialized, dy_past, cur), bwd)
         dy8, g_inv = quantize(dy, g_scale, bwd), g_scale.reciprocal()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = scaled_mm(dy8, _col_major(w8), g_inv, w_inv, ctx.dtypes[0], ctx.use_scaled_mm)
-        if ctx.needs_input_grad[1]:
-            dw = scaled_mm(dy8.t().contiguous(), _col_major(x8), g_inv, x_inv, ctx.dtypes[1], ctx.use_scaled_mm)
+        dx, dw = _fp8_grads(ctx, dy8, g_inv, x8, w8, x_inv, w_inv)
         return dx, dw, torch.cat((xw_amax, cur.view(1))), None, None, None, None, None
 
 
