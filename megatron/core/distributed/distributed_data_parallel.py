@@ -252,10 +252,8 @@ class DistributedDataParallel(nn.Module):
                 for p in bucket.params
             ]
             return
-        if self.ddp_config.average_in_collective:
-            bucket.handle = dist.all_reduce(view, op=dist.ReduceOp.AVG, group=self.dp_group, async_op=async_op)
-        else:
-            bucket.handle = dist.all_reduce(view, op=self._average_op(view), group=self.dp_group, async_op=async_op)
+        op = dist.ReduceOp.AVG if self.ddp_config.average_in_collective else self._average_op(view)
+        bucket.handle = dist.all_reduce(view, op=op, group=self.dp_group, async_op=async_op)
 
     @contextlib.contextmanager
     def no_sync(self):
