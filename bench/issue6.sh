@@ -6,7 +6,8 @@
 #   bash bench/issue6.sh kernels    # CE pass, SwiGLU backward (compiled vs Triton); Liger-Kernel vs ours ~2 min
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
-#   bash bench/issue6.sh fp8        # FP8 speed (bf16, tensorwise, delayed, torchao's GEMMs; per linear) ~7 min
+#   bash bench/issue6.sh fp8        # FP8 speed, whole llama-3b step: bf16, tensorwise, delayed, torchao's GEMMs ~5 min
+#   bash bench/issue6.sh fp8linear  # FP8 per linear: ours (tensorwise, delayed) against torchao's recipes and bf16 ~1 min
 #   bash bench/issue6.sh fp8loss    # FP8 against bf16 over 300 steps of the bundled corpus (+ a bf16 repeat) ~5 min
 #   bash bench/issue6.sh nccltests  # 2 GPUs: compiled tp2 and DDP / distributed-optimizer tests over NCCL   ~4 min
 #   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, dp2 (fp32, bf16 reduction), tp2+SP, dist. optimizer + param gather ~8 min
@@ -46,10 +47,11 @@ run_stage() {
       B="python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4"
       $B --tag _bf16
       $B --tag _fp8 --breakdown --extra="--fp8-format hybrid --fp8-recipe tensorwise"
-      $B --tag _fp8_delayed --extra="--fp8-format hybrid --fp8-recipe delayed"
-      # The same step with torchao's float8 training doing the GEMMs (choose the FP8 path by measurement),
-      # and one linear at a time.
-      $B --tag _fp8_torchao --breakdown --extra="--fp8-format hybrid --fp8-recipe tensorwise --fp8-gemm-impl torchao"
+      $B --tag _fp8_delayed --breakdown --extra="--fp8-format hybrid --fp8-recipe delayed"
+      # The same step with torchao's float8 training doing the GEMMs (choose the FP8 path by measurement).
+      $B --tag _fp8_torchao --breakdown --extra="--fp8-format hybrid --fp8-recipe tensorwise --fp8-gemm-impl torchao" ;;
+    fp8linear)
+      python3 -c "import torchao" 2>/dev/null || python3 -m pip install -q --no-deps .whl/torchao-*.whl
       python3 bench/bench_fp8_linear.py --iters 20 ;;
     fp8loss)
       python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
@@ -94,7 +96,7 @@ run_stage() {
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, fp8loss, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, fp8linear, fp8loss, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
   esac
 }
 # A failing stage (a failed GPU test, say) is reported and does not stop the stages after it.

@@ -68,7 +68,7 @@ def _fallback(kernel: str, exc: Exception) -> None:
                   stacklevel=4)
 
 
-def _run(kernel: str, triton_fn, torch_fn, *args: torch.Tensor):
+def _run(kernel: str, triton_fn, torch_fn, *args):
     """``triton_fn(*args)`` where ``kernel`` is available for ``args[0]``, else (or after it fails,
     which is said once) ``torch_fn(*args)``, which computes the same thing."""
     if available(args[0], kernel):
@@ -105,7 +105,23 @@ def _check_cross_entropy(device: torch.device) -> str:
     return _compare(loss, _loss_and_dlogits_(ref, target, weights), tol=1e-4) or _compare(got, ref)
 
 
-_SELF_CHECKS = {"swiglu_backward": _check_swiglu, "cross_entropy_grad": _check_cross_entropy}
+def _check_fp8_cast(device: torch.device) -> str:
+    """The FP8 amax and cast-transpose kernels against the torch code: bit-equal casts, equal amaxes."""
+    g = torch.Generator(device=device).manual_seed(0)
+    t = (torch.randn(200, 300, device=device, generator=g) * 5).bfloat16()
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scale = torch.finfo(dtype).max / t.float().abs().amax() * 1.5  # some values saturate
+        got, ref = fp8_cast_transpose_triton(t, scale, dtype, True), _fp8_cast_transpose_torch(t, scale, dtype, True)
+        for a, b in zip(got, ref):
+            if not torch.equal(a.float(), b.float()):
+                return f"fp8 cast-transpose to {dtype} differs from the torch code"
+    if not torch.equal(fp8_amax_triton(t), _fp8_amax_torch(t)):
+        return "fp8 amax differs from the torch code"
+    return ""
+
+
+_SELF_CHECKS = {"swiglu_backward": _check_swiglu, "cross_entropy_grad": _check_cross_entropy,
+                "fp8_cast": _check_fp8_cast}
 
 
 if triton is not None:
@@ -154,6 +170,38 @@ if triton is not None:
             p = tl.exp(x - lse)
             p = tl.where(cols == target, p - 1.0, p)
             tl.store(base + cols, (p * w).to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
+    def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+        """``amax_ptr[0] = max(amax_ptr[0], max |x|)`` over ``n`` contiguous elements; each program
+        strides over blocks and adds one atomic (NaN counts as inf, so its scale falls back to 1)."""
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(pid * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK).to(tl.int64)
+            a = tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32))
+            acc = tl.maximum(acc, tl.where(a != a, float("inf"), a))
+        tl.atomic_max(amax_ptr, tl.max(acc, 0))
+
+    @triton.jit
+    def _cast_transpose_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, m, n, x_stride,
+                               FMAX: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """One ``[BM, BN]`` tile of ``x [m, n]``: ``x * scale`` saturated to +-FMAX and cast, stored
+        row-major into ``out [m, n]`` and transposed into ``out_t [n, m]`` (both coalesced; the
+        transpose goes through shared memory); with AMAX, the tile's max |x| into ``amax_ptr``."""
+        rm = tl.program_id(0) * BM + tl.arange(0, BM).to(tl.int64)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN).to(tl.int64)
+        mask = (rm[:, None] < m) & (rn[None, :] < n)
+        x = tl.load(x_ptr + rm[:, None] * x_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = x * tl.load(scale_ptr)
+        y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rm[:, None] * n + rn[None, :], y, mask=mask)
+        tl.store(out_t_ptr + rn[:, None] * m + rm[None, :], tl.trans(y), mask=(rn[:, None] < n) & (rm[None, :] < m))
+        if AMAX:
+            a = tl.abs(x)
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(a != a, float("inf"), a), 1), 0))
 
 
 def _swiglu_backward_torch(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -220,3 +268,73 @@ def cross_entropy_grad_triton(logits: torch.Tensor, target: torch.Tensor, weight
 def cross_entropy_grad_(logits: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, fallback) -> torch.Tensor:
     """The Triton pass where it runs, else ``fallback(logits, target, weights)`` (same contract)."""
     return _run("cross_entropy_grad", cross_entropy_grad_triton, fallback, logits, target, weights)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 quantisation of a gradient for the two backward GEMMs (fp8.py): ``dY8`` row-major for
+# ``dX = dY8 W8`` and its transpose for ``dW = dY8^T X8`` in one pass over ``dY`` (Transformer Engine's
+# cast-transpose), optionally with ``dY``'s amax for delayed scaling's history. Inductor computed the
+# amax at a third of the copy bandwidth on fc1's gradient and wrote the transpose byte by byte.
+
+def _fp8_amax_torch(t: torch.Tensor) -> torch.Tensor:
+    a = t.detach().abs().amax().float()
+    return torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a)
+
+
+def fp8_amax_triton(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    out = torch.zeros((), dtype=torch.float32, device=t.device)
+    block = 4096
+    programs = max(1, min(triton.cdiv(flat.numel(), block), 4 * 132 if t.is_cuda else 4))
+    _amax_kernel[(programs,)](flat, out, flat.numel(), BLOCK=block, num_warps=8)
+    return out
+
+
+@torch.library.custom_op("megatron::fp8_amax", mutates_args=())
+def fp8_amax(t: torch.Tensor) -> torch.Tensor:
+    """``max |t|`` as an fp32 scalar (NaN reported as inf: either way the scale falls back to 1)."""
+    return _run("fp8_cast", fp8_amax_triton, _fp8_amax_torch, t)
+
+
+@fp8_amax.register_fake
+def _(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty((), dtype=torch.float32)
+
+
+def _fp8_cast_transpose_torch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                              with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fmax = torch.finfo(dtype).max
+    q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+    amax = _fp8_amax_torch(t) if with_amax else torch.zeros((), dtype=torch.float32, device=t.device)
+    return q, q.t().contiguous(), amax
+
+
+def fp8_cast_transpose_triton(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                              with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if t.dim() != 2 or t.stride(-1) != 1:
+        t = t.reshape(t.shape[0], -1) if t.dim() == 2 else t
+        t = t.contiguous()
+    m, n = t.shape
+    out = torch.empty((m, n), dtype=dtype, device=t.device)
+    out_t = torch.empty((n, m), dtype=dtype, device=t.device)
+    amax = torch.zeros((), dtype=torch.float32, device=t.device)
+    bm, bn = 64, 128
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _cast_transpose_kernel[grid](t, scale.float().reshape(1), out, out_t, amax, m, n, t.stride(0),
+                                 FMAX=torch.finfo(dtype).max, AMAX=with_amax, BM=bm, BN=bn, num_warps=8)
+    return out, out_t, amax
+
+
+@torch.library.custom_op("megatron::fp8_cast_transpose", mutates_args=())
+def fp8_cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                       with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t [M, N] * scale`` saturated and cast to ``dtype`` (fp8), row-major ``[M, N]`` and transposed
+    ``[N, M]`` (both contiguous), and ``max |t|`` as an fp32 scalar where ``with_amax`` (else 0)."""
+    return _run("fp8_cast", fp8_cast_transpose_triton, _fp8_cast_transpose_torch, t, scale, dtype, with_amax)
+
+
+@fp8_cast_transpose.register_fake
+def _(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+      with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, n = t.shape
+    return t.new_empty((m, n), dtype=dtype), t.new_empty((n, m), dtype=dtype), t.new_empty((), dtype=torch.float32)
