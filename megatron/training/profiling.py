@@ -21,7 +21,8 @@ import torch
 CATEGORIES = (
     ("communication", ("nccl",)),
     ("attention", ("fmha", "flash", "cudnn", "attn", "sdpa")),
-    ("elementwise (triton)", ("triton", "_swiglu_bwd_kernel", "_ce_grad_kernel")),
+    ("elementwise (triton)", ("triton", "_swiglu_bwd_kernel", "_ce_grad_kernel", "_cast_transpose_kernel",
+                              "_amax_kernel")),
     ("optimizer", ("adam", "sgd", "multi_tensor", "foreach", "clip")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "cublas", "matmul")),
     ("copies", ("memcpy", "memset", "copy_kernel")),

@@ -22,7 +22,8 @@ def test_categories():
     assert categorize("triton_poi_fused_add_copy_div_lerp_mul_pow_sqrt_0") == "elementwise (triton)"
     # Inductor's FP8 quantisation kernels carry the GEMM's name; they are not GEMMs.
     assert categorize("triton_poi_fused__scaled_mm__to_copy_abs_clamp_mul_7") == "elementwise (triton)"
-    assert categorize("_swiglu_bwd_kernel") == "elementwise (triton)"
+    for ours in ("_swiglu_bwd_kernel", "_ce_grad_kernel", "_cast_transpose_kernel", "_amax_kernel"):
+        assert categorize(ours) == "elementwise (triton)"
     assert categorize("nvjet_sm90_qrtst_128x128_128x6_2x1_v_bz_coopA_algo2_TNT") == "matmul"
 
 

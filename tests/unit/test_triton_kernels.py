@@ -121,19 +121,32 @@ def test_fp8_cast_transpose_and_amax_kernels_match_the_torch_code():
             scale = torch.tensor(2.5)
             ref = (t.float() * scale).clamp(-448.0, 448.0)
             for with_amax in (True, False):
-                out, out_t, amax = (torch.full((m, n), -1.0), torch.full((n, m), -1.0), torch.zeros(()))
                 grid = (-(-m // 64), -(-n // 128))
-                tk._cast_transpose_kernel[grid](t, scale.reshape(1), out, out_t, amax, m, n, t.stride(0),
+                out, out_t = torch.full((m, n), -1.0), torch.full((n, m), -1.0)
+                partials = torch.zeros(grid[0] * grid[1])  # one slot per tile
+                tk._cast_transpose_kernel[grid](t, scale.reshape(1), out, out_t, partials, m, n, t.stride(0),
                                                 FMAX=448.0, AMAX=with_amax, BM=64, BN=128)
                 assert torch.equal(out, ref) and torch.equal(out_t, ref.t())
-                assert amax.item() == (t.float().abs().max().item() if with_amax else 0.0)
+                if with_amax:  # each tile's own max in its slot
+                    tiles = [t[i:i + 64, j:j + 128].float().abs().max() for i in range(0, m, 64) for j in range(0, n, 128)]
+                    assert torch.equal(partials, torch.stack(tiles))
+                else:
+                    assert not partials.any()
         # rows that are a slice of a wider buffer (row stride != n)
         wide = torch.randn(70, 150).bfloat16()
         t = wide[:, :100]
-        out, out_t, amax = torch.empty(70, 100), torch.empty(100, 70), torch.zeros(())
-        tk._cast_transpose_kernel[(2, 1)](t, torch.ones(1), out, out_t, amax, 70, 100, t.stride(0),
+        out, out_t, partials = torch.empty(70, 100), torch.empty(100, 70), torch.zeros(2)
+        tk._cast_transpose_kernel[(2, 1)](t, torch.ones(1), out, out_t, partials, 70, 100, t.stride(0),
                                           FMAX=448.0, AMAX=True, BM=64, BN=128)
         assert torch.equal(out, t.float().clamp(-448, 448)) and torch.equal(out_t, out.t())
+        assert partials.max() == t.float().abs().max()
+        # the op's wrapper: the amax over the tiles, NaN reported as inf
+        t = torch.randn(130, 300).bfloat16()
+        t[100, 200] = -77.0
+        assert tk.fp8_cast_transpose_triton(t, torch.tensor(1.0), torch.float32, True)[2].item() == 77.0
+        assert tk.fp8_cast_transpose_triton(t, torch.tensor(1.0), torch.float32, False)[2].item() == 0.0
+        t[3, 3] = float("nan")
+        assert tk.fp8_cast_transpose_triton(t, torch.tensor(1.0), torch.float32, True)[2].item() == float("inf")
         # the amax kernel: several programs striding over blocks, a tail, NaN reported as inf
         for numel in (1, 4095, 4096 * 9 + 17):
             x = torch.randn(numel) * 3

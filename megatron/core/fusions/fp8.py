@@ -142,20 +142,26 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torc
     return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
 
 
-def _col_major(t: torch.Tensor) -> torch.Tensor:
-    """The same ``[r, c]`` matrix laid out column-major (what ``_scaled_mm`` wants second)."""
-    return t.t().contiguous().t()
-
-
 def _delayed_scale(row: torch.Tensor, initialized: torch.Tensor, cur: torch.Tensor, dtype: torch.dtype,
-                   algo: str, warm: bool = False) -> torch.Tensor:
+                   algo: str) -> torch.Tensor:
     """Delayed scaling's scale: from the history ``row`` (its max or most recent entry), or from the
-    current amax ``cur`` before the first entry (``initialized`` False). Reads, never writes.
+    current amax ``cur`` before the first entry (``initialized`` False). Reads, never writes."""
+    return scale_from_amax(torch.where(initialized, _history_amax(row, algo), cur), dtype)
 
-    ``warm`` (known on the host: the history has entries) leaves ``cur`` out, so that the cast does
-    not wait for the reduction that computes it."""
-    past = _history_amax(row, algo)
-    return scale_from_amax(past if warm else torch.where(initialized, past, cur), dtype)
+
+def _cast_delayed(t: torch.Tensor, row: torch.Tensor, initialized: torch.Tensor, dtype: torch.dtype, algo: str,
+                  warm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(t8, t8 transposed, amax of t, scale)`` with delayed scaling. ``warm`` (known on the host: the
+    history has entries) takes the scale from the history alone, so the cast, the transpose and the
+    amax are one pass over ``t``; before that, the scale may be the current amax, computed first."""
+    if warm:
+        scale = scale_from_amax(_history_amax(row, algo), dtype)
+        t8, t8_t, amax = fp8_cast_transpose(t, scale, dtype, True)
+    else:
+        amax = t.detach().abs().amax().float()
+        scale = _delayed_scale(row, initialized, amax, dtype, algo)
+        t8, t8_t, _ = fp8_cast_transpose(t, scale, dtype, False)
+    return t8, t8_t, amax, scale
 
 
 def _history_amax(row: torch.Tensor, algo: str) -> torch.Tensor:
@@ -163,17 +169,18 @@ def _history_amax(row: torch.Tensor, algo: str) -> torch.Tensor:
     return row.amax() if algo == "max" else row[0]
 
 
-def _fp8_grads(ctx, dy8: torch.Tensor, dy8_t: torch.Tensor, g_inv: torch.Tensor, x8: torch.Tensor,
-               w8: torch.Tensor, x_inv: torch.Tensor,
+def _fp8_grads(ctx, dy8: torch.Tensor, dy8_t: torch.Tensor, g_inv: torch.Tensor, x8_t: torch.Tensor,
+               w8_t: torch.Tensor, x_inv: torch.Tensor,
                w_inv: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The FP8 backward GEMMs ``dX = dY8 W8`` [M, K] and ``dW = dY8^T X8`` [N, K] (``dy8_t`` is
-    ``dY8`` transposed, contiguous), each only where autograd needs it (``ctx.needs_input_grad`` of x
-    and weight, the first two inputs)."""
+    """The FP8 backward GEMMs ``dX = dY8 W8`` [M, K] and ``dW = dY8^T X8`` [N, K] (``dy8_t``, ``x8_t``
+    and ``w8_t``: the fp8 tensors transposed, contiguous, as the cast-transposes wrote them: the
+    layouts ``_scaled_mm`` reads), each only where autograd needs it (``ctx.needs_input_grad`` of x
+    and weight)."""
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = scaled_mm(dy8, _col_major(w8), g_inv, w_inv, ctx.dtypes[0], ctx.use_scaled_mm)
+        dx = scaled_mm(dy8, w8_t.t(), g_inv, w_inv, ctx.dtypes[0], ctx.use_scaled_mm)
     if ctx.needs_input_grad[1]:
-        dw = scaled_mm(dy8_t, _col_major(x8), g_inv, x_inv, ctx.dtypes[1], ctx.use_scaled_mm)
+        dw = scaled_mm(dy8_t, x8_t.t(), g_inv, x_inv, ctx.dtypes[1], ctx.use_scaled_mm)
     return dx, dw
 
 
@@ -209,7 +216,8 @@ class _Fp8Matmul(torch.autograd.Function):
 
     Forward: X, W -> e4m3 with per-tensor scales; ``Y = _scaled_mm(X8, W8^T)`` in X's dtype.
     Backward: dY -> the gradient format; ``dX = dY8 W8`` and ``dW = dY8^T X8`` (the saved fp8 copies
-    of X and W, so X is kept at one byte per element).
+    of W and of X transposed, written by the forward's cast-transpose: X is kept at one byte per
+    element, in the layout the weight-gradient GEMM reads).
     """
 
     @staticmethod
@@ -217,17 +225,18 @@ class _Fp8Matmul(torch.autograd.Function):
         fwd = recipe.fwd_dtype
         x_scale = tensor_scale(x, fwd, recipe, history, initialized, X)
         w_scale = tensor_scale(weight, fwd, recipe, history, initialized, W)
-        x8, w8 = quantize(x, x_scale, fwd), quantize(weight, w_scale, fwd)  # [M, K], [N, K]
+        x8, x8_t, _ = fp8_cast_transpose(x, x_scale, fwd, False)  # [M, K] and [K, M]
+        w8, w8_t, _ = fp8_cast_transpose(weight, w_scale, fwd, False)  # [N, K] and [K, N]
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, use_scaled_mm, fast_accum=True)  # [M, N]
-        ctx.save_for_backward(x8, w8, x_inv, w_inv)
+        ctx.save_for_backward(x8_t, w8_t, x_inv, w_inv)
         ctx.recipe, ctx.history, ctx.initialized, ctx.use_scaled_mm = recipe, history, initialized, use_scaled_mm
         ctx.dtypes = (x.dtype, weight.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        x8, w8, x_inv, w_inv = ctx.saved_tensors
+        x8_t, w8_t, x_inv, w_inv = ctx.saved_tensors
         bwd = ctx.recipe.bwd_dtype
         dy = grad_out.contiguous()  # [M, N]
         if ctx.history is None:  # tensorwise: the amax pass, then the cast-transpose pass
@@ -235,7 +244,7 @@ class _Fp8Matmul(torch.autograd.Function):
         else:
             g_scale = tensor_scale(dy, bwd, ctx.recipe, ctx.history, ctx.initialized, DY)
         dy8, dy8_t, _ = fp8_cast_transpose(dy, g_scale, bwd, False)
-        return (*_fp8_grads(ctx, dy8, dy8_t, g_scale.reciprocal(), x8, w8, x_inv, w_inv), None, None, None, None)
+        return (*_fp8_grads(ctx, dy8, dy8_t, g_scale.reciprocal(), x8_t, w8_t, x_inv, w_inv), None, None, None, None)
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history: torch.Tensor | None = None,
@@ -263,28 +272,27 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
     as in eager delayed scaling); a forward without backward (evaluation) records nothing.
 
     ``warm`` (a host bool: the history has entries) drops the device-side choice between history and
-    current amax, the same values from then on: no cast waits for its tensor's amax reduction, so
-    Inductor may compute both in one pass. A compiled layer recompiles once, when it turns True.
+    current amax, the same values from then on: no cast waits for its tensor's amax reduction, and
+    each tensor's cast, transpose and amax are one pass (:func:`fp8_cast_transpose`). A compiled layer
+    recompiles once, when it turns True.
     """
 
     @staticmethod
     def forward(ctx, x, weight, amax_sink, history, initialized, recipe, use_scaled_mm, warm):  # type: ignore[override]
         fwd, algo = recipe.fwd_dtype, recipe.amax_compute_algo
-        x_amax, w_amax = x.detach().abs().amax().float(), weight.detach().abs().amax().float()
-        x_scale = _delayed_scale(history[X], initialized[X], x_amax, fwd, algo, warm)
-        w_scale = _delayed_scale(history[W], initialized[W], w_amax, fwd, algo, warm)
-        x8, w8 = quantize(x, x_scale, fwd), quantize(weight, w_scale, fwd)
+        x8, x8_t, x_amax, x_scale = _cast_delayed(x, history[X], initialized[X], fwd, algo, warm)
+        w8, w8_t, w_amax, w_scale = _cast_delayed(weight, history[W], initialized[W], fwd, algo, warm)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, use_scaled_mm, fast_accum=True)
         dy_past = _history_amax(history[DY], algo)
-        ctx.save_for_backward(x8, w8, x_inv, w_inv, dy_past.clone(), initialized[DY].clone(),
+        ctx.save_for_backward(x8_t, w8_t, x_inv, w_inv, dy_past.clone(), initialized[DY].clone(),
                               torch.stack((x_amax, w_amax)))
         ctx.recipe, ctx.use_scaled_mm, ctx.dtypes, ctx.warm = recipe, use_scaled_mm, (x.dtype, weight.dtype), warm
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        x8, w8, x_inv, w_inv, dy_past, dy_initialized, xw_amax = ctx.saved_tensors
+        x8_t, w8_t, x_inv, w_inv, dy_past, dy_initialized, xw_amax = ctx.saved_tensors
         bwd = ctx.recipe.bwd_dtype
         dy = grad_out.contiguous()
         if ctx.warm:  # the scale is known: cast, transpose and amax in one pass over dY
@@ -294,7 +302,7 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
             cur = fp8_amax(dy)
             g_scale = scale_from_amax(torch.where(dy_initialized, dy_past, cur), bwd)
             dy8, dy8_t, _ = fp8_cast_transpose(dy, g_scale, bwd, False)
-        dx, dw = _fp8_grads(ctx, dy8, dy8_t, g_scale.reciprocal(), x8, w8, x_inv, w_inv)
+        dx, dw = _fp8_grads(ctx, dy8, dy8_t, g_scale.reciprocal(), x8_t, w8_t, x_inv, w_inv)
         return dx, dw, torch.cat((xw_amax, cur.view(1))), None, None, None, None, None
 
 
