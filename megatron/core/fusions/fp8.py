@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core.fusions.triton_kernels import fp8_amax, fp8_cast_transpose, fp8_cast_transpose_amax
+from megatron.core.fusions.triton_kernels import fp8_amax, fp8_cast_transpose
 
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "delayed")
@@ -156,11 +156,11 @@ def _cast_delayed(t: torch.Tensor, row: torch.Tensor, initialized: torch.Tensor,
     amax are one pass over ``t``; before that, the scale may be the current amax, computed first."""
     if warm:
         scale = scale_from_amax(_history_amax(row, algo), dtype)
-        t8, t8_t, amax = fp8_cast_transpose_amax(t, scale, dtype)
+        t8, t8_t, amax = fp8_cast_transpose(t, scale, dtype, True)
     else:
         amax = t.detach().abs().amax().float()
         scale = _delayed_scale(row, initialized, amax, dtype, algo)
-        t8, t8_t = fp8_cast_transpose(t, scale, dtype)
+        t8, t8_t, _ = fp8_cast_transpose(t, scale, dtype, False)
     return t8, t8_t, amax, scale
 
 
@@ -225,8 +225,8 @@ class _Fp8Matmul(torch.autograd.Function):
         fwd = recipe.fwd_dtype
         x_scale = tensor_scale(x, fwd, recipe, history, initialized, X)
         w_scale = tensor_scale(weight, fwd, recipe, history, initialized, W)
-        x8, x8_t = fp8_cast_transpose(x, x_scale, fwd)  # [M, K] and [K, M]
-        w8, w8_t = fp8_cast_transpose(weight, w_scale, fwd)  # [N, K] and [K, N]
+        x8, x8_t, _ = fp8_cast_transpose(x, x_scale, fwd, False)  # [M, K] and [K, M]
+        w8, w8_t, _ = fp8_cast_transpose(weight, w_scale, fwd, False)  # [N, K] and [K, N]
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, use_scaled_mm, fast_accum=True)  # [M, N]
         ctx.save_for_backward(x8_t, w8_t, x_inv, w_inv)
@@ -243,7 +243,7 @@ class _Fp8Matmul(torch.autograd.Function):
             g_scale = scale_from_amax(fp8_amax(dy), bwd)
         else:
             g_scale = tensor_scale(dy, bwd, ctx.recipe, ctx.history, ctx.initialized, DY)
-        dy8, dy8_t = fp8_cast_transpose(dy, g_scale, bwd)
+        dy8, dy8_t, _ = fp8_cast_transpose(dy, g_scale, bwd, False)
         return (*_fp8_grads(ctx, dy8, dy8_t, g_scale.reciprocal(), x8_t, w8_t, x_inv, w_inv), None, None, None, None)
 
 
@@ -273,7 +273,7 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
 
     ``warm`` (a host bool: the history has entries) drops the device-side choice between history and
     current amax, the same values from then on: no cast waits for its tensor's amax reduction, and
-    each tensor's cast, transpose and amax are one pass (:func:`fp8_cast_transpose_amax`). A compiled layer
+    each tensor's cast, transpose and amax are one pass (:func:`fp8_cast_transpose`). A compiled layer
     recompiles once, when it turns True.
     """
 
@@ -297,11 +297,11 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
         dy = grad_out.contiguous()
         if ctx.warm:  # the scale is known: cast, transpose and amax in one pass over dY
             g_scale = scale_from_amax(dy_past, bwd)
-            dy8, dy8_t, cur = fp8_cast_transpose_amax(dy, g_scale, bwd)
+            dy8, dy8_t, cur = fp8_cast_transpose(dy, g_scale, bwd, True)
         else:
             cur = fp8_amax(dy)
             g_scale = scale_from_amax(torch.where(dy_initialized, dy_past, cur), bwd)
-            dy8, dy8_t = fp8_cast_transpose(dy, g_scale, bwd)
+            dy8, dy8_t, _ = fp8_cast_transpose(dy, g_scale, bwd, False)
         dx, dw = _fp8_grads(ctx, dy8, dy8_t, g_scale.reciprocal(), x8_t, w8_t, x_inv, w_inv)
         return dx, dw, torch.cat((xw_amax, cur.view(1))), None, None, None, None, None
 

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 try:  # Triton ships with CUDA builds of torch; CPU builds (and CI) have none.
     import triton
     import triton.language as tl
-    import triton.testing
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
@@ -112,10 +111,9 @@ def _check_fp8_cast(device: torch.device) -> str:
     t = (torch.randn(200, 300, device=device, generator=g) * 5).bfloat16()
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         scale = torch.finfo(dtype).max / t.float().abs().amax() * 1.5  # some values saturate
-        for with_amax in (True, False):
-            got = fp8_cast_transpose_triton(t, scale, dtype, with_amax)
-            ref = _fp8_cast_transpose_torch(t, scale, dtype, with_amax)
-            if len(got) != len(ref) or not all(torch.equal(a.float(), b.float()) for a, b in zip(got, ref)):
+        got, ref = fp8_cast_transpose_triton(t, scale, dtype, True), _fp8_cast_transpose_torch(t, scale, dtype, True)
+        for a, b in zip(got, ref):
+            if not torch.equal(a.float(), b.float()):
                 return f"fp8 cast-transpose to {dtype} differs from the torch code"
     if not torch.equal(fp8_amax_triton(t), _fp8_amax_torch(t)):
         return "fp8 amax differs from the torch code"
@@ -207,6 +205,12 @@ if triton is not None:
             a = tl.abs(x)
             tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_n,
                      tl.max(tl.max(tl.where(a != a, float("inf"), a), 1), 0))
+
+    # Tile shapes tried on the first call of each shape on a GPU (Triton's autotuner; the fastest stays).
+    _cast_transpose_tuned = triton.autotune(
+        [triton.Config({"BM": bm, "BN": bn}, num_warps=w)
+         for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 64, 8))],
+        key=["m", "n"])(_cast_transpose_kernel)
 
 
 def _swiglu_backward_torch(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -307,68 +311,43 @@ def _(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_cast_transpose_torch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                              with_amax: bool) -> tuple[torch.Tensor, ...]:
+                              with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     fmax = torch.finfo(dtype).max
     q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
-    return (q, q.t().contiguous(), _fp8_amax_torch(t)) if with_amax else (q, q.t().contiguous())
-
-
-# Tile shapes (rows, columns, warps) timed on the first call of each shape on a GPU; the fastest stays.
-_CT_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 64, 8))
-_CT_BEST: dict[tuple, tuple[int, int, int]] = {}
+    amax = _fp8_amax_torch(t) if with_amax else torch.zeros((), dtype=torch.float32, device=t.device)
+    return q, q.t().contiguous(), amax
 
 
 def fp8_cast_transpose_triton(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                              with_amax: bool) -> tuple[torch.Tensor, ...]:
-    """The Triton kernel: ``(q, q transposed)`` and, ``with_amax``, ``max |t|`` (one kernel launch,
-    plus a reduction over the per-tile maxima; nothing else, as these run 300 times a step)."""
-    if t.stride(-1) != 1:
+                              with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if t.dim() != 2 or t.stride(-1) != 1:
+        t = t.reshape(t.shape[0], -1) if t.dim() == 2 else t
         t = t.contiguous()
     m, n = t.shape
     out = torch.empty((m, n), dtype=dtype, device=t.device)
     out_t = torch.empty((n, m), dtype=dtype, device=t.device)
-    fmax, s = torch.finfo(dtype).max, scale.reshape(1)
-
-    def launch(bm: int, bn: int, warps: int) -> torch.Tensor:
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-        partials = torch.empty(grid[0] * grid[1], device=t.device) if with_amax else out  # (unused without)
-        _cast_transpose_kernel[grid](t, s, out, out_t, partials, m, n, t.stride(0), FMAX=fmax, AMAX=with_amax,
-                                     BM=bm, BN=bn, num_warps=warps)
-        return partials
-
+    # one slot per tile of the smallest tile shape; slots a larger tile leaves unwritten stay 0
+    partials = torch.zeros(triton.cdiv(m, 64) * triton.cdiv(n, 64) if with_amax else 1, device=t.device)
+    args = (t, scale.float().reshape(1), out, out_t, partials, m, n, t.stride(0))
     if t.is_cuda:
-        key = (m, n, t.dtype, dtype, with_amax)
-        if key not in _CT_BEST:
-            _CT_BEST[key] = min(_CT_TILES, key=lambda c: triton.testing.do_bench(lambda: launch(*c), warmup=5, rep=20))
-        partials = launch(*_CT_BEST[key])
+        _cast_transpose_tuned[lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))](
+            *args, FMAX=torch.finfo(dtype).max, AMAX=with_amax)
     else:  # the interpreter (tests): one tile shape
-        partials = launch(64, 128, 4)
-    return (out, out_t, partials.amax()) if with_amax else (out, out_t)
+        _cast_transpose_kernel[(triton.cdiv(m, 64), triton.cdiv(n, 128))](
+            *args, FMAX=torch.finfo(dtype).max, AMAX=with_amax, BM=64, BN=128)
+    return out, out_t, partials.amax()  # 0 without with_amax (the torch code's value)
 
 
 @torch.library.custom_op("megatron::fp8_cast_transpose", mutates_args=())
-def fp8_cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t [M, N] * scale`` (fp32 scalar) saturated and cast to ``dtype`` (fp8): row-major ``[M, N]``
-    and transposed ``[N, M]``, both contiguous."""
-    q, q_t = _run("fp8_cast", fp8_cast_transpose_triton, _fp8_cast_transpose_torch, t, scale, dtype, False)
-    return q, q_t
+def fp8_cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                       with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t [M, N] * scale`` saturated and cast to ``dtype`` (fp8), row-major ``[M, N]`` and transposed
+    ``[N, M]`` (both contiguous), and ``max |t|`` as an fp32 scalar where ``with_amax`` (else 0)."""
+    return _run("fp8_cast", fp8_cast_transpose_triton, _fp8_cast_transpose_torch, t, scale, dtype, with_amax)
 
 
 @fp8_cast_transpose.register_fake
-def _(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    m, n = t.shape
-    return t.new_empty((m, n), dtype=dtype), t.new_empty((n, m), dtype=dtype)
-
-
-@torch.library.custom_op("megatron::fp8_cast_transpose_amax", mutates_args=())
-def fp8_cast_transpose_amax(t: torch.Tensor, scale: torch.Tensor,
-                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`fp8_cast_transpose` and ``max |t|`` as an fp32 scalar from the same pass (NaN as inf)."""
-    q, q_t, amax = _run("fp8_cast", fp8_cast_transpose_triton, _fp8_cast_transpose_torch, t, scale, dtype, True)
-    return q, q_t, amax
-
-
-@fp8_cast_transpose_amax.register_fake
-def _(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+      with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, n = t.shape
     return t.new_empty((m, n), dtype=dtype), t.new_empty((n, m), dtype=dtype), t.new_empty((), dtype=torch.float32)
