@@ -104,5 +104,4 @@ def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None) -> str:
         return f"off (no --fp8-format; GEMMs in {gemms})"
     where = "QKV, proj, fc1, fc2" if fp8_linears is None else f"{fp8_linears} QKV/proj/fc1/fc2 linears"
     return (f"on, {recipe.describe()}: {recipe.gemm_name} for {where}; output layer, embedding and "
-            f"attention in {gemms}. Loss over 300 steps on an H200 within bf16's own run-to-run spread "
-            "(docs/performance.md)")
+            f"attention in {gemms}. Its loss against bf16's and its speed: docs/performance.md")
