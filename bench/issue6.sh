@@ -7,6 +7,7 @@
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed, whole llama-3b step: bf16, tensorwise, delayed, torchao's GEMMs ~5 min
+#   AB_TREE=runs/ab bash bench/issue6.sh fp8ab  # FP8 whole step, this tree against another, one job ~6 min
 #   bash bench/issue6.sh fp8linear  # FP8 per linear: ours (tensorwise, delayed) against torchao's recipes and bf16 ~1 min
 #   bash bench/issue6.sh fp8loss    # FP8 against bf16 over 300 steps of the bundled corpus (+ a bf16 repeat) ~5 min
 #   bash bench/issue6.sh nccltests  # 2 GPUs: compiled tp2 and DDP / distributed-optimizer tests over NCCL   ~4 min
@@ -50,6 +51,18 @@ run_stage() {
       $B --tag _fp8_delayed --breakdown --extra="--fp8-format hybrid --fp8-recipe delayed"
       # The same step with torchao's float8 training doing the GEMMs (choose the FP8 path by measurement).
       $B --tag _fp8_torchao --breakdown --extra="--fp8-format hybrid --fp8-recipe tensorwise --fp8-gemm-impl torchao" ;;
+    fp8ab)
+      # FP8's whole step, this tree against another one (AB_TREE: e.g. `git archive BRANCH | tar x -C
+      # runs/ab`, carried to the device), alternating in one job so both see the same GPU. ~6 min
+      [ -n "${AB_TREE:-}" ] || { echo "fp8ab needs AB_TREE=<path of the other tree>" >&2; return 2; }
+      for r in delayed tensorwise; do
+        for tree in . "$AB_TREE"; do
+          tag=$([ "$tree" = . ] && echo "_fp8_$r" || echo "_ab_fp8_$r")
+          python3 "$tree/bench/bench_gpt.py" --configs llama-3b --iters 14 --warmup 4 --tag "$tag" --breakdown \
+              --extra="--fp8-format hybrid --fp8-recipe $r"
+        done
+      done
+      python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4 --tag _bf16 ;;
     fp8linear)
       python3 -c "import torchao" 2>/dev/null || python3 -m pip install -q --no-deps .whl/torchao-*.whl
       python3 bench/bench_fp8_linear.py --iters 20 ;;
@@ -96,7 +109,7 @@ run_stage() {
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, fp8linear, fp8loss, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, fp8ab, fp8linear, fp8loss, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
   esac
 }
 # A failing stage (a failed GPU test, say) is reported and does not stop the stages after it.
