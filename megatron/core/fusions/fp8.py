@@ -12,10 +12,12 @@ Scaling recipes (``scale = fp8_max / amax``, so the largest value maps to the to
     the call's backward has run; see :class:`Fp8Gemm`). The first call uses the current amax.
     Values above the delayed scale saturate at fp8_max.
 
-The numerics are one code path for every device: quantise -> :func:`scaled_mm`. That function
-calls ``torch._scaled_mm`` (first operand row-major, second column-major, every dim a multiple of
-16, bf16 output) or, with ``use_scaled_mm=False``, multiplies the dequantised fp8 values in fp32 —
-the reference the tests compare it against.
+The numerics are one code path for every device: quantise -> :func:`scaled_mm`. The linears quantise
+with ``fp8_cast_transpose`` (triton_kernels.py: the fp8 copy and its transpose in one pass, the
+layouts the three GEMMs read; a Triton kernel on CUDA, bit-identical to :func:`quantize` elsewhere).
+:func:`scaled_mm` calls ``torch._scaled_mm`` (first operand row-major, second column-major, every dim
+a multiple of 16, bf16 output) or, with ``use_scaled_mm=False``, multiplies the dequantised fp8 values
+in fp32 — the reference the tests compare it against.
 
 ``--fp8-gemm-impl torchao`` hands the tensorwise recipe's GEMMs to torchao's float8 training
 (``matmul_with_hp_or_float8_args``, the function behind its ``Float8Linear``): the same quantisation,

@@ -1,4 +1,4 @@
-"""Hand-written Triton kernels for two memory-bound steps Inductor does at about half the copy bandwidth.
+"""Hand-written Triton kernels for memory-bound steps Inductor does at about half the copy bandwidth.
 
 * ``swiglu_backward``: the gradient of ``silu(gate) * up`` with respect to fc1's output ``[gate; up]``.
   Inductor lowers it as one kernel over the concatenated output whose two halves load their inputs
@@ -9,13 +9,17 @@
   log-sum-exp (running max and rescaled sum), the target logit, the fp32 loss, then the gradient
   ``w (softmax - onehot)`` written over the logits. One program per row, so the second read of a
   row mostly hits L2.
+* ``fp8_cast_transpose`` (``_amax``) and ``fp8_amax``: the FP8 linears' quantisation (fp8.py), the
+  fp8 tensor and its transpose from one read (the layouts the forward and the two backward GEMMs
+  read), with delayed scaling's amax from the same pass; Inductor computed a large tensor's amax at a
+  third of the copy bandwidth and wrote transposed fp8 copies byte by byte.
 
-Both compute in fp32 and round once when storing, as Inductor's kernels do. They run on CUDA when
+All compute in fp32 and round once when storing, as Inductor's kernels do. They run on CUDA when
 Triton is importable (it ships with CUDA builds of torch) and their one-time self-check on the
 device (a small problem against the torch code) passes; otherwise, or after any failure, the torch
 code that computes the same thing runs, with a warning; under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors,
-which is how the tests check them without a GPU. ``swiglu_backward`` is a ``torch.library`` custom
-op so that compiled layers call it as an opaque kernel.
+which is how the tests check them without a GPU. ``swiglu_backward`` and the FP8 ones are
+``torch.library`` custom ops so that compiled layers call them as opaque kernels.
 """
 
 from __future__ import annotations
@@ -280,10 +284,10 @@ def cross_entropy_grad_(logits: torch.Tensor, target: torch.Tensor, weights: tor
 
 
 # ------------------------------------------------------------------------------------------------
-# FP8 quantisation of a gradient for the two backward GEMMs (fp8.py): ``dY8`` row-major for
-# ``dX = dY8 W8`` and its transpose for ``dW = dY8^T X8`` in one pass over ``dY`` (Transformer Engine's
-# cast-transpose), optionally with ``dY``'s amax for delayed scaling's history. Inductor computed the
-# amax at a third of the copy bandwidth on fc1's gradient and wrote the transpose byte by byte.
+# FP8 quantisation for the scaled GEMMs (fp8.py), Transformer Engine's cast-transpose: a tensor's fp8
+# copy row-major and transposed in one pass (X8 and W8 for the forward GEMM and, transposed, for the
+# weight- and input-gradient GEMMs; dY8 for both gradient GEMMs), optionally with the tensor's amax
+# for delayed scaling's history.
 
 def _fp8_amax_torch(t: torch.Tensor) -> torch.Tensor:
     a = t.detach().abs().amax().float()
@@ -291,7 +295,7 @@ def _fp8_amax_torch(t: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_amax_triton(t: torch.Tensor) -> torch.Tensor:
-    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    flat = t.contiguous().reshape(-1)
     out = torch.zeros((), dtype=torch.float32, device=t.device)
     block = 4096
     programs = max(1, min(triton.cdiv(flat.numel(), block), 4 * 132 if t.is_cuda else 4))
@@ -320,8 +324,7 @@ def _fp8_cast_transpose_torch(t: torch.Tensor, scale: torch.Tensor, dtype: torch
 
 def fp8_cast_transpose_triton(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                               with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if t.dim() != 2 or t.stride(-1) != 1:
-        t = t.reshape(t.shape[0], -1) if t.dim() == 2 else t
+    if t.stride(-1) != 1:
         t = t.contiguous()
     m, n = t.shape
     out = torch.empty((m, n), dtype=dtype, device=t.device)
