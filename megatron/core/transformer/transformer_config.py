@@ -109,9 +109,10 @@ class TransformerConfig:
         "max", "Delayed FP8 scaling: the amax of a tensor is the 'max' over its history or the "
         "'most_recent' entry. Only with --fp8-format and --fp8-recipe delayed.", choices=("max", "most_recent"))
     fp8_gemm_impl: str = doc(
-        "scaled_mm", "Who runs the FP8 GEMMs: 'scaled_mm' (ours: torch._scaled_mm, quantisation compiled into "
-        "the layers) or 'torchao' (torchao's float8 training; tensorwise recipe only; needs torchao installed). "
-        "Same quantisation; pick the faster by measurement (docs/performance.md). Only with --fp8-format.",
+        "scaled_mm", "Who runs the FP8 GEMMs: 'scaled_mm' (ours: torch._scaled_mm, with Triton cast-transpose "
+        "kernels quantising in one pass; the default and the faster on an H200) or 'torchao' (torchao's float8 "
+        "training; tensorwise recipe only; needs torchao installed). Same quantisation (docs/performance.md). "
+        "Only with --fp8-format.",
         choices=("scaled_mm", "torchao"))
     # Hooks the training application sets for the schedules (not flags).
     grad_scale_func: object = doc(None, "Scales the loss before backward (fp16 loss scaling).", flag=None)
