@@ -34,8 +34,9 @@ def bench_gpt(rows: list[dict]) -> list[str]:
         bd = r.get("breakdown")
         if bd:
             cats = ", ".join(f"{k} {v:.1f}" for k, v in sorted(bd["by_category_ms"].items(), key=lambda kv: -kv[1]))
+            host = "/".join(f"{ms:.0f}" for ms in bd.get("host_ops_ms") or []) or "-"
             out.append(f"    ms/step: {cats}; idle {_fmt(bd.get('idle_ms'))}; exposed comm "
-                       f"{_fmt(bd.get('exposed_communication_ms'))}")
+                       f"{_fmt(bd.get('exposed_communication_ms'))}; host ops per thread {host}")
     return out
 
 

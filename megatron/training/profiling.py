@@ -44,18 +44,58 @@ GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 Kernel = tuple[str, float, float]  # (name, start us, end us)
 
 
-def trace_kernels(path: str) -> list[Kernel]:
+def trace_events(path: str) -> list[dict]:
+    """The events of an exported Chrome trace."""
+    with open(path) as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def trace_kernels(path: str, events: list[dict] | None = None) -> list[Kernel]:
     """The GPU kernels, copies and memsets of an exported Chrome trace, sorted by start time.
 
     Read from the trace rather than from ``key_averages()``/``events()``, which leave out kernels
     the trace has (on an H200, the ~10 ms per step of gradient copies launched from autograd hooks).
     """
-    with open(path) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
+    events = trace_events(path) if events is None else events
     kernels = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
                if e.get("cat") in GPU_EVENT_CATEGORIES and e.get("ph", "X") == "X"]
     return sorted(kernels, key=lambda k: k[1])
+
+
+def host_summary(events: list[dict], steps: int, top: int = 6) -> tuple[str, dict[str, float]]:
+    """(text, {thread: ms per step}): host time inside operators per thread (the outermost ops only,
+    so nested ones count once; waiting in a CUDA synchronisation is not an operator), and this
+    package's own ops (``megatron::``) with their host time per call. When a thread's busy time
+    nears the step time, the GPU waits for the host: idle GPU time is then host time, not syncs."""
+    by_tid: dict[str, list[tuple[float, float]]] = {}
+    ours: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") != "cpu_op" or e.get("ph", "X") != "X":
+            continue
+        start, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        by_tid.setdefault(str(e.get("tid")), []).append((start, start + dur))
+        if e["name"].startswith("megatron::"):
+            ours.setdefault(e["name"], []).append(dur)
+    busy = {tid: _outermost_length(spans) / 1000.0 / steps for tid, spans in by_tid.items()}
+    busy = {tid: ms for tid, ms in sorted(busy.items(), key=lambda kv: -kv[1]) if ms >= 1.0}
+    if not busy:
+        return "host: no operators recorded", {}
+    lines = ["host time in operators per step (outermost ops; not waiting): "
+             + ", ".join(f"thread {tid} {ms:.1f} ms" for tid, ms in list(busy.items())[:top])]
+    for name, durs in sorted(ours.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {name}: {len(durs) // max(steps, 1)} calls per step, {sum(durs) / len(durs):.0f} us each")
+    return "\n".join(lines), busy
+
+
+def _outermost_length(spans: list[tuple[float, float]]) -> float:
+    """Total length of the spans not inside an earlier one (operators on one thread nest)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if a >= end:
+            total += b - a
+            end = b
+    return total
 
 
 def kernel_summary(kernels: list[Kernel], steps: int, top: int = 25) -> tuple[str, dict[str, float]]:
@@ -169,15 +209,18 @@ class StepProfiler:
         os.makedirs(self.dir, exist_ok=True)
         trace = os.path.join(self.dir, f"trace_rank{self.rank}.json")
         self.prof.export_chrome_trace(trace)
-        kernels = trace_kernels(trace)
+        events = trace_events(trace)
+        kernels = trace_kernels(trace, events)
         text, by_category = kernel_summary(kernels, steps)
         idle_text, idle_ms = idle_summary(kernels, steps)
         comm_text, comm_ms, exposed_ms = exposed_communication(kernels, steps)
-        text += "\n" + idle_text + "\n" + comm_text
+        host_text, host_ms = host_summary(events, steps)
+        text += "\n" + idle_text + "\n" + comm_text + "\n" + host_text
         with open(os.path.join(self.dir, f"kernels_rank{self.rank}.txt"), "w") as f:
             f.write(text + "\n")
         breakdown = {"kernel_ms": sum(by_category.values()), "by_category_ms": by_category, "idle_ms": idle_ms,
-                     "communication_ms": comm_ms, "exposed_communication_ms": exposed_ms}
+                     "communication_ms": comm_ms, "exposed_communication_ms": exposed_ms,
+                     "host_ops_ms": list(host_ms.values())}
         with open(os.path.join(self.dir, f"breakdown_rank{self.rank}.json"), "w") as f:
             json.dump(breakdown, f, indent=1)
         self.prof = None

@@ -5,6 +5,7 @@ import json
 from megatron.training.profiling import (
     categorize,
     exposed_communication,
+    host_summary,
     idle_summary,
     kernel_summary,
     trace_kernels,
@@ -64,3 +65,24 @@ def test_trace_kernels_keeps_gpu_work_only_and_summary_counts_per_step(tmp_path)
     assert abs(by_cat["matmul"] - 0.3) < 1e-9 and abs(by_cat["copies"] - 0.15) < 1e-9
     assert "0.30      1  matmul" in text
     assert abs(idle_summary(kernels, steps=2)[1] - 0.2) < 1e-9  # 600-700 and 800-1100 idle, over two steps
+
+
+def test_host_summary_counts_outermost_operators_per_thread_and_our_ops():
+    def op(name, tid, start, dur):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "tid": tid, "ts": start, "dur": dur}
+
+    events = [
+        op("Torch-Compiled Region: 0/1", 1, 0, 3000),  # outermost: counts 3 ms
+        op("megatron::fp8_cast_transpose", 1, 100, 200),  # nested: not counted again
+        op("megatron::fp8_cast_transpose", 1, 500, 400),
+        op("aten::mm", 1, 5000, 1000),  # a second outermost op: 1 ms
+        op("autograd::engine::evaluate_function: X", 2, 0, 5000),  # the backward thread: 5 ms
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "tid": 1, "ts": 7000, "dur": 9000},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "tid": 1, "ts": 0, "dur": 20000},
+        op("aten::view", 3, 0, 10),  # under 1 ms per step: left out
+    ]
+    text, busy = host_summary(events, steps=2)
+    assert busy == {"2": 2.5, "1": 2.0}
+    assert "thread 2 2.5 ms, thread 1 2.0 ms" in text  # the busiest first
+    assert "megatron::fp8_cast_transpose: 1 calls per step, 300 us each" in text
+    assert host_summary([], steps=1) == ("host: no operators recorded", {})
