@@ -84,35 +84,37 @@ def main() -> None:
         base += f" --global-batch-size {args.global_batch_size}"  # the last occurrence wins
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
     os.makedirs(out_dir, exist_ok=True)
-    runs = [("bf16", base)] + ([("bf16-repeat", base)] if args.bf16_repeat else [])
+    runs = [("bf16", base)]
     for spec in filter(None, args.recipes.split(",")):
         fmt, recipe = spec.split(":")
         runs.append((spec, f"{base} --fp8-format {fmt} --fp8-recipe {recipe}"))
-    curves, speed = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
+    runs += [("bf16-repeat", base)] if args.bf16_repeat else []  # last: the noise floor matters least
+    # Each run's row is written as soon as it has run (bf16 first), so a run cut short by a time limit
+    # keeps the ones before it.
+    ref: dict = {}
+    ref_rate = None
+    with tempfile.TemporaryDirectory() as tmp, open(os.path.join(out_dir, "fp8_loss.jsonl"), "a") as f:
         for i, (name, flags) in enumerate(runs):
             metrics = os.path.join(tmp, f"{i}.jsonl")
-            curves[name] = run_command(1, flags, metrics)
-            speed[name] = tokens_per_s(metrics)
-    ref = curves["bf16"]
-    print(f"bf16: {len(ref)} steps, loss {ref[min(ref)]:.4f} -> {ref[max(ref)]:.4f}, "
-          f"{speed['bf16'] or float('nan'):.0f} tokens/s")
-    with open(os.path.join(out_dir, "fp8_loss.jsonl"), "a") as f:
-        f.write(json.dumps({"run": "bf16", "iters": args.iters, "model": args.model, "tokens_per_s": speed["bf16"],
-                            "losses": ref}) + "\n")
-        for spec, curve in curves.items():
-            if spec == "bf16":
-                continue
-            res = compare(ref, curve)
-            ok = res["max_rel_diff_moving_avg"] <= args.tolerance and res["rel_diff_last_mean"] <= args.tolerance
-            ratio = speed[spec] / speed["bf16"] if speed[spec] and speed["bf16"] else None
-            print(f"{spec}: moving-average loss within {100 * res['max_rel_diff_moving_avg']:.2f}% of bf16, "
-                  f"last-{50} mean {res['last_mean']:.4f} vs {res['bf16_last_mean']:.4f} "
-                  f"({100 * res['rel_diff_last_mean']:.2f}%): {'PASS' if ok else 'FAIL'}; tokens/s "
-                  + (f"{ratio:.3f}x bf16" if ratio else "n/a (too few steps)"))
-            f.write(json.dumps({"run": spec, "iters": args.iters, "model": args.model, **res, "pass": ok,
-                                "tokens_per_s": speed[spec], "speedup": ratio, "losses": curve}) + "\n")
-
+            curve = run_command(1, flags, metrics)
+            rate = tokens_per_s(metrics)
+            if name == "bf16":
+                ref, ref_rate = curve, rate
+                print(f"bf16: {len(ref)} steps, loss {ref[min(ref)]:.4f} -> {ref[max(ref)]:.4f}, "
+                      f"{rate or float('nan'):.0f} tokens/s")
+                f.write(json.dumps({"run": "bf16", "iters": args.iters, "model": args.model, "tokens_per_s": rate,
+                                    "losses": ref}) + "\n")
+            else:
+                res = compare(ref, curve)
+                ok = res["max_rel_diff_moving_avg"] <= args.tolerance and res["rel_diff_last_mean"] <= args.tolerance
+                ratio = rate / ref_rate if rate and ref_rate else None
+                print(f"{name}: moving-average loss within {100 * res['max_rel_diff_moving_avg']:.2f}% of bf16, "
+                      f"last-{50} mean {res['last_mean']:.4f} vs {res['bf16_last_mean']:.4f} "
+                      f"({100 * res['rel_diff_last_mean']:.2f}%): {'PASS' if ok else 'FAIL'}; tokens/s "
+                      + (f"{ratio:.3f}x bf16" if ratio else "n/a (too few steps)"))
+                f.write(json.dumps({"run": name, "iters": args.iters, "model": args.model, **res, "pass": ok,
+                                    "tokens_per_s": rate, "speedup": ratio, "losses": curve}) + "\n")
+            f.flush()
 
 if __name__ == "__main__":
     main()

@@ -69,7 +69,7 @@ run_stage() {
     fp8loss)
       python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
       [ -d data/prepared ] || bash examples/prepare_corpus.sh
-      python3 bench/fp8_loss.py --iters 300 --recipes hybrid:tensorwise,hybrid:delayed --bf16-repeat --global-batch-size 32 ;;
+      python3 bench/fp8_loss.py --iters 300 --recipes hybrid:delayed,hybrid:tensorwise --bf16-repeat --global-batch-size 32 ;;
     nccltests)
       # Compiled tp2 + SP layers against eager, and the DDP / distributed-optimizer tests (overlapped
       # reduction and parameter gather, bf16 reduction) over NCCL (the harness uses NCCL with two GPUs). ~4 min
