@@ -277,6 +277,16 @@ def test_kernel_report_says_whether_fp8_is_on():
     assert "8 QKV/proj/fc1/fc2 linears" in line
     line = fp8_line(tiny_config(fp8_format="e4m3", fp8_recipe="tensorwise"))
     assert "tensorwise" in line and "e4m3 gradients" in line
+    # who quantises (the report is asked on the CPU here: no Triton on that device)
+    assert "quantised by torch code (Triton not importable" in line
+    assert "quantised by Triton cast-transpose kernels" in fp8_line_of(tiny_config(fp8_format="hybrid"), True)
+    assert "quantised by torchao's casts" in fp8_line_of(tiny_config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_gemm_impl="torchao"), True)
+
+
+def fp8_line_of(cfg, have_triton):
+    from megatron.core.fusions.kernels import fp8_line
+
+    return fp8_line(cfg, torch.bfloat16, None, have_triton)
 
 
 def test_fp8_matmul_emits_no_warnings():

@@ -66,7 +66,7 @@ def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: i
         f"   cross entropy: {ce}",
         f"   optimizer: {opt}",
         f"   recompute: {recompute_line(config)}",
-        f"   FP8: {fp8_line(config, dtype, fp8_linears)}",
+        f"   FP8: {fp8_line(config, dtype, fp8_linears, have_triton)}",
         "   Transformer Engine: not used (--transformer-impl local; no TE path is shipped)",
     ]
 
@@ -94,8 +94,8 @@ def optimizer_line(optimizer_config, device: torch.device) -> str:
     return f"torch.optim.{'SGD' if optimizer_config.optimizer == 'sgd' else 'AdamW'} {kernel} over fp32 main params"
 
 
-def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None) -> str:
-    """Whether the tensor-parallel linears run in FP8, and with which recipe."""
+def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None, have_triton: bool = True) -> str:
+    """Whether the tensor-parallel linears run in FP8, with which recipe, and who quantises."""
     from megatron.core.fusions.fp8 import Fp8Recipe
 
     recipe = Fp8Recipe.from_config(config)
@@ -103,5 +103,11 @@ def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None) -> str:
     if recipe is None:
         return f"off (no --fp8-format; GEMMs in {gemms})"
     where = "QKV, proj, fc1, fc2" if fp8_linears is None else f"{fp8_linears} QKV/proj/fc1/fc2 linears"
-    return (f"on, {recipe.describe()}: {recipe.gemm_name} for {where}; output layer, embedding and "
-            f"attention in {gemms}. Its loss against bf16's and its speed: docs/performance.md")
+    if recipe.gemm_impl == "torchao":
+        quant = "torchao's casts"
+    elif have_triton:
+        quant = "Triton cast-transpose kernels (one pass per tensor for the three GEMMs' layouts)"
+    else:
+        quant = "torch code (Triton not importable: slower casts and transposes)"
+    return (f"on, {recipe.describe()}: {recipe.gemm_name} for {where}, quantised by {quant}; output layer, "
+            f"embedding and attention in {gemms}. Its loss against bf16's and its speed: docs/performance.md")
