@@ -77,7 +77,8 @@ def host_summary(events: list[dict], steps: int, top: int = 6) -> tuple[str, dic
         by_tid.setdefault(str(e.get("tid")), []).append((start, start + dur))
         if e["name"].startswith("megatron::"):
             ours.setdefault(e["name"], []).append(dur)
-    busy = {tid: _outermost_length(spans) / 1000.0 / steps for tid, spans in by_tid.items()}
+    # operators on one thread nest, so the union of their spans is the outermost ones' time
+    busy = {tid: _union_length(spans) / 1000.0 / steps for tid, spans in by_tid.items()}
     busy = {tid: ms for tid, ms in sorted(busy.items(), key=lambda kv: -kv[1]) if ms >= 1.0}
     if not busy:
         return "host: no operators recorded", {}
@@ -86,16 +87,6 @@ def host_summary(events: list[dict], steps: int, top: int = 6) -> tuple[str, dic
     for name, durs in sorted(ours.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {name}: {len(durs) // max(steps, 1)} calls per step, {sum(durs) / len(durs):.0f} us each")
     return "\n".join(lines), busy
-
-
-def _outermost_length(spans: list[tuple[float, float]]) -> float:
-    """Total length of the spans not inside an earlier one (operators on one thread nest)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if a >= end:
-            total += b - a
-            end = b
-    return total
 
 
 def kernel_summary(kernels: list[Kernel], steps: int, top: int = 25) -> tuple[str, dict[str, float]]:
