@@ -144,26 +144,32 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torc
     return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
 
 
-def _delayed_scale(row: torch.Tensor, initialized: torch.Tensor, cur: torch.Tensor, dtype: torch.dtype,
-                   algo: str) -> torch.Tensor:
-    """Delayed scaling's scale: from the history ``row`` (its max or most recent entry), or from the
-    current amax ``cur`` before the first entry (``initialized`` False). Reads, never writes."""
-    return scale_from_amax(torch.where(initialized, _history_amax(row, algo), cur), dtype)
+def _delayed_scale(past: torch.Tensor, initialized: torch.Tensor, cur: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Delayed scaling's scale: from ``past``, the amax read from the history (:func:`_history_amax`),
+    or from the current amax ``cur`` before the first entry (``initialized`` False)."""
+    return scale_from_amax(torch.where(initialized, past, cur), dtype)
 
 
-def _cast_delayed(t: torch.Tensor, row: torch.Tensor, initialized: torch.Tensor, dtype: torch.dtype, algo: str,
-                  warm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(t8, t8 transposed, amax of t, scale)`` with delayed scaling. ``warm`` (known on the host: the
-    history has entries) takes the scale from the history alone, so the cast, the transpose and the
-    amax are one pass over ``t``; before that, the scale may be the current amax, computed first."""
+def _cast_delayed(t: torch.Tensor, past: torch.Tensor, initialized: torch.Tensor, dtype: torch.dtype, warm: bool,
+                  amax_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(t8, t8 transposed, amax of t, scale)`` with delayed scaling, ``past`` being the amax read
+    from the history (:func:`_history_amax`). ``warm`` (known on the host: the history has entries)
+    takes the scale from it alone, so the cast, the transpose and the amax are one pass over ``t``;
+    before that the scale may be the current amax, computed first by ``amax_of(t)``."""
     if warm:
-        scale = scale_from_amax(_history_amax(row, algo), dtype)
+        scale = scale_from_amax(past, dtype)
         t8, t8_t, amax = fp8_cast_transpose(t, scale, dtype, True)
     else:
-        amax = t.detach().abs().amax().float()
-        scale = _delayed_scale(row, initialized, amax, dtype, algo)
+        amax = amax_of(t)
+        scale = _delayed_scale(past, initialized, amax, dtype)
         t8, t8_t, _ = fp8_cast_transpose(t, scale, dtype, False)
     return t8, t8_t, amax, scale
+
+
+def _torch_amax(t: torch.Tensor) -> torch.Tensor:
+    """``max |t|`` in fp32 by the torch ops (inside compiled layers Inductor fuses it with t's producer)."""
+    return t.detach().abs().amax().float()
 
 
 def _history_amax(row: torch.Tensor, algo: str) -> torch.Tensor:
@@ -205,10 +211,10 @@ def tensor_scale(t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, history
 
     No host synchronisation: the history update and the first-call choice are device ops.
     """
-    cur = t.detach().abs().amax().float()
+    cur = _torch_amax(t)
     if recipe.recipe == "tensorwise" or history is None or initialized is None:
         return scale_from_amax(cur, dtype)
-    scale = _delayed_scale(history[row], initialized[row], cur, dtype, recipe.amax_compute_algo)
+    scale = _delayed_scale(_history_amax(history[row], recipe.amax_compute_algo), initialized[row], cur, dtype)
     _push(history, initialized, row, cur)
     return scale
 
@@ -282,8 +288,10 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, amax_sink, history, initialized, recipe, use_scaled_mm, warm):  # type: ignore[override]
         fwd, algo = recipe.fwd_dtype, recipe.amax_compute_algo
-        x8, x8_t, x_amax, x_scale = _cast_delayed(x, history[X], initialized[X], fwd, algo, warm)
-        w8, w8_t, w_amax, w_scale = _cast_delayed(weight, history[W], initialized[W], fwd, algo, warm)
+        x8, x8_t, x_amax, x_scale = _cast_delayed(x, _history_amax(history[X], algo), initialized[X], fwd, warm,
+                                                  _torch_amax)
+        w8, w8_t, w_amax, w_scale = _cast_delayed(weight, _history_amax(history[W], algo), initialized[W], fwd,
+                                                  warm, _torch_amax)
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, use_scaled_mm, fast_accum=True)
         dy_past = _history_amax(history[DY], algo)
@@ -296,14 +304,10 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         x8_t, w8_t, x_inv, w_inv, dy_past, dy_initialized, xw_amax = ctx.saved_tensors
         bwd = ctx.recipe.bwd_dtype
-        dy = grad_out.contiguous()
-        if ctx.warm:  # the scale is known: cast, transpose and amax in one pass over dY
-            g_scale = scale_from_amax(dy_past, bwd)
-            dy8, dy8_t, cur = fp8_cast_transpose(dy, g_scale, bwd, True)
-        else:
-            cur = fp8_amax(dy)
-            g_scale = scale_from_amax(torch.where(dy_initialized, dy_past, cur), bwd)
-            dy8, dy8_t, _ = fp8_cast_transpose(dy, g_scale, bwd, False)
+        # the gradient's amax, where the history is not yet warm, by the Triton reduction (dY comes from
+        # opaque kernels such as the SwiGLU backward, so Inductor has no producer to fuse it with)
+        dy8, dy8_t, cur, g_scale = _cast_delayed(grad_out.contiguous(), dy_past, dy_initialized, bwd, ctx.warm,
+                                                 fp8_amax)
         dx, dw = _fp8_grads(ctx, dy8, dy8_t, g_scale.reciprocal(), x8_t, w8_t, x_inv, w_inv)
         return dx, dw, torch.cat((xw_amax, cur.view(1))), None, None, None, None, None
 
