@@ -112,10 +112,4 @@ run_stage() {
     *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, fp8ab, fp8linear, fp8loss, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
   esac
 }
-# A failing stage (a failed GPU test, say) is reported and does not stop the stages after it.
-status=0
-for stage in "$@"; do
-  run_stage "$stage" || { rc=$?; echo "=== stage $stage failed (exit $rc)" >&2; status=1; }
-done
-python3 bench/summary.py "$OUT" || true  # every figure, in the few kilobytes of output that come back
-exit $status
+run_stages "$OUT" "$@"

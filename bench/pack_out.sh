@@ -9,3 +9,16 @@ pack_out() {
   fi
 }
 trap pack_out EXIT
+
+# run_stages RESULTS_DIR STAGE...: run_stage for each; a failing stage (a failed GPU test, say) is
+# reported and does not stop the ones after it; then every figure in RESULTS_DIR (bench/summary.py),
+# in the few kilobytes of output the device tool returns. Exits 1 when a stage failed.
+run_stages() {
+  local dir="$1" status=0 stage rc
+  shift
+  for stage in "$@"; do
+    run_stage "$stage" || { rc=$?; echo "=== stage $stage failed (exit $rc)" >&2; status=1; }
+  done
+  python3 bench/summary.py "$dir" || true
+  exit $status
+}

@@ -82,10 +82,4 @@ run_stage() {
 }
 
 [ "$#" -gt 0 ] || { echo "usage: NGPUS=8 bash bench/scaling.sh STAGE... (see the header)" >&2; exit 2; }
-status=0
-for stage in "$@"; do
-  run_stage "$stage" || { rc=$?; echo "=== stage $stage failed (exit $rc)" >&2; status=1; }
-done
-# Every figure of the run, in the few kilobytes of output that come back.
-python3 bench/summary.py "$OUT_DIR" || true
-exit $status
+run_stages "$OUT_DIR" "$@"
