@@ -279,13 +279,15 @@ def test_triton_fp8_cast_transpose_and_amax_equal_the_torch_code(dtype):
         for with_amax in (True, False):
             got = tk.fp8_cast_transpose_triton(t, scale, dtype, with_amax)
             ref = tk._fp8_cast_transpose_torch(t, scale, dtype, with_amax)
+            assert len(got) == len(ref) == (3 if with_amax else 2)
             for a, b in zip(got, ref):
                 assert a.dtype == b.dtype and torch.equal(a.float(), b.float())
         assert torch.equal(tk.fp8_amax_triton(t), tk._fp8_amax_torch(t))
 
     def f(t, s):
-        q, q_t, amax = tk.fp8_cast_transpose(t * 2, s, dtype, True)  # the multiply: a graph around the op
-        return q, q_t, tk.fp8_amax(t) + amax
+        q, q_t, amax = tk.fp8_cast_transpose_amax(t * 2, s, dtype)  # the multiply: a graph around the op
+        q2, q2_t = tk.fp8_cast_transpose(t, s, dtype)
+        return q, q_t, q2, q2_t, tk.fp8_amax(t) + amax
 
     compiled = torch.compile(f, fullgraph=True)(t, scale)
     eager = f(t, scale)

@@ -144,7 +144,7 @@ def test_fp8_cast_transpose_and_amax_kernels_match_the_torch_code():
         t = torch.randn(130, 300).bfloat16()
         t[100, 200] = -77.0
         assert tk.fp8_cast_transpose_triton(t, torch.tensor(1.0), torch.float32, True)[2].item() == 77.0
-        assert tk.fp8_cast_transpose_triton(t, torch.tensor(1.0), torch.float32, False)[2].item() == 0.0
+        assert len(tk.fp8_cast_transpose_triton(t, torch.tensor(1.0), torch.float32, False)) == 2
         t[3, 3] = float("nan")
         assert tk.fp8_cast_transpose_triton(t, torch.tensor(1.0), torch.float32, True)[2].item() == float("inf")
         # the amax kernel: several programs striding over blocks, a tail, NaN reported as inf
@@ -159,11 +159,13 @@ def test_fp8_cast_transpose_and_amax_kernels_match_the_torch_code():
         t = (torch.randn(96, 48) * 3).bfloat16()
         for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             s = torch.tensor(10.0)
-            q, q_t, amax = tk.fp8_cast_transpose(t, s, dtype, True)
+            q, q_t, amax = tk.fp8_cast_transpose_amax(t, s, dtype)
             rq, rq_t, ramax = tk._fp8_cast_transpose_torch(t, s, dtype, True)
             assert q.dtype == dtype and q.shape == (96, 48) and q_t.shape == (48, 96)
             assert torch.equal(q_t.float(), q.float().t()) and torch.equal(amax, ramax)
             assert rq.dtype == dtype and torch.equal(rq_t.float(), rq.float().t())
+            q2, q2_t = tk.fp8_cast_transpose(t, s, dtype)
+            assert torch.equal(q2.float(), q.float()) and torch.equal(q2_t.float(), q_t.float())
         print("ok")
     """)
     assert out.strip().endswith("ok")

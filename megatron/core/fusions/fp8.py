@@ -34,7 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core.fusions.triton_kernels import fp8_amax, fp8_cast_transpose
+from megatron.core.fusions.triton_kernels import (
+    fp8_amax,
+    fp8_cast_transpose,
+    fp8_cast_transpose_amax,
+    prepare_fp8_kernels,
+)
 
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "delayed")
@@ -159,11 +164,11 @@ def _cast_delayed(t: torch.Tensor, past: torch.Tensor, initialized: torch.Tensor
     before that the scale may be the current amax, computed first by ``amax_of(t)``."""
     if warm:
         scale = scale_from_amax(past, dtype)
-        t8, t8_t, amax = fp8_cast_transpose(t, scale, dtype, True)
+        t8, t8_t, amax = fp8_cast_transpose_amax(t, scale, dtype)
     else:
         amax = amax_of(t)
         scale = _delayed_scale(past, initialized, amax, dtype)
-        t8, t8_t, _ = fp8_cast_transpose(t, scale, dtype, False)
+        t8, t8_t = fp8_cast_transpose(t, scale, dtype)
     return t8, t8_t, amax, scale
 
 
@@ -233,8 +238,8 @@ class _Fp8Matmul(torch.autograd.Function):
         fwd = recipe.fwd_dtype
         x_scale = tensor_scale(x, fwd, recipe, history, initialized, X)
         w_scale = tensor_scale(weight, fwd, recipe, history, initialized, W)
-        x8, x8_t, _ = fp8_cast_transpose(x, x_scale, fwd, False)  # [M, K] and [K, M]
-        w8, w8_t, _ = fp8_cast_transpose(weight, w_scale, fwd, False)  # [N, K] and [K, N]
+        x8, x8_t = fp8_cast_transpose(x, x_scale, fwd)  # [M, K] and [K, M]
+        w8, w8_t = fp8_cast_transpose(weight, w_scale, fwd)  # [N, K] and [K, N]
         x_inv, w_inv = x_scale.reciprocal(), w_scale.reciprocal()
         out = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype, use_scaled_mm, fast_accum=True)  # [M, N]
         ctx.save_for_backward(x8_t, w8_t, x_inv, w_inv)
@@ -251,7 +256,7 @@ class _Fp8Matmul(torch.autograd.Function):
             g_scale = scale_from_amax(fp8_amax(dy), bwd)
         else:
             g_scale = tensor_scale(dy, bwd, ctx.recipe, ctx.history, ctx.initialized, DY)
-        dy8, dy8_t, _ = fp8_cast_transpose(dy, g_scale, bwd, False)
+        dy8, dy8_t = fp8_cast_transpose(dy, g_scale, bwd)
         return (*_fp8_grads(ctx, dy8, dy8_t, g_scale.reciprocal(), x8_t, w8_t, x_inv, w_inv), None, None, None, None)
 
 
@@ -281,7 +286,7 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
 
     ``warm`` (a host bool: the history has entries) drops the device-side choice between history and
     current amax, the same values from then on: no cast waits for its tensor's amax reduction, and
-    each tensor's cast, transpose and amax are one pass (:func:`fp8_cast_transpose`). A compiled layer
+    each tensor's cast, transpose and amax are one pass (:func:`fp8_cast_transpose_amax`). A compiled layer
     recompiles once, when it turns True.
     """
 
@@ -405,6 +410,7 @@ def apply_fp8(modules: list[nn.Module], config, device: torch.device) -> int:
     error = fp8_device_error(device)
     if error:
         raise ValueError(error)
+    prepare_fp8_kernels(device)  # compile and self-check the cast kernels now, outside any compiled graph
     count, skipped = 0, []
     for root in modules:
         for name, module in root.named_modules():

@@ -36,6 +36,7 @@ try:  # Triton ships with CUDA builds of torch; CPU builds (and CI) have none.
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
+from torch.library import triton_op, wrap_triton
 
 _FAILED: set[str] = set()
 _CHECKED: set[str] = set()
@@ -115,9 +116,10 @@ def _check_fp8_cast(device: torch.device) -> str:
     t = (torch.randn(200, 300, device=device, generator=g) * 5).bfloat16()
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         scale = torch.finfo(dtype).max / t.float().abs().amax() * 1.5  # some values saturate
-        got, ref = fp8_cast_transpose_triton(t, scale, dtype, True), _fp8_cast_transpose_torch(t, scale, dtype, True)
-        for a, b in zip(got, ref):
-            if not torch.equal(a.float(), b.float()):
+        for with_amax in (True, False):
+            got = fp8_cast_transpose_triton(t, scale, dtype, with_amax)
+            ref = _fp8_cast_transpose_torch(t, scale, dtype, with_amax)
+            if len(got) != len(ref) or not all(torch.equal(a.float(), b.float()) for a, b in zip(got, ref)):
                 return f"fp8 cast-transpose to {dtype} differs from the torch code"
     if not torch.equal(fp8_amax_triton(t), _fp8_amax_torch(t)):
         return "fp8 amax differs from the torch code"
@@ -210,12 +212,6 @@ if triton is not None:
             tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_n,
                      tl.max(tl.max(tl.where(a != a, float("inf"), a), 1), 0))
 
-    # Tile shapes tried on the first call of each shape on a GPU (Triton's autotuner; the fastest stays).
-    _cast_transpose_tuned = triton.autotune(
-        [triton.Config({"BM": bm, "BN": bn}, num_warps=w)
-         for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 64, 8))],
-        key=["m", "n"])(_cast_transpose_kernel)
-
 
 def _swiglu_backward_torch(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     a, b = x.float().chunk(2, dim=-1)
@@ -294,63 +290,93 @@ def _fp8_amax_torch(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a)
 
 
-def fp8_amax_triton(t: torch.Tensor) -> torch.Tensor:
-    flat = t.contiguous().reshape(-1)
+def _fp8_amax_launch(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
     out = torch.zeros((), dtype=torch.float32, device=t.device)
     block = 4096
     programs = max(1, min(triton.cdiv(flat.numel(), block), 4 * 132 if t.is_cuda else 4))
-    _amax_kernel[(programs,)](flat, out, flat.numel(), BLOCK=block, num_warps=8)
+    wrap_triton(_amax_kernel)[(programs,)](flat, out, flat.numel(), BLOCK=block, num_warps=8)
     return out
 
 
-@torch.library.custom_op("megatron::fp8_amax", mutates_args=())
-def fp8_amax(t: torch.Tensor) -> torch.Tensor:
-    """``max |t|`` as an fp32 scalar (NaN reported as inf: either way the scale falls back to 1)."""
-    return _run("fp8_cast", fp8_amax_triton, _fp8_amax_torch, t)
-
-
-@fp8_amax.register_fake
-def _(t: torch.Tensor) -> torch.Tensor:
-    return t.new_empty((), dtype=torch.float32)
-
-
-def _fp8_cast_transpose_torch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                              with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    fmax = torch.finfo(dtype).max
-    q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
-    amax = _fp8_amax_torch(t) if with_amax else torch.zeros((), dtype=torch.float32, device=t.device)
-    return q, q.t().contiguous(), amax
-
-
-def fp8_cast_transpose_triton(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                              with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if t.stride(-1) != 1:
-        t = t.contiguous()
+def _fp8_cast_transpose_launch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                               with_amax: bool) -> tuple[torch.Tensor, ...]:
     m, n = t.shape
     out = torch.empty((m, n), dtype=dtype, device=t.device)
     out_t = torch.empty((n, m), dtype=dtype, device=t.device)
-    # one slot per tile of the smallest tile shape; slots a larger tile leaves unwritten stay 0
-    partials = torch.zeros(triton.cdiv(m, 64) * triton.cdiv(n, 64) if with_amax else 1, device=t.device)
-    args = (t, scale.float().reshape(1), out, out_t, partials, m, n, t.stride(0))
-    if t.is_cuda:
-        _cast_transpose_tuned[lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))](
-            *args, FMAX=torch.finfo(dtype).max, AMAX=with_amax)
-    else:  # the interpreter (tests): one tile shape
-        _cast_transpose_kernel[(triton.cdiv(m, 64), triton.cdiv(n, 128))](
-            *args, FMAX=torch.finfo(dtype).max, AMAX=with_amax, BM=64, BN=128)
-    return out, out_t, partials.amax()  # 0 without with_amax (the torch code's value)
+    bm, bn = CT_TILE
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    partials = torch.empty(grid[0] * grid[1] if with_amax else 1, dtype=torch.float32, device=t.device)
+    wrap_triton(_cast_transpose_kernel)[grid](t, scale.reshape(1), out, out_t, partials, m, n, t.stride(0),
+                                              FMAX=torch.finfo(dtype).max, AMAX=with_amax, BM=bm, BN=bn,
+                                              num_warps=4)
+    return (out, out_t, partials.amax()) if with_amax else (out, out_t)
 
 
-@torch.library.custom_op("megatron::fp8_cast_transpose", mutates_args=())
-def fp8_cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                       with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``t [M, N] * scale`` saturated and cast to ``dtype`` (fp8), row-major ``[M, N]`` and transposed
-    ``[N, M]`` (both contiguous), and ``max |t|`` as an fp32 scalar where ``with_amax`` (else 0)."""
-    return _run("fp8_cast", fp8_cast_transpose_triton, _fp8_cast_transpose_torch, t, scale, dtype, with_amax)
+# The tile of the cast-transpose (rows, columns; 4 warps): what Triton's autotuner chose on an H200 for
+# the large llama-3b shapes among six (docs/performance.md, sixth pass).
+CT_TILE = (64, 128)
 
 
-@fp8_cast_transpose.register_fake
-def _(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-      with_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    m, n = t.shape
-    return t.new_empty((m, n), dtype=dtype), t.new_empty((n, m), dtype=dtype), t.new_empty((), dtype=torch.float32)
+def fp8_amax_triton(t: torch.Tensor) -> torch.Tensor:
+    return _fp8_amax_launch(t.contiguous())
+
+
+def fp8_cast_transpose_triton(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                              with_amax: bool) -> tuple[torch.Tensor, ...]:
+    return _fp8_cast_transpose_launch(t if t.stride(-1) == 1 else t.contiguous(), scale, dtype, with_amax)
+
+
+def _triton_ready(t: torch.Tensor) -> bool:
+    """Inside the ops (which torch.compile traces): the kernels run where their one-time self-check on
+    this device has passed (:func:`prepare_fp8_kernels`, before any compile) or under the interpreter."""
+    if triton is None or "fp8_cast" in _FAILED:
+        return False
+    return ("fp8_cast" in _CHECKED and t.is_cuda) or (interpreting() and not t.is_cuda)
+
+
+def prepare_fp8_kernels(device: torch.device) -> bool:
+    """Compile and self-check the FP8 kernels on ``device`` (eagerly, once); True when they will run."""
+    probe = torch.empty(0, device=device)
+    return available(probe, "fp8_cast")
+
+
+def _fp8_cast_transpose_torch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                              with_amax: bool) -> tuple[torch.Tensor, ...]:
+    fmax = torch.finfo(dtype).max
+    q = (t.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return (q, q.t().contiguous(), _fp8_amax_torch(t)) if with_amax else (q, q.t().contiguous())
+
+
+# ``torch.library.triton_op``: torch.compile traces into these and Inductor launches the Triton kernels
+# from its generated code like its own (a ``custom_op`` cost ~0.2 ms of host time per call, 312 calls a
+# step, and the GPU waited for it: docs/performance.md, sixth pass). Called eagerly, they run the same.
+
+@triton_op("megatron::fp8_amax", mutates_args=())
+def fp8_amax(t: torch.Tensor) -> torch.Tensor:
+    """``max |t|`` as an fp32 scalar (NaN reported as inf: either way the scale falls back to 1)."""
+    if _triton_ready(t):
+        return _fp8_amax_launch(t.contiguous())
+    return _fp8_amax_torch(t)
+
+
+@triton_op("megatron::fp8_cast_transpose", mutates_args=())
+def fp8_cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [M, N] * scale`` (fp32 scalar) saturated and cast to ``dtype`` (fp8): row-major ``[M, N]``
+    and transposed ``[N, M]``, both contiguous."""
+    if _triton_ready(t):
+        q, q_t = _fp8_cast_transpose_launch(t.contiguous(), scale, dtype, False)
+    else:
+        q, q_t = _fp8_cast_transpose_torch(t, scale, dtype, False)
+    return q, q_t
+
+
+@triton_op("megatron::fp8_cast_transpose_amax", mutates_args=())
+def fp8_cast_transpose_amax(t: torch.Tensor, scale: torch.Tensor,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fp8_cast_transpose` and ``max |t|`` as an fp32 scalar from the same pass (NaN as inf)."""
+    if _triton_ready(t):
+        q, q_t, amax = _fp8_cast_transpose_launch(t.contiguous(), scale, dtype, True)
+    else:
+        q, q_t, amax = _fp8_cast_transpose_torch(t, scale, dtype, True)
+    return q, q_t, amax
