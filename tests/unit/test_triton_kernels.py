@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -169,3 +170,20 @@ def test_fp8_cast_transpose_and_amax_kernels_match_the_torch_code():
         print("ok")
     """)
     assert out.strip().endswith("ok")
+
+
+def test_traced_ops_never_run_the_self_check(monkeypatch):
+    """Inside torch.compile's tracing (fake tensors) ``ready`` only reads the checks done before; the
+    self-check would otherwise run on fake tensors. Outside tracing it is ``available``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron.core.fusions import triton_kernels as tk
+
+    calls = []
+    monkeypatch.setattr(tk, "available", lambda t, kernel: calls.append(kernel) or False)
+    monkeypatch.setattr(tk, "_CHECKED", set())
+    with FakeTensorMode():
+        fake = torch.empty(4, 4)
+        assert not tk.ready(fake, "fp8_cast")
+    assert calls == []
+    assert not tk.ready(torch.empty(4, 4), "fp8_cast") and calls == ["fp8_cast"]

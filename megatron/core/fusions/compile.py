@@ -77,6 +77,11 @@ def compile_layers(modules: list[nn.Module], layer_type: type) -> int:
     if not layers:
         return 0
     _raise_recompile_limits()
+    param = next(layers[0].parameters(), None)
+    if param is not None and param.is_cuda:
+        from megatron.core.fusions.triton_kernels import prepare_kernels
+
+        prepare_kernels(param.device)  # the Triton kernels the layers call: self-checked before tracing
     for layer in layers:
         layer.compile(dynamic=False)
     return len(layers)

@@ -38,7 +38,7 @@ from megatron.core.fusions.triton_kernels import (
     fp8_amax,
     fp8_cast_transpose,
     fp8_cast_transpose_amax,
-    prepare_fp8_kernels,
+    prepare_kernels,
 )
 
 FORMATS = ("e4m3", "hybrid")
@@ -410,7 +410,7 @@ def apply_fp8(modules: list[nn.Module], config, device: torch.device) -> int:
     error = fp8_device_error(device)
     if error:
         raise ValueError(error)
-    prepare_fp8_kernels(device)  # compile and self-check the cast kernels now, outside any compiled graph
+    prepare_kernels(torch.device(device))  # self-check the cast kernels now, before any compile traces them
     count, skipped = 0, []
     for root in modules:
         for name, module in root.named_modules():

@@ -36,6 +36,7 @@ try:  # Triton ships with CUDA builds of torch; CPU builds (and CI) have none.
 except ImportError:  # pragma: no cover - depends on the installation
     triton = None
     tl = None
+from torch._subclasses.fake_tensor import is_fake
 from torch.library import triton_op, wrap_triton
 
 _FAILED: set[str] = set()
@@ -65,6 +66,25 @@ def available(t: torch.Tensor, kernel: str) -> bool:
                           "using the torch code instead", stacklevel=2)
             return False
     return True
+
+
+def ready(t: torch.Tensor, kernel: str) -> bool:
+    """:func:`available` for the ``triton_op`` bodies, which torch.compile traces with fake tensors:
+    while tracing, only a kernel whose self-check already passed on this device (see
+    :func:`prepare_kernels`); the check itself cannot run on fake tensors."""
+    if torch.compiler.is_compiling() or is_fake(t):
+        if triton is None or kernel in _FAILED:
+            return False
+        return (t.is_cuda and kernel in _CHECKED) or (interpreting() and not t.is_cuda)
+    return available(t, kernel)
+
+
+def prepare_kernels(device: torch.device) -> None:
+    """Compile and self-check, on ``device`` and now, the kernels that compiled code calls (SwiGLU
+    backward, the FP8 casts): a compile traced before their check would use the torch code."""
+    probe = torch.empty(0, device=device)
+    for kernel in ("swiglu_backward", "fp8_cast"):
+        available(probe, kernel)
 
 
 def _fallback(kernel: str, exc: Exception) -> None:
@@ -232,19 +252,17 @@ def swiglu_backward_triton(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     dx = torch.empty((x2.shape[0], 2 * f), dtype=x.dtype, device=x.device)
     block = 1024
     grid = (x2.shape[0], triton.cdiv(f, block))
-    _swiglu_bwd_kernel[grid](g2, x2, dx, f, g2.stride(0), x2.stride(0), dx.stride(0), BLOCK=block, num_warps=4)
+    wrap_triton(_swiglu_bwd_kernel)[grid](g2, x2, dx, f, g2.stride(0), x2.stride(0), dx.stride(0), BLOCK=block,
+                                          num_warps=4)
     return dx.view(x.shape)
 
 
-@torch.library.custom_op("megatron::swiglu_backward", mutates_args=())
+@triton_op("megatron::swiglu_backward", mutates_args=())
 def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """d(silu(gate) * up) / d[gate; up] for the incoming ``grad`` of ``silu(gate) * up``."""
-    return _run("swiglu_backward", swiglu_backward_triton, _swiglu_backward_torch, grad, x)
-
-
-@swiglu_backward.register_fake
-def _(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+    if ready(grad, "swiglu_backward"):
+        return swiglu_backward_triton(grad, x)
+    return _swiglu_backward_torch(grad, x)
 
 
 class SwiGLU(torch.autograd.Function):
@@ -327,20 +345,6 @@ def fp8_cast_transpose_triton(t: torch.Tensor, scale: torch.Tensor, dtype: torch
     return _fp8_cast_transpose_launch(t if t.stride(-1) == 1 else t.contiguous(), scale, dtype, with_amax)
 
 
-def _triton_ready(t: torch.Tensor) -> bool:
-    """Inside the ops (which torch.compile traces): the kernels run where their one-time self-check on
-    this device has passed (:func:`prepare_fp8_kernels`, before any compile) or under the interpreter."""
-    if triton is None or "fp8_cast" in _FAILED:
-        return False
-    return ("fp8_cast" in _CHECKED and t.is_cuda) or (interpreting() and not t.is_cuda)
-
-
-def prepare_fp8_kernels(device: torch.device) -> bool:
-    """Compile and self-check the FP8 kernels on ``device`` (eagerly, once); True when they will run."""
-    probe = torch.empty(0, device=device)
-    return available(probe, "fp8_cast")
-
-
 def _fp8_cast_transpose_torch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                               with_amax: bool) -> tuple[torch.Tensor, ...]:
     fmax = torch.finfo(dtype).max
@@ -355,7 +359,7 @@ def _fp8_cast_transpose_torch(t: torch.Tensor, scale: torch.Tensor, dtype: torch
 @triton_op("megatron::fp8_amax", mutates_args=())
 def fp8_amax(t: torch.Tensor) -> torch.Tensor:
     """``max |t|`` as an fp32 scalar (NaN reported as inf: either way the scale falls back to 1)."""
-    if _triton_ready(t):
+    if ready(t, "fp8_cast"):
         return _fp8_amax_launch(t.contiguous())
     return _fp8_amax_torch(t)
 
@@ -364,7 +368,7 @@ def fp8_amax(t: torch.Tensor) -> torch.Tensor:
 def fp8_cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``t [M, N] * scale`` (fp32 scalar) saturated and cast to ``dtype`` (fp8): row-major ``[M, N]``
     and transposed ``[N, M]``, both contiguous."""
-    if _triton_ready(t):
+    if ready(t, "fp8_cast"):
         q, q_t = _fp8_cast_transpose_launch(t.contiguous(), scale, dtype, False)
     else:
         q, q_t = _fp8_cast_transpose_torch(t, scale, dtype, False)
@@ -375,7 +379,7 @@ def fp8_cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 def fp8_cast_transpose_amax(t: torch.Tensor, scale: torch.Tensor,
                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`fp8_cast_transpose` and ``max |t|`` as an fp32 scalar from the same pass (NaN as inf)."""
-    if _triton_ready(t):
+    if ready(t, "fp8_cast"):
         q, q_t, amax = _fp8_cast_transpose_launch(t.contiguous(), scale, dtype, True)
     else:
         q, q_t, amax = _fp8_cast_transpose_torch(t, scale, dtype, True)
