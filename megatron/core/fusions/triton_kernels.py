@@ -19,7 +19,8 @@ Triton is importable (it ships with CUDA builds of torch) and their one-time sel
 device (a small problem against the torch code) passes; otherwise, or after any failure, the torch
 code that computes the same thing runs, with a warning; under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors,
 which is how the tests check them without a GPU. ``swiglu_backward`` and the FP8 ones are
-``torch.library`` custom ops so that compiled layers call them as opaque kernels.
+``torch.library.triton_op``s: compiled layers trace into them and Inductor launches the kernels from
+its generated code (their one-time self-check runs before the compile: :func:`prepare_kernels`).
 """
 
 from __future__ import annotations
