@@ -73,10 +73,8 @@ def ready(t: torch.Tensor, kernel: str) -> bool:
     """:func:`available` for the ``triton_op`` bodies, which torch.compile traces with fake tensors:
     while tracing, only a kernel whose self-check already passed on this device (see
     :func:`prepare_kernels`); the check itself cannot run on fake tensors."""
-    if torch.compiler.is_compiling() or is_fake(t):
-        if triton is None or kernel in _FAILED:
-            return False
-        return (t.is_cuda and kernel in _CHECKED) or (interpreting() and not t.is_cuda)
+    if torch.compiler.is_compiling() or is_fake(t):  # (the interpreter's kernels cannot be traced: CPU -> torch)
+        return triton is not None and kernel not in _FAILED and t.is_cuda and kernel in _CHECKED
     return available(t, kernel)
 
 
