@@ -72,8 +72,9 @@ def main() -> None:
                     help="folder written by examples/prepare_corpus.sh")
     ap.add_argument("--tolerance", type=float, default=0.01)
     ap.add_argument("--global-batch-size", type=int, default=None,
-                    help="sequences per step (gradient accumulation over micro-batches of 8; default 8): more "
-                         "tokens per step give smoother curves and a lower noise floor")
+                    help="sequences per step (gradient accumulation over micro-batches of 8; default 8). The bundled "
+                         "corpus is ~0.46M tokens: at 32, 300 steps are ~20 passes over it and every run, a "
+                         "second bf16 one included, memorises it at its own pace (curves 7%% apart)")
     ap.add_argument("--bf16-repeat", action="store_true",
                     help="train bf16 twice and report the repeat like a recipe (the run-to-run noise floor)")
     args = ap.parse_args()
