@@ -25,6 +25,7 @@ its generated code (their one-time self-check runs before the compile: :func:`pr
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -307,11 +308,16 @@ def _fp8_amax_torch(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _fp8_amax_launch(t: torch.Tensor) -> torch.Tensor:
     flat = t.reshape(-1)
     out = torch.zeros((), dtype=torch.float32, device=t.device)
     block = 4096
-    programs = max(1, min(triton.cdiv(flat.numel(), block), 4 * 132 if t.is_cuda else 4))
+    programs = max(1, min(triton.cdiv(flat.numel(), block), 4 * _sm_count(t.device) if t.is_cuda else 4))
     wrap_triton(_amax_kernel)[(programs,)](flat, out, flat.numel(), BLOCK=block, num_warps=8)
     return out
 
