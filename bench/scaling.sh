@@ -3,7 +3,8 @@
 # call (a run is ~1.5-2 min, most of it compilation). Every figure lands in $OUT/bench_gpt.jsonl and
 # $OUT/layout_match.jsonl (or ./bench_out/), and the summary is printed last.
 #
-#   NGPUS=8 bash bench/scaling.sh STAGE...      (NGPUS defaults to 8; with 4, runs needing 8 are skipped)
+#   NGPUS=8 bash bench/scaling.sh STAGE...      (NGPUS defaults to 8; with 4, runs needing 8 are skipped;
+#                                                with 2, a check of the scripts: dp2, tp2 and their match)
 #
 #   weak-dp      llama-3b, the same per-GPU work on 1, 2, 4, 8 GPUs, dp with bf16 gradient reduction  ~8 min
 #   weak-tp2     llama-3b, tp2 (+SP) x dp1/2/4 on 2, 4, 8 GPUs (efficiency against the tp2 pair)        ~6 min
@@ -37,6 +38,7 @@ layouts() {
   # llama-3b's 26 layers do not split evenly over 4 ranks: 6 / 8 / 8 / 4 (the last stage also holds
   # the 128k-vocabulary output layer, worth ~4 layers of GEMMs).
   [ "$cfg" = llama-3b ] && vpp="--virtual-pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 4"
+  [ "$N" -ge 4 ] || { echo "layouts: tp4, tp8, tp2 x pp2 and tp2 x pp4 need 4 or 8 GPUs (NGPUS=$N)"; return 0; }
   $B --configs "$cfg" --nproc "$N" --tag _tp4 --extra="--tensor-model-parallel-size 4 $SP $BF16R"
   [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --tag _tp8 --extra="--tensor-model-parallel-size 8 $SP"
   $B --configs "$cfg" --nproc "$N" --tag _tp2pp2 \
@@ -73,8 +75,8 @@ run_stage() {
     match)
       # Global batch divisible by micro-batch 4 x every DP degree below; 8 query groups so that tp8 splits them.
       local g="--global-batch-size 32 --num-query-groups 8"
-      local l="1:$g;$N:$g;$N:$g --tensor-model-parallel-size 2 $SP;$N:$g --tensor-model-parallel-size 4 $SP"
-      l="$l;$N:$g --tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 2"
+      local l="1:$g;$N:$g;$N:$g --tensor-model-parallel-size 2 $SP"
+      [ "$N" -ge 4 ] && l="$l;$N:$g --tensor-model-parallel-size 4 $SP;$N:$g --tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 2"
       [ "$N" -ge 8 ] && l="$l;$N:$g --tensor-model-parallel-size 8 $SP;$N:$g --tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1"
       try python3 bench/layout_match.py --iters 50 --layouts "$l" ;;
     *) echo "unknown stage $1 (weak-dp, weak-tp2, weak-fp32, 8b-best, 8b-layouts, 3b-layouts, match)" >&2; return 2 ;;
