@@ -266,6 +266,23 @@ def test_fp8_on_a_machine_without_gpu_fails_before_training():
         parse_args(BASE + "--bf16 --fp8-format hybrid".split())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only switch")
+def test_emulation_switch_lets_tests_run_fp8_on_the_cpu(monkeypatch):
+    """MEGATRON_FP8_EMULATE=1 (tests of the layouts) lets a CPU run use FP8 with emulated GEMMs and
+    says so; without it the CPU is refused (previous test)."""
+    cfg = tiny_config(fp8_format="hybrid")
+    assert fp8_mod.fp8_device_error(torch.device("cpu")) is not None
+    monkeypatch.setenv("MEGATRON_FP8_EMULATE", "1")
+    assert fp8_mod.fp8_device_error(torch.device("cpu")) is None
+    parse_args(BASE + "--bf16 --fp8-format hybrid".split())  # no error at parse time either
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
+    with pytest.warns(UserWarning, match="emulated on the CPU"):
+        assert apply_fp8([model], cfg, torch.device("cpu")) == 4 * cfg.num_layers
+    assert all(not m.use_scaled_mm for m in model.modules() if isinstance(m, Fp8Gemm))
+    lines = kernel_report(cfg, torch.device("cpu"), 1, 0, "CPU run", True, fp8_linears=8)
+    assert any("FP8: emulated on the CPU" in line and "for 8 QKV/proj/fc1/fc2 linears" in line for line in lines)
+
+
 def test_kernel_report_says_whether_fp8_is_on():
     def fp8_line(cfg, **kw):
         lines = kernel_report(cfg, torch.device("cpu"), 1, 0, "CPU run", True, **kw)

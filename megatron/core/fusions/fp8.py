@@ -27,6 +27,7 @@ there to choose the faster implementation by measurement (docs/performance.md); 
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -382,9 +383,21 @@ class Fp8Gemm(nn.Module):
 # ------------------------------------------------------------------------------------------------
 # Start-up: which devices and layers can run it.
 
+# Tests only: FP8 on the CPU, its GEMMs emulated in fp32 on the dequantised fp8 values (slow), so that
+# the parallel layouts can be checked with FP8 through pretrain_gpt.py on gloo.
+EMULATE_ENV = "MEGATRON_FP8_EMULATE"
+
+
+def fp8_emulated(device: torch.device) -> bool:
+    """FP8 runs emulated: a CPU run with ``MEGATRON_FP8_EMULATE=1`` (tests of the layouts)."""
+    return torch.device(device).type == "cpu" and os.environ.get(EMULATE_ENV) == "1"
+
+
 def fp8_device_error(device: torch.device) -> str | None:
     """Why ``device`` cannot run the FP8 GEMMs (None when it can: CUDA, compute capability 9.0+)."""
     device = torch.device(device)
+    if fp8_emulated(device):
+        return None
     if device.type != "cuda":
         return (f"--fp8-format needs an H100/H200-class GPU (Hopper, compute capability 9.0 or newer); this run "
                 f"is on the {device.type.upper()}. Drop --fp8-format to train in bf16")
@@ -411,6 +424,10 @@ def apply_fp8(modules: list[nn.Module], config, device: torch.device) -> int:
     if error:
         raise ValueError(error)
     prepare_kernels(torch.device(device))  # self-check the cast kernels now, before any compile traces them
+    emulated = fp8_emulated(device)
+    if emulated:
+        warnings.warn(f"FP8 emulated on the CPU ({EMULATE_ENV}=1): fp32 GEMMs on the dequantised fp8 values, "
+                      "for tests only", stacklevel=2)
     count, skipped = 0, []
     for root in modules:
         for name, module in root.named_modules():
@@ -422,7 +439,8 @@ def apply_fp8(modules: list[nn.Module], config, device: torch.device) -> int:
             if n % ALIGN or k % ALIGN:
                 skipped.append(f"{name} [{n}, {k}]")
                 continue
-            module.fp8 = Fp8Gemm(recipe, device=module.weight.device)
+            module.fp8 = (Fp8Gemm(recipe, device=module.weight.device, use_scaled_mm=False) if emulated
+                          else Fp8Gemm(recipe, device=module.weight.device))
             count += 1
     if skipped:
         warnings.warn(f"FP8: {len(skipped)} linears keep bf16 GEMMs because a weight dim is not a multiple of "

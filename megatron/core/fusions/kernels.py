@@ -36,6 +36,7 @@ def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: i
     if device.type != "cuda":
         attn += " (the CPU kernel of that name; cuDNN fused attention needs a CUDA device)"
     from megatron.core.fusions import triton_kernels
+    from megatron.core.fusions.fp8 import fp8_emulated
 
     have_triton = device.type == "cuda" and triton_kernels.triton is not None
     if compiled_layers:
@@ -66,7 +67,7 @@ def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: i
         f"   cross entropy: {ce}",
         f"   optimizer: {opt}",
         f"   recompute: {recompute_line(config)}",
-        f"   FP8: {fp8_line(config, dtype, fp8_linears, have_triton)}",
+        f"   FP8: {fp8_line(config, dtype, fp8_linears, have_triton, emulated=fp8_emulated(device))}",
         "   Transformer Engine: not used (--transformer-impl local; no TE path is shipped)",
     ]
 
@@ -94,8 +95,10 @@ def optimizer_line(optimizer_config, device: torch.device) -> str:
     return f"torch.optim.{'SGD' if optimizer_config.optimizer == 'sgd' else 'AdamW'} {kernel} over fp32 main params"
 
 
-def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None, have_triton: bool = True) -> str:
-    """Whether the tensor-parallel linears run in FP8, with which recipe, and who quantises."""
+def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None, have_triton: bool = True,
+             emulated: bool = False) -> str:
+    """Whether the tensor-parallel linears run in FP8, with which recipe, and who quantises
+    (``emulated``: a CPU run under ``MEGATRON_FP8_EMULATE=1``, for tests)."""
     from megatron.core.fusions.fp8 import Fp8Recipe
 
     recipe = Fp8Recipe.from_config(config)
@@ -103,6 +106,9 @@ def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None, have_triton: b
     if recipe is None:
         return f"off (no --fp8-format; GEMMs in {gemms})"
     where = "QKV, proj, fc1, fc2" if fp8_linears is None else f"{fp8_linears} QKV/proj/fc1/fc2 linears"
+    if emulated:
+        return (f"emulated on the CPU ({recipe.describe()}; MEGATRON_FP8_EMULATE=1, for tests only): fp32 GEMMs on "
+                f"the dequantised fp8 values for {where}")
     if recipe.gemm_impl == "torchao":
         quant = "torchao's casts"
     elif have_triton:
