@@ -116,7 +116,9 @@ class Trainer:
         else:
             reason = ""
         # Before compiling, so that the FP8 GEMMs are inside the layers' graphs; raises on a non-Hopper device.
-        fp8_linears = apply_fp8(chunks, self.cfg.model, self.device)
+        amax_ranks = "tp" if self.cfg.model.tp_only_amax_red else "tp_dp_cp"
+        amax_group = self.pg.groups.get(amax_ranks) if len(self.pg.group_ranks.get(amax_ranks, [])) > 1 else None
+        fp8_linears = apply_fp8(chunks, self.cfg.model, self.device, amax_group)
         set_compile_enabled(cuda and mode != "off")
         compiled = compile_layers(chunks, TransformerLayer) if not reason else 0
         fused_ce = any(getattr(c, "fused_cross_entropy", False) for c in chunks)

@@ -140,10 +140,11 @@ FP8_LAYOUTS = {  # name: (processes, flags, FP8 linears on rank 0)
 @pytest.mark.slow
 def test_fp8_trains_under_every_layout(tmp_path, monkeypatch, capsys):
     """Delayed-scaling FP8 (emulated on the CPU: MEGATRON_FP8_EMULATE=1) under tensor + sequence,
-    data (overlapped reduction), pipeline parallelism and the distributed optimizer: FP8 is on in each
-    run and the losses follow the one-process FP8 run. Each rank scales its own shards and micro-batches
-    (no amax reduction across ranks), so the runs differ from it by FP8's rounding, not bitwise: here
-    up to ~0.2% of the loss, where FP8 itself moves the loss ~0.25% from bf16."""
+    data (overlapped reduction), pipeline parallelism and the distributed optimizer, with the amaxes
+    reduced over each stage's ranks: FP8 is on in each run, and the losses follow the one-process FP8
+    run within 1% (the FP8 loss criterion of docs/performance.md). Not bitwise: the amax histories
+    advance per micro-batch on each rank, and at this learning rate the runs' rounding differences
+    grow to ~0.3% of the loss (FP8 itself moves it ~0.25% from bf16 here)."""
     monkeypatch.setenv("MEGATRON_FP8_EMULATE", "1")
     args = (" ".join(MODEL + LLAMA).replace("--hidden-size 32", "--hidden-size 64").replace("--lr 3e-3", "--lr 1e-2")
             + " --bf16 --fp8-format hybrid --fp8-recipe delayed").split()
@@ -157,5 +158,5 @@ def test_fp8_trains_under_every_layout(tmp_path, monkeypatch, capsys):
         got = curves(f"{tmp_path}/{name}.jsonl")
         assert sorted(got) == sorted(ref), name
         for it, (loss, gnorm) in ref.items():
-            assert got[it][0] == pytest.approx(loss, rel=5e-3), (name, it)
-            assert got[it][1] == pytest.approx(gnorm, rel=0.2), (name, it)
+            assert got[it][0] == pytest.approx(loss, rel=1e-2), (name, it)
+            assert got[it][1] == pytest.approx(gnorm, rel=0.3), (name, it)

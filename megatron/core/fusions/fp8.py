@@ -339,6 +339,9 @@ class Fp8Gemm(nn.Module):
         self.register_buffer("initialized", torch.zeros(3, dtype=torch.bool, device=device), persistent=False)
         self.amax_sink: torch.Tensor | None = None
         self.warm = False  # delayed scaling: the history has entries (set by the hook; see _Fp8MatmulDelayed)
+        # delayed scaling: the ranks whose amaxes are reduced (max) before they enter the history, so that
+        # every rank of a tensor-parallel shard set, and of the data-parallel replicas, uses the same scales
+        self.amax_group: object | None = None
         if recipe.recipe == "delayed":
             self._make_sink(self.amax_history.device)
         self._torchao = _torchao_matmul(recipe, emulate=not use_scaled_mm) if recipe.gemm_impl == "torchao" else None
@@ -351,6 +354,8 @@ class Fp8Gemm(nn.Module):
     def _record_amaxes(self, sink: torch.Tensor) -> None:
         """After each backward through this GEMM: its forward's x / w amaxes and the gradient's amax."""
         if sink.grad is not None:
+            if self.amax_group is not None:
+                torch.distributed.all_reduce(sink.grad, op=torch.distributed.ReduceOp.MAX, group=self.amax_group)
             _push_rows(self.amax_history, self.initialized, sink.grad)
             sink.grad = None
             self.warm = True
@@ -408,8 +413,12 @@ def fp8_device_error(device: torch.device) -> str | None:
     return None
 
 
-def apply_fp8(modules: list[nn.Module], config, device: torch.device) -> int:
+def apply_fp8(modules: list[nn.Module], config, device: torch.device, amax_group=None) -> int:
     """Give every QKV / proj / fc1 / fc2 linear of ``modules`` an :class:`Fp8Gemm`; returns how many.
+
+    ``amax_group``: with delayed scaling, the process group over which each amax is reduced (max)
+    before it enters the history (Megatron's amax reduction group: the tensor-, context- and
+    data-parallel ranks of this pipeline stage, or the tensor-parallel ones); None: this rank's own.
 
     Does nothing without ``config.fp8_format``. Raises ValueError (naming ``--fp8-format``) when the
     device cannot run FP8; linears whose weight dims are not multiples of 16 stay in bf16, with one
@@ -441,6 +450,8 @@ def apply_fp8(modules: list[nn.Module], config, device: torch.device) -> int:
                 continue
             module.fp8 = (Fp8Gemm(recipe, device=module.weight.device, use_scaled_mm=False) if emulated
                           else Fp8Gemm(recipe, device=module.weight.device))
+            if recipe.recipe == "delayed":
+                module.fp8.amax_group = amax_group
             count += 1
     if skipped:
         warnings.warn(f"FP8: {len(skipped)} linears keep bf16 GEMMs because a weight dim is not a multiple of "

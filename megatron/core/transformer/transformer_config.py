@@ -108,6 +108,10 @@ class TransformerConfig:
     fp8_amax_compute_algo: str = doc(
         "max", "Delayed FP8 scaling: the amax of a tensor is the 'max' over its history or the "
         "'most_recent' entry. Only with --fp8-format and --fp8-recipe delayed.", choices=("max", "most_recent"))
+    tp_only_amax_red: bool = doc(
+        False, "Delayed FP8 scaling: reduce each tensor's amax (max over the ranks, before it enters the history) "
+        "over the tensor-parallel ranks only, instead of over the tensor-, context- and data-parallel ranks of "
+        "the pipeline stage (the default, so that every rank uses the same scales). Only with --fp8-format.")
     fp8_gemm_impl: str = doc(
         "scaled_mm", "Who runs the FP8 GEMMs: 'scaled_mm' (ours: torch._scaled_mm, with Triton cast-transpose "
         "kernels quantising in one pass; the default and the faster on an H200) or 'torchao' (torchao's float8 "
