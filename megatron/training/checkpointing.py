@@ -6,8 +6,9 @@
 A save writes every file of ``iter_XXXXXXX`` first, then its ``metadata.json``, then the tracker file,
 atomically. A save killed at any point therefore leaves the tracker naming the previous complete
 checkpoint. What is stored: ``model`` and ``optimizer`` (sharded), ``opt_param_scheduler`` (plain),
-``rng_state`` (one ShardedObject per (tp, pp) rank) and the caller's ``extra_state`` (iteration,
-consumed samples, FLOPs so far, ``args``, ``checkpoint_version``) as common values.
+``rng_state`` (one ShardedObject per (tp, pp) rank), ``fp8_state`` (delayed FP8 scaling's amax
+histories, when FP8 is on) and the caller's ``extra_state`` (iteration, consumed samples, FLOPs so
+far, ``args``, ``checkpoint_version``) as common values.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from megatron.core.dist_checkpointing import ShardedObject
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CKPT_FORMAT = "torch_dist"
 CONTENTS_KEY = "checkpoint_contents"
-_RESERVED_KEYS = ("model", "optimizer", "opt_param_scheduler", "rng_state", CONTENTS_KEY)
+_RESERVED_KEYS = ("model", "optimizer", "opt_param_scheduler", "rng_state", "fp8_state", CONTENTS_KEY)
 _RESET_ON_FINETUNE = (
     "iteration", "consumed_train_samples", "consumed_valid_samples", "num_floating_point_operations_so_far"
 )
@@ -155,6 +156,7 @@ def save_checkpoint(
     save_rng: bool = True,
     parallel_state: Any = None,
     rng_state_fn: Callable[[], Any] | None = None,
+    fp8_state: dict | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
     """Collectively save ``iter_{iteration:07d}`` under ``save_dir``, then point the tracker at it.
@@ -168,6 +170,7 @@ def save_checkpoint(
             ``ep_rank`` optional); keys the RNG state so that each (tp, pp) rank keeps its own. None:
             one process, or pure data parallelism (rank 0's state is saved).
         rng_state_fn: extra RNG state to store (e.g. the CUDA RNG tracker's states).
+        fp8_state: sharded tensors of FP8 scaling state (``fusions.fp8.fp8_sharded_state_dict``).
 
     Raises:
         ValueError: ``extra_state`` uses a reserved key, or the sharded state dict is inconsistent.
@@ -194,6 +197,8 @@ def save_checkpoint(
         common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if save_rng:
         state["rng_state"] = _rng_object(parallel_state, get_rng_state(rng_state_fn))
+    if fp8_state:
+        state["fp8_state"] = fp8_state
     common[CONTENTS_KEY] = sorted([*state, *(["opt_param_scheduler"] if opt_param_scheduler is not None else [])])
     dist_checkpointing.save(state, ckpt_dir, common_state=common)  # ends with metadata.json
 
@@ -293,6 +298,7 @@ def load_checkpoint(
     model_args_check: dict[str, Any] | None = None,
     parallel_state: Any = None,
     rng_restore_fn: Callable[[Any], None] | None = None,
+    fp8_state: dict | None = None,
     log: Callable[[str], None] = print,
 ) -> dict | None:
     """Collectively load the newest (or ``ckpt_step``) checkpoint of ``load_dir`` in place.
@@ -300,7 +306,9 @@ def load_checkpoint(
     Model tensors of ``model_sharded_state_dict`` are filled in place (any saving layout works). The
     optimizer (``load_sharded_state_dict``) and scheduler (``load_state_dict``) are restored unless
     ``load_optim`` is False or ``finetune``; RNG states unless ``load_rng`` is False, ``finetune``, or
-    the checkpoint was saved under another (tp, pp) layout (then a line says so).
+    the checkpoint was saved under another (tp, pp) layout (then a line says so). ``fp8_state`` (the
+    FP8 amax histories, filled in place) where the checkpoint holds them with the same history
+    length, unless ``finetune``; otherwise a line says they restart.
 
     Returns:
         The saved ``extra_state`` (with iteration, consumed samples and FLOPs reset to 0 when
@@ -340,6 +348,8 @@ def load_checkpoint(
 
     if load_rng and not finetune:
         _load_rng(ckpt_dir, parallel_state, rng_restore_fn, log if is_rank0 else _quiet)
+    if fp8_state and not finetune:
+        _load_fp8_state(ckpt_dir, fp8_state, log if is_rank0 else _quiet)
 
     extra = {k: v for k, v in common.items() if k not in _RESERVED_KEYS}
     if finetune:
@@ -363,3 +373,17 @@ def _load_rng(
             "(saved with --no-save-rng or under another (tp, pp) layout)")
         return
     set_rng_state(got["rng_state"], rng_restore_fn)
+
+
+def _load_fp8_state(ckpt_dir: str, fp8_state: dict, log: Callable[[str], None]) -> None:
+    """Fill the FP8 amax histories in place from the checkpoint, where it holds every one of them with
+    the same shape (same model, same --fp8-amax-history-len); otherwise say that they restart."""
+    from megatron.core.dist_checkpointing.torch_dist import read_dcp_metadata
+
+    saved = read_dcp_metadata(ckpt_dir).state_dict_metadata
+    ok = all(tuple(getattr(saved.get(t.key), "size", ())) == tuple(t.global_shape) for t in fp8_state.values())
+    if not ok:
+        log("  FP8 amax histories: not in the checkpoint (saved without FP8 or with another "
+            "--fp8-amax-history-len); they restart with the first step")
+        return
+    dist_checkpointing.load({"fp8_state": fp8_state}, ckpt_dir)

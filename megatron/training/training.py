@@ -148,9 +148,13 @@ class Trainer:
             rng_restore_fn=self.pg.rng_tracker.set_states,
             exit_on_missing_checkpoint=ck.exit_on_missing_checkpoint,
             model_args_check=model_args_for_check(self.cfg, self.padded_vocab_size), log=print_rank_0,
+            fp8_state=self.fp8_sharded_state_dict(),
         )
         if extra is None:
             return
+        from megatron.core.fusions.fp8 import fp8_state_loaded
+
+        fp8_state_loaded(self.model)
         sync_shared_embedding(self.model)  # the checkpoint holds the first stage's embedding only
         if ck.finetune or not ck.load_optim:
             self.optimizer.reload_model_params()
@@ -164,6 +168,12 @@ class Trainer:
             return self.model[0].sharded_state_dict()
         return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.model)}
 
+    def fp8_sharded_state_dict(self) -> dict:
+        """Delayed FP8 scaling's amax histories (empty without FP8)."""
+        from megatron.core.fusions.fp8 import fp8_sharded_state_dict
+
+        return fp8_sharded_state_dict(self.model, self.pg.tp_rank, self.pg.dp_rank)
+
     def save(self) -> None:
         ck = self.cfg.checkpoint
         self.optimizer.finish_param_sync()  # every replica's weights are this step's
@@ -175,7 +185,8 @@ class Trainer:
         extra.update(args=args, checkpoint_version=3.0)
         checkpointing.save_checkpoint(
             ck.save, self.state.iteration, self.model_sharded_state_dict(), self.optimizer, self.scheduler,
-            extra_state=extra, parallel_state=self.pg, rng_state_fn=self.pg.rng_tracker.get_states, save_optim=ck.save_optim, save_rng=ck.save_rng, log=print_rank_0,
+            extra_state=extra, parallel_state=self.pg, rng_state_fn=self.pg.rng_tracker.get_states,
+            save_optim=ck.save_optim, save_rng=ck.save_rng, fp8_state=self.fp8_sharded_state_dict(), log=print_rank_0,
         )
 
     # ----------------------------------------------------------------------------------------------

@@ -160,3 +160,28 @@ def test_fp8_trains_under_every_layout(tmp_path, monkeypatch, capsys):
         for it, (loss, gnorm) in ref.items():
             assert got[it][0] == pytest.approx(loss, rel=1e-2), (name, it)
             assert got[it][1] == pytest.approx(gnorm, rel=0.3), (name, it)
+
+
+@pytest.mark.slow
+def test_fp8_resume_continues_the_amax_histories(tmp_path, monkeypatch, capsys):
+    """Delayed FP8 (emulated on the CPU): the checkpoint holds the amax histories, so 3 + 3 steps
+    give the 6 straight steps' losses exactly (re-learning them would change the scales of step 4);
+    a checkpoint saved without FP8 resumes an FP8 run with a line saying the histories restart."""
+    monkeypatch.setenv("MEGATRON_FP8_EMULATE", "1")
+    base = (" ".join(MODEL + LLAMA).replace("--hidden-size 32", "--hidden-size 64").replace("--lr 3e-3", "--lr 1e-2")
+            .replace("--train-iters 10", "--train-iters 6") + " --bf16").split()
+    fp8 = base + "--fp8-format hybrid --fp8-recipe delayed".split()
+    assert run(fp8 + f"--metrics-file {tmp_path}/straight.jsonl".split()) == 0
+    ck = f"{tmp_path}/ck"
+    assert run(fp8 + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {tmp_path}/r.jsonl".split()) == 0
+    capsys.readouterr()
+    assert run(fp8 + f"--load {ck} --metrics-file {tmp_path}/r.jsonl".split()) == 0
+    assert "FP8 amax histories" not in capsys.readouterr().out
+    straight, resumed = curves(f"{tmp_path}/straight.jsonl"), curves(f"{tmp_path}/r.jsonl")
+    assert sorted(resumed) == list(range(1, 7)) and resumed == straight
+    # bf16 checkpoint, FP8 resume
+    ck2 = f"{tmp_path}/ck2"
+    assert run(base + f"--save {ck2} --save-interval 3 --exit-interval 3".split()) == 0
+    capsys.readouterr()
+    assert run(fp8 + f"--load {ck2}".split()) == 0
+    assert "FP8 amax histories: not in the checkpoint" in capsys.readouterr().out

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -321,8 +322,8 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
 class Fp8Gemm(nn.Module):
     """The FP8 compute of one linear (held as its ``fp8`` submodule): scaling state, no weights.
 
-    The amax history is a non-persistent buffer (``[3, L]`` rows X, W, dY): checkpoints do not
-    change, and a resumed run re-learns it from its first step. With delayed scaling the amaxes of
+    The amax history is a non-persistent buffer (``[3, L]`` rows X, W, dY): the model's state dict
+    does not change; checkpoints hold it apart (:func:`fp8_sharded_state_dict`). With delayed scaling the amaxes of
     a forward/backward arrive as the gradient of ``amax_sink`` (see :class:`_Fp8MatmulDelayed`), a
     plain ``[3]`` tensor (not a parameter: no optimizer, no data-parallel reduction sees it).
     """
@@ -457,3 +458,34 @@ def apply_fp8(modules: list[nn.Module], config, device: torch.device, amax_group
         warnings.warn(f"FP8: {len(skipped)} linears keep bf16 GEMMs because a weight dim is not a multiple of "
                       f"{ALIGN}: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}", stacklevel=2)
     return count
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints: delayed scaling's amax histories, so that a resumed run scales as the uninterrupted one.
+
+def fp8_sharded_state_dict(chunks: Sequence[nn.Module], tp_rank: int, dp_rank: int) -> dict:
+    """The amax history and ``initialized`` flags of every delayed-scaling FP8 GEMM of ``chunks``
+    (GPT model chunks), under the layout-independent name of its linear (``decoder.layers.<global
+    index>...fp8.amax_history``). They are the same on every rank of the amax reduction group, so
+    they are stored once, like replicated weights (tp rank 0, dp rank 0 of each pipeline stage)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    out = {}
+    for chunk in chunks:
+        chunk = getattr(chunk, "module", chunk)  # a GPTModel, maybe in a DistributedDataParallel wrapper
+        for name, module in chunk.named_modules():
+            if not isinstance(module, Fp8Gemm) or module.recipe.recipe != "delayed":
+                continue
+            key = chunk.global_param_name(name)  # type: ignore[operator]
+            for buf in ("amax_history", "initialized"):
+                out[f"{key}.{buf}"] = ShardedTensor.from_rank_offsets(f"{key}.{buf}", getattr(module, buf),
+                                                                      replica_id=(tp_rank, dp_rank))
+    return out
+
+
+def fp8_state_loaded(chunks: Sequence[nn.Module]) -> None:
+    """After the histories were read into the buffers: those with entries count as warm."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, Fp8Gemm) and module.recipe.recipe == "delayed":
+                module.warm = bool(module.initialized.any())
