@@ -134,6 +134,7 @@ FP8_LAYOUTS = {  # name: (processes, flags, FP8 linears on rank 0)
     "dp2-overlap": (2, "--overlap-grad-reduce --ddp-bucket-size 2000", 8),
     "pp2": (2, "--pipeline-model-parallel-size 2", 4),
     "tp2xdp2-sp-distopt": (4, "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer", 8),
+    "pp2xdp2": (4, "--pipeline-model-parallel-size 2 --overlap-grad-reduce", 4),  # amax reduction beside the schedule
 }
 
 
