@@ -10,10 +10,12 @@ recipe, through pretrain_gpt.py on one GPU. Reports, per recipe, the largest rel
 the 20-step moving-average loss from bf16's after the first 20 steps, the difference of the mean loss
 over the last 50 steps, PASS when both are within ``--tolerance`` (1%), and its tokens/s against
 bf16's (median after the first 10 steps; a small model's GEMMs say little about FP8 at scale: use
-bench_gpt.py for speed). ``--model tiny`` and ``--recipes ""`` check the script on a CPU (FP8 itself needs a Hopper GPU). ``--bf16-repeat`` trains
-bf16 a second time, same seed and data, and compares it like a recipe: on a GPU the runs differ from
-the first step (cuDNN's attention backward is not deterministic), so that row is the noise floor
-of the comparison itself.
+bench_gpt.py for speed). ``--bf16-repeat`` trains bf16 a second time, same seed and data, and
+compares it like a recipe: on a GPU the runs differ from the first step (cuDNN's attention backward
+is not deterministic), so that row is the noise floor of the comparison itself. ``--seeds 1,2,3``
+runs everything once per seed and also compares the mean curves over the seeds, where that noise
+averages out. On a CPU, ``MEGATRON_FP8_EMULATE=1 python bench/fp8_loss.py --model tiny --iters 60``
+checks the script (FP8 emulated in fp32; FP8 itself needs a Hopper GPU).
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ def main() -> None:
                     help="sequences per step (gradient accumulation over micro-batches of 8; default 8). The bundled "
                          "corpus is ~0.46M tokens: at 32, 300 steps are ~20 passes over it and every run, a "
                          "second bf16 one included, memorises it at its own pace (curves 7%% apart)")
+    ap.add_argument("--seeds", default="1234",
+                    help="comma-separated seeds: every run once per seed, each compared with bf16 of its seed, "
+                         "and with several, the mean curves over the seeds (run-to-run noise averages out)")
     ap.add_argument("--bf16-repeat", action="store_true",
                     help="train bf16 twice and report the repeat like a recipe (the run-to-run noise floor)")
     args = ap.parse_args()
@@ -85,6 +90,7 @@ def main() -> None:
         base += f" --global-batch-size {args.global_batch_size}"  # the last occurrence wins
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
     os.makedirs(out_dir, exist_ok=True)
+    seeds = [int(v) for v in args.seeds.split(",")]
     runs = [("bf16", base)]
     for spec in filter(None, args.recipes.split(",")):
         fmt, recipe = spec.split(":")
@@ -92,30 +98,53 @@ def main() -> None:
     runs += [("bf16-repeat", base)] if args.bf16_repeat else []  # last: the noise floor matters least
     # Each run's row is written as soon as it has run (bf16 first), so a run cut short by a time limit
     # keeps the ones before it.
-    ref: dict = {}
-    ref_rate = None
+    curves: dict[str, list[dict[int, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(out_dir, "fp8_loss.jsonl"), "a") as f:
-        for i, (name, flags) in enumerate(runs):
-            metrics = os.path.join(tmp, f"{i}.jsonl")
-            curve = run_command(1, flags, metrics)
-            rate = tokens_per_s(metrics)
-            if name == "bf16":
-                ref, ref_rate = curve, rate
-                print(f"bf16: {len(ref)} steps, loss {ref[min(ref)]:.4f} -> {ref[max(ref)]:.4f}, "
-                      f"{rate or float('nan'):.0f} tokens/s")
-                f.write(json.dumps({"run": "bf16", "iters": args.iters, "model": args.model, "tokens_per_s": rate,
-                                    "losses": ref}) + "\n")
-            else:
-                res = compare(ref, curve)
-                ok = res["max_rel_diff_moving_avg"] <= args.tolerance and res["rel_diff_last_mean"] <= args.tolerance
-                ratio = rate / ref_rate if rate and ref_rate else None
-                print(f"{name}: moving-average loss within {100 * res['max_rel_diff_moving_avg']:.2f}% of bf16, "
-                      f"last-{50} mean {res['last_mean']:.4f} vs {res['bf16_last_mean']:.4f} "
-                      f"({100 * res['rel_diff_last_mean']:.2f}%): {'PASS' if ok else 'FAIL'}; tokens/s "
-                      + (f"{ratio:.3f}x bf16" if ratio else "n/a (too few steps)"))
-                f.write(json.dumps({"run": name, "iters": args.iters, "model": args.model, **res, "pass": ok,
-                                    "tokens_per_s": rate, "speedup": ratio, "losses": curve}) + "\n")
-            f.flush()
+        for seed in seeds:
+            ref: dict = {}
+            ref_rate = None
+            tag = f" (seed {seed})" if len(seeds) > 1 else ""
+            for i, (name, flags) in enumerate(runs):
+                metrics = os.path.join(tmp, f"{seed}_{i}.jsonl")
+                curve = run_command(1, f"{flags} --seed {seed}", metrics)  # (the last --seed wins)
+                curves.setdefault(name, []).append(curve)
+                rate = tokens_per_s(metrics)
+                row = {"run": name, "seed": seed, "iters": args.iters, "model": args.model, "tokens_per_s": rate}
+                if name == "bf16":
+                    ref, ref_rate = curve, rate
+                    print(f"bf16{tag}: {len(ref)} steps, loss {ref[min(ref)]:.4f} -> {ref[max(ref)]:.4f}, "
+                          f"{rate or float('nan'):.0f} tokens/s")
+                    f.write(json.dumps({**row, "losses": ref}) + "\n")
+                else:
+                    ratio = rate / ref_rate if rate and ref_rate else None
+                    res = _report(f"{name}{tag}", compare(ref, curve), args.tolerance, ratio)
+                    f.write(json.dumps({**row, **res, "speedup": ratio, "losses": curve}) + "\n")
+                f.flush()
+        if len(seeds) > 1:  # paired over seeds: each seed's run-to-run differences average out
+            mean_ref = _mean_curve(curves["bf16"])
+            for name, runs_of in curves.items():
+                if name != "bf16":
+                    res = _report(f"{name} (mean of {len(seeds)} seeds)", compare(mean_ref, _mean_curve(runs_of)),
+                                  args.tolerance, None)
+                    f.write(json.dumps({"run": name, "seeds": seeds, "iters": args.iters, "model": args.model,
+                                        **res}) + "\n")
+
+
+def _mean_curve(curves: list[dict[int, float]]) -> dict[int, float]:
+    """The step-wise mean of several runs' loss curves (over the steps they all have)."""
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return {s: statistics.fmean(c[s] for c in curves) for s in steps}
+
+
+def _report(name: str, res: dict, tolerance: float, ratio: float | None) -> dict:
+    """Print one comparison against bf16; returns it with its verdict (``pass``)."""
+    ok = res["max_rel_diff_moving_avg"] <= tolerance and res["rel_diff_last_mean"] <= tolerance
+    print(f"{name}: moving-average loss within {100 * res['max_rel_diff_moving_avg']:.2f}% of bf16, "
+          f"last-{50} mean {res['last_mean']:.4f} vs {res['bf16_last_mean']:.4f} "
+          f"({100 * res['rel_diff_last_mean']:.2f}%): {'PASS' if ok else 'FAIL'}"
+          + (f"; tokens/s {ratio:.3f}x bf16" if ratio else ""))
+    return {**res, "pass": ok}
+
 
 if __name__ == "__main__":
     main()
