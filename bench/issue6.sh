@@ -11,6 +11,7 @@
 #   bash bench/issue6.sh fp8speed   # FP8 delayed, bf16, FP8 tensorwise on llama-3b, nothing else ~4.5 min
 #   bash bench/issue6.sh fp8linear  # FP8 per linear: ours (tensorwise, delayed) against torchao's recipes and bf16 ~1 min
 #   bash bench/issue6.sh fp8loss    # FP8 against bf16 over 300 steps of the bundled corpus (+ a bf16 repeat) ~5 min
+#   bash bench/issue6.sh fp8loss2   # the same with two seeds, paired, no repeat                       ~6 min
 #   bash bench/issue6.sh nccltests  # 2 GPUs: compiled tp2 and DDP / distributed-optimizer tests over NCCL   ~4 min
 #   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, dp2 (fp32, bf16 reduction), tp2+SP, dist. optimizer + param gather ~8 min
 #   bash bench/issue6.sh inductor   # Inductor's coordinate-descent tuning and max-autotune on our runs   ~6 min
@@ -79,6 +80,12 @@ run_stage() {
       # 8 sequences a step: at 32 the 300 steps are ~15 passes over the bundled corpus and every run,
       # a second bf16 one included, memorises it at its own pace (7% apart; docs/performance.md, 7th pass).
       python3 bench/fp8_loss.py --iters 300 --recipes hybrid:delayed,hybrid:tensorwise --bf16-repeat ;;
+    fp8loss2)
+      # The same, two seeds, no repeat: each recipe against bf16 of its seed and the mean curves over
+      # both (the run-to-run noise averages out). ~6 min
+      python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
+      [ -d data/prepared ] || bash examples/prepare_corpus.sh
+      python3 bench/fp8_loss.py --iters 300 --recipes hybrid:delayed,hybrid:tensorwise --seeds 1234,1235 ;;
     nccltests)
       # Compiled tp2 + SP layers against eager, and the DDP / distributed-optimizer tests (overlapped
       # reduction and parameter gather, bf16 reduction) over NCCL (the harness uses NCCL with two GPUs). ~4 min
