@@ -313,8 +313,8 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _fp8_amax_launch(t: torch.Tensor) -> torch.Tensor:
-    flat = t.reshape(-1)
+def fp8_amax_triton(t: torch.Tensor) -> torch.Tensor:
+    flat = t.contiguous().reshape(-1)
     out = torch.zeros((), dtype=torch.float32, device=t.device)
     block = 4096
     programs = max(1, min(triton.cdiv(flat.numel(), block), 4 * _sm_count(t.device) if t.is_cuda else 4))
@@ -322,8 +322,11 @@ def _fp8_amax_launch(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _fp8_cast_transpose_launch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                               with_amax: bool) -> tuple[torch.Tensor, ...]:
+def fp8_cast_transpose_triton(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                              with_amax: bool) -> tuple[torch.Tensor, ...]:
+    """The cast-transpose kernel on ``t [M, N]`` (rows may be strided; CUDA, or CPU under the interpreter)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
     m, n = t.shape
     out = torch.empty((m, n), dtype=dtype, device=t.device)
     out_t = torch.empty((n, m), dtype=dtype, device=t.device)
@@ -341,15 +344,6 @@ def _fp8_cast_transpose_launch(t: torch.Tensor, scale: torch.Tensor, dtype: torc
 CT_TILE = (64, 128)
 
 
-def fp8_amax_triton(t: torch.Tensor) -> torch.Tensor:
-    return _fp8_amax_launch(t.contiguous())
-
-
-def fp8_cast_transpose_triton(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                              with_amax: bool) -> tuple[torch.Tensor, ...]:
-    return _fp8_cast_transpose_launch(t if t.stride(-1) == 1 else t.contiguous(), scale, dtype, with_amax)
-
-
 def _fp8_cast_transpose_torch(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                               with_amax: bool) -> tuple[torch.Tensor, ...]:
     fmax = torch.finfo(dtype).max
@@ -361,22 +355,24 @@ def _fp8_cast_transpose_torch(t: torch.Tensor, scale: torch.Tensor, dtype: torch
 # from its generated code like its own (a ``custom_op`` cost ~0.2 ms of host time per call, 312 calls a
 # step, and the GPU waited for it: docs/performance.md, sixth pass). Called eagerly, they run the same.
 
+def _cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, with_amax: bool) -> tuple[torch.Tensor, ...]:
+    """The two cast-transpose ops' body: the kernel where it is ready, else the torch code."""
+    if ready(t, "fp8_cast"):
+        return fp8_cast_transpose_triton(t, scale, dtype, with_amax)
+    return _fp8_cast_transpose_torch(t, scale, dtype, with_amax)
+
+
 @triton_op("megatron::fp8_amax", mutates_args=())
 def fp8_amax(t: torch.Tensor) -> torch.Tensor:
     """``max |t|`` as an fp32 scalar (NaN reported as inf: either way the scale falls back to 1)."""
-    if ready(t, "fp8_cast"):
-        return _fp8_amax_launch(t.contiguous())
-    return _fp8_amax_torch(t)
+    return fp8_amax_triton(t) if ready(t, "fp8_cast") else _fp8_amax_torch(t)
 
 
 @triton_op("megatron::fp8_cast_transpose", mutates_args=())
 def fp8_cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``t [M, N] * scale`` (fp32 scalar) saturated and cast to ``dtype`` (fp8): row-major ``[M, N]``
     and transposed ``[N, M]``, both contiguous."""
-    if ready(t, "fp8_cast"):
-        q, q_t = _fp8_cast_transpose_launch(t.contiguous(), scale, dtype, False)
-    else:
-        q, q_t = _fp8_cast_transpose_torch(t, scale, dtype, False)
+    q, q_t = _cast_transpose(t, scale, dtype, False)
     return q, q_t
 
 
@@ -384,8 +380,5 @@ def fp8_cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 def fp8_cast_transpose_amax(t: torch.Tensor, scale: torch.Tensor,
                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`fp8_cast_transpose` and ``max |t|`` as an fp32 scalar from the same pass (NaN as inf)."""
-    if ready(t, "fp8_cast"):
-        q, q_t, amax = _fp8_cast_transpose_launch(t.contiguous(), scale, dtype, True)
-    else:
-        q, q_t, amax = _fp8_cast_transpose_torch(t, scale, dtype, True)
+    q, q_t, amax = _cast_transpose(t, scale, dtype, True)
     return q, q_t, amax
