@@ -130,10 +130,12 @@ def check_fp8(cfg) -> None:
     Only ``torch.cuda.is_available()`` is asked here (it creates no CUDA context); the compute
     capability (Hopper, 9.0+) is checked by ``fusions.fp8.apply_fp8`` once the rank's device is set.
     """
+    from megatron.core.fusions.fp8 import fp8_emulated
+
     m = cfg.model
-    if m.fp8_format is None or cfg.training.dry_run or os.environ.get("MEGATRON_FP8_EMULATE") == "1":
-        return  # (emulated on the CPU for tests: fusions.fp8.EMULATE_ENV)
-    if not torch.cuda.is_available():
+    if m.fp8_format is None or cfg.training.dry_run:
+        return
+    if not torch.cuda.is_available() and not fp8_emulated(torch.device("cpu")):
         raise ValueError(f"--fp8-format {m.fp8_format} needs an H100/H200-class GPU (Hopper, compute capability "
                          "9.0 or newer) and this machine has no CUDA device; drop --fp8-format to train in bf16")
 
