@@ -463,6 +463,16 @@ def apply_fp8(modules: list[nn.Module], config, device: torch.device, amax_group
 # ------------------------------------------------------------------------------------------------
 # Checkpoints: delayed scaling's amax histories, so that a resumed run scales as the uninterrupted one.
 
+def _delayed_gemms(chunks: Sequence[nn.Module]):
+    """``(chunk, local name, Fp8Gemm)`` for every delayed-scaling FP8 GEMM of ``chunks`` (GPT model
+    chunks, maybe in a DistributedDataParallel wrapper)."""
+    for chunk in chunks:
+        chunk = getattr(chunk, "module", chunk)
+        for name, module in chunk.named_modules():
+            if isinstance(module, Fp8Gemm) and module.recipe.recipe == "delayed":
+                yield chunk, name, module
+
+
 def fp8_sharded_state_dict(chunks: Sequence[nn.Module], tp_rank: int, dp_rank: int) -> dict:
     """The amax history and ``initialized`` flags of every delayed-scaling FP8 GEMM of ``chunks``
     (GPT model chunks), under the layout-independent name of its linear (``decoder.layers.<global
@@ -471,21 +481,15 @@ def fp8_sharded_state_dict(chunks: Sequence[nn.Module], tp_rank: int, dp_rank: i
     from megatron.core.dist_checkpointing import ShardedTensor
 
     out = {}
-    for chunk in chunks:
-        chunk = getattr(chunk, "module", chunk)  # a GPTModel, maybe in a DistributedDataParallel wrapper
-        for name, module in chunk.named_modules():
-            if not isinstance(module, Fp8Gemm) or module.recipe.recipe != "delayed":
-                continue
-            key = chunk.global_param_name(name)  # type: ignore[operator]
-            for buf in ("amax_history", "initialized"):
-                out[f"{key}.{buf}"] = ShardedTensor.from_rank_offsets(f"{key}.{buf}", getattr(module, buf),
-                                                                      replica_id=(tp_rank, dp_rank))
+    for chunk, name, module in _delayed_gemms(chunks):
+        key = chunk.global_param_name(name)  # type: ignore[operator]
+        for buf in ("amax_history", "initialized"):
+            out[f"{key}.{buf}"] = ShardedTensor.from_rank_offsets(f"{key}.{buf}", getattr(module, buf),
+                                                                  replica_id=(tp_rank, dp_rank))
     return out
 
 
 def fp8_state_loaded(chunks: Sequence[nn.Module]) -> None:
     """After the histories were read into the buffers: those with entries count as warm."""
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, Fp8Gemm) and module.recipe.recipe == "delayed":
-                module.warm = bool(module.initialized.any())
+    for _, _, module in _delayed_gemms(chunks):
+        module.warm = bool(module.initialized.any())
