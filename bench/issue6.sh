@@ -6,7 +6,7 @@
 #   bash bench/issue6.sh kernels    # CE pass, SwiGLU backward (compiled vs Triton); Liger-Kernel vs ours ~2 min
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
-#   bash bench/issue6.sh fp8        # FP8 speed, whole llama-3b step: bf16, tensorwise, delayed, torchao's GEMMs ~5 min
+#   bash bench/issue6.sh fp8        # FP8 speed, whole llama-3b step: fp8speed's three runs, then torchao's GEMMs ~5 min
 #   AB_TREE=runs/ab bash bench/issue6.sh fp8ab  # FP8 whole step, this tree against another, one job ~6 min
 #   bash bench/issue6.sh fp8speed   # FP8 delayed, bf16, FP8 tensorwise on llama-3b, nothing else ~4.5 min
 #   bash bench/issue6.sh fp8linear  # FP8 per linear: ours (tensorwise, delayed) against torchao's recipes and bf16 ~1 min
@@ -31,6 +31,15 @@ cd "$(dirname "$0")/.."
 source bench/pack_out.sh  # pack $OUT into results.tgz on exit
 OUT="${OUT:-bench_out}"
 mkdir -p "$OUT"
+# FP8 against bf16 over 300 steps of the bundled corpus (bench/fp8_loss.py; its extra flags: "$@"), at 8
+# sequences a step: at 32 the 300 steps are ~21 passes over the corpus and every run, a second bf16 one
+# included, memorises it at its own pace (7% apart; docs/performance.md, seventh pass).
+fp8_loss() {
+  python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
+  [ -d data/prepared ] || bash examples/prepare_corpus.sh
+  python3 bench/fp8_loss.py --iters 300 --recipes hybrid:delayed,hybrid:tensorwise "$@"
+}
+
 run_stage() {
   local stage="$1"
   case "$stage" in
@@ -46,13 +55,11 @@ run_stage() {
       python3 -m pip install -q --no-deps --target /tmp/mcore .whl/megatron_core-*-cp312-*.whl
       python3 bench/bench_megatron_core.py --mcore-site /tmp/mcore --configs gpt-1.3b,llama-3b --iters 10 ;;
     fp8)
+      run_stage fp8speed
       python3 -c "import torchao" 2>/dev/null || python3 -m pip install -q --no-deps .whl/torchao-*.whl
-      B="python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4"
-      $B --tag _bf16
-      $B --tag _fp8 --breakdown --extra="--fp8-format hybrid --fp8-recipe tensorwise"
-      $B --tag _fp8_delayed --breakdown --extra="--fp8-format hybrid --fp8-recipe delayed"
       # The same step with torchao's float8 training doing the GEMMs (choose the FP8 path by measurement).
-      $B --tag _fp8_torchao --breakdown --extra="--fp8-format hybrid --fp8-recipe tensorwise --fp8-gemm-impl torchao" ;;
+      python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4 --tag _fp8_torchao --breakdown \
+          --extra="--fp8-format hybrid --fp8-recipe tensorwise --fp8-gemm-impl torchao" ;;
     fp8ab)
       # FP8's whole step, this tree against another one (AB_TREE: e.g. `git archive BRANCH | tar x -C
       # runs/ab`, carried to the device), alternating in one job so both see the same GPU. ~6 min
@@ -74,18 +81,11 @@ run_stage() {
     fp8linear)
       python3 -c "import torchao" 2>/dev/null || python3 -m pip install -q --no-deps .whl/torchao-*.whl
       python3 bench/bench_fp8_linear.py --iters 20 ;;
-    fp8loss)
-      python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
-      [ -d data/prepared ] || bash examples/prepare_corpus.sh
-      # 8 sequences a step: at 32 the 300 steps are ~15 passes over the bundled corpus and every run,
-      # a second bf16 one included, memorises it at its own pace (7% apart; docs/performance.md, 7th pass).
-      python3 bench/fp8_loss.py --iters 300 --recipes hybrid:delayed,hybrid:tensorwise --bf16-repeat ;;
+    fp8loss) fp8_loss --bf16-repeat ;;
     fp8loss2)
       # The same, two seeds, no repeat: each recipe against bf16 of its seed and the mean curves over
       # both (the run-to-run noise averages out). ~6 min
-      python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
-      [ -d data/prepared ] || bash examples/prepare_corpus.sh
-      python3 bench/fp8_loss.py --iters 300 --recipes hybrid:delayed,hybrid:tensorwise --seeds 1234,1235 ;;
+      fp8_loss --seeds 1234,1235 ;;
     nccltests)
       # Compiled tp2 + SP layers against eager, and the DDP / distributed-optimizer tests (overlapped
       # reduction and parameter gather, bf16 reduction) over NCCL (the harness uses NCCL with two GPUs). ~4 min
