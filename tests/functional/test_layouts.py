@@ -129,6 +129,10 @@ def test_distributed_optimizer_checkpoints_reshard(tmp_path, save, load):
     save_then_resume(tmp_path, layouts[save], layouts[load])
 
 
+# The Llama-style model in bf16, wider and at a higher learning rate, so that FP8 moves its loss measurably
+FP8_BASE = (" ".join(MODEL + LLAMA).replace("--hidden-size 32", "--hidden-size 64").replace("--lr 3e-3", "--lr 1e-2")
+            + " --bf16").split()
+DELAYED_FP8 = "--fp8-format hybrid --fp8-recipe delayed".split()
 FP8_LAYOUTS = {  # name: (processes, flags, FP8 linears on rank 0)
     "tp2-sp": (2, "--tensor-model-parallel-size 2 --sequence-parallel", 8),
     "dp2-overlap": (2, "--overlap-grad-reduce --ddp-bucket-size 2000", 8),
@@ -147,8 +151,7 @@ def test_fp8_trains_under_every_layout(tmp_path, monkeypatch, capsys):
     advance per micro-batch on each rank, and at this learning rate the runs' rounding differences
     grow to ~0.3% of the loss (FP8 itself moves it ~0.25% from bf16 here)."""
     monkeypatch.setenv("MEGATRON_FP8_EMULATE", "1")
-    args = (" ".join(MODEL + LLAMA).replace("--hidden-size 32", "--hidden-size 64").replace("--lr 3e-3", "--lr 1e-2")
-            + " --bf16 --fp8-format hybrid --fp8-recipe delayed").split()
+    args = FP8_BASE + DELAYED_FP8
     assert run(args + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
     assert "FP8: emulated on the CPU" in capsys.readouterr().out
     ref = curves(f"{tmp_path}/ref.jsonl")
@@ -169,9 +172,8 @@ def test_fp8_resume_continues_the_amax_histories(tmp_path, monkeypatch, capsys):
     give the 6 straight steps' losses exactly (re-learning them would change the scales of step 4);
     a checkpoint saved without FP8 resumes an FP8 run with a line saying the histories restart."""
     monkeypatch.setenv("MEGATRON_FP8_EMULATE", "1")
-    base = (" ".join(MODEL + LLAMA).replace("--hidden-size 32", "--hidden-size 64").replace("--lr 3e-3", "--lr 1e-2")
-            .replace("--train-iters 10", "--train-iters 6") + " --bf16").split()
-    fp8 = base + "--fp8-format hybrid --fp8-recipe delayed".split()
+    base = " ".join(FP8_BASE).replace("--train-iters 10", "--train-iters 6").split()
+    fp8 = base + DELAYED_FP8
     assert run(fp8 + f"--metrics-file {tmp_path}/straight.jsonl".split()) == 0
     ck = f"{tmp_path}/ck"
     assert run(fp8 + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {tmp_path}/r.jsonl".split()) == 0
