@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS = {
@@ -91,11 +93,36 @@ class GpuMonitor:
                 "power_w_median": statistics.median(w for _, w in busy), "gpu_samples": len(busy)}
 
 
-def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str, tag: str = "") -> tuple[list[dict], dict]:
+def random_token_data(name: str, iters: int, workdir: str) -> str:
+    """Prefix of an indexed dataset of uniformly random tokens over the configuration's vocabulary,
+    enough for ``iters`` steps: the baseline's kind of synthetic data (mock data instead counts up,
+    ``1, 2, 3, ...``, which the model learns within a few steps)."""
+    sys.path.insert(0, ROOT)
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    flags = CONFIGS[name].split()
+    value = {k: int(flags[flags.index(k) + 1]) for k in ("--vocab-size", "--seq-length", "--micro-batch-size")}
+    seq = value["--seq-length"] + 1
+    n_seq = (iters + 2) * value["--micro-batch-size"] * 2
+    prefix = os.path.join(workdir, f"random_{name}")
+    tokens = np.random.default_rng(1).integers(0, value["--vocab-size"], size=n_seq * seq, dtype=np.int32)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    builder.add_documents(tokens, np.full(n_seq, seq, dtype=np.int64))
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def run_ours(name: str, iters: int, nproc: int, extra: str, workdir: str, tag: str = "",
+             random_tokens: bool = False) -> tuple[list[dict], dict]:
     """(the per-step metric records, GPU clock/power summary) of one pretrain_gpt.py run."""
     metrics = os.path.join(workdir, f"{name}.jsonl")
+    common = COMMON.split()
+    if random_tokens:
+        prefix = random_token_data(name, iters * nproc, workdir)
+        common[common.index("--mock-data")] = f"--data-path={prefix}"
+        common.append("--split=100,0,0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "pretrain_gpt.py"), *CONFIGS[name].split(), *COMMON.split(),
+           os.path.join(ROOT, "pretrain_gpt.py"), *CONFIGS[name].split(), *common,
            "--train-iters", str(iters), "--metrics-file", metrics, *extra.split()]
     print("$ " + " ".join(cmd), flush=True)
     log = os.path.join(workdir, f"{name}.log")
@@ -162,6 +189,8 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="profile the last two steps on rank 0 (left out of the medians) and add the step-time "
                          "breakdown: GPU time by kernel category, idle time and exposed communication")
+    ap.add_argument("--random-tokens", action="store_true",
+                    help="train on uniformly random tokens (the baseline's synthetic data) instead of mock data")
     args = ap.parse_args()
     names = args.configs.split(",")
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
@@ -173,7 +202,7 @@ def main() -> None:
         if args.breakdown:
             extra += (f" --profile --use-pytorch-profiler --profile-step-start {args.iters - 1} "
                       f"--profile-step-end {args.iters + 1} --profile-dir {prof_dir}")
-        records, gpu = run_ours(n, args.iters, args.nproc, extra, workdir, args.tag)
+        records, gpu = run_ours(n, args.iters, args.nproc, extra, workdir, args.tag, args.random_tokens)
         row = summarise(n, records[:-2] if args.breakdown else records, args.warmup, args.nproc, args.extra)
         row.update(gpu)
         row["tag"] = args.tag
