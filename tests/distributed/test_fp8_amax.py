@@ -38,3 +38,57 @@ def test_delayed_amaxes_enter_the_history_reduced_over_the_group(ps: ParallelSta
     # without a group each rank keeps its own
     entry, own = _one_backward(None, rank)
     assert torch.equal(entry, own)
+
+
+@distributed_test(world_size=2, tp=2)
+def test_one_amax_reduction_per_backward_for_all_gemms(ps: ParallelState) -> None:
+    """Three GEMMs in one backward: one all-reduce carries all their amaxes, and each history gets
+    the max over the ranks of its own tensors (as a reduction per GEMM gives)."""
+    rank = dist.get_rank()
+    recipe = Fp8Recipe("hybrid", "delayed", 4)
+    gemms = [Fp8Gemm(recipe, device=device(), use_scaled_mm=False) for _ in range(3)]
+    for gemm in gemms:
+        gemm.amax_group = ps.tp_group
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tuple(tensor.shape))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        g = torch.Generator().manual_seed(rank)
+        x = (torch.randn(32, 64, generator=g) * (rank + 1)).bfloat16().to(device()).requires_grad_()
+        ws = [(torch.randn(64, 64, generator=g) * 0.02 * (i + 1 + rank)).bfloat16().to(device()).requires_grad_()
+              for i in range(3)]
+        h = x
+        for gemm, w in zip(gemms, ws):
+            h = gemm(h, w, None)
+        h.float().square().sum().backward()
+        assert calls == [(3, 3)]  # one all-reduce of the three GEMMs' [x, w, dy] amaxes
+        for gemm in gemms:
+            own = gemm.amax_history[:, 0].clone()
+            everyone = [torch.empty_like(own) for _ in range(2)]
+            assert gemm.warm and bool(gemm.initialized.all())
+            # every rank holds the same reduced entry
+            real(own, op=dist.ReduceOp.MAX)
+            assert torch.equal(gemm.amax_history[:, 0], own)
+            dist.all_gather(everyone, own)
+            assert torch.equal(everyone[0], everyone[1])
+        # x differs per rank: its entry is the larger of the two ranks' amaxes, not this rank's own
+        x_amaxes = [torch.empty(()) for _ in range(2)]
+        dist.all_gather(x_amaxes, x.detach().float().abs().amax())
+        assert x_amaxes[0] != x_amaxes[1] and gemms[0].amax_history[0, 0] == max(x_amaxes)
+        # a second backward: one more all-reduce, the histories move by one entry
+        calls.clear()
+        first = [gemm.amax_history[:, 0].clone() for gemm in gemms]
+        h = x
+        for gemm, w in zip(gemms, ws):
+            h = gemm(h, w, None)
+        h.float().square().sum().backward()
+        assert calls == [(3, 3)]
+        for gemm, entry in zip(gemms, first):
+            assert torch.equal(gemm.amax_history[:, 1], entry)
+    finally:
+        dist.all_reduce = real
