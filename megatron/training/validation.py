@@ -133,6 +133,16 @@ def check_fp8(cfg) -> None:
     from megatron.core.fusions.fp8 import fp8_emulated
 
     m = cfg.model
+    if m.first_last_layers_bf16 and m.fp8_format is not None:
+        for flag, value in (("--num-layers-at-start-in-bf16", m.num_layers_at_start_in_bf16),
+                            ("--num-layers-at-end-in-bf16", m.num_layers_at_end_in_bf16)):
+            if value < 0:
+                raise ValueError(f"{flag} {value}: give a count of transformer layers from 0 (e.g. 1)")
+        if m.num_layers_at_start_in_bf16 + m.num_layers_at_end_in_bf16 >= m.num_layers:
+            raise ValueError(
+                f"--first-last-layers-bf16 with --num-layers-at-start-in-bf16 {m.num_layers_at_start_in_bf16} and "
+                f"--num-layers-at-end-in-bf16 {m.num_layers_at_end_in_bf16} keeps all {m.num_layers} layers in bf16; "
+                f"keep fewer (together at most {m.num_layers - 1}), or drop --fp8-format")
     if m.fp8_format is None or cfg.training.dry_run:
         return
     if not torch.cuda.is_available() and not fp8_emulated(torch.device("cpu")):

@@ -240,6 +240,46 @@ def test_apply_fp8_warns_and_skips_unaligned_weights(monkeypatch):
     assert model.decoder.layers[0].mlp.linear_fc2.fp8 is None
 
 
+def test_first_last_layers_bf16_keeps_those_layers_out_of_fp8(monkeypatch):
+    """Megatron's --first-last-layers-bf16: the first / last N layers of the whole model keep bf16 GEMMs,
+    chosen by global layer number (a later pipeline stage's layers count from its offset)."""
+    monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)
+    cfg = tiny_config(num_layers=5, fp8_format="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=2,
+                      num_layers_at_end_in_bf16=1)
+    assert fp8_mod.bf16_layer_numbers(cfg) == {1, 2, 5}
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
+    assert apply_fp8([model], cfg, torch.device("cpu")) == 4 * 2
+    for layer in model.decoder.layers:
+        fp8 = [getattr(layer.self_attention, n).fp8 for n in ("linear_qkv", "linear_proj")]
+        fp8 += [getattr(layer.mlp, n).fp8 for n in ("linear_fc1", "linear_fc2")]
+        assert all((f is None) == (layer.layer_number in (1, 2, 5)) for f in fp8), layer.layer_number
+    # the last stage of a two-stage pipeline over the same 5 layers holds layers 4 and 5
+    stage = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1,
+                     pre_process=False, num_layers=2, layer_offset=3)
+    assert [layer.layer_number for layer in stage.decoder.layers] == [4, 5]
+    assert apply_fp8([stage], cfg, torch.device("cpu")) == 4
+    assert stage.decoder.layers[0].mlp.linear_fc1.fp8 is not None and stage.decoder.layers[1].mlp.linear_fc1.fp8 is None
+    # off: every layer in FP8
+    plain = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
+    cfg.first_last_layers_bf16 = False
+    assert apply_fp8([plain], cfg, torch.device("cpu")) == 4 * 5
+
+
+def test_first_last_layers_bf16_flags_and_errors():
+    m = parse_args(BASE + ["--dry-run"]).model
+    assert (m.first_last_layers_bf16, m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) == (False, 1, 1)
+    argv = BASE[:1] + ["4"] + BASE[2:] + "--bf16 --fp8-format hybrid --dry-run --first-last-layers-bf16".split()
+    m = parse_args(argv + "--num-layers-at-end-in-bf16 2".split()).model
+    assert (m.first_last_layers_bf16, m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) == (True, 1, 2)
+    with pytest.raises(ValueError, match="keeps all 4 layers in bf16; keep fewer \\(together at most 3\\)"):
+        parse_args(argv + "--num-layers-at-start-in-bf16 2 --num-layers-at-end-in-bf16 2".split())
+    with pytest.raises(ValueError, match="--num-layers-at-start-in-bf16 -1: give a count"):
+        parse_args(argv + "--num-layers-at-start-in-bf16 -1".split())
+    line = next(x for x in kernel_report(tiny_config(fp8_format="hybrid", first_last_layers_bf16=True), torch.device("cpu"),
+                                         1, 0, "CPU run", True, fp8_linears=8) if "FP8:" in x)
+    assert "the first 1 and last 1 transformer layers in bf16: --first-last-layers-bf16" in line
+
+
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
         "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128").split()
 

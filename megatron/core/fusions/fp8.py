@@ -453,6 +453,24 @@ def fp8_device_error(device: torch.device) -> str | None:
     return None
 
 
+def bf16_layer_numbers(config) -> set[int]:
+    """The global 1-based numbers of the transformer layers that ``--first-last-layers-bf16`` keeps in bf16."""
+    if not getattr(config, "first_last_layers_bf16", False):
+        return set()
+    n = config.num_layers
+    return {i for i in range(1, n + 1)
+            if i <= config.num_layers_at_start_in_bf16 or i > n - config.num_layers_at_end_in_bf16}
+
+
+def _bf16_layer_linears(modules: list[nn.Module], config) -> set[int]:
+    """``id`` of every module inside a transformer layer kept in bf16 (its global ``layer_number``)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    numbers = bf16_layer_numbers(config)
+    return {id(m) for root in modules for layer in root.modules()
+            if isinstance(layer, TransformerLayer) and layer.layer_number in numbers for m in layer.modules()}
+
+
 def apply_fp8(modules: list[nn.Module], config, device: torch.device, amax_group=None) -> int:
     """Give every QKV / proj / fc1 / fc2 linear of ``modules`` an :class:`Fp8Gemm`; returns how many.
 
@@ -462,7 +480,7 @@ def apply_fp8(modules: list[nn.Module], config, device: torch.device, amax_group
 
     Does nothing without ``config.fp8_format``. Raises ValueError (naming ``--fp8-format``) when the
     device cannot run FP8; linears whose weight dims are not multiples of 16 stay in bf16, with one
-    warning naming them.
+    warning naming them, as do those of the layers ``--first-last-layers-bf16`` keeps in bf16.
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -478,11 +496,12 @@ def apply_fp8(modules: list[nn.Module], config, device: torch.device, amax_group
         warnings.warn(f"FP8 emulated on the CPU ({EMULATE_ENV}=1): fp32 GEMMs on the dequantised fp8 values, "
                       "for tests only", stacklevel=2)
     count, skipped = 0, []
+    in_bf16 = _bf16_layer_linears(modules, config)
     for root in modules:
         for name, module in root.named_modules():
             if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 continue
-            if name.rsplit(".", 1)[-1] not in FP8_LINEAR_NAMES or module.weight is None:
+            if name.rsplit(".", 1)[-1] not in FP8_LINEAR_NAMES or module.weight is None or id(module) in in_bf16:
                 continue
             n, k = module.weight.shape
             if n % ALIGN or k % ALIGN:

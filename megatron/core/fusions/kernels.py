@@ -106,6 +106,9 @@ def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None, have_triton: b
     if recipe is None:
         return f"off (no --fp8-format; GEMMs in {gemms})"
     where = "QKV, proj, fc1, fc2" if fp8_linears is None else f"{fp8_linears} QKV/proj/fc1/fc2 linears"
+    if getattr(config, "first_last_layers_bf16", False):
+        where += (f" (the first {config.num_layers_at_start_in_bf16} and last {config.num_layers_at_end_in_bf16} "
+                  "transformer layers in bf16: --first-last-layers-bf16)")
     if emulated:
         return (f"emulated on the CPU ({recipe.describe()}; MEGATRON_FP8_EMULATE=1, for tests only): fp32 GEMMs on "
                 f"the dequantised fp8 values for {where}")

@@ -112,6 +112,14 @@ class TransformerConfig:
         False, "Delayed FP8 scaling: reduce each tensor's amax (max over the ranks, before it enters the history) "
         "over the tensor-parallel ranks only, instead of over the tensor-, context- and data-parallel ranks of "
         "the pipeline stage (the default, so that every rank uses the same scales). Only with --fp8-format.")
+    first_last_layers_bf16: bool = doc(
+        False, "FP8: keep the linears of the first --num-layers-at-start-in-bf16 and the last "
+        "--num-layers-at-end-in-bf16 transformer layers (counted over the whole model, across pipeline "
+        "stages) in bf16, the rest in FP8. Only with --fp8-format.")
+    num_layers_at_start_in_bf16: int = doc(
+        1, "Transformer layers at the start kept in bf16 under --first-last-layers-bf16.")
+    num_layers_at_end_in_bf16: int = doc(
+        1, "Transformer layers at the end kept in bf16 under --first-last-layers-bf16.")
     fp8_gemm_impl: str = doc(
         "scaled_mm", "Who runs the FP8 GEMMs: 'scaled_mm' (ours: torch._scaled_mm, with Triton cast-transpose "
         "kernels quantising in one pass; the default and the faster on an H200) or 'torchao' (torchao's float8 "
