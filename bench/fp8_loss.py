@@ -16,6 +16,12 @@ is not deterministic), so that row is the noise floor of the comparison itself. 
 runs everything once per seed and also compares the mean curves over the seeds, where that noise
 averages out. On a CPU, ``MEGATRON_FP8_EMULATE=1 python bench/fp8_loss.py --model tiny --iters 60``
 checks the script (FP8 emulated in fp32; FP8 itself needs a Hopper GPU).
+
+Your own model and data instead (a short bf16-against-FP8 A/B before a long run): ``--args`` takes
+pretrain_gpt.py's flags (model, data, tokenizer, batch, parallel layout; not --save / --load, not
+--train-iters) and ``--nproc`` the GPUs, e.g.
+
+    python bench/fp8_loss.py --iters 200 --recipes hybrid:delayed --nproc 8 --args "$(cat my_run.flags)"
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import tempfile
 
@@ -47,13 +54,16 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 
 def compare(ref: dict[int, float], other: dict[int, float], window: int = 20, tail: int = 50) -> dict:
+    """The curve gap (moving average over ``window`` steps, after the first ``window``) and the gap of the
+    mean over the last ``tail`` steps; a run shorter than 5 windows / 2 tails uses shorter ones."""
     steps = sorted(ref)
+    window, tail = max(1, min(window, len(steps) // 5)), max(1, min(tail, len(steps) // 2))
     a, b = [ref[s] for s in steps], [other[s] for s in steps]
     ma, mb = moving_average(a, window), moving_average(b, window)
     curve = max(abs(x - y) / abs(x) for x, y in list(zip(ma, mb))[window:]) if len(steps) > window else float("nan")
     last_a, last_b = statistics.fmean(a[-tail:]), statistics.fmean(b[-tail:])
     return {"max_rel_diff_moving_avg": curve, "rel_diff_last_mean": abs(last_b - last_a) / abs(last_a),
-            "bf16_last_mean": last_a, "last_mean": last_b}
+            "bf16_last_mean": last_a, "last_mean": last_b, "window": window, "tail": tail}
 
 
 def tokens_per_s(metrics: str, skip: int = 10) -> float | None:
@@ -82,10 +92,22 @@ def main() -> None:
                          "and with several, the mean curves over the seeds (run-to-run noise averages out)")
     ap.add_argument("--bf16-repeat", action="store_true",
                     help="train bf16 twice and report the repeat like a recipe (the run-to-run noise floor)")
+    ap.add_argument("--args", default=None,
+                    help="pretrain_gpt.py flags of your own run (model, data, tokenizer, batch, layout) instead of "
+                         "--model and the bundled corpus; without --save / --load / --train-iters")
+    ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run, for --args with a parallel layout")
     args = ap.parse_args()
-    d = args.data
-    data = (f"--data-path {d}/corpus_text_document --vocab-file {d}/vocab.json --merge-file {d}/merges.txt")
-    base = f"{MODELS[args.model]} {COMMON} {data} --train-iters {args.iters}"
+    if args.args is not None:
+        given = set(shlex.split(args.args))
+        clash = sorted(given & {"--save", "--load", "--train-iters", "--train-samples"})
+        if clash:
+            ap.error(f"--args: drop {', '.join(clash)} (every run of the A/B starts from scratch, trains --iters "
+                     "steps and saves nothing)")
+        base = f"{args.args} --train-iters {args.iters}"
+    else:
+        d = args.data
+        data = (f"--data-path {d}/corpus_text_document --vocab-file {d}/vocab.json --merge-file {d}/merges.txt")
+        base = f"{MODELS[args.model]} {COMMON} {data} --train-iters {args.iters}"
     if args.global_batch_size:
         base += f" --global-batch-size {args.global_batch_size}"  # the last occurrence wins
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
@@ -106,10 +128,11 @@ def main() -> None:
             tag = f" (seed {seed})" if len(seeds) > 1 else ""
             for i, (name, flags) in enumerate(runs):
                 metrics = os.path.join(tmp, f"{seed}_{i}.jsonl")
-                curve = run_command(1, f"{flags} --seed {seed}", metrics)  # (the last --seed wins)
+                curve = run_command(args.nproc, f"{flags} --seed {seed}", metrics)  # (the last --seed wins)
                 curves.setdefault(name, []).append(curve)
                 rate = tokens_per_s(metrics)
-                row = {"run": name, "seed": seed, "iters": args.iters, "model": args.model, "tokens_per_s": rate}
+                row = {"run": name, "seed": seed, "iters": args.iters, "model": args.model if args.args is None else args.args,
+                       "nproc": args.nproc, "tokens_per_s": rate}
                 if name == "bf16":
                     ref, ref_rate = curve, rate
                     print(f"bf16{tag}: {len(ref)} steps, loss {ref[min(ref)]:.4f} -> {ref[max(ref)]:.4f}, "
@@ -140,7 +163,7 @@ def _report(name: str, res: dict, tolerance: float, ratio: float | None) -> dict
     """Print one comparison against bf16; returns it with its verdict (``pass``)."""
     ok = res["max_rel_diff_moving_avg"] <= tolerance and res["rel_diff_last_mean"] <= tolerance
     print(f"{name}: moving-average loss within {100 * res['max_rel_diff_moving_avg']:.2f}% of bf16, "
-          f"last-{50} mean {res['last_mean']:.4f} vs {res['bf16_last_mean']:.4f} "
+          f"last-{res['tail']} mean {res['last_mean']:.4f} vs {res['bf16_last_mean']:.4f} "
           f"({100 * res['rel_diff_last_mean']:.2f}%): {'PASS' if ok else 'FAIL'}"
           + (f"; tokens/s {ratio:.3f}x bf16" if ratio else ""))
     return {**res, "pass": ok}

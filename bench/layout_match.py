@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,7 @@ def run(nproc: int, extra: str, iters: int, metrics: str) -> dict[int, float]:
 def run_command(nproc: int, flags: str, metrics: str) -> dict[int, float]:
     """pretrain_gpt.py with ``flags`` under torchrun; returns iteration -> training loss."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "pretrain_gpt.py"), *flags.split(), "--metrics-file", metrics]
+           os.path.join(ROOT, "pretrain_gpt.py"), *shlex.split(flags), "--metrics-file", metrics]
     print("$ " + " ".join(cmd), flush=True)
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if res.returncode != 0:
