@@ -30,12 +30,21 @@ CATEGORIES = (
 )
 
 
+# The host range around the optimizer step (training loop); kernels launched inside it are marked
+# with OPTIMIZER_MARK, so that the compiled optimizer's Triton kernels count as optimizer time.
+OPTIMIZER_RANGE = "megatron.optimizer_step"
+OPTIMIZER_MARK = "[optimizer step] "
+
+
 def categorize(name: str) -> str:
-    low = name.lower()
+    """The category of a kernel name; one marked as launched by the optimizer step is ``optimizer``
+    unless it is communication (the distributed optimizer's collectives stay communication)."""
+    marked = name.startswith(OPTIMIZER_MARK)
+    low = name[len(OPTIMIZER_MARK):].lower() if marked else name.lower()
     for category, keys in CATEGORIES:
         if any(k in low for k in keys):
-            return category
-    return "other"
+            return "optimizer" if marked and category != "communication" else category
+    return "optimizer" if marked else "other"
 
 
 # Chrome-trace categories of work on the GPU timeline.
@@ -58,9 +67,23 @@ def trace_kernels(path: str, events: list[dict] | None = None) -> list[Kernel]:
     the trace has (on an H200, the ~10 ms per step of gradient copies launched from autograd hooks).
     """
     events = trace_events(path) if events is None else events
-    kernels = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+    in_optimizer = _optimizer_launches(events)
+    kernels = [((OPTIMIZER_MARK if e.get("args", {}).get("correlation") in in_optimizer else "") + e["name"],
+                float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
                if e.get("cat") in GPU_EVENT_CATEGORIES and e.get("ph", "X") == "X"]
     return sorted(kernels, key=lambda k: k[1])
+
+
+def _optimizer_launches(events: list[dict]) -> set:
+    """Correlation ids of the launches (runtime or driver API) the host made inside an
+    ``OPTIMIZER_RANGE`` annotation."""
+    ranges = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+              if e.get("cat") == "user_annotation" and e.get("name") == OPTIMIZER_RANGE]
+    if not ranges:
+        return set()
+    return {e["args"]["correlation"] for e in events
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+            and any(a <= float(e["ts"]) <= b for a, b in ranges)}
 
 
 def host_summary(events: list[dict], steps: int, top: int = 6) -> tuple[str, dict[str, float]]:

@@ -29,6 +29,7 @@ from megatron.training.loop_utils import (
     print_rank_last,
 )
 from megatron.training.metrics import MetricsWriter, format_validation
+from megatron.training.profiling import OPTIMIZER_RANGE
 
 
 class TrainingDiverged(RuntimeError):
@@ -203,7 +204,8 @@ class Trainer:
             num_microbatches=self.num_microbatches, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
-        success, grad_norm, num_zeros = self.optimizer.step(sync=sync)
+        with torch.profiler.record_function(OPTIMIZER_RANGE):  # the profile's optimizer category (--profile)
+            success, grad_norm, num_zeros = self.optimizer.step(sync=sync)
         if success:
             self.scheduler.step(increment=self.global_batch_size)
         return self._reduce_losses(metrics), success, grad_norm, num_zeros

@@ -3,6 +3,8 @@
 import json
 
 from megatron.training.profiling import (
+    OPTIMIZER_MARK,
+    OPTIMIZER_RANGE,
     categorize,
     exposed_communication,
     host_summary,
@@ -86,3 +88,35 @@ def test_host_summary_counts_outermost_operators_per_thread_and_our_ops():
     assert "thread 2 2.5 ms, thread 1 2.0 ms" in text  # the busiest first
     assert "megatron::fp8_cast_transpose: 1 calls per step, 300 us each" in text
     assert host_summary([], steps=1) == ("host: no operators recorded", {})
+
+
+def test_kernels_launched_by_the_optimizer_step_count_as_optimizer(tmp_path):
+    """The compiled optimizer's Triton kernels are named like any other Triton kernel: the host range
+    around the optimizer step (``OPTIMIZER_RANGE``) decides, through the launches' correlation ids;
+    its collectives stay communication."""
+    def launch(cat, ts, corr):
+        return {"ph": "X", "cat": cat, "name": "cuLaunchKernel", "ts": ts, "dur": 5, "args": {"correlation": corr}}
+
+    def gpu(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    adam = "triton_poi_fused__to_copy_add_div_lerp_mul_sqrt_0"
+    trace = {"traceEvents": [
+        launch("cuda_driver", 10, 1), launch("cuda_runtime", 20, 2),  # forward/backward
+        {"ph": "X", "cat": "user_annotation", "name": OPTIMIZER_RANGE, "ts": 100, "dur": 100},
+        launch("cuda_driver", 110, 3), launch("cuda_runtime", 120, 4), launch("cuda_runtime", 130, 5),
+        gpu(adam, 300, 40, 3), gpu("nvjet_sm90_tst_NTN", 200, 100, 2), gpu("triton_poi_fused_add_1", 100, 10, 1),
+        gpu("ncclDevKernel_Broadcast_RING_LL", 340, 20, 4), gpu("multi_tensor_apply_kernel<LpNorm>", 360, 10, 5),
+    ]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    kernels = trace_kernels(str(path))
+    assert [k[0] for k in kernels][-3:] == [OPTIMIZER_MARK + adam, OPTIMIZER_MARK + "ncclDevKernel_Broadcast_RING_LL",
+                                            OPTIMIZER_MARK + "multi_tensor_apply_kernel<LpNorm>"]
+    _, by_cat = kernel_summary(kernels, steps=1)
+    assert by_cat == {"optimizer": 0.05, "matmul": 0.1, "elementwise (triton)": 0.01, "communication": 0.02}
+    assert exposed_communication(kernels, steps=1)[1] == 0.02
+    # without the range, the same kernels fall under their names' categories
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e["cat"] != "user_annotation"]
+    path.write_text(json.dumps(trace))
+    assert kernel_summary(trace_kernels(str(path)), steps=1)[1]["elementwise (triton)"] == 0.05
