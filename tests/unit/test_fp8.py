@@ -442,6 +442,28 @@ def test_compiled_layers_with_delayed_fp8_train_like_eager_ones(monkeypatch):
     assert all(h[:, :3].gt(0).all() for h in h1)
 
 
+def test_compiled_layers_with_bf16_first_layer_train_like_eager_ones(monkeypatch):
+    """--first-last-layers-bf16 under compiled layers: the bf16 layer and the FP8 layers share the
+    code but not the graph (three graphs: bf16, FP8 cold, FP8 warm), and three steps equal eager's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from megatron.core.fusions.compile import compile_layers
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    torch._dynamo.reset()
+    config = dict(num_layers=3, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=0)
+    models = [_delayed_fp8_gpt(monkeypatch, **config) for _ in range(2)]
+    assert [layer.mlp.linear_fc1.fp8 is None for layer in models[1].decoder.layers] == [True, False, False]
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(TransformerLayer, "compile",
+                        lambda self, **kw: torch.nn.Module.compile(self, backend=counter, fullgraph=True))
+    assert compile_layers([models[1]], TransformerLayer) == 3
+    (l0, g0, h0), (l1, g1, h1) = [_three_steps(m) for m in models]
+    assert l1 == l0 and len(h1) == 2 * 4
+    assert all(torch.equal(a, b) for a, b in zip(g1, g0)) and all(torch.equal(a, b) for a, b in zip(h1, h0))
+    assert counter.frame_count == 3
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_recompute_keeps_delayed_fp8_bitwise_identical(monkeypatch, compiled):
     """Full activation recompute replays each layer's forward: with delayed scaling the replay must
