@@ -383,7 +383,7 @@ def _load_fp8_state(ckpt_dir: str, fp8_state: dict, log: Callable[[str], None]) 
     saved = read_dcp_metadata(ckpt_dir).state_dict_metadata
     ok = all(tuple(getattr(saved.get(t.key), "size", ())) == tuple(t.global_shape) for t in fp8_state.values())
     if not ok:
-        log("  FP8 amax histories: not in the checkpoint (saved without FP8 or with another "
-            "--fp8-amax-history-len); they restart with the first step")
+        log("  FP8 amax histories: not in the checkpoint (saved without FP8, with another --fp8-amax-history-len "
+            "or with other layers in FP8, --first-last-layers-bf16); they restart with the first step")
         return
     dist_checkpointing.load({"fp8_state": fp8_state}, ckpt_dir)
