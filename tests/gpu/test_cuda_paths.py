@@ -196,6 +196,28 @@ def test_compiled_delayed_fp8_gemm_matches_eager_and_records_its_history():
     assert compiled.initialized.all() and compiled.amax_history[:, :3].gt(0).all()
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_fp8_evaluation_forward_matches_the_training_forward(recipe):
+    """Under no_grad the FP8 linear casts with torch ops (no transposed copies): eagerly it equals the
+    training forward (Triton cast-transposes) bit for bit; compiled, within the compiled scale's ulp."""
+    from megatron.core.fusions.fp8 import Fp8Gemm, Fp8Recipe
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("FP8 needs compute capability 9.0")
+    torch.manual_seed(6)
+    gemm = Fp8Gemm(Fp8Recipe("hybrid", recipe, 16, "max"), device="cuda")
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16) * 0.02
+    compiled = torch.compile(lambda a, b: gemm(a, b, None), fullgraph=True)
+    for _ in range(2):  # delayed: cold, then warm history
+        with torch.no_grad():
+            evaluated, evaluated_compiled = gemm(x, w, None), compiled(x, w)
+        trained = gemm(x.clone().requires_grad_(), w.clone().requires_grad_(), None)
+        trained.float().sum().backward()
+        assert torch.equal(evaluated, trained.detach())
+        assert rel(evaluated_compiled, evaluated) < 1e-2
+
+
 def test_compiled_fp8_matmul_gradients_match_eager():
     from megatron.core.fusions.fp8 import Fp8Recipe, fp8_matmul
 

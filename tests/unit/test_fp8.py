@@ -240,6 +240,38 @@ def test_apply_fp8_warns_and_skips_unaligned_weights(monkeypatch):
     assert model.decoder.layers[0].mlp.linear_fc2.fp8 is None
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_evaluation_forward_equals_the_training_forward_without_transposed_copies(monkeypatch, recipe):
+    """Under no_grad (evaluation) an FP8 linear gives the training forward's output bit for bit, from
+    the same scales (delayed: before and after the history has entries), without the cast-transposes
+    that write the fp8 copies only a backward reads, and records nothing."""
+    gemm = Fp8Gemm(Fp8Recipe("hybrid", recipe, 4), device="cpu", use_scaled_mm=False)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(32, 64, generator=g) * 3).bfloat16()
+    w = (torch.randn(48, 64, generator=g) * 0.05).bfloat16()
+
+    def train_forward():
+        out = gemm(x.clone().requires_grad_(), w.clone().requires_grad_(), None)
+        out.float().square().sum().backward()  # records the amaxes (delayed)
+        return out.detach()
+
+    def eval_forward():
+        before = gemm.amax_history.clone()
+        with torch.no_grad(), monkeypatch.context() as m:
+            for name in ("fp8_cast_transpose", "fp8_cast_transpose_amax"):
+                m.setattr(fp8_mod, name, lambda *a, **k: pytest.fail("evaluation wrote transposed fp8 copies"))
+            out = gemm(x, w, None)
+        assert torch.equal(gemm.amax_history, before)  # nothing recorded
+        return out
+
+    for _ in range(3):  # delayed: cold history (current amaxes), then the history's
+        warm = gemm.warm
+        evaluated = eval_forward()
+        assert gemm.warm == warm
+        assert torch.equal(evaluated, train_forward())
+    assert recipe == "tensorwise" or gemm.warm
+
+
 def test_first_last_layers_bf16_keeps_those_layers_out_of_fp8(monkeypatch):
     """Megatron's --first-last-layers-bf16: the first / last N layers of the whole model keep bf16 GEMMs,
     chosen by global layer number (a later pipeline stage's layers count from its offset)."""

@@ -348,6 +348,24 @@ class _AmaxReduction:
                 gemm.push_amaxes(row)
 
 
+def _fp8_forward_only(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, history: torch.Tensor,
+                      initialized: torch.Tensor, warm: bool, use_scaled_mm: bool) -> torch.Tensor:
+    """The FP8 forward GEMM without autograd (evaluation): the scales the training forward takes, but
+    no transposed fp8 copies (only a backward reads them) and no amaxes to record. The casts are torch
+    ops, which Inductor fuses into the producer of ``x`` in the compiled layers."""
+    fwd = recipe.fwd_dtype
+
+    def scale(t: torch.Tensor, row: int) -> torch.Tensor:
+        if recipe.recipe == "tensorwise":
+            return scale_from_amax(_torch_amax(t), fwd)
+        past = _history_amax(history[row], recipe.amax_compute_algo)
+        return scale_from_amax(past, fwd) if warm else _delayed_scale(past, initialized[row], _torch_amax(t), fwd)
+
+    x_scale, w_scale = scale(x, X), scale(weight, W)
+    return scaled_mm(quantize(x, x_scale, fwd).contiguous(), quantize(weight, w_scale, fwd).t(), x_scale.reciprocal(),
+                     w_scale.reciprocal(), x.dtype, use_scaled_mm, fast_accum=True)
+
+
 class Fp8Gemm(nn.Module):
     """The FP8 compute of one linear (held as its ``fp8`` submodule): scaling state, no weights.
 
@@ -413,6 +431,9 @@ class Fp8Gemm(nn.Module):
             return F.linear(x, weight, bias)
         if self._torchao is not None:
             out = self._torchao(x2d, weight)
+        elif not torch.is_grad_enabled():
+            out = _fp8_forward_only(x2d, weight, self.recipe, self.amax_history, self.initialized, self.warm,
+                                    self.use_scaled_mm)
         elif self.recipe.recipe == "delayed":
             out = _Fp8MatmulDelayed.apply(x2d, weight, self.amax_sink, self.amax_history, self.initialized,
                                           self.recipe, self.use_scaled_mm, self.warm)
