@@ -316,3 +316,34 @@ def test_triton_fp8_cast_transpose_and_amax_equal_the_torch_code(dtype):
     for a, b in zip(compiled, eager):
         assert torch.equal(a.float(), b.float())
     assert "fp8_cast" not in tk._FAILED
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_fp8_training_with_evaluation_through_pretrain_gpt(tmp_path, recipe):
+    """A small FP8 run of pretrain_gpt.py with compiled layers that evaluates between steps (the
+    no-grad FP8 forward inside the compiled layers) and saves a checkpoint: it finishes with finite
+    training and validation losses."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("FP8 needs compute capability 9.0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    metrics = tmp_path / "metrics.jsonl"
+    args = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --ffn-hidden-size 512 --swiglu "
+            "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear --seq-length 128 "
+            "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data "
+            "--vocab-size 512 --bf16 --train-iters 6 --eval-interval 3 --eval-iters 2 --log-interval 1 "
+            f"--fp8-format hybrid --fp8-recipe {recipe} --save {tmp_path / 'ckpt'} --save-interval 6 "
+            f"--metrics-file {metrics}").split()
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                          os.path.join(root, "pretrain_gpt.py"), *args], capture_output=True, text=True, cwd=root,
+                         timeout=600)
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    assert "validation loss at iteration 3" in res.stdout and "validation loss at iteration 6" in res.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train = [r["lm loss"] for r in records if "lm loss" in r]
+    val = [r["lm loss validation"] for r in records if "lm loss validation" in r]
+    assert len(train) == 6 and len(val) == 2 and torch.isfinite(torch.tensor(train + val)).all()
