@@ -321,8 +321,8 @@ def test_triton_fp8_cast_transpose_and_amax_equal_the_torch_code(dtype):
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_fp8_training_with_evaluation_through_pretrain_gpt(tmp_path, recipe):
     """A small FP8 run of pretrain_gpt.py with compiled layers that evaluates between steps (the
-    no-grad FP8 forward inside the compiled layers) and saves a checkpoint: it finishes with finite
-    training and validation losses."""
+    no-grad FP8 forward inside the compiled layers), accumulates two micro-batches a step and saves a
+    checkpoint: it finishes with finite training and validation losses."""
     import json
     import os
     import subprocess
@@ -334,7 +334,7 @@ def test_fp8_training_with_evaluation_through_pretrain_gpt(tmp_path, recipe):
     metrics = tmp_path / "metrics.jsonl"
     args = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --ffn-hidden-size 512 --swiglu "
             "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear --seq-length 128 "
-            "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data "
+            "--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data "
             "--vocab-size 512 --bf16 --train-iters 6 --eval-interval 3 --eval-iters 2 --log-interval 1 "
             f"--fp8-format hybrid --fp8-recipe {recipe} --save {tmp_path / 'ckpt'} --save-interval 6 "
             f"--metrics-file {metrics}").split()
