@@ -472,6 +472,11 @@ def test_compiled_layers_with_delayed_fp8_train_like_eager_ones(monkeypatch):
     assert len(g1) == len(g0) and all(torch.equal(a, b) for a, b in zip(g1, g0))
     assert len(h1) == 4 * models[1].config.num_layers and all(torch.equal(a, b) for a, b in zip(h1, h0))
     assert all(h[:, :3].gt(0).all() for h in h1)
+    # an evaluation forward (no gradients: the FP8 forward without transposed copies) compiles fullgraph too
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        eager_eval, compiled_eval = (m(ids, None, None, labels=ids) for m in models)
+    assert torch.equal(compiled_eval, eager_eval)
 
 
 def test_compiled_layers_with_bf16_first_layer_train_like_eager_ones(monkeypatch):
