@@ -357,8 +357,8 @@ def _fp8_forward_only(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, 
 
     def scale(t: torch.Tensor, row: int) -> torch.Tensor:
         if recipe.recipe == "tensorwise":
-            return scale_from_amax(_torch_amax(t), fwd)
-        past = _history_amax(history[row], recipe.amax_compute_algo)
+            return tensor_scale(t, fwd, recipe, None, None, row)  # as _Fp8Matmul's forward
+        past = _history_amax(history[row], recipe.amax_compute_algo)  # as _cast_delayed
         return scale_from_amax(past, fwd) if warm else _delayed_scale(past, initialized[row], _torch_amax(t), fwd)
 
     x_scale, w_scale = scale(x, X), scale(weight, W)
