@@ -62,10 +62,14 @@ def test_one_amax_reduction_per_backward_for_all_gemms(ps: ParallelState) -> Non
         x = (torch.randn(32, 64, generator=g) * (rank + 1)).bfloat16().to(device()).requires_grad_()
         ws = [(torch.randn(64, 64, generator=g) * 0.02 * (i + 1 + rank)).bfloat16().to(device()).requires_grad_()
               for i in range(3)]
-        h = x
-        for gemm, w in zip(gemms, ws):
-            h = gemm(h, w, None)
-        h.float().square().sum().backward()
+
+        def forward_backward() -> None:
+            h = x
+            for gemm, w in zip(gemms, ws):
+                h = gemm(h, w, None)
+            h.float().square().sum().backward()
+
+        forward_backward()
         assert calls == [(3, 3)]  # one all-reduce of the three GEMMs' [x, w, dy] amaxes
         for gemm in gemms:
             own = gemm.amax_history[:, 0].clone()
@@ -83,10 +87,7 @@ def test_one_amax_reduction_per_backward_for_all_gemms(ps: ParallelState) -> Non
         # a second backward: one more all-reduce, the histories move by one entry
         calls.clear()
         first = [gemm.amax_history[:, 0].clone() for gemm in gemms]
-        h = x
-        for gemm, w in zip(gemms, ws):
-            h = gemm(h, w, None)
-        h.float().square().sum().backward()
+        forward_backward()
         assert calls == [(3, 3)]
         for gemm, entry in zip(gemms, first):
             assert torch.equal(gemm.amax_history[:, 1], entry)
