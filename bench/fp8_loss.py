@@ -113,6 +113,7 @@ def main() -> None:
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     seeds = [int(v) for v in args.seeds.split(",")]
+    model = args.model if args.args is None else args.args  # what the rows name as the model
     runs = [("bf16", base)]
     for spec in filter(None, args.recipes.split(",")):
         fmt, recipe = spec.split(":")
@@ -131,8 +132,8 @@ def main() -> None:
                 curve = run_command(args.nproc, f"{flags} --seed {seed}", metrics)  # (the last --seed wins)
                 curves.setdefault(name, []).append(curve)
                 rate = tokens_per_s(metrics)
-                row = {"run": name, "seed": seed, "iters": args.iters, "model": args.model if args.args is None else args.args,
-                       "nproc": args.nproc, "tokens_per_s": rate}
+                row = {"run": name, "seed": seed, "iters": args.iters, "model": model, "nproc": args.nproc,
+                       "tokens_per_s": rate}
                 if name == "bf16":
                     ref, ref_rate = curve, rate
                     print(f"bf16{tag}: {len(ref)} steps, loss {ref[min(ref)]:.4f} -> {ref[max(ref)]:.4f}, "
@@ -149,7 +150,7 @@ def main() -> None:
                 if name != "bf16":
                     res = _report(f"{name} (mean of {len(seeds)} seeds)", compare(mean_ref, _mean_curve(runs_of)),
                                   args.tolerance, None)
-                    f.write(json.dumps({"run": name, "seeds": seeds, "iters": args.iters, "model": args.model,
+                    f.write(json.dumps({"run": name, "seeds": seeds, "iters": args.iters, "model": model,
                                         **res}) + "\n")
 
 
