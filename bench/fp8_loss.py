@@ -87,6 +87,10 @@ def main() -> None:
                     help="sequences per step (gradient accumulation over micro-batches of 8; default 8). The bundled "
                          "corpus is ~0.46M tokens: at 32, 300 steps are ~20 passes over it and every run, a "
                          "second bf16 one included, memorises it at its own pace (curves 7%% apart)")
+    ap.add_argument("--seq-length", type=int, default=None,
+                    help="tokens per sequence (default 1024 for the small model). At 8 sequences of 1024 the 300 steps "
+                         "are ~5 passes over the bundled corpus and two bf16 runs of one seed end up to 3%% apart; "
+                         "at 256, ~1.3 passes")
     ap.add_argument("--seeds", default="1234",
                     help="comma-separated seeds: every run once per seed, each compared with bf16 of its seed, "
                          "and with several, the mean curves over the seeds (run-to-run noise averages out)")
@@ -110,6 +114,8 @@ def main() -> None:
         base = f"{MODELS[args.model]} {COMMON} {data} --train-iters {args.iters}"
     if args.global_batch_size:
         base += f" --global-batch-size {args.global_batch_size}"  # the last occurrence wins
+    if args.seq_length:
+        base += f" --seq-length {args.seq_length} --max-position-embeddings {args.seq_length}"
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     seeds = [int(v) for v in args.seeds.split(",")]
