@@ -11,10 +11,12 @@ the 20-step moving-average loss from bf16's after the first 20 steps, the differ
 over the last 50 steps, PASS when both are within ``--tolerance`` (1%), and its tokens/s against
 bf16's (median after the first 10 steps; a small model's GEMMs say little about FP8 at scale: use
 bench_gpt.py for speed). ``--bf16-repeat`` trains bf16 a second time, same seed and data, and
-compares it like a recipe: on a GPU the runs differ from the first step (cuDNN's attention backward
-is not deterministic), so that row is the noise floor of the comparison itself. ``--seeds 1,2,3``
+compares it like a recipe: on a GPU at 1024-token sequences the runs differ from the first step
+(cuDNN's attention backward is not deterministic there; at 256 they came out bit-identical), so that
+row is the noise floor of the comparison itself. ``--seeds 1,2,3``
 runs everything once per seed and also compares the mean curves over the seeds, where that noise
-averages out. On a CPU, ``MEGATRON_FP8_EMULATE=1 python bench/fp8_loss.py --model tiny --iters 60``
+averages out; ``--combine a.jsonl,b.jsonl`` computes that mean from invocations that ran different
+seeds (one per GPU). On a CPU, ``MEGATRON_FP8_EMULATE=1 python bench/fp8_loss.py --model tiny --iters 60``
 checks the script (FP8 emulated in fp32; FP8 itself needs a Hopper GPU).
 
 Your own model and data instead (a short bf16-against-FP8 A/B before a long run): ``--args`` takes
@@ -100,7 +102,15 @@ def main() -> None:
                     help="pretrain_gpt.py flags of your own run (model, data, tokenizer, batch, layout) instead of "
                          "--model and the bundled corpus; without --save / --load / --train-iters")
     ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run, for --args with a parallel layout")
+    ap.add_argument("--combine", default=None, metavar="JSONL[,JSONL...]",
+                    help="train nothing: the mean-over-seeds comparison of the rows these fp8_loss.jsonl files hold "
+                         "(invocations that ran different seeds, one per GPU)")
     args = ap.parse_args()
+    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
+    os.makedirs(out_dir, exist_ok=True)
+    if args.combine:
+        combine(args.combine.split(","), args.tolerance, out_dir)
+        return
     if args.args is not None:
         given = set(shlex.split(args.args))
         clash = sorted(given & {"--save", "--load", "--train-iters", "--train-samples"})
@@ -116,8 +126,6 @@ def main() -> None:
         base += f" --global-batch-size {args.global_batch_size}"  # the last occurrence wins
     if args.seq_length:
         base += f" --seq-length {args.seq_length} --max-position-embeddings {args.seq_length}"
-    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
-    os.makedirs(out_dir, exist_ok=True)
     seeds = [int(v) for v in args.seeds.split(",")]
     model = args.model if args.args is None else args.args  # what the rows name as the model
     runs = [("bf16", base)]
@@ -150,14 +158,43 @@ def main() -> None:
                     res = _report(f"{name}{tag}", compare(ref, curve), args.tolerance, ratio)
                     f.write(json.dumps({**row, **res, "speedup": ratio, "losses": curve}) + "\n")
                 f.flush()
-        if len(seeds) > 1:  # paired over seeds: each seed's run-to-run differences average out
-            mean_ref = _mean_curve(curves["bf16"])
-            for name, runs_of in curves.items():
-                if name != "bf16":
-                    res = _report(f"{name} (mean of {len(seeds)} seeds)", compare(mean_ref, _mean_curve(runs_of)),
-                                  args.tolerance, None)
-                    f.write(json.dumps({"run": name, "seeds": seeds, "iters": args.iters, "model": model,
-                                        **res}) + "\n")
+        if len(seeds) > 1:
+            _write_means(f, curves, seeds, args.iters, model, args.tolerance)
+
+
+def _write_means(f, curves: dict[str, list[dict[int, float]]], seeds: list[int], iters: int, model: str,
+                 tolerance: float) -> None:
+    """Each recipe's mean curve over the seeds against bf16's mean curve (paired: the same seeds), so
+    that each seed's run-to-run differences average out; printed and written as rows to ``f``."""
+    mean_ref = _mean_curve(curves["bf16"])
+    for name, runs_of in curves.items():
+        if name != "bf16":
+            if len(runs_of) != len(seeds):  # e.g. a bf16 repeat cut short by a time limit
+                print(f"{name}: {len(runs_of)} of {len(seeds)} seeds ran; left out of the mean")
+                continue
+            res = _report(f"{name} (mean of {len(seeds)} seeds)", compare(mean_ref, _mean_curve(runs_of)),
+                          tolerance, None)
+            f.write(json.dumps({"run": name, "seeds": seeds, "iters": iters, "model": model, **res}) + "\n")
+
+
+def combine(paths: list[str], tolerance: float, out_dir: str) -> None:
+    """``--combine``: the mean-over-seeds comparison of runs written by several invocations (one per
+    GPU, say, each with its own seeds), read back from their ``fp8_loss.jsonl`` rows."""
+    curves: dict[str, dict[int, dict[int, float]]] = {}
+    iters, model = 0, ""
+    for path in paths:
+        with open(path) as src:
+            for line in src:
+                row = json.loads(line)
+                if "seed" in row:  # a run's row (not an earlier mean)
+                    curves.setdefault(row["run"], {})[row["seed"]] = {int(k): v for k, v in row["losses"].items()}
+                    iters, model = row["iters"], row["model"]
+    if "bf16" not in curves:
+        raise SystemExit(f"--combine: no bf16 rows in {', '.join(paths)}")
+    seeds = sorted(curves["bf16"])
+    by_name = {name: [runs[s] for s in seeds if s in runs] for name, runs in curves.items()}
+    with open(os.path.join(out_dir, "fp8_loss.jsonl"), "a") as f:
+        _write_means(f, by_name, seeds, iters, model, tolerance)
 
 
 def _mean_curve(curves: list[dict[int, float]]) -> dict[int, float]:

@@ -12,6 +12,7 @@
 #   bash bench/issue6.sh fp8linear  # FP8 per linear: ours (tensorwise, delayed) against torchao's recipes and bf16 ~1 min
 #   bash bench/issue6.sh fp8loss    # FP8 against bf16 over 300 steps of the bundled corpus (+ a bf16 repeat) ~5 min
 #   bash bench/issue6.sh fp8loss2   # the same with two seeds, paired, no repeat                       ~6 min
+#   bash bench/issue6.sh fp8loss4   # 2 GPUs: 256-token sequences, four seeds (two per GPU), the mean curves ~8 min
 #   bash bench/issue6.sh nccltests  # 2 GPUs: compiled tp2 and DDP / distributed-optimizer tests over NCCL   ~4 min
 #   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, dp2 (fp32, bf16 reduction), tp2+SP, dist. optimizer + param gather ~8 min
 #   bash bench/issue6.sh inductor   # Inductor's coordinate-descent tuning and max-autotune on our runs   ~6 min
@@ -34,9 +35,12 @@ mkdir -p "$OUT"
 # FP8 against bf16 over 300 steps of the bundled corpus (bench/fp8_loss.py; its extra flags: "$@"), at 8
 # sequences a step: at 32 the 300 steps are ~21 passes over the corpus and every run, a second bf16 one
 # included, memorises it at its own pace (7% apart; docs/performance.md, seventh pass).
-fp8_loss() {
+loss_inputs() {
   python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
   [ -d data/prepared ] || bash examples/prepare_corpus.sh
+}
+fp8_loss() {
+  loss_inputs
   python3 bench/fp8_loss.py --iters 300 --recipes hybrid:delayed,hybrid:tensorwise "$@"
 }
 
@@ -91,6 +95,20 @@ run_stage() {
       # The same, two seeds, no repeat: each recipe against bf16 of its seed and the mean curves over
       # both (the run-to-run noise averages out). ~6 min
       fp8_loss --seeds 1234,1235 ;;
+    fp8loss4)
+      # 2 GPUs: at 256-token sequences (~1.3 passes over the corpus, where two bf16 runs of a seed came out
+      # bit-identical), four seeds, two per GPU at once, then the mean curves over all four. ~8 min
+      local g dir
+      loss_inputs  # once, before the two runs start
+      for g in 0 1; do
+        dir="$OUT/gpu$g"
+        mkdir -p "$dir"
+        (export CUDA_VISIBLE_DEVICES=$g OUT="$dir"; fp8_loss --seq-length 256 --bf16-repeat \
+             --seeds "$([ $g = 0 ] && echo 1234,1235 || echo 1236,1237)" > "$dir/log.txt" 2>&1) &
+      done
+      wait
+      grep -h "PASS\|FAIL\|steps, loss" "$OUT"/gpu0/log.txt "$OUT"/gpu1/log.txt
+      python3 bench/fp8_loss.py --combine "$OUT/gpu0/fp8_loss.jsonl,$OUT/gpu1/fp8_loss.jsonl" ;;
     nccltests)
       # Compiled tp2 + SP layers against eager, and the DDP / distributed-optimizer tests (overlapped
       # reduction and parameter gather, bf16 reduction) over NCCL (the harness uses NCCL with two GPUs). ~4 min
@@ -130,7 +148,7 @@ run_stage() {
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, fp8ab, fp8speed, swiglufp8 (branch fp8-swiglu), fp8linear, fp8loss, fp8loss2, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, mcore, fp8, fp8ab, fp8speed, swiglufp8 (branch fp8-swiglu), fp8linear, fp8loss, fp8loss2, fp8loss4, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
   esac
 }
 run_stages "$OUT" "$@"

@@ -5,7 +5,7 @@ PACK_DIR="${OUT:-}"
 pack_out() {
   if [ -n "$PACK_DIR" ] && [ -d "$PACK_DIR" ]; then
     (cd "$PACK_DIR" && files=$(ls -A | grep -v '^results.tgz$' || true) && [ -n "$files" ] && \
-      tar czf results.tgz $files && rm -f $files) || true
+      tar czf results.tgz $files && rm -rf $files) || true
   fi
 }
 trap pack_out EXIT
