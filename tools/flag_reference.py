@@ -18,7 +18,7 @@ from megatron.training.arguments import build_parser  # noqa: E402
 def _default(action: argparse.Action, defaults: dict) -> str:
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return "off"
-    value = defaults.get(action.dest)
+    value = defaults.get(action.dest, action.default if action.default not in (None, argparse.SUPPRESS) else None)
     return "-" if value is None else f"`{value}`"
 
 
@@ -26,7 +26,7 @@ def render() -> str:
     """Markdown: one table per flag group, in --help order, with each flag's documentation."""
     import dataclasses
 
-    from megatron.training.arguments import ALIASES, REQUIRED, SECTIONS
+    from megatron.training.arguments import ALIASES, NOT_TAKEN, NOT_TAKEN_PREFIXES, REQUIRED, SECTIONS
 
     defaults = {}
     for _, cls in SECTIONS:
@@ -52,6 +52,12 @@ def render() -> str:
             text = (a.help or "").replace("|", "\\|") + choices
             lines.append(f"| `{flag}` | {default} | {text} |")
         lines.append("")
+    lines += ["## Megatron-LM flags not taken", "",
+              "A run given one of these stops before any GPU work with one line saying what to use instead.", "",
+              "| flag | instead |", "|---|---|"]
+    lines += [f"| `{flag}` | {why} |" for flag, why in NOT_TAKEN.items()]
+    lines += [f"| `{prefix}*` | {why} |" for prefix, why in NOT_TAKEN_PREFIXES.items()]
+    lines.append("")
     return "\n".join(lines)
 
 

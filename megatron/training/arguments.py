@@ -99,12 +99,92 @@ ALIASES: dict[str, tuple[str, dict]] = {
         "model", dict(action="store_true", help="Separate output-layer weight instead of the word embedding.")),
     "--group-query-attention": (
         "model", dict(action="store_true", help="Grouped-query attention with --num-query-groups groups.")),
+    "--use-rotary-position-embeddings": ("model", dict(
+        action="store_true", help="Megatron-LM's older spelling of --position-embedding-type rope.")),
+    "--no-position-embedding": ("model", dict(
+        action="store_true", help="No learned position table: --position-embedding-type none, unless rope is chosen "
+                                  "(which has none anyway).")),
     "--recompute-activations": ("model", dict(action="store_true", help="Same as --recompute-granularity selective.")),
     "--grad-reduce-in-bf16": ("data-parallel", dict(
         action="store_true", help="With --bf16: keep the main gradients in bf16 and reduce them across data-parallel "
                                   "ranks in bf16 (half the communication and gradient memory; accumulation over "
                                   "micro-batches also in bf16). Default: fp32.")),
 }
+
+
+# Megatron-LM flags this entry point does not take, each with what to do instead: a Megatron-LM script
+# stops with one line naming them, not "unrecognized arguments" and a guess at a similar spelling.
+_SDPA = ("attention always runs through torch's scaled_dot_product_attention, which picks cuDNN's fused "
+         "attention on Hopper (the start-up report names the backend); drop it")
+_ACCEPTED = "Accepted for Megatron-LM scripts, no effect: "
+_FUSIONS = "fusion here comes from torch.compile of each layer; --torch-compile off runs the layers unfused"
+_TIMERS = "per-phase timers are not kept: the iteration time is logged, and --profile breaks a step down"
+_CP = ("context parallelism is not built yet; for long sequences use --sequence-parallel with "
+       "--tensor-model-parallel-size, or --recompute-granularity")
+_MOE = "mixture-of-experts layers are not built yet (dense models only)"
+_FSDP = ("FSDP is not built; --use-distributed-optimizer shards the optimizer state and main parameters over the "
+         "data-parallel ranks")
+_OPT_DTYPES = ("the main parameters and Adam moments are fp32, the main gradients fp32 (bf16 with "
+               "--grad-reduce-in-bf16); drop it")
+NOT_TAKEN: dict[str, str] = {
+    "--use-legacy-models": "there is only one model implementation; drop it",
+    "--attention-backend": _SDPA,
+    "--no-masked-softmax-fusion": _FUSIONS,
+    "--no-bias-dropout-fusion": _FUSIONS,
+    "--no-bias-swiglu-fusion": _FUSIONS,
+    "--no-bias-gelu-fusion": _FUSIONS,
+    "--no-rope-fusion": _FUSIONS,
+    "--no-gradient-accumulation-fusion": "weight gradients always accumulate in place into the main gradients; drop it",
+    "--accumulate-allreduce-grads-in-fp32": "main gradients are accumulated and reduced in fp32 by default "
+                                            "(--grad-reduce-in-bf16 opts into bf16); drop it",
+    "--checkpoint-activations": "use --recompute-granularity full",
+    "--cp-comm-type": _CP,
+    "--hierarchical-context-parallel-sizes": _CP,
+    "--expert-tensor-parallel-size": _MOE,
+    "--num-experts": _MOE,
+    "--tp-comm-overlap": ("Transformer Engine's overlap of the tensor-parallel collectives; there is no Transformer "
+                          "Engine path, and PyTorch's micro-pipelined tensor parallelism measured slower on two "
+                          "GPUs (docs/performance.md); drop it"),
+    "--fp8-param-gather": ("FP8 parameters need Transformer Engine; FP8 here casts the bf16 weights in each forward "
+                           "(docs/fp8.md); drop it"),
+    "--use-torch-fsdp2": _FSDP,
+    "--use-megatron-fsdp": _FSDP,
+    "--data-parallel-sharding-strategy": _FSDP,
+    "--use-precision-aware-optimizer": _OPT_DTYPES,
+    "--main-grads-dtype": _OPT_DTYPES,
+    "--main-params-dtype": _OPT_DTYPES,
+    "--exp-avg-dtype": _OPT_DTYPES,
+    "--exp-avg-sq-dtype": _OPT_DTYPES,
+    "--log-timers-to-tensorboard": _TIMERS,
+    "--timing-log-level": _TIMERS,
+    "--timing-log-option": _TIMERS,
+    "--tensorboard-log-interval": "scalars are written every --log-interval iterations",
+}
+NOT_TAKEN_PREFIXES: dict[str, str] = {"--moe-": _MOE}
+
+# Megatron-LM flags that ask for what this package always does: accepted, without effect.
+COMPAT_FLAGS: dict[str, dict] = {
+    "--use-mcore-models": dict(action="store_true", help=_ACCEPTED + "the model is always this package's own."),
+    "--use-flash-attn": dict(action="store_true", help=_ACCEPTED + "attention always runs through torch's "
+                             "scaled_dot_product_attention (cuDNN's fused attention on Hopper)."),
+    "--attention-softmax-in-fp32": dict(action="store_true",
+                                        help=_ACCEPTED + "the fused attention kernels keep the softmax in fp32."),
+    "--log-memory-to-tensorboard": dict(action="store_true", help=_ACCEPTED + "GPU memory is always written with "
+                                        "--tensorboard-dir / --wandb-project."),
+    "--log-validation-ppl-to-tensorboard": dict(action="store_true", help=_ACCEPTED + "validation perplexity is "
+                                                "always written with --tensorboard-dir / --wandb-project."),
+    "--context-parallel-size": dict(type=int, default=1, metavar="1",
+                                    help="Accepted at 1 for Megatron-LM scripts: " + _CP + "."),
+    "--expert-model-parallel-size": dict(type=int, default=1, metavar="1",
+                                         help="Accepted at 1 for Megatron-LM scripts: " + _MOE + "."),
+}
+
+
+def _not_taken(flag: str) -> str | None:
+    """What to do instead of Megatron-LM flag ``flag``, if it is one this entry point does not take."""
+    if flag in NOT_TAKEN:
+        return NOT_TAKEN[flag]
+    return next((why for prefix, why in NOT_TAKEN_PREFIXES.items() if flag.startswith(prefix)), None)
 
 
 # Fields without a usable default: the run stops with "--flag is required" when one is missing.
@@ -143,15 +223,23 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments:"):
-            known = [s for a in self._actions for s in a.option_strings]
-            hints = []
-            for arg in message.split(":", 1)[1].split():
-                if arg.startswith("--"):
-                    close = difflib.get_close_matches(arg.split("=")[0], known, n=1)
-                    if close:
-                        hints.append(f"{arg} -> did you mean {close[0]}?")
-            if hints:
-                message += " (" + "; ".join(hints) + ")"
+            args = message.split(":", 1)[1].split()
+            not_taken = [f"{a.split('=')[0]}: {why}" for a in args if a.startswith("--")
+                         and (why := _not_taken(a.split("=")[0]))]
+            if not_taken:  # (their values, if any, are among the args: not repeated)
+                others = [a for a in args if a.startswith("--") and not _not_taken(a.split("=")[0])]
+                message = ("Megatron-LM flags not taken here: " + "; ".join(not_taken)
+                           + (f"; also unrecognized: {' '.join(others)}" if others else ""))
+            else:
+                known = [s for a in self._actions for s in a.option_strings]
+                hints = []
+                for arg in args:
+                    if arg.startswith("--"):
+                        close = difflib.get_close_matches(arg.split("=")[0], known, n=1)
+                        if close:
+                            hints.append(f"{arg} -> did you mean {close[0]}?")
+                if hints:
+                    message += " (" + "; ".join(hints) + ")"
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -184,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(flag, **kwargs)
     for flag, (section, kwargs) in ALIASES.items():
         groups[section].add_argument(flag, default=False, **kwargs)
+    compat = parser.add_argument_group("Megatron-LM compatibility (accepted, no effect)")
+    for flag, kwargs in COMPAT_FLAGS.items():
+        compat.add_argument(flag, **{"default": False, **kwargs})
     return parser
 
 
@@ -194,6 +285,19 @@ def flag_list() -> list[str]:
 
 
 def _apply_aliases(ns: dict) -> None:
+    for flag, why in (("--context-parallel-size", _CP), ("--expert-model-parallel-size", _MOE)):
+        size = ns.pop(flag[2:].replace("-", "_"), 1)
+        if size != 1:
+            raise ValueError(f"{flag} {size}: {why}; pass {flag} 1 or drop it")
+    for flag in COMPAT_FLAGS:
+        ns.pop(flag[2:].replace("-", "_"), None)
+    if ns.pop("use_rotary_position_embeddings", False):
+        if ns.get("position_embedding_type", "rope") != "rope":
+            raise ValueError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
+                             f"{ns['position_embedding_type']}; keep one of them")
+        ns["position_embedding_type"] = "rope"
+    if ns.pop("no_position_embedding", False) and ns.get("position_embedding_type", "learned_absolute") == "learned_absolute":
+        ns["position_embedding_type"] = "none"
     if ns.pop("swiglu", False):
         ns["activation"] = "swiglu"
     if ns.pop("disable_bias_linear", False):

@@ -103,6 +103,48 @@ def test_unknown_flag_one_line_with_suggestion(capsys):
     assert len(err) == 1 and "did you mean --num-layers" in err[0]
 
 
+def test_megatron_compat_flags_are_accepted_without_effect():
+    """Flags asking for what this package always does (Megatron-LM scripts pass them) change nothing."""
+    compat = ["--use-mcore-models", "--use-flash-attn", "--attention-softmax-in-fp32", "--log-memory-to-tensorboard",
+              "--log-validation-ppl-to-tensorboard", "--context-parallel-size", "1", "--expert-model-parallel-size", "1"]
+    assert parse_args(BASE + compat).to_dict() == parse_args(BASE).to_dict()
+
+
+def test_megatron_position_embedding_spellings():
+    pos = lambda extra: parse_args(BASE + extra).model.position_embedding_type  # noqa: E731
+    assert pos(["--use-rotary-position-embeddings"]) == "rope"
+    assert pos(["--position-embedding-type", "rope", "--no-position-embedding"]) == "rope"
+    assert pos(["--use-rotary-position-embeddings", "--no-position-embedding"]) == "rope"
+    assert pos(["--no-position-embedding"]) == "none"
+    assert pos([]) == "learned_absolute"
+    with pytest.raises(ValueError, match="--use-rotary-position-embeddings contradicts --position-embedding-type none"):
+        pos(["--use-rotary-position-embeddings", "--position-embedding-type", "none"])
+
+
+@pytest.mark.parametrize("flag", ["--context-parallel-size", "--expert-model-parallel-size"])
+def test_context_and_expert_parallel_sizes_other_than_one_are_refused(flag):
+    with pytest.raises(ValueError, match=f"{flag} 2: .*not built yet.*pass {flag} 1 or drop it"):
+        parse_args(BASE + [flag, "2"])
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--tp-comm-overlap"], "Megatron-LM flags not taken here: --tp-comm-overlap: Transformer Engine's overlap"),
+    (["--moe-router-topk", "2"], "--moe-router-topk: mixture-of-experts layers are not built yet"),
+    (["--no-rope-fusion", "--use-torch-fsdp2"], "--no-rope-fusion: fusion here comes from torch.compile"),
+    (["--fp8-param-gather", "--num-layer", "3"], "--fp8-param-gather: FP8 parameters need Transformer Engine"),
+])
+def test_megatron_flags_not_taken_get_one_line_saying_what_to_do(capsys, argv, expected):
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE + argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0]
+    if "--use-torch-fsdp2" in argv:
+        assert "--use-torch-fsdp2: FSDP is not built; --use-distributed-optimizer" in err[0]
+    if "--num-layer" in argv:  # a plain typo beside it is still named
+        assert err[0].endswith("also unrecognized: --num-layer (see --help)")
+
+
 def test_flag_reference_is_current():
     """docs/flags.md is generated from the parser; regenerate it with tools/flag_reference.py."""
     import importlib.util
