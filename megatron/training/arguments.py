@@ -114,11 +114,6 @@ ALIASES: dict[str, tuple[str, dict]] = {
 
 # Megatron-LM flags this entry point does not take, each with what to do instead: a Megatron-LM script
 # stops with one line naming them, not "unrecognized arguments" and a guess at a similar spelling.
-_SDPA = ("attention always runs through torch's scaled_dot_product_attention, which picks cuDNN's fused "
-         "attention on Hopper (the start-up report names the backend); drop it")
-_ACCEPTED = "Accepted for Megatron-LM scripts, no effect: "
-_FUSIONS = "fusion here comes from torch.compile of each layer; --torch-compile off runs the layers unfused"
-_TIMERS = "per-phase timers are not kept: the iteration time is logged, and --profile breaks a step down"
 _CP = ("context parallelism is not built yet; for long sequences use --sequence-parallel with "
        "--tensor-model-parallel-size, or --recompute-granularity")
 _MOE = "mixture-of-experts layers are not built yet (dense models only)"
@@ -126,17 +121,9 @@ _FSDP = ("FSDP is not built; --use-distributed-optimizer shards the optimizer st
          "data-parallel ranks")
 _OPT_DTYPES = ("the main parameters and Adam moments are fp32, the main gradients fp32 (bf16 with "
                "--grad-reduce-in-bf16); drop it")
+_TIMERS = "per-phase timers are not kept: the iteration time is logged, and --profile breaks a step down"
 NOT_TAKEN: dict[str, str] = {
     "--use-legacy-models": "there is only one model implementation; drop it",
-    "--attention-backend": _SDPA,
-    "--no-masked-softmax-fusion": _FUSIONS,
-    "--no-bias-dropout-fusion": _FUSIONS,
-    "--no-bias-swiglu-fusion": _FUSIONS,
-    "--no-bias-gelu-fusion": _FUSIONS,
-    "--no-rope-fusion": _FUSIONS,
-    "--no-gradient-accumulation-fusion": "weight gradients always accumulate in place into the main gradients; drop it",
-    "--accumulate-allreduce-grads-in-fp32": "main gradients are accumulated and reduced in fp32 by default "
-                                            "(--grad-reduce-in-bf16 opts into bf16); drop it",
     "--checkpoint-activations": "use --recompute-granularity full",
     "--cp-comm-type": _CP,
     "--hierarchical-context-parallel-sizes": _CP,
@@ -162,13 +149,30 @@ NOT_TAKEN: dict[str, str] = {
 }
 NOT_TAKEN_PREFIXES: dict[str, str] = {"--moe-": _MOE}
 
-# Megatron-LM flags that ask for what this package always does: accepted, without effect.
+# Megatron-LM flags that ask for what this package does anyway: accepted, without effect (the ones
+# with a value are checked in _apply_aliases).
+_ACCEPTED = "Accepted for Megatron-LM scripts, no effect: "
+_NO_KERNEL = (_ACCEPTED + "Megatron-LM's hand-written fused kernel does not exist here; torch.compile fuses each "
+              "layer (--torch-compile off runs them unfused).")
 COMPAT_FLAGS: dict[str, dict] = {
     "--use-mcore-models": dict(action="store_true", help=_ACCEPTED + "the model is always this package's own."),
     "--use-flash-attn": dict(action="store_true", help=_ACCEPTED + "attention always runs through torch's "
                              "scaled_dot_product_attention (cuDNN's fused attention on Hopper)."),
+    "--attention-backend": dict(choices=("auto", "flash", "fused", "unfused", "local"), default="auto", help=(
+        "Accepted for Megatron-LM scripts at auto, flash or fused (no effect: attention always runs through torch's "
+        "scaled_dot_product_attention, which picks cuDNN's fused attention on Hopper); unfused and local are "
+        "refused.")),
     "--attention-softmax-in-fp32": dict(action="store_true",
                                         help=_ACCEPTED + "the fused attention kernels keep the softmax in fp32."),
+    "--no-masked-softmax-fusion": dict(action="store_true", help=_NO_KERNEL),
+    "--no-bias-dropout-fusion": dict(action="store_true", help=_NO_KERNEL),
+    "--no-bias-swiglu-fusion": dict(action="store_true", help=_NO_KERNEL),
+    "--no-bias-gelu-fusion": dict(action="store_true", help=_NO_KERNEL),
+    "--no-rope-fusion": dict(action="store_true", help=_NO_KERNEL),
+    "--no-gradient-accumulation-fusion": dict(action="store_true", help=_ACCEPTED + "weight gradients are always "
+                                              "added into the main gradients by a kernel of their own (no APEX)."),
+    "--accumulate-allreduce-grads-in-fp32": dict(action="store_true", help=_ACCEPTED + "main gradients are "
+                                                 "accumulated and reduced in fp32 unless --grad-reduce-in-bf16."),
     "--log-memory-to-tensorboard": dict(action="store_true", help=_ACCEPTED + "GPU memory is always written with "
                                         "--tensorboard-dir / --wandb-project."),
     "--log-validation-ppl-to-tensorboard": dict(action="store_true", help=_ACCEPTED + "validation perplexity is "
@@ -284,13 +288,21 @@ def flag_list() -> list[str]:
     return sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help")
 
 
-def _apply_aliases(ns: dict) -> None:
+def _apply_compat(ns: dict) -> None:
+    """Check and drop the COMPAT_FLAGS: they change nothing, but some values ask for what is not here."""
+    compat = {flag: ns.pop(flag[2:].replace("-", "_"), False) for flag in COMPAT_FLAGS}
     for flag, why in (("--context-parallel-size", _CP), ("--expert-model-parallel-size", _MOE)):
-        size = ns.pop(flag[2:].replace("-", "_"), 1)
-        if size != 1:
-            raise ValueError(f"{flag} {size}: {why}; pass {flag} 1 or drop it")
-    for flag in COMPAT_FLAGS:
-        ns.pop(flag[2:].replace("-", "_"), None)
+        if compat[flag] not in (False, 1):
+            raise ValueError(f"{flag} {compat[flag]}: {why}; pass {flag} 1 or drop it")
+    if compat["--attention-backend"] in ("unfused", "local"):
+        raise ValueError(f"--attention-backend {compat['--attention-backend']}: attention always runs through torch's "
+                         "scaled_dot_product_attention (cuDNN's fused attention on Hopper); pass auto or drop it")
+    if compat["--accumulate-allreduce-grads-in-fp32"] and ns.get("grad_reduce_in_bf16"):
+        raise ValueError("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16; keep one of them")
+
+
+def _apply_aliases(ns: dict) -> None:
+    _apply_compat(ns)
     if ns.pop("use_rotary_position_embeddings", False):
         if ns.get("position_embedding_type", "rope") != "rope":
             raise ValueError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "

@@ -105,9 +105,25 @@ def test_unknown_flag_one_line_with_suggestion(capsys):
 
 def test_megatron_compat_flags_are_accepted_without_effect():
     """Flags asking for what this package always does (Megatron-LM scripts pass them) change nothing."""
+    from megatron.training.arguments import COMPAT_FLAGS
+
     compat = ["--use-mcore-models", "--use-flash-attn", "--attention-softmax-in-fp32", "--log-memory-to-tensorboard",
-              "--log-validation-ppl-to-tensorboard", "--context-parallel-size", "1", "--expert-model-parallel-size", "1"]
+              "--log-validation-ppl-to-tensorboard", "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
+              "--attention-backend", "flash", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
+              "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+              "--accumulate-allreduce-grads-in-fp32"]
+    assert set(COMPAT_FLAGS) == {a for a in compat if a.startswith("--")}  # every one of them is tried here
     assert parse_args(BASE + compat).to_dict() == parse_args(BASE).to_dict()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--attention-backend", "unfused"], "--attention-backend unfused: attention always runs through"),
+    (["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"],
+     "--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16"),
+])
+def test_megatron_compat_flags_asking_for_something_else_are_refused(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(BASE + argv)
 
 
 def test_megatron_position_embedding_spellings():
@@ -130,7 +146,7 @@ def test_context_and_expert_parallel_sizes_other_than_one_are_refused(flag):
 @pytest.mark.parametrize("argv, expected", [
     (["--tp-comm-overlap"], "Megatron-LM flags not taken here: --tp-comm-overlap: Transformer Engine's overlap"),
     (["--moe-router-topk", "2"], "--moe-router-topk: mixture-of-experts layers are not built yet"),
-    (["--no-rope-fusion", "--use-torch-fsdp2"], "--no-rope-fusion: fusion here comes from torch.compile"),
+    (["--checkpoint-activations", "--use-torch-fsdp2"], "--checkpoint-activations: use --recompute-granularity full"),
     (["--fp8-param-gather", "--num-layer", "3"], "--fp8-param-gather: FP8 parameters need Transformer Engine"),
 ])
 def test_megatron_flags_not_taken_get_one_line_saying_what_to_do(capsys, argv, expected):
