@@ -146,6 +146,11 @@ NOT_TAKEN: dict[str, str] = {
     "--timing-log-level": _TIMERS,
     "--timing-log-option": _TIMERS,
     "--tensorboard-log-interval": "scalars are written every --log-interval iterations",
+    "--async-save": "checkpoints are written synchronously (atomically, see docs/checkpoints.md); drop it",
+    "--use-checkpoint-args": ("pass the model flags again: a checkpoint saved for a different model is refused at "
+                              "load, listing each flag that differs"),
+    "--rampup-batch-size": "batch-size ramp-up is not built; use a fixed --global-batch-size",
+    "--log-params-norm": "the parameter norm is not logged (the gradient norm is); drop it",
 }
 NOT_TAKEN_PREFIXES: dict[str, str] = {"--moe-": _MOE}
 
