@@ -232,21 +232,18 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments:"):
-            args = message.split(":", 1)[1].split()
-            not_taken = [f"{a.split('=')[0]}: {why}" for a in args if a.startswith("--")
-                         and (why := _not_taken(a.split("=")[0]))]
-            if not_taken:  # (their values, if any, are among the args: not repeated)
-                others = [a for a in args if a.startswith("--") and not _not_taken(a.split("=")[0])]
+            # (arg as given, flag name, what to do instead if a Megatron-LM flag not taken); values are skipped
+            flags = [(a, name, _not_taken(name)) for a in message.split(":", 1)[1].split() if a.startswith("--")
+                     for name in [a.split("=")[0]]]
+            not_taken = [f"{name}: {why}" for _, name, why in flags if why]
+            if not_taken:
+                others = [a for a, _, why in flags if not why]
                 message = ("Megatron-LM flags not taken here: " + "; ".join(not_taken)
                            + (f"; also unrecognized: {' '.join(others)}" if others else ""))
             else:
                 known = [s for a in self._actions for s in a.option_strings]
-                hints = []
-                for arg in args:
-                    if arg.startswith("--"):
-                        close = difflib.get_close_matches(arg.split("=")[0], known, n=1)
-                        if close:
-                            hints.append(f"{arg} -> did you mean {close[0]}?")
+                hints = [f"{a} -> did you mean {close[0]}?" for a, name, _ in flags
+                         if (close := difflib.get_close_matches(name, known, n=1))]
                 if hints:
                     message += " (" + "; ".join(hints) + ")"
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
