@@ -32,13 +32,14 @@ cd "$(dirname "$0")/.."
 source bench/pack_out.sh  # pack $OUT into results.tgz on exit
 OUT="${OUT:-bench_out}"
 mkdir -p "$OUT"
-# FP8 against bf16 over 300 steps of the bundled corpus (bench/fp8_loss.py; its extra flags: "$@"), at 8
-# sequences a step: at 32 the 300 steps are ~21 passes over the corpus and every run, a second bf16 one
-# included, memorises it at its own pace (7% apart; docs/performance.md, seventh pass).
+# What the loss runs need: the tokenizers wheel and the prepared bundled corpus.
 loss_inputs() {
   python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q --no-deps .whl/tokenizers-*.whl
   [ -d data/prepared ] || bash examples/prepare_corpus.sh
 }
+# FP8 against bf16 over 300 steps of the bundled corpus (bench/fp8_loss.py; its extra flags: "$@"), at 8
+# sequences a step: at 32 the 300 steps are ~21 passes over the corpus and every run, a second bf16 one
+# included, memorises it at its own pace (7% apart; docs/performance.md, seventh pass).
 fp8_loss() {
   loss_inputs
   python3 bench/fp8_loss.py --iters 300 --recipes hybrid:delayed,hybrid:tensorwise "$@"
