@@ -172,7 +172,6 @@ COMPAT_FLAGS: dict[str, dict] = {
     "--no-masked-softmax-fusion": dict(action="store_true", help=_NO_KERNEL),
     "--no-bias-dropout-fusion": dict(action="store_true", help=_NO_KERNEL),
     "--no-bias-swiglu-fusion": dict(action="store_true", help=_NO_KERNEL),
-    "--no-bias-gelu-fusion": dict(action="store_true", help=_NO_KERNEL),
     "--no-rope-fusion": dict(action="store_true", help=_NO_KERNEL),
     "--no-gradient-accumulation-fusion": dict(action="store_true", help=_ACCEPTED + "weight gradients are always "
                                               "added into the main gradients by a kernel of their own (no APEX)."),

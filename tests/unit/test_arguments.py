@@ -110,10 +110,18 @@ def test_megatron_compat_flags_are_accepted_without_effect():
     compat = ["--use-mcore-models", "--use-flash-attn", "--attention-softmax-in-fp32", "--log-memory-to-tensorboard",
               "--log-validation-ppl-to-tensorboard", "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
               "--attention-backend", "flash", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
-              "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+              "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
               "--accumulate-allreduce-grads-in-fp32"]
     assert set(COMPAT_FLAGS) == {a for a in compat if a.startswith("--")}  # every one of them is tried here
     assert parse_args(BASE + compat).to_dict() == parse_args(BASE).to_dict()
+
+
+def test_gelu_flags_follow_megatron():
+    approx = lambda extra: parse_args(BASE + extra).model.gelu_approximation  # noqa: E731
+    assert approx([]) == "tanh"  # biased GELU MLP: Megatron-LM's bias-GELU fusion, the tanh approximation
+    assert approx(["--no-bias-gelu-fusion"]) == "none"
+    assert approx(["--disable-bias-linear"]) == "none"
+    assert approx(["--swiglu"]) == "none"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -145,8 +145,13 @@ def test_kernel_report_names_every_part_on_cpu():
     text = "\n".join(lines)
     assert lines[0] == " > kernels:"
     for part in ("attention: SDPA", "not compiled: CPU run", "fused output layer", "FP8: off", "Transformer Engine",
-                 "optimizer: AdamW, one pass per tensor", "recompute: off"):
+                 "optimizer: AdamW, one pass per tensor", "recompute: off", "SwiGLU unfused"):
         assert part in text
+    for fusion, says in ((True, "GELU (tanh approximation"), (False, "GELU (exact erf)")):
+        gelu = kernel_report(tiny(activation="gelu", add_bias_linear=True, bias_gelu_fusion=fusion),
+                             torch.device("cpu"), tp_size=1, compiled_layers=0, compile_reason="CPU run",
+                             fused_cross_entropy=True)
+        assert any(says in ln for ln in gelu)
     selective = kernel_report(tiny(recompute_granularity="selective"), torch.device("cpu"), tp_size=1,
                               compiled_layers=0, compile_reason="CPU run", fused_cross_entropy=True)
     assert any("recompute: selective" in ln and "--recompute-granularity full" in ln for ln in selective)

@@ -47,6 +47,27 @@ def test_forward_shapes_and_loss_matches_cross_entropy(variant):
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize("kw, approximate", [
+    ({}, "tanh"),                                                       # Megatron-LM's default bias-GELU fusion
+    (dict(bias_gelu_fusion=False), "none"),                              # --no-bias-gelu-fusion
+    (dict(add_bias_linear=False), "none"),                               # no bias: Megatron drops the fusion
+])
+def test_gelu_follows_megatron(kw, approximate):
+    """The MLP computes Megatron-LM's GELU: its tanh formula for a biased MLP with the bias-GELU fusion,
+    erf's exact GELU otherwise. Inputs are large enough that the two differ well beyond fp32 rounding."""
+    cfg = tiny(**kw)
+    assert cfg.gelu_approximation == approximate
+    mlp = build(cfg).decoder.layers[0].mlp
+    x = torch.randn(5, 2, 32) * 30
+    h = F.linear(x, mlp.linear_fc1.weight, mlp.linear_fc1.bias)
+    tanh_gelu = 0.5 * h * (1.0 + torch.tanh(0.7978845608 * h * (1.0 + 0.044715 * h * h)))
+    erf_gelu = 0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0)))
+    assert (tanh_gelu - erf_gelu).abs().max() > 1e-4
+    out, bias = mlp(x)
+    expected = F.linear(tanh_gelu if approximate == "tanh" else erf_gelu, mlp.linear_fc2.weight)
+    torch.testing.assert_close(out, expected)
+
+
 def test_causality():
     model = build(tiny(position_embedding_type="rope", normalization="RMSNorm"))
     ids = torch.randint(0, 64, (1, 16))

@@ -39,12 +39,15 @@ def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: i
     from megatron.core.fusions.fp8 import fp8_emulated
 
     have_triton = device.type == "cuda" and triton_kernels.triton is not None
+    act = "SwiGLU" if config.activation == "swiglu" else {
+        "tanh": "GELU (tanh approximation: Megatron-LM's bias-GELU; --no-bias-gelu-fusion for exact erf)",
+        "none": "GELU (exact erf)"}[config.gelu_approximation]
     if compiled_layers:
         layers = f"torch.compile of each TransformerLayer ({compiled_layers} layers, one shared graph): " \
-                 f"norms, RoPE, {config.activation.upper()} and residual adds fused by Inductor"
+                 f"norms, RoPE, {act} and residual adds fused by Inductor"
     else:
         layers = f"eager (not compiled: {compile_reason}); norms via F.{'rms_norm' if config.normalization == 'RMSNorm' else 'layer_norm'}, " \
-                 "RoPE and activations unfused"
+                 f"RoPE and {act} unfused"
     if config.activation == "swiglu" and have_triton:
         layers += "; SwiGLU backward: Triton kernel"
     elif config.activation == "swiglu" and device.type == "cuda":

@@ -1,7 +1,12 @@
-"""The feed-forward block: fc1 (column-parallel), GELU or SwiGLU, fc2 (row-parallel)."""
+"""The feed-forward block: fc1 (column-parallel), GELU or SwiGLU, fc2 (row-parallel).
+
+GELU follows Megatron-LM: a model with biases uses the tanh approximation (Megatron-LM's fused
+bias-GELU, on by default), ``--no-bias-gelu-fusion`` or a model without biases the exact erf GELU.
+"""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +38,8 @@ class MLP(nn.Module):
     def __init__(self, config, submodules: MLPSubmodules, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         gated = config.activation == "swiglu"
-        self.activation = swiglu if gated else F.gelu
+        approximate = config.gelu_approximation
+        self.activation = swiglu if gated else functools.partial(F.gelu, approximate=approximate)
         common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=config.params_dtype,
                       bias=config.add_bias_linear)
         self.linear_fc1 = build_module(

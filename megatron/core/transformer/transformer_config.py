@@ -34,6 +34,11 @@ class TransformerConfig:
     layernorm_epsilon: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.", flag="--norm-epsilon")
     activation: str = doc("gelu", "MLP activation; set to swiglu by --swiglu.", flag=None)
     add_bias_linear: bool = doc(True, "Biases in all linear layers; turned off by --disable-bias-linear.", flag=None)
+    bias_gelu_fusion: bool = doc(
+        True, "GELU with biases (Megatron-LM's default bias-GELU fusion): the tanh approximation of GELU, "
+        "0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), as Megatron-LM computes it. --no-bias-gelu-fusion computes "
+        "the exact erf GELU instead; models without biases (--disable-bias-linear) always do, as in Megatron-LM.",
+        flag="--no-bias-gelu-fusion")
     add_qkv_bias: bool = doc(False, "Bias in the QKV projection even when --disable-bias-linear is given.")
     qk_layernorm: bool = doc(False, "Normalize queries and keys per head before attention (same norm type).")
     position_embedding_type: str = doc("learned_absolute", "Position embedding.", choices=POSITION_EMBEDDINGS)
@@ -130,6 +135,12 @@ class TransformerConfig:
     grad_scale_func: object = doc(None, "Scales the loss before backward (fp16 loss scaling).", flag=None)
     no_sync_func: object = doc(None, "Context manager that defers gradient reduction.", flag=None)
     finalize_model_grads_func: object = doc(None, "Reduces gradients after the last backward.", flag=None)
+
+    @property
+    def gelu_approximation(self) -> str:
+        """``F.gelu``'s ``approximate`` argument: ``"tanh"`` for a biased GELU MLP with the bias-GELU fusion
+        (Megatron-LM's default), else ``"none"`` (exact erf GELU)."""
+        return "tanh" if self.activation == "gelu" and self.add_bias_linear and self.bias_gelu_fusion else "none"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
