@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""The floor of a training step on one GPU: its GEMMs and attention alone, back to back.
+
+    python bench/step_floor.py --configs gpt-1.3b,llama-3b [--iters 20] [--warmup 5] [--no-optimizer]
+
+For a configuration of bench_gpt.py this replays, per step, exactly the matrix multiplications and
+attention kernels a bf16 training step must run, with the step's shapes: per layer the QKV, output
+projection, fc1 and fc2 GEMMs forward (bias in the GEMM's epilogue where the model has biases), their
+input-gradient and weight-gradient GEMMs backward and cuDNN's fused attention forward and backward,
+then the output layer's three GEMMs. Nothing else runs: no norm, activation, residual add, cross
+entropy or copy (the buffers hold random values; the arithmetic is not chained). With the optimizer
+(default) the one-pass AdamW of ``megatron.core.optimizer.fused_adamw`` follows over every weight
+(fp32 main params and moments, bf16 gradients and model copy: the least traffic an fp32-master AdamW
+can have). The median step time is the fastest any implementation using these kernels could train
+at on this GPU, under its power limit: compare it with the whole step of bench_gpt.py (ours and the
+baseline's) to see what is left for everything else. Prints the GPU's median SM clock and power
+over the timed steps (nvidia-smi) and the kernel time by category of one profiled step; appends
+JSON lines to ``$OUT/step_floor.jsonl`` (or ./bench_out/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from bench_gpt import CONFIGS, GpuMonitor  # noqa: E402
+
+from megatron.training.profiling import categorize  # noqa: E402
+
+
+def shape_of(name: str) -> dict:
+    """The model shape of a bench_gpt.py configuration, from its flags."""
+    flags = CONFIGS[name].split()
+
+    def value(flag: str, default=None):
+        return int(flags[flags.index(flag) + 1]) if flag in flags else default
+
+    heads = value("--num-attention-heads")
+    return dict(layers=value("--num-layers"), hidden=value("--hidden-size"), heads=heads,
+                groups=value("--num-query-groups", heads), ffn=value("--ffn-hidden-size"),
+                gated="--swiglu" in flags, bias="--disable-bias-linear" not in flags,
+                seq=value("--seq-length"), batch=value("--micro-batch-size"), vocab=value("--vocab-size"))
+
+
+class Floor:
+    """Weights, saved activations and gradient buffers of one step, and the step's GEMMs and attention."""
+
+    def __init__(self, s: dict, device: torch.device) -> None:
+        bf16 = dict(device=device, dtype=torch.bfloat16)
+        h, d = s["hidden"], s["hidden"] // s["heads"]
+        self.s, self.d = s, d
+        self.tokens = t = s["seq"] * s["batch"]
+        qkv = (s["heads"] + 2 * s["groups"]) * d
+        fc1 = s["ffn"] * (2 if s["gated"] else 1)
+        shapes = {"qkv": (qkv, h), "proj": (h, h), "fc1": (fc1, h), "fc2": (h, s["ffn"])}
+
+        def rand(*size):
+            return torch.randn(*size, **bf16) * 0.02
+
+        self.weights = [{k: rand(*v) for k, v in shapes.items()} for _ in range(s["layers"])]
+        self.biases = [{k: rand(v[0]) if s["bias"] else None for k, v in shapes.items()} for _ in range(s["layers"])]
+        self.wgrads = [{k: torch.empty(*v, **bf16) for k, v in shapes.items()} for _ in range(s["layers"])]
+        # What each layer's backward reads: the input of every GEMM, and q, k, v for attention.
+        self.inputs = [{"qkv": rand(t, h), "proj": rand(t, h), "fc1": rand(t, h), "fc2": rand(t, s["ffn"])}
+                       for _ in range(s["layers"])]
+        self.embedding = rand(s["vocab"], h)
+        self.embedding_grad = torch.empty_like(self.embedding)
+        self.final = rand(t, h)
+        self.out = {k: torch.empty(t, v[0], **bf16) for k, v in shapes.items()}
+        # Attention's backward reads q, k and v: each layer keeps its own QKV output.
+        self.qkv_out = [torch.empty(t, qkv, **bf16) for _ in range(s["layers"])]
+        self.dout = {k: rand(t, v[0]) for k, v in shapes.items()}
+        self.din = {k: torch.empty(t, v[1], **bf16) for k, v in shapes.items()}
+        self.logits = torch.empty(t, s["vocab"], **bf16)
+        self.dlogits = rand(t, s["vocab"])
+        self.dfinal = torch.empty(t, h, **bf16)
+        self.dattn = rand(s["batch"], s["seq"], s["heads"], d).transpose(1, 2)
+
+    def _qkv_views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        s, d = self.s, self.d
+        b, n = s["batch"], s["seq"]
+        q, k, v = buf.split([s["heads"] * d, s["groups"] * d, s["groups"] * d], dim=-1)
+        return (q.view(b, n, s["heads"], d).transpose(1, 2), k.view(b, n, s["groups"], d).transpose(1, 2),
+                v.view(b, n, s["groups"], d).transpose(1, 2))
+
+    def step(self) -> None:
+        s = self.s
+        graphs = []
+        for w, bias, x, qkv_out in zip(self.weights, self.biases, self.inputs, self.qkv_out):
+            for name in ("qkv", "proj", "fc1", "fc2"):
+                out = qkv_out if name == "qkv" else self.out[name]
+                if bias[name] is not None:
+                    torch.addmm(bias[name], x[name], w[name].t(), out=out)
+                else:
+                    torch.mm(x[name], w[name].t(), out=out)
+                if name == "qkv":
+                    q, k, v = (t.detach().requires_grad_() for t in self._qkv_views(qkv_out))
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s["groups"] != s["heads"])
+                    graphs.append((o, q, k, v))
+        torch.mm(self.final, self.embedding.t(), out=self.logits)
+        torch.mm(self.dlogits, self.embedding, out=self.dfinal)
+        torch.mm(self.dlogits.t(), self.final, out=self.embedding_grad)
+        for w, g, x, (o, q, k, v) in zip(reversed(self.weights), reversed(self.wgrads), reversed(self.inputs),
+                                         reversed(graphs)):
+            for name in ("fc2", "fc1", "proj", "qkv"):
+                if name == "qkv":
+                    torch.autograd.grad(o, (q, k, v), self.dattn)
+                torch.mm(self.dout[name], w[name], out=self.din[name])
+                torch.mm(self.dout[name].t(), x[name], out=g[name])
+
+
+class Optimizer:
+    """The one-pass AdamW over fp32 main copies of every weight, reading the bf16 weight gradients."""
+
+    def __init__(self, floor: Floor) -> None:
+        from megatron.core.optimizer.fused_adamw import adamw_step
+
+        self.adamw_step = adamw_step
+        model = [w for layer in floor.weights for w in layer.values()] + [floor.embedding]
+        grads = [g for layer in floor.wgrads for g in layer.values()] + [floor.embedding_grad]
+        for g in grads:
+            g.normal_(0, 1e-3)
+        mains = [w.float() for w in model]
+        self.inner = torch.optim.AdamW(mains, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        self.model = {id(m): w for m, w in zip(mains, model)}
+        self.grads = {id(m): g for m, g in zip(mains, grads)}
+        self.divisor = torch.ones((), device=mains[0].device)
+
+    def step(self) -> None:
+        self.adamw_step(self.inner, self.model, self.divisor, grads=self.grads)
+
+
+def timed(fn, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def profile_by_category(fn) -> dict:
+    """GPU kernel ms of one call of ``fn``, summed by category (megatron.training.profiling's)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            cat = categorize(e.name)
+            out[cat] = out.get(cat, 0.0) + e.device_time / 1000.0
+    return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def measure(name: str, device: torch.device, iters: int, warmup: int, with_optimizer: bool) -> dict:
+    """The floor of configuration ``name``: GEMMs and attention, then with the optimizer step."""
+    floor = Floor(shape_of(name), device)
+    opt = Optimizer(floor) if with_optimizer else None
+
+    def step():
+        floor.step()
+        if opt is not None:
+            opt.step()
+
+    with GpuMonitor() as monitor:
+        gemm_attn = timed(floor.step, iters, warmup)
+        whole = timed(step, iters, warmup) if opt is not None else gemm_attn
+    row = dict(bench="step_floor", config=name, gpu=torch.cuda.get_device_name(),
+               gemm_attention_ms=statistics.median(gemm_attn), with_optimizer_ms=statistics.median(whole),
+               optimizer=opt is not None, kernels_ms=profile_by_category(step), tokens=floor.tokens,
+               **monitor.summary())
+    row["tokens_per_s_at_floor"] = floor.tokens / row["with_optimizer_ms"] * 1000.0
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="gpt-1.3b,llama-3b")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--no-optimizer", action="store_true", help="GEMMs and attention only")
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(HERE), "bench_out")
+    os.makedirs(out_dir, exist_ok=True)
+    device = torch.device("cuda")
+    for name in args.configs.split(","):
+        row = measure(name, device, args.iters, args.warmup, not args.no_optimizer)
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(out_dir, "step_floor.jsonl"), "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        torch.cuda.empty_cache()
+
+if __name__ == "__main__":
+    main()
