@@ -6,6 +6,7 @@
 #   bash bench/issue6.sh kernels    # CE pass, SwiGLU backward (compiled vs Triton); Liger-Kernel vs ours ~2 min
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh floor      # GELU variants alone; the step's GEMMs + attention (+ AdamW) alone  ~3 min
+#   bash bench/issue6.sh blas       # the floor and gpt-1.3b's step through cuBLASLt / without the bias epilogue ~7 min
 #   bash bench/issue6.sh gelu       # gpt-1.3b: tanh GELU (default) with the baseline, then exact erf GELU ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed, whole llama-3b step: fp8speed's three runs, then torchao's GEMMs ~5 min
@@ -62,6 +63,14 @@ run_stage() {
       # What GELU costs in each variant, and the fastest step these GEMMs and attention allow.
       python3 bench/bench_gelu.py --iters 30
       python3 bench/step_floor.py --configs gpt-1.3b,llama-3b ;;
+    blas)
+      # The floor through cuBLAS's other entry points (at the power cap a step's time follows the energy of
+      # its GEMMs): cuBLASLt for every GEMM, then bias GEMMs without the Lt epilogue; gpt-1.3b whole step with Lt.
+      python3 bench/step_floor.py --configs gpt-1.3b,llama-3b --label default
+      TORCH_BLAS_PREFER_CUBLASLT=1 python3 bench/step_floor.py --configs gpt-1.3b,llama-3b --label prefer_cublaslt
+      DISABLE_ADDMM_CUDA_LT=1 python3 bench/step_floor.py --configs gpt-1.3b --label no_addmm_lt
+      TORCH_BLAS_PREFER_CUBLASLT=1 python3 bench/bench_gpt.py --configs gpt-1.3b --iters 20 --warmup 5 --tag _cublaslt
+      python3 bench/bench_gpt.py --configs gpt-1.3b --iters 20 --warmup 5 --tag _default ;;
     gelu)
       # gpt-1.3b with Megatron-LM's tanh GELU (the default) beside the baseline, then with the exact GELU.
       python3 bench/bench_gpt.py --configs gpt-1.3b --iters 20 --warmup 5 --baseline .baselines --breakdown --tag _tanh
@@ -159,7 +168,7 @@ run_stage() {
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, kernels, speed, floor, gelu, mcore, fp8, fp8ab, fp8speed, swiglufp8 (branch fp8-swiglu), fp8linear, fp8loss, fp8loss2, fp8loss4, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, floor, blas, gelu, mcore, fp8, fp8ab, fp8speed, swiglufp8 (branch fp8-swiglu), fp8linear, fp8loss, fp8loss2, fp8loss4, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
   esac
 }
 run_stages "$OUT" "$@"

@@ -152,17 +152,22 @@ def timed(fn, iters: int, warmup: int) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
-def profile_by_category(fn) -> dict:
-    """GPU kernel ms of one call of ``fn``, summed by category (megatron.training.profiling's)."""
+def profile_by_category(fn) -> tuple[dict, dict]:
+    """GPU kernel ms of one call of ``fn``, summed by category (megatron.training.profiling's), and the
+    six kernels that took longest (ms)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    out: dict[str, float] = {}
+    by_cat: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             cat = categorize(e.name)
-            out[cat] = out.get(cat, 0.0) + e.device_time / 1000.0
-    return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+            by_cat[cat] = by_cat.get(cat, 0.0) + e.device_time / 1000.0
+            by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + e.device_time / 1000.0
+    top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:6])
+    return ({k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+            {k: round(v, 2) for k, v in top.items()})
 
 
 def measure(name: str, device: torch.device, iters: int, warmup: int, with_optimizer: bool) -> dict:
@@ -178,9 +183,10 @@ def measure(name: str, device: torch.device, iters: int, warmup: int, with_optim
     with GpuMonitor() as monitor:
         gemm_attn = timed(floor.step, iters, warmup)
         whole = timed(step, iters, warmup) if opt is not None else gemm_attn
+    by_category, top = profile_by_category(step)
     row = dict(bench="step_floor", config=name, gpu=torch.cuda.get_device_name(),
                gemm_attention_ms=statistics.median(gemm_attn), with_optimizer_ms=statistics.median(whole),
-               optimizer=opt is not None, kernels_ms=profile_by_category(step), tokens=floor.tokens,
+               optimizer=opt is not None, kernels_ms=by_category, top_kernels_ms=top, tokens=floor.tokens,
                **monitor.summary())
     row["tokens_per_s_at_floor"] = floor.tokens / row["with_optimizer_ms"] * 1000.0
     return row
@@ -192,12 +198,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-optimizer", action="store_true", help="GEMMs and attention only")
+    ap.add_argument("--label", default="", help="a name for this run's rows (e.g. the cuBLAS settings in the environment)")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(HERE), "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     device = torch.device("cuda")
     for name in args.configs.split(","):
-        row = measure(name, device, args.iters, args.warmup, not args.no_optimizer)
+        row = {"label": args.label, **measure(name, device, args.iters, args.warmup, not args.no_optimizer)}
         print(json.dumps(row), flush=True)
         with open(os.path.join(out_dir, "step_floor.jsonl"), "a") as fh:
             fh.write(json.dumps(row) + "\n")
