@@ -7,6 +7,7 @@
 #   bash bench/issue6.sh speed      # ours beside the compiled baseline (needs .baselines/) ~4 min
 #   bash bench/issue6.sh floor      # GELU variants alone; the step's GEMMs + attention (+ AdamW) alone  ~3 min
 #   bash bench/issue6.sh blas       # the floor and gpt-1.3b's step through cuBLASLt / without the bias epilogue ~7 min
+#   bash bench/issue6.sh fp8floor   # llama-3b floor bf16 / FP8; FP8 with and without --first-last-layers-bf16 ~7 min
 #   bash bench/issue6.sh gelu       # gpt-1.3b: tanh GELU (default) with the baseline, then exact erf GELU ~4 min
 #   bash bench/issue6.sh mcore      # megatron-core's local spec (needs .whl/)            ~2 min
 #   bash bench/issue6.sh fp8        # FP8 speed, whole llama-3b step: fp8speed's three runs, then torchao's GEMMs ~5 min
@@ -71,6 +72,15 @@ run_stage() {
       DISABLE_ADDMM_CUDA_LT=1 python3 bench/step_floor.py --configs gpt-1.3b --label no_addmm_lt
       TORCH_BLAS_PREFER_CUBLASLT=1 python3 bench/bench_gpt.py --configs gpt-1.3b --iters 20 --warmup 5 --tag _cublaslt
       python3 bench/bench_gpt.py --configs gpt-1.3b --iters 20 --warmup 5 --tag _default ;;
+    fp8floor)
+      # llama-3b: the floor in bf16 and with the layers' GEMMs in FP8; FP8 delayed with and without
+      # --first-last-layers-bf16, and bf16, whole steps. ~7 min
+      python3 bench/step_floor.py --configs llama-3b --label bf16
+      python3 bench/step_floor.py --configs llama-3b --fp8 --label fp8
+      B="python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4"
+      $B --tag _fp8_delayed --extra="--fp8-format hybrid --fp8-recipe delayed"
+      $B --tag _fp8_delayed_fl16 --extra="--fp8-format hybrid --fp8-recipe delayed --first-last-layers-bf16"
+      $B --tag _bf16 ;;
     gelu)
       # gpt-1.3b with Megatron-LM's tanh GELU (the default) beside the baseline, then with the exact GELU.
       python3 bench/bench_gpt.py --configs gpt-1.3b --iters 20 --warmup 5 --baseline .baselines --breakdown --tag _tanh
@@ -168,7 +178,7 @@ run_stage() {
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, kernels, speed, floor, blas, gelu, mcore, fp8, fp8ab, fp8speed, swiglufp8 (branch fp8-swiglu), fp8linear, fp8loss, fp8loss2, fp8loss4, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, floor, blas, fp8floor, gelu, mcore, fp8, fp8ab, fp8speed, swiglufp8 (branch fp8-swiglu), fp8linear, fp8loss, fp8loss2, fp8loss4, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
   esac
 }
 run_stages "$OUT" "$@"

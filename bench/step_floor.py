@@ -55,8 +55,9 @@ def shape_of(name: str) -> dict:
 class Floor:
     """Weights, saved activations and gradient buffers of one step, and the step's GEMMs and attention."""
 
-    def __init__(self, s: dict, device: torch.device) -> None:
+    def __init__(self, s: dict, device: torch.device, fp8: bool = False) -> None:
         bf16 = dict(device=device, dtype=torch.bfloat16)
+        self.fp8 = fp8
         h, d = s["hidden"], s["hidden"] // s["heads"]
         self.s, self.d = s, d
         self.tokens = t = s["seq"] * s["batch"]
@@ -85,6 +86,28 @@ class Floor:
         self.dlogits = rand(t, s["vocab"])
         self.dfinal = torch.empty(t, h, **bf16)
         self.dattn = rand(s["batch"], s["seq"], s["heads"], d).transpose(1, 2)
+        if fp8:
+            self._fp8_operands()
+
+    def _fp8_operands(self) -> None:
+        """The layers' GEMM operands in fp8 and in both layouts ``torch._scaled_mm`` reads, as the hybrid
+        recipe has them (e4m3 weights and inputs, e5m2 gradients), with values spread over each format's
+        range as scaling puts them; the output layer stays bf16 (as in FP8 runs)."""
+        e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+        def spread(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            t = t.float() * (torch.finfo(dtype).max / 8 / t.float().abs().max())  # amax lands at max / 8
+            return t.to(dtype), t.t().contiguous().to(dtype)
+
+        self.w8 = [{k: spread(w, e4m3) for k, w in layer.items()} for layer in self.weights]
+        self.x8 = [{k: spread(x, e4m3) for k, x in layer.items()} for layer in self.inputs]
+        self.dy8 = {k: spread(g, e5m2) for k, g in self.dout.items()}
+        self.one = torch.ones((), device=self.final.device)
+
+    def _mm8(self, a: torch.Tensor, b_t: torch.Tensor, fast_accum: bool) -> torch.Tensor:
+        """``a @ b_t.t()`` for row-major fp8 ``a`` and ``b_t`` (bf16 out)."""
+        return torch._scaled_mm(a, b_t.t(), scale_a=self.one, scale_b=self.one, out_dtype=torch.bfloat16,
+                                use_fast_accum=fast_accum)
 
     def _qkv_views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
         s, d = self.s, self.d
@@ -96,10 +119,13 @@ class Floor:
     def step(self) -> None:
         s = self.s
         graphs = []
-        for w, bias, x, qkv_out in zip(self.weights, self.biases, self.inputs, self.qkv_out):
+        for i, (w, bias, x, qkv_out) in enumerate(zip(self.weights, self.biases, self.inputs, self.qkv_out)):
             for name in ("qkv", "proj", "fc1", "fc2"):
                 out = qkv_out if name == "qkv" else self.out[name]
-                if bias[name] is not None:
+                if self.fp8:  # (a fresh output from the caching allocator; the QKV one feeds attention)
+                    out = self._mm8(self.x8[i][name][0], self.w8[i][name][0], fast_accum=True)
+                    qkv_out = out if name == "qkv" else qkv_out
+                elif bias[name] is not None:
                     torch.addmm(bias[name], x[name], w[name].t(), out=out)
                 else:
                     torch.mm(x[name], w[name].t(), out=out)
@@ -110,13 +136,18 @@ class Floor:
         torch.mm(self.final, self.embedding.t(), out=self.logits)
         torch.mm(self.dlogits, self.embedding, out=self.dfinal)
         torch.mm(self.dlogits.t(), self.final, out=self.embedding_grad)
-        for w, g, x, (o, q, k, v) in zip(reversed(self.weights), reversed(self.wgrads), reversed(self.inputs),
-                                         reversed(graphs)):
+        for i in reversed(range(s["layers"])):
+            w, g, x, (o, q, k, v) = self.weights[i], self.wgrads[i], self.inputs[i], graphs[i]
             for name in ("fc2", "fc1", "proj", "qkv"):
                 if name == "qkv":
                     torch.autograd.grad(o, (q, k, v), self.dattn)
-                torch.mm(self.dout[name], w[name], out=self.din[name])
-                torch.mm(self.dout[name].t(), x[name], out=g[name])
+                if self.fp8:
+                    (dy8, dy8_t), (_, w8_t), (_, x8_t) = self.dy8[name], self.w8[i][name], self.x8[i][name]
+                    self._mm8(dy8, w8_t, fast_accum=False)
+                    self._mm8(dy8_t, x8_t, fast_accum=False)
+                else:
+                    torch.mm(self.dout[name], w[name], out=self.din[name])
+                    torch.mm(self.dout[name].t(), x[name], out=g[name])
 
 
 class Optimizer:
@@ -170,9 +201,9 @@ def profile_by_category(fn) -> tuple[dict, dict]:
             {k: round(v, 2) for k, v in top.items()})
 
 
-def measure(name: str, device: torch.device, iters: int, warmup: int, with_optimizer: bool) -> dict:
+def measure(name: str, device: torch.device, iters: int, warmup: int, with_optimizer: bool, fp8: bool = False) -> dict:
     """The floor of configuration ``name``: GEMMs and attention, then with the optimizer step."""
-    floor = Floor(shape_of(name), device)
+    floor = Floor(shape_of(name), device, fp8)
     opt = Optimizer(floor) if with_optimizer else None
 
     def step():
@@ -198,13 +229,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-optimizer", action="store_true", help="GEMMs and attention only")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the layers' GEMMs in FP8 (torch._scaled_mm, hybrid recipe, fast accumulation forward)")
     ap.add_argument("--label", default="", help="a name for this run's rows (e.g. the cuBLAS settings in the environment)")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(HERE), "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     device = torch.device("cuda")
     for name in args.configs.split(","):
-        row = {"label": args.label, **measure(name, device, args.iters, args.warmup, not args.no_optimizer)}
+        row = {"label": args.label, "fp8": args.fp8,
+               **measure(name, device, args.iters, args.warmup, not args.no_optimizer, args.fp8)}
         print(json.dumps(row), flush=True)
         with open(os.path.join(out_dir, "step_floor.jsonl"), "a") as fh:
             fh.write(json.dumps(row) + "\n")

@@ -9,6 +9,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 import step_floor  # noqa: E402
 
+GEMMS = ("aten::mm", "aten::addmm", "aten::_scaled_mm")
+
+
+def outer_gemms(prof) -> list[str]:
+    """GEMM ops not called from inside another GEMM op (the CPU's _scaled_mm multiplies through matmul)."""
+    def inside_gemm(e) -> bool:
+        p = e.cpu_parent
+        while p is not None:
+            if p.name in GEMMS:
+                return True
+            p = p.cpu_parent
+        return False
+    return [e.name for e in prof.events() if e.name in GEMMS and not inside_gemm(e)]
+
 
 def test_floor_runs_every_gemm_of_a_step_and_nothing_else():
     s = step_floor.shape_of("tiny")
@@ -17,8 +31,7 @@ def test_floor_runs_every_gemm_of_a_step_and_nothing_else():
     floor = step_floor.Floor(s, torch.device("cpu"))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         floor.step()
-    gemm = ("aten::mm", "aten::addmm")
-    ops = [e.name for e in prof.events() if e.name in gemm and (e.cpu_parent is None or e.cpu_parent.name not in gemm)]
+    ops = outer_gemms(prof)
     # per layer: 4 forward GEMMs (with bias: addmm) and 8 backward; the output layer: 3
     assert ops.count("aten::addmm") == 4 * s["layers"]
     assert ops.count("aten::mm") == 8 * s["layers"] + 3
@@ -38,3 +51,16 @@ def test_floor_optimizer_updates_every_weight():
     opt.step()
     after = [w for layer in floor.weights for w in layer.values()]
     assert all(not torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_fp8_floor_runs_the_layers_gemms_in_fp8_and_the_output_layer_in_bf16():
+    s = step_floor.shape_of("llama-3b")
+    s.update(layers=2, hidden=96, heads=6, groups=2, ffn=128, seq=32, batch=2, vocab=256)
+    floor = step_floor.Floor(s, torch.device("cpu"), fp8=True)
+    assert floor.w8[0]["fc1"][0].dtype == torch.float8_e4m3fn and floor.dy8["fc2"][0].dtype == torch.float8_e5m2
+    assert floor.w8[0]["fc1"][1].shape == floor.weights[0]["fc1"].t().shape
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        floor.step()
+    ops = outer_gemms(prof)
+    assert ops.count("aten::_scaled_mm") == 12 * s["layers"]
+    assert ops.count("aten::mm") == 3 and ops.count("aten::addmm") == 0
