@@ -20,11 +20,13 @@ timed with CUDA events. Appends JSON lines to ``$OUT/bench_cross_entropy.jsonl``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 
 import torch
+from cuda_timing import median_ms
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -83,16 +85,7 @@ def main() -> None:
             loss, grad = fn(x, target, weights)
             err = (grad.float() - ref.float()).abs().max().item()
             loss_err = (loss - ref_loss).abs().max().item()
-            times = []
-            for _ in range(args.iters):
-                x.copy_(base)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(x, target, weights)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            ms = sorted(times)[len(times) // 2]
+            ms = median_ms(functools.partial(fn, x, target, weights), args.iters, before=functools.partial(x.copy_, base))
             gbps = 3 * base.numel() * base.element_size() / ms / 1e6
             rec = dict(bench="cross_entropy_step", shape=shape, variant=name, ms=ms, gb_per_s=gbps,
                        max_grad_err=err, max_loss_err=loss_err, gpu=torch.cuda.get_device_name())

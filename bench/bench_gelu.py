@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from cuda_timing import median_ms
 
 K0 = math.sqrt(2.0 / math.pi)
 K1 = 0.044715
@@ -89,19 +90,6 @@ VARIANTS = {
 }
 
 
-def _time(fn, iters: int) -> float:
-    """Median ms of ``fn()`` over ``iters`` runs, CUDA events."""
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def _measure(fn, formula, x: torch.Tensor, grad: torch.Tensor, iters: int) -> dict:
     """Forward and backward ms of ``fn`` (medians) and its errors against ``formula`` in fp64."""
     xi = x.detach().requires_grad_()
@@ -113,9 +101,9 @@ def _measure(fn, formula, x: torch.Tensor, grad: torch.Tensor, iters: int) -> di
     fwd_err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
     bwd_err = ((xi.grad.double() - x64.grad).abs().max() / x64.grad.abs().max()).item()
     del x64, ref
-    fwd_ms = _time(lambda: fn(x), iters)
+    fwd_ms = median_ms(lambda: fn(x), iters)
     y = fn(xi)
-    bwd_ms = _time(lambda: torch.autograd.grad(y, xi, grad, retain_graph=True), iters)
+    bwd_ms = median_ms(lambda: torch.autograd.grad(y, xi, grad, retain_graph=True), iters)
     return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, fwd_err=fwd_err, bwd_err=bwd_err)
 
 

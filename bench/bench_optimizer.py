@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
+from cuda_timing import median_ms
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron.core.optimizer.fused_adamw import adamw_step  # noqa: E402
@@ -32,21 +32,6 @@ def tensors(name: str) -> list[tuple[int, ...]]:
     hd = h // nq
     per_layer = [(h,), ((nq + 2 * nkv) * hd, h), (h, h), (h,), ((2 if swiglu else 1) * f, h), (h, f)]
     return [(v, h), (h,)] + per_layer * layers
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -70,12 +55,12 @@ def main() -> None:
         del opt.grad_scale
         torch._foreach_copy_(models, mains)
 
-    results["torch fused AdamW (grad_scale) + foreach copy"] = timed(torch_fused, args.iters)
+    results["torch fused AdamW (grad_scale) + foreach copy"] = median_ms(torch_fused, args.iters, warmup=3)
     model_of = {id(m): p for m, p in zip(mains, models)}
     for dynamic in (False, True):
         ours = torch.optim.AdamW(mains, lr=1e-4, weight_decay=0.1, fused=True)
         label = f"one-pass AdamW, compiled {'size-generic' if dynamic else 'per size'}"
-        results[label] = timed(lambda: adamw_step(ours, model_of, divisor, dynamic=dynamic), args.iters)  # noqa: B023
+        results[label] = median_ms(lambda: adamw_step(ours, model_of, divisor, dynamic=dynamic), args.iters, warmup=3)  # noqa: B023
     print(f"{args.config}: {len(shapes)} tensors, {n / 1e9:.3f} B parameters")
     for label, ms in results.items():
         print(f"  {label:<50} {ms:8.2f} ms   {30 * n / ms / 1e9:6.2f} TB/s at 30 B/param")
