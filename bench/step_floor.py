@@ -2,16 +2,19 @@
 """The floor of a training step on one GPU: its GEMMs and attention alone, back to back.
 
     python bench/step_floor.py --configs gpt-1.3b,llama-3b [--iters 20] [--warmup 5] [--no-optimizer]
+                               [--fp8] [--label NAME]
 
 For a configuration of bench_gpt.py this replays, per step, exactly the matrix multiplications and
 attention kernels a bf16 training step must run, with the step's shapes: per layer the QKV, output
 projection, fc1 and fc2 GEMMs forward (bias in the GEMM's epilogue where the model has biases), their
 input-gradient and weight-gradient GEMMs backward and cuDNN's fused attention forward and backward,
-then the output layer's three GEMMs. Nothing else runs: no norm, activation, residual add, cross
-entropy or copy (the buffers hold random values; the arithmetic is not chained). With the optimizer
-(default) the one-pass AdamW of ``megatron.core.optimizer.fused_adamw`` follows over every weight
-(fp32 main params and moments, bf16 gradients and model copy: the least traffic an fp32-master AdamW
-can have). The median step time is the fastest any implementation using these kernels could train
+then the output layer's three GEMMs; with ``--fp8`` the layers' GEMMs run through
+``torch._scaled_mm`` as the hybrid recipe runs them (the output layer stays bf16). Nothing else runs:
+no norm, activation, residual add, cross entropy, quantisation or copy (the buffers hold random
+values; the arithmetic is not chained). With the optimizer (default) the one-pass AdamW of
+``megatron.core.optimizer.fused_adamw`` follows over every weight matrix (fp32 main params and
+moments, bf16 gradients and model copy: the least traffic an fp32-master AdamW can have; biases and
+norm weights, under 0.1% of the parameters, are left out). The median step time is the fastest any implementation using these kernels could train
 at on this GPU, under its power limit: compare it with the whole step of bench_gpt.py (ours and the
 baseline's) to see what is left for everything else. Prints the GPU's median SM clock and power
 over the timed steps (nvidia-smi) and the kernel time by category of one profiled step; appends
