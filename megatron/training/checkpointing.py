@@ -208,7 +208,7 @@ def save_checkpoint(
     _barrier()
 
 
-def _find_arg(tree: Any, name: str) -> tuple[bool, Any]:
+def find_arg(tree: Any, name: str) -> tuple[bool, Any]:
     """Breadth-first search for key ``name`` in a nested dict of saved args."""
     level = [tree]
     while level:
@@ -232,7 +232,7 @@ def check_model_args(
     """
     mismatches, unrecorded = [], []
     for flag, current in model_args_check.items():
-        found, saved = _find_arg(saved_args, flag.lstrip("-").replace("-", "_"))
+        found, saved = find_arg(saved_args, flag.lstrip("-").replace("-", "_"))
         if not found:
             unrecorded.append(flag)
         elif (list(saved) if isinstance(saved, tuple) else saved) != (

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.training.checkpointing import find_arg
 from megatron.training.metrics import format_iteration_line
 
 
@@ -92,6 +93,25 @@ def model_args_for_check(cfg, padded_vocab_size: int) -> dict:
     if m.position_embedding_type == "learned_absolute":
         out["--max-position-embeddings"] = cfg.training.max_position_embeddings
     return out
+
+
+def gelu_change_note(saved_args, model) -> str | None:
+    """A note when a biased GELU model resumes with another GELU than its checkpoint was trained with.
+
+    ``saved_args`` is the checkpoint's ``args``; ``model`` this run's TransformerConfig. Checkpoints
+    that do not record ``bias_gelu_fusion`` predate GELU following Megatron-LM and were trained with
+    the exact GELU. (Not a refusal: the weights fit either function.)
+    """
+    if model.activation != "gelu" or not model.add_bias_linear:
+        return None
+    found, fusion = find_arg(saved_args, "bias_gelu_fusion")
+    saved = "tanh" if found and fusion else "none"
+    if saved == model.gelu_approximation:
+        return None
+    names = {"tanh": "Megatron-LM's tanh approximation of GELU", "none": "the exact (erf) GELU"}
+    fix = "drop --no-bias-gelu-fusion" if saved == "tanh" else "pass --no-bias-gelu-fusion"
+    return (f"note: the checkpoint was trained with {names[saved]}{'' if found else ' (it predates the flag)'}; "
+            f"this run computes {names[model.gelu_approximation]}. To keep the checkpoint's, {fix}")
 
 
 class IntervalLog:

@@ -23,6 +23,7 @@ from megatron.training.loop_utils import (
     DistributedSignalHandler,
     InFlightStep,
     build_scheduler,
+    gelu_change_note,
     is_last_rank,
     model_args_for_check,
     print_rank_0,
@@ -153,6 +154,9 @@ class Trainer:
         )
         if extra is None:
             return
+        note = gelu_change_note(extra.get("args", {}), self.cfg.model)
+        if note:
+            print_rank_0(note)
         from megatron.core.fusions.fp8 import fp8_state_loaded
 
         fp8_state_loaded(self.model)

@@ -125,6 +125,25 @@ def test_model_args_mismatch_lists_each_flag(tmp_path):
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("saved, kw, says", [
+    ({}, {}, "trained with the exact (erf) GELU (it predates the flag); this run computes Megatron-LM's tanh "
+             "approximation of GELU. To keep the checkpoint's, pass --no-bias-gelu-fusion"),
+    ({"config": {"model": {"bias_gelu_fusion": True}}}, {}, None),
+    ({"config": {"model": {"bias_gelu_fusion": False}}}, {}, "pass --no-bias-gelu-fusion"),
+    ({"config": {"model": {"bias_gelu_fusion": True}}}, dict(bias_gelu_fusion=False), "drop --no-bias-gelu-fusion"),
+    ({"config": {"model": {"bias_gelu_fusion": False}}}, dict(bias_gelu_fusion=False), None),
+    ({}, dict(activation="swiglu", add_bias_linear=False), None),  # SwiGLU: no GELU to change
+    ({}, dict(add_bias_linear=False), None),  # no biases: exact GELU before and after
+])
+def test_resuming_with_another_gelu_says_so(saved, kw, says):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training.loop_utils import gelu_change_note
+
+    model = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, **kw)
+    note = gelu_change_note(saved, model)
+    assert (note is None) if says is None else (says in note)
+
+
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     model, opt, sched = _setup()
     _save(tmp_path, 100, model, opt, sched, log=lambda _: None)
