@@ -71,6 +71,43 @@ def test_layouts_match_single_process(tmp_path, arch):
             assert got[it][1] == pytest.approx(gnorm, rel=1e-4, abs=1e-6), (name, it)
 
 
+# Issue 7's layouts of one 8-GPU node, on 8 gloo processes at toy scale: a Llama-3-8B-like model (GQA
+# with 2 query heads per group, so tp8 leaves one group per rank; untied embeddings; 8 layers for
+# pp4 x 2 virtual stages). The vocabulary padding divisor is lowered so that every layout, tp8
+# included, pads 256 to 256 as the single process does (Megatron pads to a multiple of divisor x tp).
+EIGHT_RANK_MODEL = ("--num-layers 8 --hidden-size 64 --num-attention-heads 16 --group-query-attention "
+                    "--num-query-groups 8 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
+                    "--global-batch-size 16 --lr 3e-3 --lr-warmup-iters 2 --mock-data --vocab-size 256 "
+                    "--make-vocab-size-divisible-by 32 --num-workers 0 --log-interval 1 --eval-iters 0 "
+                    "--hidden-dropout 0 --attention-dropout 0 --train-iters 6 --swiglu --normalization RMSNorm "
+                    "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights").split()
+EIGHT_RANK_LAYOUTS = {
+    "dp8": "--overlap-grad-reduce",
+    "tp2xdp4-sp": "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce",
+    "tp4xdp2-sp-distopt": "--tensor-model-parallel-size 4 --sequence-parallel --overlap-grad-reduce "
+                          "--use-distributed-optimizer",
+    "tp8-sp": "--tensor-model-parallel-size 8 --sequence-parallel",
+    "tp2xpp2xdp2-sp-distopt": "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 "
+                              "--overlap-grad-reduce --use-distributed-optimizer",
+    "tp2xpp4-vpp2-sp": "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 4 "
+                       "--num-layers-per-virtual-pipeline-stage 1",
+}
+
+
+@pytest.mark.slow
+def test_eight_rank_layouts_match_single_process(tmp_path):
+    assert run(EIGHT_RANK_MODEL + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
+    ref = curves(f"{tmp_path}/ref.jsonl")
+    assert sorted(ref) == list(range(1, 7))
+    for name, extra in EIGHT_RANK_LAYOUTS.items():
+        torchrun(8, EIGHT_RANK_MODEL + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
+        got = curves(f"{tmp_path}/{name}.jsonl")
+        assert sorted(got) == sorted(ref), name
+        for it, (loss, gnorm) in ref.items():
+            assert got[it][0] == pytest.approx(loss, rel=2e-5, abs=1e-6), (name, it)
+            assert got[it][1] == pytest.approx(gnorm, rel=1e-4, abs=1e-6), (name, it)
+
+
 @pytest.mark.slow
 def test_simple_train_loop_example():
     res = torchrun(2, [], script=os.path.join("examples", "run_simple_train_loop.py"), timeout=300)
