@@ -109,6 +109,23 @@ def test_eight_rank_layouts_match_single_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_eight_rank_checkpoint_reshards_across_tp_pp_dp(tmp_path):
+    """Saved under tp2 x pp2 x dp2 with the distributed optimizer at step 3, resumed under tp4 x dp2 with
+    the plain optimizer: the six steps are those of the uninterrupted single process."""
+    assert run(EIGHT_RANK_MODEL + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
+    ck, out = f"{tmp_path}/ck", f"{tmp_path}/resumed.jsonl"
+    torchrun(8, EIGHT_RANK_MODEL + EIGHT_RANK_LAYOUTS["tp2xpp2xdp2-sp-distopt"].split()
+             + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {out}".split())
+    torchrun(8, EIGHT_RANK_MODEL + "--tensor-model-parallel-size 4 --sequence-parallel --overlap-grad-reduce".split()
+             + f"--load {ck} --metrics-file {out}".split())
+    ref, got = curves(f"{tmp_path}/ref.jsonl"), curves(out)
+    assert sorted(got) == list(range(1, 7))
+    for it, (loss, gnorm) in ref.items():
+        assert got[it][0] == pytest.approx(loss, rel=2e-5, abs=1e-6), it
+        assert got[it][1] == pytest.approx(gnorm, rel=1e-4, abs=1e-6), it
+
+
+@pytest.mark.slow
 def test_simple_train_loop_example():
     res = torchrun(2, [], script=os.path.join("examples", "run_simple_train_loop.py"), timeout=300)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("Iteration ")]
