@@ -24,6 +24,13 @@ def curves(path: str) -> dict[int, tuple[float, float]]:
     return {it: (r["lm loss"], r["grad-norm"]) for it, r in metrics(path, "lm loss").items()}
 
 
+def assert_curves_match(got: dict, ref: dict, name: str) -> None:
+    """Every step of ``ref`` is in ``got`` with the same loss and grad norm (fp32 reduction-order tolerance)."""
+    for it, (loss, gnorm) in ref.items():
+        assert got[it][0] == pytest.approx(loss, rel=2e-5, abs=1e-6), (name, it)
+        assert got[it][1] == pytest.approx(gnorm, rel=1e-4, abs=1e-6), (name, it)
+
+
 def save_then_resume(tmp_path, save: tuple[int, str], load: tuple[int, str]) -> None:
     """6 steps of the Llama-style model: save at 3 under ``save`` = (processes, flags), resume under
     ``load``; the losses must be those of the uninterrupted one-process run."""
@@ -66,9 +73,7 @@ def test_layouts_match_single_process(tmp_path, arch):
         torchrun(nproc, base + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
         got = curves(f"{tmp_path}/{name}.jsonl")
         assert sorted(got) == sorted(ref), name
-        for it, (loss, gnorm) in ref.items():
-            assert got[it][0] == pytest.approx(loss, rel=2e-5, abs=1e-6), (name, it)
-            assert got[it][1] == pytest.approx(gnorm, rel=1e-4, abs=1e-6), (name, it)
+        assert_curves_match(got, ref, name)
 
 
 # Issue 7's layouts of one 8-GPU node, on 8 gloo processes at toy scale: a Llama-3-8B-like model (GQA
@@ -103,9 +108,7 @@ def test_eight_rank_layouts_match_single_process(tmp_path):
         torchrun(8, EIGHT_RANK_MODEL + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
         got = curves(f"{tmp_path}/{name}.jsonl")
         assert sorted(got) == sorted(ref), name
-        for it, (loss, gnorm) in ref.items():
-            assert got[it][0] == pytest.approx(loss, rel=2e-5, abs=1e-6), (name, it)
-            assert got[it][1] == pytest.approx(gnorm, rel=1e-4, abs=1e-6), (name, it)
+        assert_curves_match(got, ref, name)
 
 
 @pytest.mark.slow
@@ -120,9 +123,7 @@ def test_eight_rank_checkpoint_reshards_across_tp_pp_dp(tmp_path):
              + f"--load {ck} --metrics-file {out}".split())
     ref, got = curves(f"{tmp_path}/ref.jsonl"), curves(out)
     assert sorted(got) == list(range(1, 7))
-    for it, (loss, gnorm) in ref.items():
-        assert got[it][0] == pytest.approx(loss, rel=2e-5, abs=1e-6), it
-        assert got[it][1] == pytest.approx(gnorm, rel=1e-4, abs=1e-6), it
+    assert_curves_match(got, ref, "resumed")
 
 
 @pytest.mark.slow
@@ -167,10 +168,7 @@ def test_per_token_loss_is_layout_invariant(tmp_path):
     ref = curves(f"{tmp_path}/ref.jsonl")
     for name, extra in (("dp2", ""), ("tp2", "--tensor-model-parallel-size 2")):
         torchrun(2, args + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
-        got = curves(f"{tmp_path}/{name}.jsonl")
-        for it, (loss, gnorm) in ref.items():
-            assert got[it][0] == pytest.approx(loss, rel=2e-5, abs=1e-6), (name, it)
-            assert got[it][1] == pytest.approx(gnorm, rel=1e-4, abs=1e-6), (name, it)
+        assert_curves_match(curves(f"{tmp_path}/{name}.jsonl"), ref, name)
 
 
 @pytest.mark.slow
