@@ -124,16 +124,16 @@ class Floor:
         graphs = []
         for i, (w, bias, x, qkv_out) in enumerate(zip(self.weights, self.biases, self.inputs, self.qkv_out)):
             for name in ("qkv", "proj", "fc1", "fc2"):
-                out = qkv_out if name == "qkv" else self.out[name]
-                if self.fp8:  # (a fresh output from the caching allocator; the QKV one feeds attention)
+                if self.fp8:  # a fresh output from the caching allocator
                     out = self._mm8(self.x8[i][name][0], self.w8[i][name][0], fast_accum=True)
-                    qkv_out = out if name == "qkv" else qkv_out
-                elif bias[name] is not None:
-                    torch.addmm(bias[name], x[name], w[name].t(), out=out)
                 else:
-                    torch.mm(x[name], w[name].t(), out=out)
-                if name == "qkv":
-                    q, k, v = (t.detach().requires_grad_() for t in self._qkv_views(qkv_out))
+                    out = qkv_out if name == "qkv" else self.out[name]
+                    if bias[name] is not None:
+                        torch.addmm(bias[name], x[name], w[name].t(), out=out)
+                    else:
+                        torch.mm(x[name], w[name].t(), out=out)
+                if name == "qkv":  # the QKV output feeds attention
+                    q, k, v = (t.detach().requires_grad_() for t in self._qkv_views(out))
                     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s["groups"] != s["heads"])
                     graphs.append((o, q, k, v))
         torch.mm(self.final, self.embedding.t(), out=self.logits)
@@ -175,6 +175,8 @@ class Optimizer:
 
 
 def timed(fn, iters: int, warmup: int) -> list[float]:
+    """ms of each of ``iters`` calls of ``fn`` queued back to back, as training runs its steps (unlike
+    cuda_timing.median_ms, which waits for the device after every call)."""
     for _ in range(warmup):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
