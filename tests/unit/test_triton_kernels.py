@@ -172,6 +172,73 @@ def test_fp8_cast_transpose_and_amax_kernels_match_the_torch_code():
     assert out.strip().endswith("ok")
 
 
+def test_fused_swiglu_cast_transpose_kernels_match_the_two_passes():
+    """The FP8 SwiGLU MLP's two fused kernels (activation + cast-transpose, activation gradient +
+    cast-transpose) against SwiGLU's torch code followed by the cast: each half in its columns of both
+    layouts, masking at ragged edges and strided rows, the value rounded to bf16 before it is scaled,
+    saturation and the per-tile amaxes (fp32 stores: see the test above; the fp8 codes are compared on
+    a GPU and in the kernels' self-check)."""
+    out = _run("""
+        import torch
+        from megatron.core.fusions import triton_kernels as tk
+
+        torch.manual_seed(0)
+        for m, f in ((200, 300), (64, 128), (1, 7), (130, 65)):  # multiples of the tiles, and not
+            x = (torch.randn(m, 2 * f) * 3).bfloat16()
+            g = torch.randn(m, f).bfloat16()
+            g[0, 0] = 500.0  # saturates at 448 after scaling
+            x[-1, 0] = 300.0
+            scale = torch.tensor(2.5)
+            for name, ref_t, bm, bn, launch in (
+                    ("forward", tk._swiglu_torch(x), 64, 128, lambda q, q_t, p, grid: tk._swiglu_cast_transpose_kernel[grid](
+                        x, scale.reshape(1), q, q_t, p, m, f, x.stride(0), FMAX=448.0, BM=64, BN=128)),
+                    ("backward", tk._swiglu_backward_torch(g, x), 64, 64, lambda q, q_t, p, grid:
+                        tk._swiglu_bwd_cast_transpose_kernel[grid](g, x, scale.reshape(1), q, q_t, p, m, f, g.stride(0),
+                                                                   x.stride(0), FMAX=448.0, BM=64, BN=64))):
+                n = ref_t.shape[1]
+                ref = (ref_t.float() * scale).clamp(-448.0, 448.0)
+                grid = (-(-m // bm), -(-f // bn))
+                q, q_t, partials = torch.full((m, n), -1.0), torch.full((n, m), -1.0), torch.zeros(grid[0] * grid[1])
+                launch(q, q_t, partials, grid)
+                # (sigmoid may differ from torch's in its last fp32 bit, so a bf16 rounding may flip)
+                torch.testing.assert_close(q, ref, rtol=1e-2, atol=1e-2, msg=name)
+                assert torch.equal(q_t, q.t()), name
+                v = q[q.abs() < 448.0] / scale  # below saturation: bf16 values (rounded before scaling) x scale
+                assert torch.equal(v, v.bfloat16().float()), name
+                a = ref_t.float().abs()
+                halves = a.chunk(2, dim=-1) if name == "backward" else (a,)
+                tiles = [torch.stack([h[i:i + bm, j:j + bn].max() for h in halves]).max()
+                         for i in range(0, m, bm) for j in range(0, f, bn)]
+                torch.testing.assert_close(partials, torch.stack(tiles), rtol=1e-2, atol=0, msg=name)
+        # strided rows (slices of wider buffers) through the wrappers; amax over the tiles; NaN as inf
+        wide_x, wide_g = (torch.randn(70, 2 * 50 + 6) * 3).bfloat16(), torch.randn(70, 58).bfloat16()
+        x, g = wide_x[:, :100], wide_g[:, :50]
+        one = torch.tensor(1.0)
+        for got, ref in ((tk.swiglu_cast_transpose_amax_triton(x, one, torch.float32), tk._swiglu_torch(x)),
+                         (tk.swiglu_backward_cast_transpose_amax_triton(g, x, one, torch.float32),
+                          tk._swiglu_backward_torch(g, x))):
+            q, q_t, amax = got
+            torch.testing.assert_close(q, ref.float(), rtol=1e-2, atol=1e-2)
+            assert torch.equal(q_t, q.t()) and amax.item() == q.abs().max().item()
+        g[3, 3] = float("nan")
+        assert tk.swiglu_backward_cast_transpose_amax_triton(g, x, one, torch.float32)[2].item() == float("inf")
+        x = x.clone()
+        x[3, 3] = float("nan")
+        assert tk.swiglu_cast_transpose_amax_triton(x, one, torch.float32)[2].item() == float("inf")
+        # the ops: fp8 outputs of the right shapes and dtypes, the transpose, the amax of the two passes
+        x, g = (torch.randn(96, 2 * 48) * 3).bfloat16(), torch.randn(96, 48).bfloat16()
+        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for (q, q_t, amax), ref in ((tk.swiglu_cast_transpose_amax(x, torch.tensor(10.0), dtype), tk._swiglu_torch(x)),
+                                        (tk.swiglu_backward_cast_transpose_amax(g, x, torch.tensor(10.0), dtype),
+                                         tk._swiglu_backward_torch(g, x))):
+                assert q.dtype == q_t.dtype == dtype and q.shape == ref.shape and q_t.shape == ref.t().shape
+                assert torch.equal(q_t.float(), q.float().t())
+                torch.testing.assert_close(amax, ref.float().abs().max(), rtol=1e-2, atol=0)
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
+
+
 def test_traced_ops_never_run_the_self_check(monkeypatch):
     """Inside torch.compile's tracing (fake tensors) ``ready`` only reads the checks done before; the
     self-check would otherwise run on fake tensors. Outside tracing it is ``available``."""

@@ -13,6 +13,10 @@
   fp8 tensor and its transpose from one read (the layouts the forward and the two backward GEMMs
   read), with delayed scaling's amax from the same pass; Inductor computed a large tensor's amax at a
   third of the copy bandwidth and wrote transposed fp8 copies byte by byte.
+* ``swiglu_cast_transpose_amax`` and ``swiglu_backward_cast_transpose_amax``: the FP8 SwiGLU MLP's
+  two quantisations folded into the passes that compute their inputs: SwiGLU's output straight to
+  fp8 (fc2's input, both layouts) and SwiGLU's gradient straight to fp8 (fc1's output gradient), so
+  neither bf16 tensor is written and read back (llama-3b: [8192, 8192] and [8192, 16384] a layer).
 
 All compute in fp32 and round once when storing, as Inductor's kernels do. They run on CUDA when
 Triton is importable (it ships with CUDA builds of torch) and their one-time self-check on the
@@ -83,7 +87,7 @@ def prepare_kernels(device: torch.device) -> None:
     """Compile and self-check, on ``device`` and now, the kernels that compiled code calls (SwiGLU
     backward, the FP8 casts): a compile traced before their check would use the torch code."""
     probe = torch.empty(0, device=device)
-    for kernel in ("swiglu_backward", "fp8_cast"):
+    for kernel in ("swiglu_backward", "fp8_cast", "swiglu_fp8"):
         available(probe, kernel)
 
 
@@ -146,11 +150,44 @@ def _check_fp8_cast(device: torch.device) -> str:
     return ""
 
 
+def _fp8_codes_differ(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Whether two fp8 tensors differ by more than rare neighbouring codes (a bf16 value computed in
+    one kernel or two, with sigmoid's last fp32 bit, may round the other way; +0 and -0 are equal)."""
+    codes = (got.view(torch.uint8).int() - ref.view(torch.uint8).int()).abs()
+    diff = torch.where(got.float() == ref.float(), 0, codes)
+    return diff.max().item() > 1 or diff.count_nonzero().item() > diff.numel() // 1000
+
+
+def _check_swiglu_fp8(device: torch.device) -> str:
+    """The two fused SwiGLU + cast-transpose kernels against the passes they replace: fp8 codes equal
+    but for rare neighbours, amaxes equal to 1%."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = (torch.randn(200, 2 * 300, device=device, generator=g) * 3).bfloat16()
+    grad = torch.randn(200, 300, device=device, generator=g).bfloat16()
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for name, ref_t in (("forward", _swiglu_torch(x)), ("backward", _swiglu_backward_torch(grad, x))):
+            scale = torch.finfo(dtype).max / ref_t.float().abs().amax() * 1.5  # some values saturate
+            ref = _fp8_cast_transpose_torch(ref_t, scale, dtype, True)
+            got = (swiglu_cast_transpose_amax_triton(x, scale, dtype) if name == "forward" else
+                   swiglu_backward_cast_transpose_amax_triton(grad, x, scale, dtype))
+            if any(_fp8_codes_differ(a, b) for a, b in zip(got[:2], ref[:2])):
+                return f"fused SwiGLU {name} + cast to {dtype} differs from the two passes"
+            if not torch.allclose(got[2], ref[2], rtol=1e-2):
+                return f"fused SwiGLU {name} + cast: amax differs"
+    return ""
+
+
 _SELF_CHECKS = {"swiglu_backward": _check_swiglu, "cross_entropy_grad": _check_cross_entropy,
-                "fp8_cast": _check_fp8_cast}
+                "fp8_cast": _check_fp8_cast, "swiglu_fp8": _check_swiglu_fp8}
 
 
 if triton is not None:
+
+    @triton.jit
+    def _swiglu_grads(g, a, b):
+        """``(d gate, d up)`` of ``silu(a) * b`` for the incoming gradient ``g`` (fp32)."""
+        s = tl.sigmoid(a)
+        return g * b * s * (1.0 + a * (1.0 - s)), g * a * s
 
     @triton.jit
     def _swiglu_bwd_kernel(grad_ptr, x_ptr, dx_ptr, f, grad_stride, x_stride, dx_stride, BLOCK: tl.constexpr):
@@ -160,9 +197,7 @@ if triton is not None:
         g = tl.load(grad_ptr + row * grad_stride + cols, mask=mask, other=0.0).to(tl.float32)
         a = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(x_ptr + row * x_stride + f + cols, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(a)
-        d_gate = g * b * s * (1.0 + a * (1.0 - s))
-        d_up = g * a * s
+        d_gate, d_up = _swiglu_grads(g, a, b)
         out = dx_ptr + row * dx_stride
         tl.store(out + cols, d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(out + f + cols, d_up.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -223,14 +258,74 @@ if triton is not None:
         rn = pid_n * BN + tl.arange(0, BN).to(tl.int64)
         mask = (rm[:, None] < m) & (rn[None, :] < n)
         x = tl.load(x_ptr + rm[:, None] * x_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = x * tl.load(scale_ptr)
-        y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rm[:, None] * n + rn[None, :], y, mask=mask)
-        tl.store(out_t_ptr + rn[:, None] * m + rm[None, :], tl.trans(y), mask=(rn[:, None] < n) & (rm[None, :] < m))
+        _store_cast_transpose(x, tl.load(scale_ptr), out_ptr, out_t_ptr, rm, rn, m, n, n, 0, FMAX)
         if AMAX:
-            a = tl.abs(x)
-            tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_n,
-                     tl.max(tl.max(tl.where(a != a, float("inf"), a), 1), 0))
+            tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_n, _tile_amax(x))
+
+    @triton.jit
+    def _tile_amax(x):
+        """max |x| over a 2-D tile (NaN counts as inf, so its scale falls back to 1)."""
+        a = tl.abs(x)
+        return tl.max(tl.max(tl.where(a != a, float("inf"), a), 1), 0)
+
+    @triton.jit
+    def _store_cast_transpose(x, scale, out_ptr, out_t_ptr, rm, rn, m, n, out_stride, col0, FMAX: tl.constexpr):
+        """``x * scale`` (a ``[rows rm, cols rn]`` tile, fp32) saturated to +-FMAX and cast, stored at
+        columns ``col0 + rn`` of ``out [m, out_stride]`` and transposed at rows ``col0 + rn`` of
+        ``out_t [out_stride, m]`` (both coalesced; the transpose goes through shared memory); ``n``:
+        the valid columns of the tile's source."""
+        y = x * scale
+        y = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rm[:, None] * out_stride + col0 + rn[None, :], y, mask=(rm[:, None] < m) & (rn[None, :] < n))
+        tl.store(out_t_ptr + (col0 + rn[:, None]) * m + rm[None, :], tl.trans(y),
+                 mask=(rn[:, None] < n) & (rm[None, :] < m))
+
+    @triton.jit
+    def _swiglu_cast_transpose_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, part_ptr, m, f, x_stride,
+                                      FMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """SwiGLU's forward and fc2's input quantisation in one pass: for a ``[BM, BN]`` tile of the
+        output ``silu(gate) * up`` over ``x = [gate; up]`` ``[m, 2f]``, rounded to x's dtype (the value
+        the unfused path stores), times ``scale``, saturated and cast, stored row-major into ``out [m,
+        f]`` and transposed into ``out_t [f, m]``; the tile's max |value| into its slot of ``part_ptr``."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM).to(tl.int64)
+        rn = pid_n * BN + tl.arange(0, BN).to(tl.int64)
+        mask = (rm[:, None] < m) & (rn[None, :] < f)
+        a = tl.load(x_ptr + rm[:, None] * x_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(x_ptr + rm[:, None] * x_stride + f + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = (a * tl.sigmoid(a) * b).to(x_ptr.dtype.element_ty).to(tl.float32)
+        _store_cast_transpose(y, tl.load(scale_ptr), out_ptr, out_t_ptr, rm, rn, m, f, f, 0, FMAX)
+        tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_n, _tile_amax(y))
+
+    @triton.jit
+    def _swiglu_bwd_cast_transpose_kernel(grad_ptr, x_ptr, scale_ptr, out_ptr, out_t_ptr, part_ptr, m, f,
+                                          grad_stride, x_stride, FMAX: tl.constexpr, BM: tl.constexpr,
+                                          BN: tl.constexpr):
+        """SwiGLU's backward and fc1's gradient quantisation in one pass: for a ``[BM, BN]`` tile of
+        ``grad [m, f]`` and the matching gate and up tiles of ``x [m, 2f]``, the two gradient tiles of
+        ``d [m, 2f]`` (rounded to x's dtype, as the unfused path stores them), times ``scale``,
+        saturated and cast, stored row-major into ``out [m, 2f]`` and transposed into ``out_t [2f, m]``;
+        the tiles' max |d| into this program's slot of ``part_ptr``."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM).to(tl.int64)
+        rn = pid_n * BN + tl.arange(0, BN).to(tl.int64)
+        mask = (rm[:, None] < m) & (rn[None, :] < f)
+        g = tl.load(grad_ptr + rm[:, None] * grad_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(x_ptr + rm[:, None] * x_stride + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(x_ptr + rm[:, None] * x_stride + f + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        d_gate, d_up = _swiglu_grads(g, a, b)
+        d_gate = d_gate.to(x_ptr.dtype.element_ty).to(tl.float32)
+        d_up = d_up.to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = tl.load(scale_ptr)
+        _store_cast_transpose(d_gate, scale, out_ptr, out_t_ptr, rm, rn, m, f, 2 * f, 0, FMAX)
+        _store_cast_transpose(d_up, scale, out_ptr, out_t_ptr, rm, rn, m, f, 2 * f, f, FMAX)
+        tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_n, tl.maximum(_tile_amax(d_gate), _tile_amax(d_up)))
+
+
+def _swiglu_torch(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` computed in fp32 and rounded once, as Inductor's fused kernel does."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
 
 
 def _swiglu_backward_torch(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -271,8 +366,7 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return _swiglu_torch(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -381,4 +475,80 @@ def fp8_cast_transpose_amax(t: torch.Tensor, scale: torch.Tensor,
                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`fp8_cast_transpose` and ``max |t|`` as an fp32 scalar from the same pass (NaN as inf)."""
     q, q_t, amax = _cast_transpose(t, scale, dtype, True)
+    return q, q_t, amax
+
+
+# ------------------------------------------------------------------------------------------------
+# The FP8 SwiGLU MLP's quantisations inside SwiGLU's own passes (fp8.py, _Fp8SwigluMlp): the
+# activation's output and fc1's output gradient go straight to fp8 in both layouts.
+
+# (rows, columns, warps) of the two fused kernels' tiles: the fastest of eight on an H200 over llama-3b's and
+# Llama-3-8B's shapes (bench/bench_swiglu.py --fp8; docs/performance.md, eleventh pass).
+SWIGLU_CT_TILE = (64, 128, 4)
+SWIGLU_BWD_CT_TILE = (128, 64, 8)
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    t = t.reshape(-1, width)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def swiglu_cast_transpose_amax_triton(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                                      tile: tuple[int, int, int] | None = None
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused forward kernel on ``x [M, 2F]`` (CUDA, or CPU under the interpreter); ``tile``:
+    (rows, columns, warps), default ``SWIGLU_CT_TILE``."""
+    f = x.shape[-1] // 2
+    x2 = _rows(x, 2 * f)
+    m = x2.shape[0]
+    out = torch.empty((m, f), dtype=dtype, device=x.device)
+    out_t = torch.empty((f, m), dtype=dtype, device=x.device)
+    bm, bn, warps = tile or SWIGLU_CT_TILE
+    grid = (triton.cdiv(m, bm), triton.cdiv(f, bn))
+    partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
+    wrap_triton(_swiglu_cast_transpose_kernel)[grid](x2, scale.reshape(1), out, out_t, partials, m, f, x2.stride(0),
+                                                     FMAX=torch.finfo(dtype).max, BM=bm, BN=bn, num_warps=warps)
+    return out, out_t, partials.amax()
+
+
+def swiglu_backward_cast_transpose_amax_triton(grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
+                                               dtype: torch.dtype, tile: tuple[int, int, int] | None = None
+                                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused backward kernel on ``grad [M, F]`` and ``x [M, 2F]`` (CUDA, or CPU under the
+    interpreter); ``tile``: (rows, columns, warps), default ``SWIGLU_BWD_CT_TILE``."""
+    f = grad.shape[-1]
+    g2, x2 = _rows(grad, f), _rows(x, 2 * f)
+    m = g2.shape[0]
+    out = torch.empty((m, 2 * f), dtype=dtype, device=grad.device)
+    out_t = torch.empty((2 * f, m), dtype=dtype, device=grad.device)
+    bm, bn, warps = tile or SWIGLU_BWD_CT_TILE
+    grid = (triton.cdiv(m, bm), triton.cdiv(f, bn))
+    partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=grad.device)
+    wrap_triton(_swiglu_bwd_cast_transpose_kernel)[grid](g2, x2, scale.reshape(1), out, out_t, partials, m, f,
+                                                         g2.stride(0), x2.stride(0), FMAX=torch.finfo(dtype).max,
+                                                         BM=bm, BN=bn, num_warps=warps)
+    return out, out_t, partials.amax()
+
+
+@triton_op("megatron::swiglu_cast_transpose_amax", mutates_args=())
+def swiglu_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor,
+                               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fp8_cast_transpose_amax` of ``silu(gate) * up`` over ``x = [gate; up]`` ``[M, 2F]``
+    (fc2's input in a SwiGLU MLP), in one pass without writing the bf16 activation."""
+    if ready(x, "swiglu_fp8"):
+        return swiglu_cast_transpose_amax_triton(x, scale, dtype)
+    q, q_t, amax = _fp8_cast_transpose_torch(_swiglu_torch(x.reshape(-1, x.shape[-1])), scale, dtype, True)
+    return q, q_t, amax
+
+
+@triton_op("megatron::swiglu_backward_cast_transpose_amax", mutates_args=())
+def swiglu_backward_cast_transpose_amax(grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
+                                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fp8_cast_transpose_amax` of :func:`swiglu_backward` ``(grad [M, F], x [M, 2F])`` (fc1's
+    output gradient in a SwiGLU MLP), in one pass without writing the bf16 gradient."""
+    if ready(grad, "swiglu_fp8"):
+        return swiglu_backward_cast_transpose_amax_triton(grad, x, scale, dtype)
+    f = grad.shape[-1]
+    q, q_t, amax = _fp8_cast_transpose_torch(_swiglu_backward_torch(grad.reshape(-1, f), x.reshape(-1, 2 * f)),
+                                             scale, dtype, True)
     return q, q_t, amax
