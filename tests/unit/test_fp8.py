@@ -370,6 +370,10 @@ def test_kernel_report_says_whether_fp8_is_on():
     assert "quantised by torch code (Triton not importable" in line
     assert "quantised by Triton cast-transpose kernels" in fp8_line_of(tiny_config(fp8_format="hybrid"), True)
     assert "quantised by torchao's casts" in fp8_line_of(tiny_config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_gemm_impl="torchao"), True)
+    fused = "SwiGLU's output and its gradient are quantised inside SwiGLU's own passes"
+    assert fused in fp8_line_of(tiny_config(fp8_format="hybrid"), True)  # delayed, SwiGLU, no bias
+    for other in (dict(fp8_recipe="tensorwise"), dict(activation="gelu"), dict(add_bias_linear=True)):
+        assert fused not in fp8_line_of(tiny_config(fp8_format="hybrid", **other), True), other
 
 
 def fp8_line_of(cfg, have_triton):
@@ -601,3 +605,66 @@ def test_delayed_fp8_layers_recompile_once_when_the_history_fills(monkeypatch):
     _three_steps(model)
     assert all(g.warm for g in gemms)
     assert counter.frame_count == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# The SwiGLU MLP as one FP8 block (fc1 -> SwiGLU -> fc2, the activation and its gradient quantised in
+# SwiGLU's own passes): the numerics of the two linears apart.
+
+def test_swiglu_mlp_block_is_used_where_it_applies(monkeypatch):
+    """Delayed scaling, our GEMMs, SwiGLU, no biases: every MLP gets the block, which shares its two
+    linears' FP8 state; tensorwise, torchao, GELU or biased MLPs keep the linears' own path."""
+    models = {name: _delayed_fp8_gpt(monkeypatch, **kw) for name, kw in (
+        ("fused", {}), ("tensorwise", dict(fp8_recipe="tensorwise")), ("gelu", dict(activation="gelu")),
+        ("bias", dict(add_bias_linear=True)))}
+    mlps = [layer.mlp for layer in models["fused"].decoder.layers]
+    assert all(m.fp8_swiglu is not None and m.fp8_swiglu.fc1 is m.linear_fc1.fp8 and m.fp8_swiglu.fc2 is m.linear_fc2.fp8
+               for m in mlps)
+    for name in ("tensorwise", "gelu", "bias"):
+        assert all(layer.mlp.fp8_swiglu is None for layer in models[name].decoder.layers), name
+    # the block holds no state of its own: the model's modules and state dict are those of the linears
+    plain = _delayed_fp8_gpt(monkeypatch)
+    for layer in plain.decoder.layers:
+        layer.mlp.fp8_swiglu = None
+    assert [n for n, _ in models["fused"].named_modules()] == [n for n, _ in plain.named_modules()]
+    assert models["fused"].state_dict().keys() == plain.state_dict().keys()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_swiglu_mlp_block_trains_like_the_two_linears(monkeypatch, compiled):
+    """Three steps (the block runs from the second, once the histories are warm): losses, every weight
+    gradient and every amax history equal those of the two FP8 linears with SwiGLU between them
+    (computed in fp32 and rounded once, as Inductor's kernel and the block do), eager and compiled
+    (fullgraph); an evaluation forward and a cold first step take the linears' path."""
+    from megatron.core.fusions import triton_kernels
+    from megatron.core.fusions.compile import compile_layers
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    calls = []  # the block's two fused ops, as they run (eager, or inside the compiled graph)
+    ready = triton_kernels.ready
+    monkeypatch.setattr(triton_kernels, "ready", lambda t, kernel: (kernel != "swiglu_fp8" or not calls.append(kernel))
+                        and ready(t, kernel))
+    fused, ref = _delayed_fp8_gpt(monkeypatch), _delayed_fp8_gpt(monkeypatch)
+    for m in (fused, ref):  # (on CUDA the MLPs' SwiGLU; on the CPU they compute in bf16)
+        for layer in m.decoder.layers:
+            layer.mlp.activation = triton_kernels.SwiGLU.apply
+    for layer in ref.decoder.layers:
+        layer.mlp.fp8_swiglu = None
+    if compiled:
+        for m in (fused, ref):
+            compile_layers([m], TransformerLayer)
+    with torch.no_grad():  # evaluation, cold: the linears' path
+        fused(torch.zeros(2, 16, dtype=torch.long), None, None)
+    (l0, g0, h0), (l1, g1, h1) = _three_steps(ref), _three_steps(fused)
+    n_layers = fused.config.num_layers
+    # eager: steps 2 and 3, forward and backward of every layer's MLP; compiled: the ops are traced into
+    # the warm graph (on the CPU their torch code is inlined, so they do not run as calls)
+    assert len(calls) == 2 * 2 * n_layers if not compiled else calls
+    assert l1 == l0
+    assert len(g1) == len(g0) and all(torch.equal(a, b) for a, b in zip(g1, g0))
+    assert len(h1) == 4 * n_layers and all(torch.equal(a, b) for a, b in zip(h1, h0))
+    assert all(h[:, :3].gt(0).all() for h in h1)
+    calls.clear()
+    with torch.no_grad():  # evaluation, warm: still the linears' path (no transposed copies)
+        fused(torch.zeros(2, 16, dtype=torch.long), None, None)
+    assert calls == []

@@ -42,6 +42,8 @@ from megatron.core.fusions.triton_kernels import (
     fp8_cast_transpose,
     fp8_cast_transpose_amax,
     prepare_kernels,
+    swiglu_backward_cast_transpose_amax,
+    swiglu_cast_transpose_amax,
 )
 
 FORMATS = ("e4m3", "hybrid")
@@ -320,6 +322,87 @@ class _Fp8MatmulDelayed(torch.autograd.Function):
         return dx, dw, torch.cat((xw_amax, cur.view(1))), None, None, None, None, None
 
 
+class _Fp8SwigluMlpDelayed(torch.autograd.Function):
+    """fc1 -> SwiGLU -> fc2 of one MLP in FP8 with delayed scaling and warm histories: the numerics of
+    two :class:`_Fp8MatmulDelayed` with SwiGLU between them, but SwiGLU's output is quantised (fp8,
+    transposed copy, amax) in the pass that computes it, and so is SwiGLU's gradient in backward, so
+    neither bf16 tensor is written and read again (llama-3b: [8192, 8192] and [8192, 16384] a layer;
+    at the GPU's power cap those two casts cost ~9 ms of a 240 ms FP8 step, docs/performance.md).
+
+    Local GEMMs only (the tensor-parallel collectives stay around it, in the MLP); ``x [M, K]``,
+    ``w1 [2F, K]`` ([gate; up]), ``w2 [K', F]``; the amaxes ``[x, w, dy]`` of each linear leave as the
+    gradient of its ``amax_sink``, as in :class:`_Fp8MatmulDelayed`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, sink1, sink2, hist1, hist2, recipe, use_scaled_mm):  # type: ignore[override]
+        fwd, algo = recipe.fwd_dtype, recipe.amax_compute_algo
+
+        def scale(history: torch.Tensor, row: int) -> torch.Tensor:
+            return scale_from_amax(_history_amax(history[row], algo), fwd)
+
+        x_scale, w1_scale, a_scale, w2_scale = scale(hist1, X), scale(hist1, W), scale(hist2, X), scale(hist2, W)
+        x8, x8_t, x_amax = fp8_cast_transpose_amax(x, x_scale, fwd)
+        w1_8, w1_8_t, w1_amax = fp8_cast_transpose_amax(w1, w1_scale, fwd)
+        x_inv, w1_inv, a_inv, w2_inv = (s.reciprocal() for s in (x_scale, w1_scale, a_scale, w2_scale))
+        h = scaled_mm(x8, w1_8.t(), x_inv, w1_inv, x.dtype, use_scaled_mm, fast_accum=True)  # [M, 2F]
+        a8, a8_t, a_amax = swiglu_cast_transpose_amax(h, a_scale, fwd)
+        w2_8, w2_8_t, w2_amax = fp8_cast_transpose_amax(w2, w2_scale, fwd)
+        out = scaled_mm(a8, w2_8.t(), a_inv, w2_inv, x.dtype, use_scaled_mm, fast_accum=True)
+        dy_pasts = [_history_amax(hist[DY], algo).clone() for hist in (hist1, hist2)]
+        ctx.save_for_backward(x8_t, w1_8_t, h, a8_t, w2_8_t, x_inv, w1_inv, a_inv, w2_inv, *dy_pasts,
+                              torch.stack((x_amax, w1_amax, a_amax, w2_amax)))
+        ctx.recipe, ctx.use_scaled_mm, ctx.dtypes = recipe, use_scaled_mm, (x.dtype, w1.dtype, w2.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x8_t, w1_8_t, h, a8_t, w2_8_t, x_inv, w1_inv, a_inv, w2_inv, dh_past, dy_past, amaxes = ctx.saved_tensors
+        bwd, use = ctx.recipe.bwd_dtype, ctx.use_scaled_mm
+        needs = ctx.needs_input_grad
+        g2_scale = scale_from_amax(dy_past, bwd)
+        dy8, dy8_t, dy_amax = fp8_cast_transpose_amax(grad_out.contiguous(), g2_scale, bwd)
+        g2_inv = g2_scale.reciprocal()
+        da = scaled_mm(dy8, w2_8_t.t(), g2_inv, w2_inv, ctx.dtypes[0], use)  # [M, F], SwiGLU's output gradient
+        dw2 = scaled_mm(dy8_t, a8_t.t(), g2_inv, a_inv, ctx.dtypes[2], use) if needs[2] else None
+        g1_scale = scale_from_amax(dh_past, bwd)
+        dh8, dh8_t, dh_amax = swiglu_backward_cast_transpose_amax(da, h, g1_scale, bwd)  # fc1's output gradient
+        g1_inv = g1_scale.reciprocal()
+        dx = scaled_mm(dh8, w1_8_t.t(), g1_inv, w1_inv, ctx.dtypes[0], use) if needs[0] else None
+        dw1 = scaled_mm(dh8_t, x8_t.t(), g1_inv, x_inv, ctx.dtypes[1], use) if needs[1] else None
+        sink1 = torch.stack((amaxes[0], amaxes[1], dh_amax))
+        sink2 = torch.stack((amaxes[2], amaxes[3], dy_amax))
+        return dx, dw1, dw2, sink1, sink2, None, None, None, None
+
+
+class Fp8SwigluMlp:
+    """The FP8 path of one SwiGLU MLP as one block (:class:`_Fp8SwigluMlpDelayed`), held by the MLP
+    as ``fp8_swiglu`` (set by :func:`apply_fp8`); it uses, and updates, the two linears' own
+    :class:`Fp8Gemm` state, so checkpoints and the amax reduction see no difference.
+
+    It runs where it gives the two linears' numerics exactly: training (grad enabled) once both
+    histories are warm; before that, and in evaluation, the MLP takes the two linears' own path.
+    A plain object, not a module: the state lives in the linears."""
+
+    def __init__(self, fc1: Fp8Gemm, fc2: Fp8Gemm):
+        self.fc1, self.fc2 = fc1, fc2
+
+    def ready(self, hidden: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and self.fc1.warm and self.fc2.warm
+
+    def __call__(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """``[..., K] -> [..., K']`` (fc1's input after its collective; fc2's output before its own)."""
+        x2d = x.reshape(-1, x.shape[-1])
+        if x2d.shape[0] % ALIGN != 0:  # the linears' own path, which falls back to bf16 and says so
+            from megatron.core.transformer.mlp import swiglu
+
+            return self.fc2(swiglu(self.fc1(x, w1, None)), w2, None)
+        fc1, fc2 = self.fc1, self.fc2
+        out = _Fp8SwigluMlpDelayed.apply(x2d, w1, w2, fc1.amax_sink, fc2.amax_sink, fc1.amax_history,
+                                         fc2.amax_history, fc1.recipe, fc1.use_scaled_mm)
+        return out.view(*x.shape[:-1], w2.shape[0])
+
+
 class _AmaxReduction:
     """Delayed scaling across ranks: the amaxes of every FP8 GEMM a backward pass went through are
     reduced (max) over their group in one all-reduce when that backward ends, then enter the
@@ -533,9 +616,38 @@ def apply_fp8(modules: list[nn.Module], config, device: torch.device, amax_group
             if recipe.recipe == "delayed":
                 module.fp8.amax_group = amax_group
             count += 1
+    _fuse_swiglu_mlps(modules, recipe)
     if skipped:
         warnings.warn(f"FP8: {len(skipped)} linears keep bf16 GEMMs because a weight dim is not a multiple of "
                       f"{ALIGN}: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}", stacklevel=2)
+    return count
+
+
+def swiglu_mlp_fusable(config) -> bool:
+    """Whether :func:`apply_fp8` runs this model's SwiGLU MLPs as one FP8 block (:class:`Fp8SwigluMlp`):
+    delayed scaling with our GEMMs, SwiGLU, no biases."""
+    recipe = Fp8Recipe.from_config(config)
+    return (recipe is not None and recipe.recipe == "delayed" and recipe.gemm_impl == "scaled_mm"
+            and getattr(config, "activation", None) == "swiglu" and not getattr(config, "add_bias_linear", True))
+
+
+def _fuse_swiglu_mlps(modules: list[nn.Module], recipe: Fp8Recipe) -> int:
+    """Give every SwiGLU MLP whose fc1 and fc2 both run in FP8 with delayed scaling (no bias, no
+    output gather) an :class:`Fp8SwigluMlp`; returns how many."""
+    from megatron.core.transformer.mlp import MLP, swiglu
+
+    if recipe.recipe != "delayed" or recipe.gemm_impl != "scaled_mm":
+        return 0
+    count = 0
+    for root in modules:
+        for mlp in root.modules():
+            if not isinstance(mlp, MLP) or mlp.activation is not swiglu:
+                continue
+            fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+            if (isinstance(fc1.fp8, Fp8Gemm) and isinstance(fc2.fp8, Fp8Gemm) and fc1.bias is None
+                    and fc2.bias is None and not fc1.gather_output):
+                mlp.fp8_swiglu = Fp8SwigluMlp(fc1.fp8, fc2.fp8)
+                count += 1
     return count
 
 

@@ -102,7 +102,7 @@ def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None, have_triton: b
              emulated: bool = False) -> str:
     """Whether the tensor-parallel linears run in FP8, with which recipe, and who quantises
     (``emulated``: a CPU run under ``MEGATRON_FP8_EMULATE=1``, for tests)."""
-    from megatron.core.fusions.fp8 import Fp8Recipe
+    from megatron.core.fusions.fp8 import Fp8Recipe, swiglu_mlp_fusable
 
     recipe = Fp8Recipe.from_config(config)
     gemms = str(dtype).replace("torch.", "")
@@ -119,6 +119,9 @@ def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None, have_triton: b
         quant = "torchao's casts"
     elif have_triton:
         quant = "Triton cast-transpose kernels (one pass per tensor for the three GEMMs' layouts)"
+        if swiglu_mlp_fusable(config):
+            quant += ("; in the SwiGLU MLPs, SwiGLU's output and its gradient are quantised inside SwiGLU's own "
+                      "passes (fc1 -> SwiGLU -> fc2 one FP8 block)")
     else:
         quant = "torch code (Triton not importable: slower casts and transposes)"
     return (f"on, {recipe.describe()}: {recipe.gemm_name} for {where}, quantised by {quant}; output layer, "

@@ -80,15 +80,19 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if weight is None else weight
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs forward(x, weight=...)")
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)
-        else:
-            x = mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
+        x = self.input_collective(x)
         bias = None if self.skip_bias_add else self.bias
         out = F.linear(x, weight, bias) if self.fp8 is None else self.fp8(x, weight, bias)
         if self.gather_output:
             out = mappings.gather_from_tensor_model_parallel_region(out, self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)
+
+    def input_collective(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the local GEMM reads it: all-gathered along the sequence with sequence
+        parallelism, else as is (in both cases backward reduces its gradient over the tp group)."""
+        if self.sequence_parallel:
+            return mappings.gather_from_sequence_parallel_region(x, self.tp_group)
+        return mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
 
 
 class RowParallelLinear(nn.Module):
@@ -125,14 +129,17 @@ class RowParallelLinear(nn.Module):
         Collectives: forward all-reduce (backward identity), or with sequence parallelism a
         reduce-scatter along the sequence (backward all-gather).
         """
-        out = F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight, None)
-        if self.sequence_parallel:
-            out = mappings.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
-        else:
-            out = mappings.reduce_from_tensor_model_parallel_region(out, self.tp_group)
+        out = self.output_collective(F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight, None))
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
+
+    def output_collective(self, out: torch.Tensor) -> torch.Tensor:
+        """The local GEMM's partial output summed over the tp group: reduce-scattered along the
+        sequence with sequence parallelism, else all-reduced."""
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        return mappings.reduce_from_tensor_model_parallel_region(out, self.tp_group)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.fusions import triton_kernels
+from megatron.core.fusions.fp8 import Fp8SwigluMlp
 from megatron.core.transformer.spec_utils import build_module
 
 
@@ -51,7 +52,14 @@ class MLP(nn.Module):
             init_std=config.output_layer_init_std, skip_bias_add=True, **common,
         )
 
+        # set by fusions.fp8.apply_fp8: fc1 -> SwiGLU -> fc2 may run as one FP8 block (fp8.Fp8SwigluMlp)
+        self.fp8_swiglu: Fp8SwigluMlp | None = None
+
     def forward(self, hidden: torch.Tensor):
         """``[s, b, h]`` -> ``(output [s, b, h], bias or None)``."""
+        if self.fp8_swiglu is not None and self.fp8_swiglu.ready(hidden):
+            fc1, fc2 = self.linear_fc1, self.linear_fc2
+            out = self.fp8_swiglu(fc1.input_collective(hidden), fc1.weight, fc2.weight)
+            return fc2.output_collective(out), None
         x, _ = self.linear_fc1(hidden)
         return self.linear_fc2(self.activation(x))
