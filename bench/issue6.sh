@@ -13,6 +13,7 @@
 #   bash bench/issue6.sh fp8        # FP8 speed, whole llama-3b step: fp8speed's three runs, then torchao's GEMMs ~5 min
 #   AB_TREE=runs/ab bash bench/issue6.sh fp8ab  # FP8 delayed whole step, this tree against another (A B B A) ~6 min
 #   bash bench/issue6.sh fp8speed   # FP8 delayed, bf16, FP8 tensorwise on llama-3b, nothing else ~4.5 min
+#   bash bench/issue6.sh swiglufp8  # the FP8 SwiGLU MLP's fused kernels per tile against the two passes apart ~1 min
 #   bash bench/issue6.sh fp8linear  # FP8 per linear: ours (tensorwise, delayed) against torchao's recipes and bf16 ~1 min
 #   bash bench/issue6.sh fp8loss    # FP8 against bf16 over 300 steps of the bundled corpus (+ a bf16 repeat) ~5 min
 #   bash bench/issue6.sh fp8loss2   # the same with two seeds, paired, no repeat                       ~6 min
@@ -117,6 +118,7 @@ run_stage() {
       $B --tag _fp8_delayed --breakdown --extra="--fp8-format hybrid --fp8-recipe delayed"
       $B --tag _bf16
       $B --tag _fp8 --breakdown --extra="--fp8-format hybrid --fp8-recipe tensorwise" ;;
+    swiglufp8) python3 bench/bench_swiglu.py --fp8 --iters 20 ;;
     fp8linear)
       python3 -c "import torchao" 2>/dev/null || python3 -m pip install -q --no-deps .whl/torchao-*.whl
       python3 bench/bench_fp8_linear.py --iters 20 ;;
@@ -178,7 +180,7 @@ run_stage() {
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, kernels, speed, floor, blas, fp8floor, gelu, mcore, fp8, fp8ab, fp8speed, swiglufp8 (branch fp8-swiglu), fp8linear, fp8loss, fp8loss2, fp8loss4, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, floor, blas, fp8floor, gelu, mcore, fp8, fp8ab, fp8speed, swiglufp8, fp8linear, fp8loss, fp8loss2, fp8loss4, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
   esac
 }
 run_stages "$OUT" "$@"
