@@ -19,6 +19,9 @@ layouts the three GEMMs read; a Triton kernel on CUDA, bit-identical to :func:`q
 a multiple of 16, bf16 output) or, with ``use_scaled_mm=False``, multiplies the dequantised fp8 values
 in fp32 — the reference the tests compare it against.
 
+With delayed scaling a SwiGLU MLP without biases runs fc1 -> SwiGLU -> fc2 as one block
+(:class:`Fp8SwigluMlp`) that quantises SwiGLU's output and gradient inside SwiGLU's own passes.
+
 ``--fp8-gemm-impl torchao`` hands the tensorwise recipe's GEMMs to torchao's float8 training
 (``matmul_with_hp_or_float8_args``, the function behind its ``Float8Linear``): the same quantisation,
 torchao's choices of what to save for backward and of fast accumulation in the forward GEMM. It is
@@ -387,7 +390,8 @@ class Fp8SwigluMlp:
     def __init__(self, fc1: Fp8Gemm, fc2: Fp8Gemm):
         self.fc1, self.fc2 = fc1, fc2
 
-    def ready(self, hidden: torch.Tensor) -> bool:
+    def ready(self) -> bool:
+        """Whether the next forward takes the block (training, both histories warm)."""
         return torch.is_grad_enabled() and self.fc1.warm and self.fc2.warm
 
     def __call__(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

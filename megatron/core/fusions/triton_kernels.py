@@ -479,7 +479,7 @@ def fp8_cast_transpose_amax(t: torch.Tensor, scale: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------------------
-# The FP8 SwiGLU MLP's quantisations inside SwiGLU's own passes (fp8.py, _Fp8SwigluMlp): the
+# The FP8 SwiGLU MLP's quantisations inside SwiGLU's own passes (fp8.py, _Fp8SwigluMlpDelayed): the
 # activation's output and fc1's output gradient go straight to fp8 in both layouts.
 
 # (rows, columns, warps) of the two fused kernels' tiles: the fastest of eight on an H200 over llama-3b's and

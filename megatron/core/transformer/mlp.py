@@ -57,7 +57,7 @@ class MLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor):
         """``[s, b, h]`` -> ``(output [s, b, h], bias or None)``."""
-        if self.fp8_swiglu is not None and self.fp8_swiglu.ready(hidden):
+        if self.fp8_swiglu is not None and self.fp8_swiglu.ready():
             fc1, fc2 = self.linear_fc1, self.linear_fc2
             out = self.fp8_swiglu(fc1.input_collective(hidden), fc1.weight, fc2.weight)
             return fc2.output_collective(out), None
