@@ -613,7 +613,8 @@ def test_delayed_fp8_layers_recompile_once_when_the_history_fills(monkeypatch):
 
 def test_swiglu_mlp_block_is_used_where_it_applies(monkeypatch):
     """Delayed scaling, our GEMMs, SwiGLU, no biases: every MLP gets the block, which shares its two
-    linears' FP8 state; tensorwise, torchao, GELU or biased MLPs keep the linears' own path."""
+    linears' FP8 state; tensorwise (the only recipe of torchao's GEMMs), GELU or biased MLPs keep the
+    linears' own path."""
     models = {name: _delayed_fp8_gpt(monkeypatch, **kw) for name, kw in (
         ("fused", {}), ("tensorwise", dict(fp8_recipe="tensorwise")), ("gelu", dict(activation="gelu")),
         ("bias", dict(add_bias_linear=True)))}

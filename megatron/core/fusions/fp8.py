@@ -620,7 +620,7 @@ def apply_fp8(modules: list[nn.Module], config, device: torch.device, amax_group
             if recipe.recipe == "delayed":
                 module.fp8.amax_group = amax_group
             count += 1
-    _fuse_swiglu_mlps(modules, recipe)
+    _fuse_swiglu_mlps(modules, config)
     if skipped:
         warnings.warn(f"FP8: {len(skipped)} linears keep bf16 GEMMs because a weight dim is not a multiple of "
                       f"{ALIGN}: {', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}", stacklevel=2)
@@ -635,14 +635,14 @@ def swiglu_mlp_fusable(config) -> bool:
             and getattr(config, "activation", None) == "swiglu" and not getattr(config, "add_bias_linear", True))
 
 
-def _fuse_swiglu_mlps(modules: list[nn.Module], recipe: Fp8Recipe) -> int:
-    """Give every SwiGLU MLP whose fc1 and fc2 both run in FP8 with delayed scaling (no bias, no
-    output gather) an :class:`Fp8SwigluMlp`; returns how many."""
+def _fuse_swiglu_mlps(modules: list[nn.Module], config) -> None:
+    """Where :func:`swiglu_mlp_fusable` allows it, give every SwiGLU MLP whose fc1 and fc2 both run in
+    FP8 (not a layer ``--first-last-layers-bf16`` keeps in bf16; no bias, no output gather) an
+    :class:`Fp8SwigluMlp`."""
     from megatron.core.transformer.mlp import MLP, swiglu
 
-    if recipe.recipe != "delayed" or recipe.gemm_impl != "scaled_mm":
-        return 0
-    count = 0
+    if not swiglu_mlp_fusable(config):
+        return
     for root in modules:
         for mlp in root.modules():
             if not isinstance(mlp, MLP) or mlp.activation is not swiglu:
@@ -651,8 +651,6 @@ def _fuse_swiglu_mlps(modules: list[nn.Module], recipe: Fp8Recipe) -> int:
             if (isinstance(fc1.fp8, Fp8Gemm) and isinstance(fc2.fp8, Fp8Gemm) and fc1.bias is None
                     and fc2.bias is None and not fc1.gather_output):
                 mlp.fp8_swiglu = Fp8SwigluMlp(fc1.fp8, fc2.fp8)
-                count += 1
-    return count
 
 
 # ------------------------------------------------------------------------------------------------
