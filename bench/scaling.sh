@@ -10,8 +10,8 @@
 #   weak-tp2     llama-3b, tp2 (+SP) x dp1/2/4 on 2, 4, 8 GPUs (efficiency against the tp2 pair)        ~6 min
 #   weak-fp32    llama-3b, dp on 2, 4, 8 GPUs with fp32 gradient reduction (the default)              ~6 min
 #   8b-best      Llama-3-8B: distributed optimizer + overlapped param gather, dp and tp2 x dp          ~8 min
-#   8b-layouts   Llama-3-8B: tp4 x dp, tp8, tp2 x pp2 x dp, tp2 x pp4 with virtual stages              ~8 min
-#   3b-layouts   llama-3b: tp4 x dp, tp8, tp2 x pp2 x dp, tp2 x pp4 with virtual stages                ~8 min
+#   8b-layouts   Llama-3-8B: tp4 x dp, tp8, tp2 x pp2 x dp, tp2 x pp4 with virtual stages (on 4: pp4)   ~8 min
+#   3b-layouts   llama-3b: tp4 x dp, tp8, tp2 x pp2 x dp, tp2 x pp4 with virtual stages (on 4: pp4)     ~8 min
 #   match        every layout above against one GPU over 50 bf16 steps of a smaller model, on NCCL    ~7 min
 #
 # Priority for a short session: weak-dp, weak-tp2, 8b-best (the three targets), then the rest.
@@ -45,6 +45,9 @@ layouts() {
       --extra="--tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 2 $BF16R --global-batch-size $((4 * N))"
   [ "$N" -ge 8 ] && $B --configs "$cfg" --nproc "$N" --tag _tp2pp4vpp \
       --extra="--tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 4 $vpp --global-batch-size $((8 * N))"
+  # On 4 GPUs the virtual-stage layout is pp4 without tensor parallelism (tp2 x pp4 needs 8).
+  [ "$N" = 4 ] && $B --configs "$cfg" --nproc "$N" --tag _pp4vpp \
+      --extra="--pipeline-model-parallel-size 4 $vpp --global-batch-size $((8 * N))"
   return 0
 }
 
@@ -77,6 +80,7 @@ run_stage() {
       local g="--global-batch-size 32 --num-query-groups 8"
       local l="1:$g;$N:$g;$N:$g --tensor-model-parallel-size 2 $SP"
       [ "$N" -ge 4 ] && l="$l;$N:$g --tensor-model-parallel-size 4 $SP;$N:$g --tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 2"
+      [ "$N" = 4 ] && l="$l;$N:$g --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1"
       [ "$N" -ge 8 ] && l="$l;$N:$g --tensor-model-parallel-size 8 $SP;$N:$g --tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1"
       try python3 bench/layout_match.py --iters 50 --layouts "$l" ;;
     *) echo "unknown stage $1 (weak-dp, weak-tp2, weak-fp32, 8b-best, 8b-layouts, 3b-layouts, match)" >&2; return 2 ;;
