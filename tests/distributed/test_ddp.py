@@ -211,6 +211,46 @@ def test_second_micro_batch_moves_aliased_gradient_into_fp32_buffer() -> None:
         assert torch.equal(p, r)
 
 
+@pytest.mark.parametrize("distopt", [False, True])
+@distributed_test(world_size=2)
+def test_gradients_reduced_where_autograd_left_them_match_the_bucket_copy(ps: ParallelState, distopt: bool) -> None:
+    """dp2, bf16 reduction, one micro-batch: each gradient is reduced in place where autograd left it
+    (no bucket storage is ever allocated, no copy), except in the buckets kept apart for gradients that
+    are summed again after the reduction (a sequence-parallel norm here); gradients and the weights
+    after the step equal the copy-into-the-bucket path bit for bit, with either optimizer."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    def run(alias: bool):
+        module = _bf16_model(ps)
+        module.decoder.final_layernorm.weight.sequence_parallel = True  # summed over tp later: not aliased
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=True,
+                                                   bucket_size=3000, alias_single_gradients=alias,
+                                                   use_distributed_optimizer=distopt)
+        model = DistributedDataParallel(module.config, ddp_config, module, ps)
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True, clip_grad=0.05), [model])
+        ids = _batches(ps.dp_rank, ps.dp_size)[0]
+        model.zero_grad_buffer()
+        model(ids, None, None, labels=ids).float().mean().backward()
+        finalize_model_grads([model])
+        storage = [(b.view is not None, [getattr(p, "sequence_parallel", False) for p in b.params]) for b in model.buckets]
+        grads = {n: p.main_grad.clone() for n, p in module.named_parameters()}
+        assert opt.step()[0]
+        opt.finish_param_sync()
+        return storage, grads, [p.detach().clone() for p in module.parameters()]
+
+    storage, grads, weights = run(alias=True)
+    # Without aliasing every bucket has storage; with it, only the sequence-parallel norm's own bucket.
+    assert [sp for held, sp in storage if held] == [[True]]
+    assert sum(len(sp) for _, sp in storage) == len(grads) and len(storage) > 2
+    ref_storage, ref_grads, ref_weights = run(alias=False)
+    assert all(held for held, _ in ref_storage)
+    if not distopt:  # (with the distributed optimizer only each owner's sum is meaningful: the weights below)
+        for name, g in grads.items():
+            assert g.dtype == torch.bfloat16 and torch.equal(g, ref_grads[name]), name
+    for w, r in zip(weights, ref_weights):
+        assert torch.equal(w, r)
+
+
 def _distopt_run(ps: ParallelState, overlap: bool, steps: int = 3) -> tuple[list[float], torch.Tensor, list[int]]:
     """``steps`` steps of the distributed optimizer; (losses, final weights, broadcasts still in flight
     right after each step)."""

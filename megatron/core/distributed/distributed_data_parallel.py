@@ -8,12 +8,16 @@ the step into it (no zero fill, no read of zeros), adds later ones (gradient acc
 parameter dtype. ``finish_grad_sync`` (called by ``finalize_model_grads``) zeroes the slices of
 parameters that got no gradient; call it before reading ``main_grad``.
 
-Without data-parallel reduction (``alias_single_gradients``, one DP rank), a parameter whose
-gradient is not summed across ranks later (not a sequence-parallel or pipeline-tied one) keeps its
-first gradient of the step as ``main_grad`` as is, in the parameter's dtype: no bucket memory and
-no copy. The optimizer reads it in fp32, so this is exact (a bf16 value widens to fp32 without
-rounding). A second micro-batch's gradient moves it into the fp32 bucket and accumulates there, so
-gradient accumulation still sums in fp32.
+With ``alias_single_gradients``, a parameter whose gradient is not summed across ranks later (not
+a sequence-parallel or pipeline-tied one) keeps its first gradient of the step as ``main_grad`` as
+is: no bucket memory and no copy. Without data-parallel reduction (one DP rank) that holds for any
+bucket dtype: the optimizer reads the gradient in fp32, which is exact (a bf16 value widens to fp32
+without rounding). With data-parallel reduction it holds where the parameter's dtype is the bucket's
+(``--grad-reduce-in-bf16`` with bf16 params, or fp32 params): a bucket whose gradients are all
+aliased is reduced tensor by tensor, in place, instead of being copied into contiguous storage first
+(on llama-3b, dp4: 6 ms a step of copying 6.4 GB; docs/performance.md, twelfth pass). A second
+micro-batch's gradient moves the first into the bucket's storage and accumulates there, so gradient
+accumulation still sums in the bucket's dtype and the bucket is reduced as one tensor.
 
 Parameters are laid out in reverse registration order (roughly the order backward produces their
 gradients) and cut into buckets of about ``bucket_size`` elements. With ``overlap_grad_reduce``,
@@ -77,7 +81,7 @@ class _Bucket:
         self.written: set[int] = set()  # params whose main_grad holds this step's gradient
         self.aliased: set[int] = set()  # ... as the gradient tensor itself (no storage)
         self.ready: set[int] = set()
-        self.handle: Any = None  # an async work handle, or a list of them (distributed optimizer)
+        self.handle: Any = None  # the list of async work handles of its reduction, once started
 
     def _slice(self, param: torch.Tensor) -> torch.Tensor:
         start = self.offsets[id(param)]
@@ -109,7 +113,7 @@ class _Bucket:
             _accumulate(param.main_grad.view(-1), grad.view(-1))  # type: ignore[attr-defined]
             return
         self.written.add(key)
-        if key in self.aliasable:
+        if key in self.aliasable and grad.is_contiguous():  # (a collective reduces contiguous tensors only)
             param.main_grad = grad  # type: ignore[attr-defined]
             self.aliased.add(key)
             return
@@ -167,12 +171,14 @@ class DistributedDataParallel(nn.Module):
         device = params[0].device if params else torch.device("cpu")
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else (params[0].dtype if params else torch.float32)
         aliasable: frozenset[int] = frozenset()
-        if ddp_config.alias_single_gradients and self.dp_size == 1:
-            # Gradients summed across ranks after backward (finalize_model_grads) need the storage.
+        if ddp_config.alias_single_gradients:
+            # Gradients summed across ranks after backward (finalize_model_grads) need the storage;
+            # reduced over DP, a gradient must already be in the dtype it is reduced in.
             tied = module.shared_embedding_or_output_weight() if (  # type: ignore[operator]
                 self.pg.pp_size > 1 and getattr(module, "share_embeddings_and_output_weights", False)) else None
             aliasable = frozenset(id(p) for p in params
-                                  if not getattr(p, "sequence_parallel", False) and p is not tied)
+                                  if not getattr(p, "sequence_parallel", False) and p is not tied
+                                  and (self.dp_size == 1 or p.dtype == grad_dtype))
         self.buckets = self._make_buckets(list(reversed(params)), grad_dtype, device, aliasable)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         # --use-distributed-optimizer: each parameter's gradient is reduced to its owner only.
@@ -199,15 +205,23 @@ class DistributedDataParallel(nn.Module):
     def _make_buckets(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device,
                       aliasable: frozenset[int]) -> list[_Bucket]:
         limit = self._bucket_size()
-        groups, current, size = [], [], 0
-        for p in params:
-            current.append(p)
-            size += p.numel()
-            if size >= limit:
-                groups.append(current)
-                current, size = [], 0
-        if current:
-            groups.append(current)
+
+        def cut(ordered: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+            groups, current, size = [], [], 0
+            for p in ordered:
+                current.append(p)
+                size += p.numel()
+                if size >= limit:
+                    groups.append(current)
+                    current, size = [], 0
+            return groups + [current] if current else groups
+
+        if self.dp_size > 1 and aliasable:
+            # A bucket reduced in place needs every gradient aliased: keep the others (sequence-
+            # parallel norms, a tied embedding) in buckets of their own.
+            groups = cut([p for p in params if id(p) in aliasable]) + cut([p for p in params if id(p) not in aliasable])
+        else:
+            groups = cut(params)
         return [_Bucket(g, dtype, device, frozenset(id(p) for p in g) & aliasable) for g in groups]
 
     @property
@@ -242,18 +256,23 @@ class DistributedDataParallel(nn.Module):
         return dist.ReduceOp.SUM
 
     def _start_reduce(self, bucket: _Bucket, async_op: bool) -> None:
-        view = bucket.materialize()
+        bucket.finish()
+        # Every gradient of the bucket aliased (one micro-batch): reduce them where they are, no copy.
+        tensors = ([p.main_grad for p in bucket.params] if bucket.view is None  # type: ignore[attr-defined]
+                   else [bucket.materialize()])
+        if self.param_owner is None and self.ddp_config.average_in_collective:
+            op = dist.ReduceOp.AVG
+        else:
+            op = [self._average_op(t) for t in tensors][0]  # one op for all (pre-scaled where needed)
         if self.param_owner is not None:
             # Distributed optimizer: only the owner needs the sum (a reduce moves half an all-reduce's data).
-            op = self._average_op(view)
             bucket.handle = [
                 dist.reduce(p.main_grad, dst=self._owner_global_rank[self.param_owner[id(p)]],  # type: ignore[attr-defined]
                             op=op, group=self.dp_group, async_op=True)
                 for p in bucket.params
             ]
             return
-        op = dist.ReduceOp.AVG if self.ddp_config.average_in_collective else self._average_op(view)
-        bucket.handle = dist.all_reduce(view, op=op, group=self.dp_group, async_op=async_op)
+        bucket.handle = [dist.all_reduce(t, op=op, group=self.dp_group, async_op=async_op) for t in tensors]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -280,12 +299,10 @@ class DistributedDataParallel(nn.Module):
                 bucket.finish()
             return
         for bucket in self.buckets:
-            bucket.materialize()
-        for bucket in self.buckets:
             if bucket.handle is None:
                 self._start_reduce(bucket, async_op=True)
         for bucket in self.buckets:
-            for handle in bucket.handle if isinstance(bucket.handle, list) else [bucket.handle]:
+            for handle in bucket.handle:
                 if handle is not None:
                     handle.wait()
             bucket.handle = None
@@ -293,7 +310,12 @@ class DistributedDataParallel(nn.Module):
 
     def scale_gradients(self, factor: float | torch.Tensor) -> None:
         for bucket in self.buckets:
-            bucket.materialize().mul_(factor)
+            bucket.finish()
+            if bucket.view is None and all(p.dtype == bucket.dtype for p in bucket.params):
+                for p in bucket.params:  # aliased in the bucket's dtype: the same rounding in place
+                    p.main_grad.mul_(factor)  # type: ignore[attr-defined]
+            else:
+                bucket.materialize().mul_(factor)
 
     # Checkpointing and attribute access go to the wrapped module.
     def sharded_state_dict(self, prefix: str = "", *args, **kwargs) -> dict:

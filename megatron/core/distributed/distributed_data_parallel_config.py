@@ -27,6 +27,7 @@ class DistributedDataParallelConfig:
     average_in_collective: bool = doc(False, "Average in the collective instead of pre-scaling by 1/DP.",
                                       flag="--ddp-average-in-collective")
     alias_single_gradients: bool = doc(
-        True, "Without data-parallel reduction, use a parameter's only gradient of the step as its main grad "
-              "as is (no fp32 copy, exact: the optimizer reads it in fp32); a second micro-batch moves it into "
-              "the fp32 buffer, so accumulation still sums in fp32.", flag=None)
+        True, "Use a parameter's only gradient of the step as its main grad as is, without copying it into "
+              "the bucket: without data-parallel reduction always (exact: the optimizer reads it in fp32), with "
+              "it where the parameter's dtype is the reduction's (then reduced in place). A second micro-batch "
+              "moves it into the bucket, so accumulation still sums in the bucket's dtype.", flag=None)
