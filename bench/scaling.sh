@@ -13,8 +13,10 @@
 #   8b-layouts   Llama-3-8B: tp4 x dp, tp8, tp2 x pp2 x dp, tp2 x pp4 with virtual stages (on 4: pp4)   ~8 min
 #   3b-layouts   llama-3b: tp4 x dp, tp8, tp2 x pp2 x dp, tp2 x pp4 with virtual stages (on 4: pp4)     ~8 min
 #   match        every layout above against one GPU over 50 bf16 steps of a smaller model, on NCCL    ~7 min
+#   recheck      one GPU, dp at NGPUS and Llama-3-8B's best layout again, after the twelfth pass's fixes ~6 min
 #
-# Priority for a short session: weak-dp, weak-tp2, 8b-best (the issue's three targets), then the rest.
+# Priority for a short session: weak-dp, weak-tp2, 8b-best (the issue's three targets), then the rest;
+# on four GPUs, where those ran in the twelfth pass: recheck, 3b-layouts, weak-fp32.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -73,6 +75,12 @@ run_stage() {
       $B --configs llama3-8b --nproc "$N" --tag _distopt_opg --extra="$BF16R $DISTOPT"
       $B --configs llama3-8b --nproc "$N" --tag _tp2_distopt_opg --extra="--tensor-model-parallel-size 2 $SP $BF16R $DISTOPT"
       $B --configs llama3-8b --nproc "$N" --tag _tp2 --extra="--tensor-model-parallel-size 2 $SP $BF16R" ;;
+    recheck)
+      # The twelfth pass's two changes: gradients reduced where autograd left them (dp's 6 ms bucket copy)
+      # and the loss all-reduce before the step (the 8B's 52 ms stall behind the weight broadcasts).
+      $B --configs llama-3b --tag _1gpu
+      $B --configs llama-3b --nproc "$N" --tag "_dp${N}_bf16r" --extra="$BF16R"
+      $B --configs llama3-8b --nproc "$N" --tag _distopt_opg --extra="$BF16R $DISTOPT" ;;
     8b-layouts) layouts llama3-8b ;;
     3b-layouts) layouts llama-3b ;;
     match)
@@ -83,7 +91,7 @@ run_stage() {
       [ "$N" = 4 ] && l="$l;$N:$g --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1"
       [ "$N" -ge 8 ] && l="$l;$N:$g --tensor-model-parallel-size 8 $SP;$N:$g --tensor-model-parallel-size 2 $SP --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1"
       try python3 bench/layout_match.py --iters 50 --layouts "$l" ;;
-    *) echo "unknown stage $1 (weak-dp, weak-tp2, weak-fp32, 8b-best, 8b-layouts, 3b-layouts, match)" >&2; return 2 ;;
+    *) echo "unknown stage $1 (weak-dp, weak-tp2, weak-fp32, 8b-best, 8b-layouts, 3b-layouts, match, recheck)" >&2; return 2 ;;
   esac
 }
 
