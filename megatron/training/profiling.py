@@ -181,6 +181,23 @@ def exposed_communication(kernels: list[Kernel], steps: int) -> tuple[str, float
             "(no other kernel running)", comm_ms, exposed_ms)
 
 
+def _is_p2p(name: str) -> bool:
+    """NCCL's point-to-point kernels (a pipeline's sends and receives: ``ncclDevKernel_SendRecv``)."""
+    return "nccl" in name.lower() and any(s in name for s in ("SendRecv", "_Send", "_Recv"))
+
+
+def exposed_pipeline_wait(kernels: list[Kernel], steps: int) -> tuple[str, float]:
+    """(text, ms per step): of the exposed communication, the time only pipeline sends and receives
+    run, i.e. the stage waits for its neighbour: the pipeline bubble plus any imbalance between stages
+    (a receive kernel spins on the GPU until its data arrives)."""
+    p2p = [(start, end) for name, start, end in kernels if _is_p2p(name)]
+    if not p2p:
+        return "", 0.0
+    compute = [(start, end) for name, start, end in kernels if categorize(name) != "communication"]
+    ms = (_union_length(p2p + compute) - _union_length(compute)) / 1000.0 / steps
+    return (f"  of it pipeline send/receive alone (bubble and stage imbalance): {ms:.2f} ms per step", ms)
+
+
 class StepProfiler:
     """Call :meth:`before_step` with the iteration about to run (1-based) and :meth:`after_step`
     after it; does nothing unless ``--profile`` is on for this rank."""
@@ -228,12 +245,14 @@ class StepProfiler:
         text, by_category = kernel_summary(kernels, steps)
         idle_text, idle_ms = idle_summary(kernels, steps)
         comm_text, comm_ms, exposed_ms = exposed_communication(kernels, steps)
+        p2p_text, p2p_ms = exposed_pipeline_wait(kernels, steps)
         host_text, host_ms = host_summary(events, steps)
-        text += "\n" + idle_text + "\n" + comm_text + "\n" + host_text
+        text += "\n" + idle_text + "\n" + comm_text + ("\n" + p2p_text if p2p_text else "") + "\n" + host_text
         with open(os.path.join(self.dir, f"kernels_rank{self.rank}.txt"), "w") as f:
             f.write(text + "\n")
         breakdown = {"kernel_ms": sum(by_category.values()), "by_category_ms": by_category, "idle_ms": idle_ms,
                      "communication_ms": comm_ms, "exposed_communication_ms": exposed_ms,
+                     "exposed_pipeline_wait_ms": p2p_ms,
                      "host_ops_ms": list(host_ms.values())}
         with open(os.path.join(self.dir, f"breakdown_rank{self.rank}.json"), "w") as f:
             json.dump(breakdown, f, indent=1)

@@ -7,6 +7,7 @@ from megatron.training.profiling import (
     OPTIMIZER_RANGE,
     categorize,
     exposed_communication,
+    exposed_pipeline_wait,
     host_summary,
     idle_summary,
     kernel_summary,
@@ -37,6 +38,18 @@ def test_exposed_communication_is_comm_time_without_compute():
     assert "0.09 ms per step on the GPU, 0.05 ms of it exposed" in text
     assert (comm_ms, exposed_ms) == (0.09, 0.05)
     assert "idle between kernels: 0.00 ms" in idle_summary(events, steps=1)[0]
+
+
+def test_pipeline_wait_is_the_exposed_time_of_sends_and_receives_only():
+    # compute 0-100 and 400-500; a receive waits 100-300 (exposed), a send 450-520 (20 us exposed); an
+    # all-reduce 300-350 is exposed communication but not a pipeline wait.
+    events = [kernel("gemm", 0, 100), kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 100, 300),
+              kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 300, 350), kernel("gemm", 400, 500),
+              kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 450, 520)]
+    text, ms = exposed_pipeline_wait(events, steps=2)
+    assert ms == 0.11 and "0.11 ms per step" in text
+    assert exposed_communication(events, steps=2)[2] == 0.135
+    assert exposed_pipeline_wait([kernel("gemm", 0, 100), kernel("ncclDevKernel_AllReduce", 100, 200)], 1) == ("", 0.0)
 
 
 def test_idle_gaps_between_kernels():
