@@ -50,6 +50,10 @@ layouts() {
   # On 4 GPUs the virtual-stage layout is pp4 without tensor parallelism (tp2 x pp4 needs 8).
   [ "$N" = 4 ] && $B --configs "$cfg" --nproc "$N" --tag _pp4vpp \
       --extra="--pipeline-model-parallel-size 4 $vpp --global-batch-size $((8 * N))"
+  # The 8B's last stage also runs the 128k-vocabulary output layer and the loss (~2 layers of GEMMs):
+  # 9 / 9 / 9 / 5 layers without virtual stages, against pp4vpp's equal split (twelfth pass: 20% waiting).
+  [ "$N" = 4 ] && [ "$cfg" = llama3-8b ] && $B --configs "$cfg" --nproc "$N" --tag _pp4_last5 \
+      --extra="--pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 5 --global-batch-size $((8 * N))"
   return 0
 }
 
