@@ -36,7 +36,7 @@ def bench_gpt(rows: list[dict]) -> list[str]:
             cats = ", ".join(f"{k} {v:.1f}" for k, v in sorted(bd["by_category_ms"].items(), key=lambda kv: -kv[1]))
             host = "/".join(f"{ms:.0f}" for ms in bd.get("host_ops_ms") or []) or "-"
             wait = bd.get("exposed_pipeline_wait_ms")
-            wait = f" (pipeline send/receive alone {wait:.1f})" if wait else ""
+            wait = f" (of it pipeline wait {wait:.1f})" if wait else ""
             out.append(f"    ms/step: {cats}; idle {_fmt(bd.get('idle_ms'))}; exposed comm "
                        f"{_fmt(bd.get('exposed_communication_ms'))}{wait}; host ops per thread {host}")
     return out

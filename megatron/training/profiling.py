@@ -187,15 +187,15 @@ def _is_p2p(name: str) -> bool:
 
 
 def exposed_pipeline_wait(kernels: list[Kernel], steps: int) -> tuple[str, float]:
-    """(text, ms per step): of the exposed communication, the time only pipeline sends and receives
-    run, i.e. the stage waits for its neighbour: the pipeline bubble plus any imbalance between stages
-    (a receive kernel spins on the GPU until its data arrives)."""
+    """(text, ms per step): of the exposed communication, the time a pipeline send or receive runs
+    and no compute kernel does, i.e. the stage waits for its neighbour: the pipeline bubble plus any
+    imbalance between stages (a receive kernel spins on the GPU until its data arrives)."""
     p2p = [(start, end) for name, start, end in kernels if _is_p2p(name)]
     if not p2p:
         return "", 0.0
     compute = [(start, end) for name, start, end in kernels if categorize(name) != "communication"]
     ms = (_union_length(p2p + compute) - _union_length(compute)) / 1000.0 / steps
-    return (f"  of it pipeline send/receive alone (bubble and stage imbalance): {ms:.2f} ms per step", ms)
+    return (f"  of it waiting in pipeline sends/receives (bubble and stage imbalance): {ms:.2f} ms per step", ms)
 
 
 class StepProfiler:
