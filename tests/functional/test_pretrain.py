@@ -281,7 +281,8 @@ def test_pytorch_profiler_writes_trace_and_summary(tmp_path, capsys):
     assert (prof / "kernels_rank0.txt").read_text().startswith("GPU kernel time per step")
     breakdown = json.loads((prof / "breakdown_rank0.json").read_text())
     assert set(breakdown) == {"kernel_ms", "by_category_ms", "idle_ms", "communication_ms",
-                              "exposed_communication_ms", "host_ops_ms"}
+                              "exposed_communication_ms", "exposed_pipeline_wait_ms", "host_ops_ms"}
+    assert breakdown["exposed_pipeline_wait_ms"] == 0.0  # one process: no pipeline
     # the training thread's operators on the host (a CPU run: all of its work)
     assert breakdown["host_ops_ms"] and breakdown["host_ops_ms"][0] > 0
     assert "host time in operators per step" in (prof / "kernels_rank0.txt").read_text()
