@@ -51,9 +51,14 @@ layouts() {
   [ "$N" = 4 ] && $B --configs "$cfg" --nproc "$N" --tag _pp4vpp \
       --extra="--pipeline-model-parallel-size 4 $vpp --global-batch-size $((8 * N))"
   # The 8B's last stage also runs the 128k-vocabulary output layer and the loss (~2 layers of GEMMs):
-  # 9 / 9 / 9 / 5 layers without virtual stages, against pp4vpp's equal split (twelfth pass: 20% waiting).
-  [ "$N" = 4 ] && [ "$cfg" = llama3-8b ] && $B --configs "$cfg" --nproc "$N" --tag _pp4_last5 \
-      --extra="--pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 5 --global-batch-size $((8 * N))"
+  # 9 / 9 / 9 / 5 layers without virtual stages, and with two virtual stages per rank 9 / 9 / 8 / 6
+  # (chunks 5+4, 5+4, 4+4, 3+3), against pp4vpp's equal split (twelfth pass: 20% of the step waiting).
+  if [ "$N" = 4 ] && [ "$cfg" = llama3-8b ]; then
+    $B --configs "$cfg" --nproc "$N" --tag _pp4_last5 \
+        --extra="--pipeline-model-parallel-size 4 --decoder-last-pipeline-num-layers 5 --global-batch-size $((8 * N))"
+    $B --configs "$cfg" --nproc "$N" --tag _pp4vpp_balanced \
+        --extra="--pipeline-model-parallel-size 4 --pipeline-model-parallel-layout Et*5|t*5|t*4|t*3|t*4|t*4|t*4|t*3L --global-batch-size $((8 * N))"
+  fi
   return 0
 }
 

@@ -33,7 +33,7 @@ def model_provider(cfg, padded_vocab_size: int, pg, device) -> list[GPTModel]:
     m = cfg.model
     vpp = m.virtual_pipeline_model_parallel_size or 1
     layout = build_pipeline_layout(m.num_layers, pg.pp_size, vpp, m.decoder_first_pipeline_num_layers,
-                                   m.decoder_last_pipeline_num_layers)
+                                   m.decoder_last_pipeline_num_layers, m.pipeline_model_parallel_layout)
     chunks = []
     for c in range(vpp):
         chunks.append(GPTModel(

@@ -82,6 +82,18 @@ def test_pipeline_checkpoint_resume(tmp_path):
     assert_same(records(f"{tmp_path}/c.jsonl"), straight, "resume pp1", iters=list(range(6, 11)))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["tied", "untied"])
+def test_layout_string_with_uneven_virtual_stages_matches_single_process(tmp_path, arch):
+    """--pipeline-model-parallel-layout: 6 layers as 1 / 2 / 1 / 2 over pp2 x 2 virtual stages (chunks of
+    different sizes on each rank, which the even-split flags cannot express) train the one-process model."""
+    base = MODEL + (LLAMA if arch == "untied" else []) + ["--num-layers", "6"]
+    assert run(base + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
+    torchrun(2, base + ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tt|t|ttL",
+                        "--metrics-file", f"{tmp_path}/layout.jsonl"])
+    assert_same(records(f"{tmp_path}/layout.jsonl"), records(f"{tmp_path}/ref.jsonl"), "layout string")
+
+
 @pytest.mark.parametrize("extra, message", [
     ("--pipeline-model-parallel-size 3", "is not divisible into 3 non-empty stages"),
     ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 4", "layer-to-stage table"),
@@ -89,6 +101,9 @@ def test_pipeline_checkpoint_resume(tmp_path):
      "raise --global-batch-size"),
     ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3",
      "--num-layers-per-virtual-pipeline-stage 3 does not divide"),
+    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Ett|ttL --decoder-first-pipeline-num-layers 2",
+     "--pipeline-model-parallel-layout sets the whole split; drop --decoder-first-pipeline-num-layers"),
+    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|tttmL", "('m') is not supported"),
 ])
 def test_bad_pipeline_layouts_fail_with_message(capsys, extra, message):
     """Rejected while parsing, before any process group or model exists (world size from the env)."""

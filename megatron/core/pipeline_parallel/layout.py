@@ -8,10 +8,17 @@ Uneven splits: ``first`` / ``last`` layers go to the first / last pipeline rank 
 that rank's virtual chunks); the remaining layers are split evenly over the other ranks' chunks.
 A split that drops or duplicates a layer, or leaves a stage empty, raises ``ValueError`` with the
 layer-to-stage table it would have produced.
+
+Any split, virtual chunks of different sizes included: ``--pipeline-model-parallel-layout`` (Megatron's
+syntax), one string listing every virtual stage in that order, separated by ``|``: ``t`` a transformer
+layer, ``E`` the embedding (first stage only), ``L`` the output layer and loss (last stage only);
+``x*n`` and ``(...)*n`` repeat, commas are cosmetic. ``"Et*3|(t*4|)*2,t*3L"`` splits 14 layers over
+four stages as 3/4/4/3; the number of stages over ``pp`` is the virtual stages per rank.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -49,6 +56,39 @@ class PipelineLayout:
         return "\n".join(lines)
 
 
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+
+
+def parse_layout(layout: str, num_layers: int, pp: int) -> PipelineLayout:
+    """The :class:`PipelineLayout` a ``--pipeline-model-parallel-layout`` string describes.
+
+    Raises:
+        ValueError: a symbol other than t/E/L (``m``: multi-token prediction is not built), E or L
+            outside the first / last stage, a stage count that is not a multiple of ``pp``, a stage
+            without a transformer layer, or a layer count other than ``num_layers``.
+    """
+    text = layout.replace(",", "").replace(" ", "")
+    text = re.sub(r"\(([^()]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), text)
+    stages = text.split("|")
+    bad = sorted(set(text) - set("tEL|"))
+    if bad:
+        what = "multi-token prediction ('m') is not supported" if bad == ["m"] else f"unknown symbol(s) {bad}"
+        raise ValueError(f"{LAYOUT_FLAG} {layout!r}: {what}; use t (transformer layer), E (embedding, first "
+                         "stage) and L (output layer and loss, last stage), e.g. \"Ettt|tttL\"")
+    if "E" in "".join(stages[1:]) or "L" in "".join(stages[:-1]):
+        raise ValueError(f"{LAYOUT_FLAG} {layout!r}: E belongs to the first stage and L to the last, "
+                         "e.g. \"Ettt|tttL\"")
+    if len(stages) % pp != 0:
+        raise ValueError(f"{LAYOUT_FLAG} {layout!r} lists {len(stages)} stages; it needs a multiple of "
+                         f"--pipeline-model-parallel-size {pp} (pp x virtual stages per rank)")
+    result = PipelineLayout(num_layers, pp, len(stages) // pp, tuple(stage.count("t") for stage in stages))
+    if min(result.counts) == 0 or sum(result.counts) != num_layers:
+        raise ValueError(f"{LAYOUT_FLAG} {layout!r}: every stage needs at least one transformer layer (t) and "
+                         f"the stages together --num-layers {num_layers}.\n{result.table()}")
+    return result
+
+
 def _split(total: int, parts: int) -> tuple[list[int], bool]:
     """Even split of ``total`` over ``parts`` (floor when it does not divide); True when exact."""
     if parts <= 0:
@@ -57,7 +97,7 @@ def _split(total: int, parts: int) -> tuple[list[int], bool]:
 
 
 def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, first: int | None = None,
-                          last: int | None = None) -> PipelineLayout:
+                          last: int | None = None, layout: str | None = None) -> PipelineLayout:
     """Assign ``num_layers`` layers to ``pp`` ranks x ``vpp`` virtual chunks.
 
     Args:
@@ -65,11 +105,15 @@ def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, 
         pp: ``--pipeline-model-parallel-size``.
         vpp: virtual chunks per rank (None or 1: no interleaving).
         first / last: ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``.
+        layout: ``--pipeline-model-parallel-layout`` (:func:`parse_layout`); replaces ``vpp``, ``first``
+            and ``last``.
 
     Raises:
         ValueError: the split does not cover every layer exactly once or leaves a stage empty; the
             message names the flags and prints the layer-to-stage table.
     """
+    if layout is not None:
+        return parse_layout(layout, num_layers, pp)
     vpp = vpp or 1
     if pp < 1 or vpp < 1:
         raise ValueError(f"--pipeline-model-parallel-size ({pp}) and the virtual stages per rank ({vpp}) must be >= 1")
@@ -92,9 +136,9 @@ def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, 
         exact = exact and chunk_exact
         for c, k in enumerate(chunk_counts):
             counts[c * pp + r] = k
-    layout = PipelineLayout(num_layers, pp, vpp, tuple(counts))
+    result = PipelineLayout(num_layers, pp, vpp, tuple(counts))
     if exact and sum(counts) == num_layers and min(counts) > 0:
-        return layout
+        return result
     if first is None and last is None:
         what = (f"--num-layers {num_layers} is not divisible into {pp * vpp} non-empty stages "
                 f"(--pipeline-model-parallel-size {pp} x {vpp} virtual stages per rank)")
@@ -105,4 +149,4 @@ def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, 
                 f"split --num-layers {num_layers} into {pp * vpp} non-empty stages")
         fix = (f"the remaining layers must divide evenly over the other {len(free)} rank(s) x {vpp} chunk(s), and "
                f"each given count must be a positive multiple of {vpp}")
-    raise ValueError(f"{what}; {fix}.\n{layout.table()}")
+    raise ValueError(f"{what}; {fix}.\n{result.table()}")

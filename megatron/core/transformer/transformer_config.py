@@ -70,6 +70,12 @@ class TransformerConfig:
         None, "Layers on the first pipeline stage (uneven split); the others split the rest evenly.")
     decoder_last_pipeline_num_layers: int | None = doc(
         None, "Layers on the last pipeline stage (uneven split); the others split the rest evenly.")
+    pipeline_model_parallel_layout: str | None = doc(
+        None, "Every virtual pipeline stage's layers in one string (Megatron's syntax), stages in virtual order "
+        "separated by '|': t a transformer layer, E the embedding (first stage), L the output layer and loss "
+        "(last stage); x*n and (...)*n repeat, commas are cosmetic. E.g. \"Et*9|t*9|t*9|t*5L\" (pp 4) or "
+        "\"Et*5|t*5|t*4|t*3|(t*4|)*3,t*3L\" (pp 4 x 2 virtual stages). Stages may differ in size; stages / pp sets the "
+        "virtual stages per rank. Replaces --decoder-first/last-pipeline-num-layers and the virtual-stage flags.")
     microbatch_group_size_per_virtual_pipeline_stage: int | None = doc(
         None, "Interleaved schedule: micro-batches run per chunk before switching chunks (G). Needs "
         "pp <= G <= micro-batches and micro-batches mod G either 0 or >= pp. Default: pp.")
@@ -237,6 +243,8 @@ class TransformerConfig:
 
         pp = self.pipeline_model_parallel_size
         check_positive("pipeline_model_parallel_size", pp)
+        if self.pipeline_model_parallel_layout is not None:
+            self._apply_layout_string(pp)
         per_stage = self.num_layers_per_virtual_pipeline_stage
         if per_stage is not None:
             if self.virtual_pipeline_model_parallel_size is not None:
@@ -267,7 +275,25 @@ class TransformerConfig:
             check_positive("microbatch_group_size_per_virtual_pipeline_stage",
                            self.microbatch_group_size_per_virtual_pipeline_stage)
         build_pipeline_layout(self.num_layers, pp, vpp, self.decoder_first_pipeline_num_layers,
-                              self.decoder_last_pipeline_num_layers)  # raises with the table
+                              self.decoder_last_pipeline_num_layers, self.pipeline_model_parallel_layout)  # raises
+
+    def _apply_layout_string(self, pp: int) -> None:
+        """``--pipeline-model-parallel-layout``: checked, and its virtual stages per rank set."""
+        from megatron.core.pipeline_parallel.layout import LAYOUT_FLAG, parse_layout
+
+        if pp == 1:
+            raise ValueError(f"{LAYOUT_FLAG} needs --pipeline-model-parallel-size > 1")
+        layout = parse_layout(self.pipeline_model_parallel_layout, self.num_layers, pp)  # type: ignore[arg-type]
+        vpp = layout.vpp if layout.vpp > 1 else None
+        given = [flag for flag, value in (
+            ("--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage),
+            ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
+            ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers)) if value is not None]
+        if self.virtual_pipeline_model_parallel_size not in (None, 1, vpp):
+            given.append("--virtual-pipeline-model-parallel-size")
+        if given:
+            raise ValueError(f"{LAYOUT_FLAG} sets the whole split; drop {', '.join(given)}")
+        self.virtual_pipeline_model_parallel_size = vpp
 
     @property
     def rotary_dim(self) -> int:
