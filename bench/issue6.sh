@@ -13,11 +13,13 @@
 #   bash bench/issue6.sh fp8        # FP8 speed, whole llama-3b step: fp8speed's three runs, then torchao's GEMMs ~5 min
 #   AB_TREE=runs/ab bash bench/issue6.sh fp8ab  # FP8 delayed whole step, this tree against another (A B B A) ~6 min
 #   bash bench/issue6.sh fp8speed   # FP8 delayed, bf16, FP8 tensorwise on llama-3b, nothing else ~4.5 min
+#   bash bench/issue6.sh fp8repeat  # FP8 delayed and bf16 on llama-3b, alternating, twice (D B D B) ~6 min
 #   bash bench/issue6.sh swiglufp8  # the FP8 SwiGLU MLP's fused kernels per tile against the two passes apart ~1 min
 #   bash bench/issue6.sh fp8linear  # FP8 per linear: ours (tensorwise, delayed) against torchao's recipes and bf16 ~1 min
 #   bash bench/issue6.sh fp8loss    # FP8 against bf16 over 300 steps of the bundled corpus (+ a bf16 repeat) ~5 min
 #   bash bench/issue6.sh fp8loss2   # the same with two seeds, paired, no repeat                       ~6 min
 #   bash bench/issue6.sh fp8loss4   # 2 GPUs: 256-token sequences, four seeds (two per GPU), the mean curves ~8 min
+#   bash bench/issue6.sh fp8loss4one # fp8loss4's four seeds at once on one GPU, delayed scaling only ~4 min
 #   bash bench/issue6.sh nccltests  # 2 GPUs: compiled tp2 and DDP / distributed-optimizer tests over NCCL   ~4 min
 #   bash bench/issue6.sh tp2        # 2 GPUs: llama-3b 1 GPU, dp2 (fp32, bf16 reduction), tp2+SP, dist. optimizer + param gather ~8 min
 #   bash bench/issue6.sh inductor   # Inductor's coordinate-descent tuning and max-autotune on our runs   ~6 min
@@ -118,6 +120,13 @@ run_stage() {
       $B --tag _fp8_delayed --breakdown --extra="--fp8-format hybrid --fp8-recipe delayed"
       $B --tag _bf16
       $B --tag _fp8 --breakdown --extra="--fp8-format hybrid --fp8-recipe tensorwise" ;;
+    fp8repeat)
+      # FP8 delayed against bf16 twice over, alternating (D B D B), for a repeated ratio. ~6 min
+      B="python3 bench/bench_gpt.py --configs llama-3b --iters 14 --warmup 4"
+      for run in a b; do
+        $B --tag "_fp8_delayed_$run" --extra="--fp8-format hybrid --fp8-recipe delayed"
+        $B --tag "_bf16_$run"
+      done ;;
     swiglufp8) python3 bench/bench_swiglu.py --fp8 --iters 20 ;;
     fp8linear)
       python3 -c "import torchao" 2>/dev/null || python3 -m pip install -q --no-deps .whl/torchao-*.whl
@@ -141,6 +150,20 @@ run_stage() {
       wait
       grep -h "PASS\|FAIL\|steps, loss" "$OUT"/gpu0/log.txt "$OUT"/gpu1/log.txt
       python3 bench/fp8_loss.py --combine "$OUT/gpu0/fp8_loss.jsonl,$OUT/gpu1/fp8_loss.jsonl" ;;
+    fp8loss4one)
+      # fp8loss4 on one GPU: the four seeds' runs at once (a 12-layer model leaves the GPU mostly idle),
+      # delayed scaling only, then the mean curves. ~4 min
+      local seed dir
+      loss_inputs
+      for seed in 1234 1235 1236 1237; do
+        dir="$OUT/seed$seed"
+        mkdir -p "$dir"
+        (export OUT="$dir"; python3 bench/fp8_loss.py --iters 300 --seq-length 256 --recipes hybrid:delayed \
+             --seeds "$seed" > "$dir/log.txt" 2>&1) &
+      done
+      wait
+      grep -h "PASS\|FAIL\|steps, loss" "$OUT"/seed*/log.txt
+      python3 bench/fp8_loss.py --combine "$(ls "$OUT"/seed*/fp8_loss.jsonl | paste -sd,)" ;;
     nccltests)
       # Compiled tp2 + SP layers against eager, and the DDP / distributed-optimizer tests (overlapped
       # reduction and parameter gather, bf16 reduction) over NCCL (the harness uses NCCL with two GPUs). ~4 min
@@ -180,7 +203,7 @@ run_stage() {
       torchrun --standalone --nproc-per-node 2 bench/pipeline_bubble.py --microbatches 4,8,16 --vpp 2,4 \
           --no-overlap-p2p-communication
       python3 bench/layout_match.py --iters 40 --layouts "1:;2:--overlap-grad-reduce;2:--overlap-grad-reduce --use-distributed-optimizer;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2;2:--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication" ;;
-    *) echo "unknown stage $stage (check, kernels, speed, floor, blas, fp8floor, gelu, mcore, fp8, fp8ab, fp8speed, swiglufp8, fp8linear, fp8loss, fp8loss2, fp8loss4, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
+    *) echo "unknown stage $stage (check, kernels, speed, floor, blas, fp8floor, gelu, mcore, fp8, fp8ab, fp8speed, swiglufp8, fp8linear, fp8repeat, fp8loss, fp8loss2, fp8loss4, fp8loss4one, nccltests, tp2, inductor, dp2tune, pipeline)" >&2; return 2 ;;
   esac
 }
 run_stages "$OUT" "$@"
