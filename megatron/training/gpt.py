@@ -8,7 +8,6 @@ import torch
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.pipeline_parallel.layout import build_pipeline_layout
 from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
@@ -32,8 +31,7 @@ def model_provider(cfg, padded_vocab_size: int, pg, device) -> list[GPTModel]:
     """
     m = cfg.model
     vpp = m.virtual_pipeline_model_parallel_size or 1
-    layout = build_pipeline_layout(m.num_layers, pg.pp_size, vpp, m.decoder_first_pipeline_num_layers,
-                                   m.decoder_last_pipeline_num_layers, m.pipeline_model_parallel_layout)
+    layout = m.pipeline_layout(pg.pp_size, vpp)
     chunks = []
     for c in range(vpp):
         chunks.append(GPTModel(

@@ -63,6 +63,8 @@ class Trainer:
         # Dropout inside tensor-parallel regions draws from this tracker (seed + 2718 + tp rank).
         self.pg.rng_tracker = model_parallel_seed(t.seed, self.pg.tp_rank, device=self.device)
         print_rank_0(format_arguments(cfg))
+        if self.pg.pp_size > 1:
+            print_rank_0(cfg.model.pipeline_layout().table())
         self.tokenizer, self.padded_vocab_size = providers.tokenizer(cfg, self.pg)
         chunks = providers.model(cfg, self.padded_vocab_size, self.pg, self.device)
         chunks = chunks if isinstance(chunks, list) else [chunks]

@@ -94,8 +94,27 @@ def test_layout_string_with_uneven_virtual_stages_matches_single_process(tmp_pat
     assert_same(records(f"{tmp_path}/layout.jsonl"), records(f"{tmp_path}/ref.jsonl"), "layout string")
 
 
+@pytest.mark.slow
+def test_embedding_and_loss_counted_in_the_split_match_single_process(tmp_path):
+    """--account-for-embedding/loss-in-pipeline-split: 6 layers + 2 counted over pp2 x 2 virtual stages build
+    1 / 2 / 2 / 1 layers (rank 0's first chunk and rank 1's last chunk one short), tied embedding."""
+    base = MODEL + ["--num-layers", "6"]
+    assert run(base + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
+    res = torchrun(2, base + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+                              "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                              "--metrics-file", f"{tmp_path}/pp.jsonl"])
+    for line in ("pp rank 0 chunk 0 (virtual stage 0): layers 1-1 (1)", "pp rank 1 chunk 0 (virtual stage 1): layers 2-3 (2)",
+                 "pp rank 0 chunk 1 (virtual stage 2): layers 4-5 (2)", "pp rank 1 chunk 1 (virtual stage 3): layers 6-6 (1)"):
+        assert line in res.stdout, res.stdout[-3000:]
+    assert_same(records(f"{tmp_path}/pp.jsonl"), records(f"{tmp_path}/ref.jsonl"), "accounted split")
+
+
 @pytest.mark.parametrize("extra, message", [
     ("--pipeline-model-parallel-size 3", "is not divisible into 3 non-empty stages"),
+    ("--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split",
+     "--num-layers 4 + 1 (counted as layers) = 5 does not split into 2 stages"),
+    ("--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split --decoder-first-pipeline-num-layers 2",
+     "apply to the even split only"),
     ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 4", "layer-to-stage table"),
     ("--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 --global-batch-size 2",
      "raise --global-batch-size"),

@@ -31,3 +31,39 @@ def test_bad_layouts_name_the_flag_and_what_is_wrong(layout, message):
     with pytest.raises(ValueError) as err:
         parse_layout(layout, num_layers=4, pp=2)
     assert "--pipeline-model-parallel-layout" in str(err.value) and message in str(err.value)
+
+
+def test_embedding_and_loss_counted_as_layers_in_the_even_split():
+    """--account-for-embedding/loss-in-pipeline-split: Megatron's counts, first / last virtual stage one layer short."""
+    assert build_pipeline_layout(30, 4, account_embedding=True, account_loss=True).counts == (7, 8, 8, 7)
+    assert build_pipeline_layout(31, 4, account_embedding=True).counts == (7, 8, 8, 8)
+    assert build_pipeline_layout(31, 4, account_loss=True).counts == (8, 8, 8, 7)
+    # With virtual stages only rank 0's first chunk and the last rank's last chunk are short.
+    both = build_pipeline_layout(14, 2, 2, account_embedding=True, account_loss=True)
+    assert both == parse_layout("Et*3|t*4|t*4|t*3L", 14, 2)
+    assert [(both.num_layers_of(r, c), both.offset_of(r, c)) for c in range(2) for r in range(2)] == \
+        [(3, 0), (4, 3), (4, 7), (3, 11)]
+    # One pipeline rank: the single stage builds every layer.
+    assert build_pipeline_layout(5, 1, account_embedding=True, account_loss=True).counts == (5,)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_layers=32, pp=4, account_embedding=True, account_loss=True),
+     "= 34 does not split into 4 stages"),
+    (dict(num_layers=2, pp=2, vpp=2, account_loss=True), "does not split into 4 stages"),
+    (dict(num_layers=2, pp=4, account_embedding=True, account_loss=True), "with a transformer layer in each"),
+    (dict(num_layers=8, pp=2, first=3, account_loss=True), "drop one of them"),
+    (dict(num_layers=8, pp=2, layout="Et*4|t*4L", account_embedding=True), "--pipeline-model-parallel-layout"),
+])
+def test_bad_accounted_splits_name_the_flags(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        build_pipeline_layout(**kwargs)
+    text = str(err.value)
+    assert message in text and "in-pipeline-split" in text
+
+
+def test_accounted_split_suggests_a_layer_count_that_fits():
+    with pytest.raises(ValueError) as err:
+        build_pipeline_layout(32, 4, account_embedding=True, account_loss=True)
+    assert "use --num-layers 30" in str(err.value)
+    assert build_pipeline_layout(30, 4, account_embedding=True, account_loss=True)  # the suggestion works

@@ -9,6 +9,11 @@ that rank's virtual chunks); the remaining layers are split evenly over the othe
 A split that drops or duplicates a layer, or leaves a stage empty, raises ``ValueError`` with the
 layer-to-stage table it would have produced.
 
+Megatron's ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split`` count
+the embedding / the output layer and loss as one layer each in the even split: ``num_layers`` plus one
+for each must divide into ``pp x vpp`` equal stages, and the first / last virtual stage then builds one
+transformer layer fewer. Example: 30 layers, pp 4, both flags: 32 slots, ranks build 7/8/8/7 layers.
+
 Any split, virtual chunks of different sizes included: ``--pipeline-model-parallel-layout`` (Megatron's
 syntax), one string listing every virtual stage in that order, separated by ``|``: ``t`` a transformer
 layer, ``E`` the embedding (first stage only), ``L`` the output layer and loss (last stage only);
@@ -96,8 +101,34 @@ def _split(total: int, parts: int) -> tuple[list[int], bool]:
     return [max(total, 0) // parts] * parts, total >= 0 and total % parts == 0
 
 
+ACCOUNT_FLAGS = ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
+
+
+def _account_split(num_layers: int, pp: int, vpp: int, embedding: bool, loss: bool) -> PipelineLayout:
+    """The even split with the embedding and / or the loss counted as a layer (Megatron's rule)."""
+    flags = " and ".join(f for f, on in zip(ACCOUNT_FLAGS, (embedding, loss)) if on)
+    slots = num_layers + int(embedding) + int(loss)
+    stages = pp * vpp
+    per, rest = divmod(slots, stages)
+    counts = [per] * stages
+    counts[0] -= int(embedding)
+    counts[-1] -= int(loss)
+    result = PipelineLayout(num_layers, pp, vpp, tuple(counts))
+    if rest == 0 and min(counts) > 0:
+        return result
+    fits = sorted((n for n in range(1, num_layers + 2 * stages + 1)
+                   if (n + slots - num_layers) % stages == 0 and (n + slots - num_layers) // stages > 1),
+                  key=lambda n: abs(n - num_layers))
+    raise ValueError(
+        f"{flags}: --num-layers {num_layers} + {slots - num_layers} (counted as layers) = {slots} does not split into "
+        f"{stages} stages (--pipeline-model-parallel-size {pp} x {vpp} virtual stages per rank) of equal size with "
+        f"a transformer layer in each; use --num-layers {fits[0] if fits else '?'} (or another count that "
+        f"makes the sum a multiple of {stages}), or --pipeline-model-parallel-layout for any split.\n{result.table()}")
+
+
 def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, first: int | None = None,
-                          last: int | None = None, layout: str | None = None) -> PipelineLayout:
+                          last: int | None = None, layout: str | None = None, account_embedding: bool = False,
+                          account_loss: bool = False) -> PipelineLayout:
     """Assign ``num_layers`` layers to ``pp`` ranks x ``vpp`` virtual chunks.
 
     Args:
@@ -107,16 +138,25 @@ def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, 
         first / last: ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``.
         layout: ``--pipeline-model-parallel-layout`` (:func:`parse_layout`); replaces ``vpp``, ``first``
             and ``last``.
+        account_embedding / account_loss: ``--account-for-embedding-in-pipeline-split`` /
+            ``--account-for-loss-in-pipeline-split`` (even split only: not with ``first``, ``last``, ``layout``).
 
     Raises:
         ValueError: the split does not cover every layer exactly once or leaves a stage empty; the
             message names the flags and prints the layer-to-stage table.
     """
+    accounted = [f for f, on in zip(ACCOUNT_FLAGS, (account_embedding, account_loss)) if on]
+    if accounted and (layout is not None or first is not None or last is not None):
+        other = LAYOUT_FLAG if layout is not None else "--decoder-first/last-pipeline-num-layers"
+        raise ValueError(f"{' / '.join(accounted)} apply to the even split only; {other} already sets the "
+                         f"layers of the first and last stages: drop one of them")
     if layout is not None:
         return parse_layout(layout, num_layers, pp)
     vpp = vpp or 1
     if pp < 1 or vpp < 1:
         raise ValueError(f"--pipeline-model-parallel-size ({pp}) and the virtual stages per rank ({vpp}) must be >= 1")
+    if accounted:
+        return _account_split(num_layers, pp, vpp, account_embedding, account_loss)
     if pp == 1 and (first is not None or last is not None):
         raise ValueError("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers only apply "
                          "with --pipeline-model-parallel-size > 1; drop them")

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron.core.config_utils import check_choice, check_positive, doc
+
+if TYPE_CHECKING:
+    from megatron.core.pipeline_parallel.layout import PipelineLayout
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
@@ -70,6 +74,12 @@ class TransformerConfig:
         None, "Layers on the first pipeline stage (uneven split); the others split the rest evenly.")
     decoder_last_pipeline_num_layers: int | None = doc(
         None, "Layers on the last pipeline stage (uneven split); the others split the rest evenly.")
+    account_for_embedding_in_pipeline_split: bool = doc(
+        False, "Count the embedding as one layer in the even pipeline split: the first virtual stage builds one "
+        "transformer layer fewer (num-layers + 1, + 1 more with the loss flag, must divide into pp x virtual stages).")
+    account_for_loss_in_pipeline_split: bool = doc(
+        False, "Count the output layer and loss as one layer in the even pipeline split: the last virtual stage "
+        "builds one transformer layer fewer.")
     pipeline_model_parallel_layout: str | None = doc(
         None, "Every virtual pipeline stage's layers in one string (Megatron's syntax), stages in virtual order "
         "separated by '|': t a transformer layer, E the embedding (first stage), L the output layer and loss "
@@ -239,8 +249,6 @@ class TransformerConfig:
         check_positive("layernorm_epsilon", self.layernorm_epsilon)
 
     def _check_pipeline(self) -> None:
-        from megatron.core.pipeline_parallel.layout import build_pipeline_layout
-
         pp = self.pipeline_model_parallel_size
         check_positive("pipeline_model_parallel_size", pp)
         if self.pipeline_model_parallel_layout is not None:
@@ -251,18 +259,22 @@ class TransformerConfig:
                 raise ValueError("give --num-layers-per-virtual-pipeline-stage or "
                                  "--virtual-pipeline-model-parallel-size, not both")
             check_positive("num_layers_per_virtual_pipeline_stage", per_stage)
-            if self.num_layers % pp != 0:
+            # The embedding / loss count as layers here when the --account-for-* flags say so (Megatron).
+            counted = (self.num_layers + int(self.account_for_embedding_in_pipeline_split)
+                       + int(self.account_for_loss_in_pipeline_split))
+            what = "--num-layers" if counted == self.num_layers else "--num-layers + the layers counted by --account-for-*"
+            if counted % pp != 0:
                 raise ValueError(
-                    f"--num-layers-per-virtual-pipeline-stage needs --num-layers ({self.num_layers}) divisible by "
+                    f"--num-layers-per-virtual-pipeline-stage needs {what} ({counted}) divisible by "
                     f"--pipeline-model-parallel-size ({pp}); for an uneven split use "
                     "--virtual-pipeline-model-parallel-size with --decoder-first-pipeline-num-layers / "
                     "--decoder-last-pipeline-num-layers")
-            if (self.num_layers // pp) % per_stage != 0:
+            if (counted // pp) % per_stage != 0:
                 raise ValueError(
                     f"--num-layers-per-virtual-pipeline-stage {per_stage} does not divide the "
-                    f"--num-layers {self.num_layers} / --pipeline-model-parallel-size {pp} layers per stage; "
-                    f"use a divisor of {self.num_layers // pp}")
-            self.virtual_pipeline_model_parallel_size = self.num_layers // pp // per_stage
+                    f"{what} {counted} / --pipeline-model-parallel-size {pp} layers per stage; "
+                    f"use a divisor of {counted // pp}")
+            self.virtual_pipeline_model_parallel_size = counted // pp // per_stage
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             check_positive("virtual_pipeline_model_parallel_size", vpp)
@@ -274,8 +286,18 @@ class TransformerConfig:
         if self.microbatch_group_size_per_virtual_pipeline_stage is not None:
             check_positive("microbatch_group_size_per_virtual_pipeline_stage",
                            self.microbatch_group_size_per_virtual_pipeline_stage)
-        build_pipeline_layout(self.num_layers, pp, vpp, self.decoder_first_pipeline_num_layers,
-                              self.decoder_last_pipeline_num_layers, self.pipeline_model_parallel_layout)  # raises
+        self.pipeline_layout(pp, vpp)  # raises
+
+    def pipeline_layout(self, pp: int | None = None, vpp: int | None = None) -> PipelineLayout:
+        """Layer counts per virtual stage for ``pp`` ranks x ``vpp`` chunks (default: this config's)."""
+        from megatron.core.pipeline_parallel.layout import build_pipeline_layout
+
+        return build_pipeline_layout(
+            self.num_layers, self.pipeline_model_parallel_size if pp is None else pp,
+            self.virtual_pipeline_model_parallel_size if vpp is None else vpp,
+            self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers,
+            self.pipeline_model_parallel_layout, self.account_for_embedding_in_pipeline_split,
+            self.account_for_loss_in_pipeline_split)
 
     def _apply_layout_string(self, pp: int) -> None:
         """``--pipeline-model-parallel-layout``: checked, and its virtual stages per rank set."""
@@ -288,7 +310,9 @@ class TransformerConfig:
         given = [flag for flag, value in (
             ("--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage),
             ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
-            ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers)) if value is not None]
+            ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers),
+            ("--account-for-embedding-in-pipeline-split", self.account_for_embedding_in_pipeline_split or None),
+            ("--account-for-loss-in-pipeline-split", self.account_for_loss_in_pipeline_split or None)) if value is not None]
         if self.virtual_pipeline_model_parallel_size not in (None, 1, vpp):
             given.append("--virtual-pipeline-model-parallel-size")
         if given:
