@@ -51,6 +51,24 @@ fp8_loss() {
   loss_inputs
   python3 bench/fp8_loss.py --iters 300 --recipes hybrid:delayed,hybrid:tensorwise "$@"
 }
+# fp8_loss invocations at once, one per GPU:SEEDS argument (each in $OUT/runN with its log), all with the
+# flags after "--"; then their verdicts and the mean curves over every seed.
+fp8_loss_at_once() {
+  local specs=() jsonl=() spec dir n=0
+  while [ "$1" != "--" ]; do specs+=("$1"); shift; done
+  shift
+  loss_inputs  # once, before the runs start
+  for spec in "${specs[@]}"; do
+    dir="$OUT/run$n"
+    n=$((n + 1))
+    mkdir -p "$dir"
+    jsonl+=("$dir/fp8_loss.jsonl")
+    (export CUDA_VISIBLE_DEVICES="${spec%%:*}" OUT="$dir"; fp8_loss --seeds "${spec#*:}" "$@" > "$dir/log.txt" 2>&1) &
+  done
+  wait
+  grep -h "PASS\|FAIL\|steps, loss" "$OUT"/run*/log.txt
+  python3 bench/fp8_loss.py --combine "$(IFS=,; echo "${jsonl[*]}")"
+}
 
 run_stage() {
   local stage="$1"
@@ -139,31 +157,11 @@ run_stage() {
     fp8loss4)
       # 2 GPUs: at 256-token sequences (~1.3 passes over the corpus, where two bf16 runs of a seed came out
       # bit-identical), four seeds, two per GPU at once, then the mean curves over all four. ~8 min
-      local g dir
-      loss_inputs  # once, before the two runs start
-      for g in 0 1; do
-        dir="$OUT/gpu$g"
-        mkdir -p "$dir"
-        (export CUDA_VISIBLE_DEVICES=$g OUT="$dir"; fp8_loss --seq-length 256 --bf16-repeat \
-             --seeds "$([ $g = 0 ] && echo 1234,1235 || echo 1236,1237)" > "$dir/log.txt" 2>&1) &
-      done
-      wait
-      grep -h "PASS\|FAIL\|steps, loss" "$OUT"/gpu0/log.txt "$OUT"/gpu1/log.txt
-      python3 bench/fp8_loss.py --combine "$OUT/gpu0/fp8_loss.jsonl,$OUT/gpu1/fp8_loss.jsonl" ;;
+      fp8_loss_at_once 0:1234,1235 1:1236,1237 -- --seq-length 256 --bf16-repeat ;;
     fp8loss4one)
       # fp8loss4 on one GPU: the four seeds' runs at once (a 12-layer model leaves the GPU mostly idle),
       # delayed scaling only, then the mean curves. ~4 min
-      local seed dir
-      loss_inputs
-      for seed in 1234 1235 1236 1237; do
-        dir="$OUT/seed$seed"
-        mkdir -p "$dir"
-        (export OUT="$dir"; python3 bench/fp8_loss.py --iters 300 --seq-length 256 --recipes hybrid:delayed \
-             --seeds "$seed" > "$dir/log.txt" 2>&1) &
-      done
-      wait
-      grep -h "PASS\|FAIL\|steps, loss" "$OUT"/seed*/log.txt
-      python3 bench/fp8_loss.py --combine "$(ls "$OUT"/seed*/fp8_loss.jsonl | paste -sd,)" ;;
+      fp8_loss_at_once 0:1234 0:1235 0:1236 0:1237 -- --seq-length 256 --recipes hybrid:delayed ;;
     nccltests)
       # Compiled tp2 + SP layers against eager, and the DDP / distributed-optimizer tests (overlapped
       # reduction and parameter gather, bf16 reduction) over NCCL (the harness uses NCCL with two GPUs). ~4 min
