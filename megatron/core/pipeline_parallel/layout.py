@@ -107,7 +107,8 @@ ACCOUNT_FLAGS = ("--account-for-embedding-in-pipeline-split", "--account-for-los
 def _account_split(num_layers: int, pp: int, vpp: int, embedding: bool, loss: bool) -> PipelineLayout:
     """The even split with the embedding and / or the loss counted as a layer (Megatron's rule)."""
     flags = " and ".join(f for f, on in zip(ACCOUNT_FLAGS, (embedding, loss)) if on)
-    slots = num_layers + int(embedding) + int(loss)
+    extra = int(embedding) + int(loss)
+    slots = num_layers + extra
     stages = pp * vpp
     per, rest = divmod(slots, stages)
     counts = [per] * stages
@@ -116,14 +117,14 @@ def _account_split(num_layers: int, pp: int, vpp: int, embedding: bool, loss: bo
     result = PipelineLayout(num_layers, pp, vpp, tuple(counts))
     if rest == 0 and min(counts) > 0:
         return result
-    fits = sorted((n for n in range(1, num_layers + 2 * stages + 1)
-                   if (n + slots - num_layers) % stages == 0 and (n + slots - num_layers) // stages > 1),
-                  key=lambda n: abs(n - num_layers))
+    # The nearest layer count whose sum is a multiple of the stages, at least two slots a stage.
+    fits = min((n for n in range(1, num_layers + 2 * stages + 1) if (n + extra) % stages == 0 and n + extra > stages),
+               key=lambda n: abs(n - num_layers))
     raise ValueError(
-        f"{flags}: --num-layers {num_layers} + {slots - num_layers} (counted as layers) = {slots} does not split into "
+        f"{flags}: --num-layers {num_layers} + {extra} (counted as layers) = {slots} does not split into "
         f"{stages} stages (--pipeline-model-parallel-size {pp} x {vpp} virtual stages per rank) of equal size with "
-        f"a transformer layer in each; use --num-layers {fits[0] if fits else '?'} (or another count that "
-        f"makes the sum a multiple of {stages}), or --pipeline-model-parallel-layout for any split.\n{result.table()}")
+        f"a transformer layer in each; use --num-layers {fits} (or another count that makes the sum a multiple "
+        f"of {stages}), or {LAYOUT_FLAG} for any split.\n{result.table()}")
 
 
 def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, first: int | None = None,

@@ -69,7 +69,8 @@ class TransformerConfig:
         "virtual stage c*pp + r. Needs --pipeline-model-parallel-size > 1. Default: no interleaving.")
     num_layers_per_virtual_pipeline_stage: int | None = doc(
         None, "Layers per virtual pipeline stage; sets --virtual-pipeline-model-parallel-size to "
-        "(num_layers / pp) / this value. Give at most one of the two.")
+        "(num_layers / pp) / this value (num_layers including the layers counted by --account-for-*). Give at most "
+        "one of the two.")
     decoder_first_pipeline_num_layers: int | None = doc(
         None, "Layers on the first pipeline stage (uneven split); the others split the rest evenly.")
     decoder_last_pipeline_num_layers: int | None = doc(
