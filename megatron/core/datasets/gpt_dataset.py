@@ -6,8 +6,9 @@ Samples are dicts of tensors (S = ``sequence_length``)::
     labels        [S] int64    tokens shifted by one
     loss_mask     [S] float32  0 at padding (and at EOD with eod_mask_loss)
     position_ids  [S] int64    reset after each EOD with reset_position_ids
-    attention_mask [1, S, S] bool, True = masked; only with reset_attention_mask
-                               (otherwise the model uses fused causal attention)
+    attention_mask [1, S, S] bool, True = masked (Megatron's convention): causal, and block-diagonal
+                   per document with reset_attention_mask; absent with create_attention_mask=False.
+                   The plain causal mask is one cached tensor shared by every sample (read-only).
 
 Document, sample and shuffle indices follow Megatron-LM (section 6.2 of the reference) and are
 cached on disk under an MD5 of everything that determines them.
@@ -74,7 +75,8 @@ class GPTDatasetConfig:
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     create_attention_mask: bool = True
-    """With reset_attention_mask, emit the [1, S, S] mask (``--no-create-attention-mask-in-dataloader``)."""
+    """Emit the [1, S, S] attention mask in every sample, as Megatron does (False:
+    ``--no-create-attention-mask-in-dataloader``; the model then attends causally)."""
     mid_level_dataset_surplus: float = 0.005
     """Extra fraction of samples each blended dataset builds, so blending never runs short."""
     drop_last_partial_validation_sequence: bool = True
@@ -145,6 +147,7 @@ class GPTDataset(Dataset):
         pad = int(getattr(tok, "pad", -1))
         self._pad_token_id = -1 if pad < 0 or pad in (tok.eod, getattr(tok, "eos", None)) else pad
         self._cached_masks: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._causal_mask: torch.Tensor | None = None
         self.num_epochs = 1
         self.document_index, self.sample_index, self.shuffle_index = self._load_or_build_indices()
 
@@ -280,15 +283,25 @@ class GPTDataset(Dataset):
         sample["tokens"], sample["labels"] = tokens, labels
         return {k: sample[k] for k in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask") if k in sample}
 
+    def _causal(self, S: int) -> torch.Tensor:
+        """The [1, S, S] causal mask (True = key after query), built once and shared by every sample."""
+        if self._causal_mask is None:
+            self._causal_mask = torch.ones(S, S, dtype=torch.bool).triu(1).unsqueeze(0)
+        return self._causal_mask
+
     def _masks(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         cfg = self.config
         S = tokens.numel()
         plain = not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss)
+        causal = cfg.create_attention_mask and not cfg.reset_attention_mask
         if plain:
             if self._cached_masks is None:
                 self._cached_masks = (torch.ones(S, dtype=torch.float32), torch.arange(S, dtype=torch.int64))
             loss_mask, pos = self._cached_masks
-            return {"loss_mask": loss_mask.clone(), "position_ids": pos.clone()}
+            out = {"loss_mask": loss_mask.clone(), "position_ids": pos.clone()}
+            if causal:
+                out["attention_mask"] = self._causal(S)
+            return out
         eod = tokens == cfg.tokenizer.eod
         loss_mask = torch.ones(S, dtype=torch.float32)
         if cfg.eod_mask_loss:
@@ -300,10 +313,12 @@ class GPTDataset(Dataset):
         seg_start = torch.cummax(starts, dim=0).values
         out = {"loss_mask": loss_mask}
         out["position_ids"] = arange - seg_start if cfg.reset_position_ids else arange
-        if cfg.reset_attention_mask and cfg.create_attention_mask:
-            causal = arange[None, :] > arange[:, None]  # [S, S] key after query
+        if causal:
+            out["attention_mask"] = self._causal(S)
+        elif cfg.reset_attention_mask and cfg.create_attention_mask:
+            after = arange[None, :] > arange[:, None]  # [S, S] key after query
             other_doc = arange[None, :] < seg_start[:, None]  # key before the query's document
-            out["attention_mask"] = (causal | other_doc).unsqueeze(0)  # [1, S, S], True = masked
+            out["attention_mask"] = (after | other_doc).unsqueeze(0)  # [1, S, S], True = masked
         return out
 
 

@@ -174,3 +174,8 @@ def build_or_wait(paths: dict[str, str], description: str, suffixes: Sequence[st
 
 def dumps_description(identifiers: dict) -> str:
     return json.dumps(identifiers, indent=4, default=lambda obj: obj.unique_identifiers)
+
+
+def compile_helpers() -> None:
+    """Megatron-Core's step that compiles its C++ index helpers. Ours are numpy
+    (``megatron.core.datasets.helpers``): there is nothing to build, so this returns at once."""

@@ -163,11 +163,16 @@ def finalize(config, model_chunks: list, num_tokens: list, forward_only: bool) -
     config.finalize_model_grads_func(model_chunks, total)
 
 
-def tensor_shape(config, seq_length: int, micro_batch_size: int) -> tuple[int, int, int]:
-    """Shape of the activations exchanged between stages: ``[s (/tp with SP), mbs, h]``."""
-    seq = seq_length
-    if getattr(config, "sequence_parallel", False) and config.tensor_model_parallel_size > 1:
-        seq //= config.tensor_model_parallel_size
+def tensor_shape(model, config, seq_length: int, micro_batch_size: int) -> tuple[int, int, int]:
+    """Shape of the activations exchanged between stages: ``[s (/tp with SP), mbs, h]``.
+
+    The tp size is the model's process groups' and sequence parallelism the model's own setting (the
+    config's sizes may be left at 1, see ``TransformerConfig.check_parallel_sizes``).
+    """
+    inner = unwrap_model(model)
+    tp = inner.pg.tp_size
+    sequence_parallel = getattr(inner, "sequence_parallel", getattr(config, "sequence_parallel", False))
+    seq = seq_length // tp if sequence_parallel and tp > 1 else seq_length
     return (seq, micro_batch_size, config.hidden_size)
 
 
@@ -179,7 +184,7 @@ def make_communicator(model, config, seq_length: int | None, micro_batch_size: i
     pg = inner.pg
     device = next(inner.parameters()).device
     return P2PCommunicator(pg.pp_group, pg.group_ranks["pp"], pg.pp_rank,
-                           tensor_shape(config, seq_length, micro_batch_size), config.params_dtype, device)
+                           tensor_shape(model, config, seq_length, micro_batch_size), config.params_dtype, device)
 
 
 # --------------------------------------------------------------------------------------------------

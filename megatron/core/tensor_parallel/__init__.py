@@ -8,7 +8,12 @@ from megatron.core.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from megatron.core.tensor_parallel.random import RNGStatesTracker, checkpoint, model_parallel_seed
+from megatron.core.tensor_parallel.random import (
+    RNGStatesTracker,
+    checkpoint,
+    model_parallel_cuda_manual_seed,
+    model_parallel_seed,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -17,6 +22,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "broadcast_data",
     "checkpoint",
+    "model_parallel_cuda_manual_seed",
     "model_parallel_seed",
     "vocab_parallel_cross_entropy",
 ]

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.checkpoint
+
+if TYPE_CHECKING:
+    from megatron.core.parallel_state import ParallelState
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 EXPERT_PARALLEL_RNG = "expert-parallel-rng"
@@ -124,6 +127,45 @@ def model_parallel_seed(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int
     tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
     tracker.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + etp_rank)
     tracker.add(DATA_PARALLEL_RNG, seed)
+    return tracker
+
+
+def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
+                                    use_cudagraphable_rng: bool = False, tp_rank: int | None = None,
+                                    ep_rank: int | None = None, etp_rank: int | None = None,
+                                    parallel_state: ParallelState | None = None) -> RNGStatesTracker:
+    """Megatron-Core's seeding entry point: seed the default generator and the named tp/ep states.
+
+    The default generator of the device that dropout runs on (the current CUDA device when CUDA is
+    available, else the CPU) is seeded with ``seed``, alike on every tp rank; ``parallel_state``
+    (default: the instance ``initialize_model_parallel`` recorded) receives the tracker of
+    :func:`model_parallel_seed`, which models built on it afterwards hand to their dropout. On the
+    CPU this also seeds ``torch.initial_seed()``, which ``GPTModel`` initialises from by default.
+
+    Args:
+        seed: the seed; tp_rank / ep_rank / etp_rank default to this rank's (etp 0).
+        te_rng_tracker, use_cudagraphable_rng: Transformer Engine's and CUDA-graph-safe trackers,
+            not provided here (must be False). inference_rng_tracker: accepted; the states are the same.
+
+    Raises:
+        ValueError: ``te_rng_tracker`` or ``use_cudagraphable_rng`` is True.
+    """
+    for name, value in (("te_rng_tracker", te_rng_tracker), ("use_cudagraphable_rng", use_cudagraphable_rng)):
+        if value:
+            raise ValueError(f"model_parallel_cuda_manual_seed({name}=True) needs a tracker this package does not "
+                             f"have (Transformer Engine / CUDA graphs); call it with {name}=False")
+    if parallel_state is None:
+        from megatron.core.parallel_state import get_parallel_state
+
+        parallel_state = get_parallel_state()
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+    tracker = model_parallel_seed(seed, parallel_state.tp_rank if tp_rank is None else tp_rank,
+                                  parallel_state.axis_rank("ep") if ep_rank is None else ep_rank,
+                                  0 if etp_rank is None else etp_rank)
+    parallel_state.rng_tracker = tracker
     return tracker
 
 

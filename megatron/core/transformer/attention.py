@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +24,49 @@ class SelfAttentionSubmodules:
     k_layernorm: object = None
 
 
+@functools.lru_cache(maxsize=8)
+def causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
+    """The causal mask ``[1, 1, s, s]`` bool in Megatron's convention (True = masked: key after query).
+    Cached per (length, device); read-only."""
+    return torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+def mask_for_attention(attention_mask: torch.Tensor | None, seq_length: int) -> torch.Tensor | None:
+    """Megatron's attention mask as the attention layers take it: ``None`` for plain causal attention
+    (SDPA's fused ``is_causal`` path), otherwise the boolean ``[b or 1, 1, s, s]`` mask (True = masked).
+
+    ``attention_mask`` may be ``[b, 1, s, s]``, ``[1, 1, s, s]`` or ``[b, s, s]``. It counts as causal
+    when every ``[s, s]`` slice equals :func:`causal_mask`; that comparison reads the whole mask and,
+    on a GPU, waits for the answer on the host (one sync per call, as the kernel depends on it). Pass
+    ``None`` instead of a causal mask to skip it.
+
+    Raises:
+        ValueError: the mask is not boolean, or not one of the shapes above for ``s = seq_length``.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype != torch.bool:
+        raise ValueError(f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}; "
+                         "convert it with mask.bool()")
+    if attention_mask.dim() == 3:
+        attention_mask = attention_mask.unsqueeze(1)  # [b, s, s] -> [b, 1, s, s]
+    s = seq_length
+    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (s, s):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [b, 1, {s}, {s}], "
+                         f"[1, 1, {s}, {s}] or [b, {s}, {s}] for sequences of {s} tokens")
+    causal = causal_mask(s, attention_mask.device)
+    if torch.equal(attention_mask, causal.expand_as(attention_mask)):
+        return None
+    return attention_mask
+
+
 class DotProductAttention(nn.Module):
     """Causal (or masked) attention through ``torch.nn.functional.scaled_dot_product_attention``.
 
     Inputs ``q`` ``[s, b, n_q, d]``, ``k``/``v`` ``[s, b, n_kv, d]`` with ``n_q`` a multiple of
     ``n_kv`` (grouped-query attention); output ``[s, b, n_q * d]``. ``attention_mask`` is ``None``
-    (causal, the fused kernels' fast path) or a boolean ``[b or 1, 1, s, s]`` where True = masked.
+    (causal, the fused kernels' fast path) or a boolean ``[b or 1, 1, s, s]`` where True = masked, applied
+    as given (:func:`mask_for_attention` turns a causal mask into ``None``).
     """
 
     def __init__(self, config, layer_number: int = 1, rng_tracker=None):

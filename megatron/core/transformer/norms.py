@@ -12,6 +12,8 @@ from megatron.core.tensor_parallel.init import set_init_attrs, tag_param
 class Norm(nn.Module):
     """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only) of ``hidden_size`` channels.
 
+    With ``config.apply_layernorm_1p`` (Megatron's zero-centred gamma) the stored weight ``w`` starts
+    at 0 and the norm scales by ``1 + w``: the same function as a plain norm whose weight is ``1 + w``.
     ``sequence_parallel`` marks the parameters so their gradients are all-reduced across the tp
     group (they see only this rank's sequence shard).
     """
@@ -21,8 +23,9 @@ class Norm(nn.Module):
         self.kind = config.normalization
         self.eps = config.layernorm_epsilon if eps is None else eps
         self.hidden_size = hidden_size
+        self.zero_centered_gamma = config.apply_layernorm_1p
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
-        set_init_attrs(self.weight, value=1.0)
+        set_init_attrs(self.weight, value=0.0 if self.zero_centered_gamma else 1.0)
         tag_param(self.weight, sequence_parallel=sequence_parallel)
         if self.kind == "LayerNorm":
             self.bias = nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
@@ -31,10 +34,14 @@ class Norm(nn.Module):
         else:
             self.bias = None
 
+    def scale(self) -> torch.Tensor:
+        """The weight the norm multiplies by: ``1 + w`` (in the weight's dtype) with zero-centred gamma."""
+        return self.weight + 1 if self.zero_centered_gamma else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "LayerNorm":
-            return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
-        return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+            return F.layer_norm(x, (self.hidden_size,), self.scale(), self.bias, self.eps)
+        return F.rms_norm(x, (self.hidden_size,), self.scale(), self.eps)
 
 
 def build_norm(config, hidden_size: int, sequence_parallel: bool = False) -> Norm:

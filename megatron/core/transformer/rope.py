@@ -5,11 +5,20 @@ from __future__ import annotations
 import torch
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, rotary_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for ``position_ids`` ``[b, s]``, each ``[s, b, 1, rotary_dim]`` in fp32."""
+def rotary_cos_sin(position_ids: torch.Tensor, rotary_dim: int, base: float,
+                   seq_len_interpolation_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for ``position_ids`` ``[b, s]``, each ``[s, b, 1, rotary_dim]`` in fp32.
+
+    Channel pair ``i`` of position ``p`` turns by ``p * base ** (-2i / rotary_dim)``. With
+    ``seq_len_interpolation_factor`` f (linear position interpolation) ``p`` becomes ``p * (1 / f)``,
+    computed in fp32 as Megatron-Core does.
+    """
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=position_ids.device)
                                / rotary_dim))
-    freqs = position_ids.t().float().unsqueeze(-1) * inv_freq  # [s, b, rd/2]
+    positions = position_ids.t().float()  # [s, b]
+    if seq_len_interpolation_factor is not None:
+        positions = positions * (1.0 / seq_len_interpolation_factor)
+    freqs = positions.unsqueeze(-1) * inv_freq  # [s, b, rd/2]
     emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [s, b, 1, rd]
     return emb.cos(), emb.sin()
 

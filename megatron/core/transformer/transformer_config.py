@@ -36,6 +36,14 @@ class TransformerConfig:
     )
     normalization: str = doc("LayerNorm", "Normalization layer.", choices=NORMALIZATIONS)
     layernorm_epsilon: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.", flag="--norm-epsilon")
+    apply_layernorm_1p: bool = doc(
+        False, "Zero-centred norm weights (Megatron-LM's LayerNorm 1p): every LayerNorm / RMSNorm weight w "
+        "(the layers' norms, the final norm and the QK-norms) is stored and initialised as 0 and applied as "
+        "(1 + w); the LayerNorm bias is unchanged. The same function as a plain norm of weight 1 + w. "
+        "Checkpoints record it: their norm weights read differently with and without it.")
+    layernorm_zero_centered_gamma: bool = doc(
+        False, "Megatron-Core's name of apply_layernorm_1p (either turns it on; both read True after "
+        "construction).", flag=None)
     activation: str = doc("gelu", "MLP activation; set to swiglu by --swiglu.", flag=None)
     add_bias_linear: bool = doc(True, "Biases in all linear layers; turned off by --disable-bias-linear.", flag=None)
     bias_gelu_fusion: bool = doc(
@@ -48,6 +56,10 @@ class TransformerConfig:
     position_embedding_type: str = doc("learned_absolute", "Position embedding.", choices=POSITION_EMBEDDINGS)
     rotary_base: int = doc(10000, "RoPE base (theta). Only with --position-embedding-type rope.")
     rotary_percent: float = doc(1.0, "Fraction of each head's channels that RoPE rotates. Only with rope.")
+    rotary_seq_len_interpolation_factor: float | None = doc(
+        None, "RoPE linear position interpolation: positions are multiplied by 1 / this factor before the "
+        "rotation angles are computed (position p rotates as p / factor), so a model trained at S tokens "
+        "covers factor x S. Only with rope. Default: none (positions as they are).")
     hidden_dropout: float = doc(0.1, "Dropout probability on the residual branches and embeddings.")
     attention_dropout: float = doc(0.1, "Dropout probability on attention probabilities.")
     init_method_std: float = doc(
@@ -58,12 +70,27 @@ class TransformerConfig:
         flag=None,
     )
     params_dtype: torch.dtype = doc(torch.float32, "Dtype of model parameters; bf16/fp16 from --bf16/--fp16.", flag=None)
+    pipeline_dtype: torch.dtype | None = doc(
+        None, "Megatron-Core's dtype of the activations sent between pipeline stages. Here they are always "
+        "sent in params_dtype (the dtype the layers compute in); a different value is refused. Default: "
+        "params_dtype.", flag=None)
+    use_cpu_initialization: bool = doc(
+        False, "Allocate and initialise the model's parameters in CPU memory, then move the whole model to "
+        "its device (GPTModel's device argument; the training application's GPU). The values are the same "
+        "either way: every weight is generated on the CPU from the seed and the parameter's global name (this "
+        "rank's shard of the logical tensor, whatever the layout) and then copied. Without the flag the "
+        "parameters are allocated on the device and each is copied there as soon as it is generated, so the "
+        "CPU holds one parameter at a time instead of the whole model.")
     fp16: bool = doc(False, "Model params and compute in fp16 (with dynamic loss scaling unless --loss-scale).")
     bf16: bool = doc(False, "Model params and compute in bf16 (fp32 main params and grads in the optimizer).")
-    tensor_model_parallel_size: int = doc(1, "Tensor-parallel degree: heads, FFN and vocabulary are split "
-                                             "over this many ranks.")
+    tensor_model_parallel_size: int = doc(
+        1, "Tensor-parallel degree: heads, FFN and vocabulary are split over this many ranks. The training "
+        "application builds the process groups from it; models take the size from their process groups (as "
+        "Megatron-Core's layers do from parallel_state): a config left at 1 follows the groups, any other "
+        "value must equal their size.")
     pipeline_model_parallel_size: int = doc(
-        1, "Pipeline-parallel degree: the layers are split into this many stages, one per rank of a pipeline.")
+        1, "Pipeline-parallel degree: the layers are split into this many stages, one per rank of a pipeline. "
+        "Like --tensor-model-parallel-size, models take it from their process groups; 1 follows the groups.")
     virtual_pipeline_model_parallel_size: int | None = doc(
         None, "Virtual pipeline chunks per pipeline rank (interleaved 1F1B); chunk c on pipeline rank r holds "
         "virtual stage c*pp + r. Needs --pipeline-model-parallel-size > 1. Default: no interleaving.")
@@ -184,9 +211,10 @@ class TransformerConfig:
             self.num_query_groups = self.num_attention_heads
         check_positive("num_query_groups", self.num_query_groups)
         if self.num_attention_heads % self.num_query_groups != 0:
+            hint = _divisor_near(self.num_attention_heads, self.num_query_groups, self.tensor_model_parallel_size)
             raise ValueError(
                 f"--num-query-groups {self.num_query_groups} must divide --num-attention-heads "
-                f"{self.num_attention_heads}; e.g. {_divisor_near(self.num_attention_heads, self.num_query_groups)}"
+                f"{self.num_attention_heads}; e.g. {hint}"
             )
         if self.ffn_hidden_size is None:
             if self.activation == "swiglu":
@@ -206,6 +234,15 @@ class TransformerConfig:
                 "rotary channels; it must be even (e.g. --rotary-percent 1.0)"
             )
         check_positive("init_method_std", self.init_method_std)
+        check_positive("rotary_seq_len_interpolation_factor", self.rotary_seq_len_interpolation_factor,
+                       allow_none=True)
+        self.apply_layernorm_1p = self.layernorm_zero_centered_gamma = (
+            self.apply_layernorm_1p or self.layernorm_zero_centered_gamma)
+        if self.pipeline_dtype is not None and self.pipeline_dtype != self.params_dtype:
+            raise ValueError(
+                f"pipeline_dtype {self.pipeline_dtype} differs from the parameter dtype {self.params_dtype}: "
+                "activations travel between pipeline stages in the parameter dtype here; pass "
+                f"pipeline_dtype={self.params_dtype} or leave it unset")
         self._check_fp8()
         self._check_parallelism()
 
@@ -230,16 +267,41 @@ class TransformerConfig:
             raise ValueError(f"--fp8-format {self.fp8_format} needs --bf16 (FP8 GEMMs take bf16 activations and "
                              "weights); add --bf16")
 
-    def _check_parallelism(self) -> None:
-        tp = self.tensor_model_parallel_size
-        check_positive("tensor_model_parallel_size", tp)
+    def _check_tp_divides(self, tp: int) -> None:
+        """Heads, query groups and FFN channels split evenly over ``tp`` ranks."""
         for flag, value in (("--num-attention-heads", self.num_attention_heads),
                             ("--num-query-groups", self.num_query_groups), ("--ffn-hidden-size", self.ffn_hidden_size)):
             if value % tp != 0:
                 raise ValueError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}; "
                                  f"use a tensor-parallel size that divides it (e.g. {_divisor_near(value, tp)})")
-        if tp == 1:
-            self.sequence_parallel = False
+
+    def check_parallel_sizes(self, tp_size: int, pp_size: int) -> None:
+        """Check this config against the process groups a model is built on (``tp_size`` x ``pp_size``).
+
+        The groups decide (Megatron-Core's layers read parallel_state too): a size left at its default 1
+        follows them, any other value must equal theirs. The split rules are checked for the groups' sizes.
+
+        Raises:
+            ValueError: a size that disagrees with the groups (naming both), or a tp size of the groups
+                that does not divide the heads, query groups or FFN channels.
+        """
+        for flag, name, given, actual in (
+                ("--tensor-model-parallel-size", "tensor_model_parallel_size", self.tensor_model_parallel_size, tp_size),
+                ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", self.pipeline_model_parallel_size,
+                 pp_size)):
+            if given not in (1, actual):
+                follow = "" if actual == 1 else " or leave it at 1 to follow the groups"
+                raise ValueError(
+                    f"TransformerConfig.{name} ({flag}) is {given} but the model is built on process groups of "
+                    f"size {actual} (initialize_model_parallel / the ParallelState passed in); set it to "
+                    f"{actual}{follow}")
+        self._check_tp_divides(tp_size)
+
+    def _check_parallelism(self) -> None:
+        tp = self.tensor_model_parallel_size
+        check_positive("tensor_model_parallel_size", tp)
+        self._check_tp_divides(tp)
+        # sequence_parallel is kept as given: it applies where the process groups' tp size is > 1.
         self._check_pipeline()
         if self.recompute_granularity == "full":
             if self.recompute_method is None or not self.recompute_num_layers:
@@ -331,7 +393,10 @@ class TransformerConfig:
         return self.init_method_std / math.sqrt(2.0 * self.num_layers)
 
 
-def _divisor_near(n: int, target: int) -> int:
-    """The divisor of ``n`` closest to ``target`` (for error messages that suggest a valid value)."""
+def _divisor_near(n: int, target: int, multiple_of: int = 1) -> int:
+    """The divisor of ``n`` closest to ``target`` (for error messages that suggest a valid value),
+    among those that are multiples of ``multiple_of`` when there are any (a hint for a count that the
+    tensor-parallel size must also divide)."""
     divisors = [d for d in range(1, n + 1) if n % d == 0]
-    return min(divisors, key=lambda d: (abs(d - target), d))
+    fitting = [d for d in divisors if d % multiple_of == 0] or divisors
+    return min(fitting, key=lambda d: (abs(d - target), d))

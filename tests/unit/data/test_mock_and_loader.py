@@ -27,7 +27,8 @@ def test_megatron_core_example():
     train, valid, test = BlendedMegatronDatasetBuilder(MockGPTDataset, [1000, None, None], lambda: True, cfg).build()
     assert len(train) >= 1000 and len(valid) > 0 and len(test) > 0
     s = train[0]
-    assert set(s) == {"tokens", "labels", "loss_mask", "position_ids"}
+    assert set(s) == {"tokens", "labels", "loss_mask", "position_ids", "attention_mask"}
+    assert torch.equal(s["attention_mask"], torch.ones(64, 64, dtype=torch.bool).triu(1)[None])  # True = masked
     assert s["tokens"].shape == (64,) and s["tokens"].dtype == torch.int64
     assert s["labels"].dtype == torch.int64 and s["loss_mask"].dtype == torch.float32
     assert torch.equal(s["tokens"][1:], s["labels"][:-1])

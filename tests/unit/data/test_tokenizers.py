@@ -95,3 +95,13 @@ def test_huggingface_from_local_json(tmp_path):
     assert tok.detokenize(tok.tokenize("quick brown")) == "quick brown"
     with pytest.raises(ValueError, match="nothing is downloaded"):
         build_tokenizer(cfg(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="gpt2"))
+
+
+def test_megatron_lm_null_tokenizer_import_path():
+    """Megatron-LM's examples import ``_NullTokenizer`` from megatron.training.tokenizer.tokenizer: its
+    vocabulary holds one id more than asked, the end-of-document id."""
+    from megatron.training.tokenizer.tokenizer import _NullTokenizer
+
+    tok = _NullTokenizer(64)
+    assert (tok.vocab_size, tok.eod) == (65, 64)
+    assert tok.tokenize("1 2 64") == [1, 2, 64]

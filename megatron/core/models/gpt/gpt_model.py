@@ -13,6 +13,7 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.init import init_param_, tag_param
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.attention import mask_for_attention
 from megatron.core.transformer.rope import rotary_cos_sin
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -27,29 +28,41 @@ class GPTModel(nn.Module):
         vocab_size: the (already padded) vocabulary size.
         max_sequence_length: positions of the learned position table.
         pre_process / post_process: this pipeline stage owns the embedding / the output layer and loss.
-        share_embeddings_and_output_weights, position_embedding_type, rotary_percent, rotary_base:
-            override the config's values when given.
+        share_embeddings_and_output_weights, position_embedding_type, rotary_percent, rotary_base,
+            seq_len_interpolation_factor: override the config's values when given
+            (``seq_len_interpolation_factor``: ``config.rotary_seq_len_interpolation_factor``).
         parallel_output: keep logits sharded over the vocabulary (tp) when returning them.
         parallel_state: process groups; defaults to the instance recorded by
-            ``parallel_state.initialize_model_parallel``.
-        num_layers / layer_offset: the layers this stage builds (default: all).
+            ``parallel_state.initialize_model_parallel``. Their tp / pp sizes decide how the model is
+            split; the config's sizes must be 1 (follow the groups) or equal them.
+        num_layers / layer_offset: the layers this stage builds. Default: all layers with pp 1, else
+            the layers of this pipeline rank's virtual stage ``vp_stage`` (default 0) in the config's
+            pipeline split.
         sequence_parallel: overrides ``config.sequence_parallel`` when given (on only with tp > 1).
-        device: where parameters live; built on the meta device and materialised there.
+        device: where parameters live; built on the meta device and materialised there (with
+            ``config.use_cpu_initialization``: materialised and initialised on the CPU, then moved).
         seed: initialisation seed; default ``torch.initial_seed()``. Weights depend only on the seed
             and each parameter's global name, never on the parallel layout.
+
+    Raises:
+        ValueError: the config's parallel sizes disagree with the process groups', or do not split
+            the model (see ``TransformerConfig.check_parallel_sizes``); ``vp_stage`` out of range.
     """
 
     def __init__(self, config: TransformerConfig, transformer_layer_spec, vocab_size: int,
                  max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
                  share_embeddings_and_output_weights: bool | None = None,
                  position_embedding_type: str | None = None, rotary_percent: float | None = None,
-                 rotary_base: int | None = None, parallel_output: bool = True,
-                 parallel_state: ParallelState | None = None, num_layers: int | None = None,
-                 layer_offset: int = 0, sequence_parallel: bool | None = None,
-                 device: torch.device | str | None = None, seed: int | None = None):
+                 rotary_base: int | None = None, seq_len_interpolation_factor: float | None = None,
+                 parallel_output: bool = True, parallel_state: ParallelState | None = None,
+                 num_layers: int | None = None, layer_offset: int = 0, sequence_parallel: bool | None = None,
+                 device: torch.device | str | None = None, seed: int | None = None, vp_stage: int | None = None):
         super().__init__()
         self.config = config
         self.pg = parallel_state if parallel_state is not None else get_parallel_state()
+        config.check_parallel_sizes(self.pg.tp_size, self.pg.pp_size)
+        if num_layers is None and self.pg.pp_size > 1:
+            num_layers, layer_offset = _stage_layers(config, self.pg, vp_stage)
         tp_group = self.pg.tp_group
         self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output
@@ -62,6 +75,8 @@ class GPTModel(nn.Module):
         self.position_embedding_type = position_embedding_type or config.position_embedding_type
         self.rotary_dim = int(config.kv_channels * (rotary_percent or config.rotary_percent))
         self.rotary_base = rotary_base or config.rotary_base
+        self.seq_len_interpolation_factor = (config.rotary_seq_len_interpolation_factor
+                                             if seq_len_interpolation_factor is None else seq_len_interpolation_factor)
         # As in Megatron-Core, the config's sequence_parallel decides unless the argument overrides it.
         sp = (config.sequence_parallel if sequence_parallel is None else sequence_parallel) and self.pg.tp_size > 1
         self.sequence_parallel = sp
@@ -81,12 +96,7 @@ class GPTModel(nn.Module):
                     tp_group=tp_group, sequence_parallel=sp, skip_weight_param_allocation=tied_here,
                     params_dtype=config.params_dtype,
                 )
-        recipes = {name: dict(vars(param)) for name, param in self.named_parameters()}
-        self.to_empty(device=device or "cpu")
-        for name, param in self.named_parameters():  # to_empty may replace Parameter objects
-            vars(param).update(recipes[name])
-        if torch.device(device or "cpu").type != "meta":  # a meta model (dry run) has no values
-            self.init_weights(torch.initial_seed() if seed is None else seed)
+        self._materialize(torch.device(device or "cpu"), torch.initial_seed() if seed is None else seed)
         self.input_tensor: torch.Tensor | None = None
         # The fused output layer + cross entropy covers one tp rank with a bias-free output layer.
         self.fused_cross_entropy = (post_process and config.cross_entropy_loss_fusion and self.pg.tp_size == 1
@@ -95,6 +105,25 @@ class GPTModel(nn.Module):
             # The last stage's copy of the tied word embedding: its gradient is summed with the first
             # stage's over the embedding group (finalize_model_grads); it is left out of the grad norm.
             tag_param(self.output_layer.weight, shared_embedding_copy=True, shared=True)
+
+    def _materialize(self, device: torch.device, seed: int) -> None:
+        """Allocate the meta-built parameters on ``device`` and initialise them (a meta model, for the
+        dry run, keeps no values). With ``use_cpu_initialization`` they are allocated and initialised on
+        the CPU, then the model moves to ``device``: the values are the same, only the memory differs."""
+        on_cpu_first = self.config.use_cpu_initialization and device.type not in ("cpu", "meta")
+        recipes = {name: dict(vars(param)) for name, param in self.named_parameters()}
+
+        def restore_recipes() -> None:  # to_empty and .to may replace Parameter objects
+            for name, param in self.named_parameters():
+                vars(param).update(recipes[name])
+
+        self.to_empty(device="cpu" if on_cpu_first else device)
+        restore_recipes()
+        if device.type != "meta":
+            self.init_weights(seed)
+        if on_cpu_first:
+            self.to(device)
+            restore_recipes()
 
     # ----------------------------------------------------------------------------------------------
     def global_param_name(self, local_name: str) -> str:
@@ -136,9 +165,14 @@ class GPTModel(nn.Module):
 
         ``decoder_input`` (else the tensor given to ``set_input_tensor``) replaces the embedding on
         stages without ``pre_process``. On stages without ``post_process`` the hidden states
-        ``[s(/tp with sequence parallelism), b, h]`` are returned. Masking is applied by the caller's
+        ``[s(/tp with sequence parallelism), b, h]`` are returned. Loss masking is applied by the caller's
         loss function; with the fused output layer + cross entropy, the gradient reaching the losses
         must be one scalar times ``loss_mask`` (all ones when None), as a masked mean gives.
+
+        ``attention_mask`` is ``None`` (causal) or Megatron's boolean mask, True = masked:
+        ``[b, 1, s, s]``, ``[1, 1, s, s]`` or ``[b, s, s]``. A mask equal to the causal mask runs the fused
+        causal attention; telling so compares the whole mask with a cached causal one, which on a GPU is
+        a host sync per call (pass ``None`` to skip it). Any other mask is applied as given.
         """
         if position_ids is None and input_ids is not None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -151,10 +185,9 @@ class GPTModel(nn.Module):
             if position_ids is None:  # a later pipeline stage: positions 0..s-1 of the full sequence
                 seq = hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
                 position_ids = torch.arange(seq, device=hidden.device).expand(hidden.shape[1], seq)
-            rotary = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base)
-        if attention_mask is not None and attention_mask.dim() == 3:
-            attention_mask = attention_mask.unsqueeze(1)  # [b, s, s] -> [b, 1, s, s]
-        hidden = self.decoder(hidden, attention_mask, rotary)
+            rotary = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, self.seq_len_interpolation_factor)
+        seq = hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
+        hidden = self.decoder(hidden, mask_for_attention(attention_mask, seq), rotary)
         if not self.post_process:
             return hidden
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
@@ -192,6 +225,17 @@ class GPTModel(nn.Module):
                 shard.replica_id = (1, *rid) if isinstance(rid, tuple) else (1, rid)
             out[prefix + name] = shard
         return out
+
+
+def _stage_layers(config: TransformerConfig, pg: ParallelState, vp_stage: int | None) -> tuple[int, int]:
+    """(layers, offset of the first) of this pipeline rank's virtual stage ``vp_stage`` in the config's split."""
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    chunk = 0 if vp_stage is None else vp_stage
+    if not 0 <= chunk < vpp:
+        raise ValueError(f"vp_stage {vp_stage} is not a virtual pipeline stage of this rank; use 0 .. {vpp - 1} "
+                         "(--virtual-pipeline-model-parallel-size)")
+    layout = config.pipeline_layout(pg.pp_size, config.virtual_pipeline_model_parallel_size)
+    return layout.num_layers_of(pg.pp_rank, chunk), layout.offset_of(pg.pp_rank, chunk)
 
 
 def _shard_of(key: str, tensor: torch.Tensor, tp_rank: int, dp_rank: int) -> ShardedTensor:

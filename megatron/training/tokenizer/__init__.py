@@ -1,0 +1,1 @@
+"""Megatron-LM's ``megatron.training.tokenizer`` import path, for code written against it."""
