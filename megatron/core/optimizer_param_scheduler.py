@@ -8,7 +8,9 @@ linear / cosine / exponential (2 * 0.5^r' - 1) / minus_sqrt (1 - sqrt(r')) over 
 ``max_lr sqrt(warmup) / sqrt(step)`` floored at ``min_lr``; ``constant`` stays at ``max_lr``. Past
 ``lr_decay_steps`` the LR is ``min_lr`` (except ``constant``). WD grows from ``start_wd`` to
 ``end_wd`` over ``wd_incr_steps`` (``constant``, ``linear`` or ``cosine``). Each param group gets
-``lr * lr_mult`` and ``wd * wd_mult``.
+``lr * lr_mult`` and ``wd * wd_mult``, where a group's own ``max_lr`` / ``min_lr`` replace the
+scheduler's in the formulas (``--decoupled-lr``: the embedding and output layer groups, marked
+``is_decoupled_lr``, follow ``decoupled_lr`` / ``decoupled_min_lr`` on the same warm-up and decay).
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ _FIELD_FLAGS = {
     "wd_incr_style": "--weight-decay-incr-style",
     "wsd_decay_steps": "--lr-wsd-decay-iters/--lr-wsd-decay-samples",
     "lr_wsd_decay_style": "--lr-wsd-decay-style",
+    "decoupled_lr": "--decoupled-lr",
+    "decoupled_min_lr": "--decoupled-min-lr",
 }
+# Fields that checkpoints saved before they existed lack; there they were None.
+_NEWER_FIELDS = ("decoupled_lr", "decoupled_min_lr")
 
 
 class OptimizerParamScheduler:
@@ -63,6 +69,8 @@ class OptimizerParamScheduler:
         override_opt_param_scheduler: bool = False,
         wsd_decay_steps: int | None = None,
         lr_wsd_decay_style: str | None = None,
+        decoupled_lr: float | None = None,
+        decoupled_min_lr: float | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.init_lr = float(init_lr)
@@ -73,6 +81,8 @@ class OptimizerParamScheduler:
         self.lr_decay_style = lr_decay_style
         self.wsd_decay_steps = wsd_decay_steps
         self.lr_wsd_decay_style = lr_wsd_decay_style or "exponential"
+        self.decoupled_lr = None if decoupled_lr is None else float(decoupled_lr)
+        self.decoupled_min_lr = None if decoupled_min_lr is None else float(decoupled_min_lr)
         self.start_wd = float(start_wd)
         self.end_wd = float(end_wd)
         self.wd_incr_steps = int(wd_incr_steps)
@@ -81,6 +91,8 @@ class OptimizerParamScheduler:
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.num_steps = 0
         self._validate()
+        if self.decoupled_lr is not None:
+            self._set_decoupled_bounds()
         self.step(0)
 
     def _validate(self) -> None:
@@ -96,6 +108,9 @@ class OptimizerParamScheduler:
             raise ValueError(f"--lr ({self.max_lr}) must be >= --min-lr ({self.min_lr})")
         if self.init_lr > self.max_lr:
             raise ValueError(f"--lr-warmup-init ({self.init_lr}) must be <= --lr ({self.max_lr})")
+        if self.decoupled_lr is not None and self.decoupled_lr < self._decoupled_floor():
+            raise ValueError(f"--decoupled-lr ({self.decoupled_lr}) must be >= its floor {self._decoupled_floor()} "
+                             "(--decoupled-min-lr, default --min-lr); pass --decoupled-min-lr <= --decoupled-lr")
         if self.lr_decay_steps <= 0:
             raise ValueError(f"--lr-decay-iters/--lr-decay-samples must be > 0, got {self.lr_decay_steps}")
         if not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
@@ -129,6 +144,21 @@ class OptimizerParamScheduler:
             raise ValueError(
                 "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive"
             )
+
+    def _decoupled_floor(self) -> float:
+        return self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+
+    def _set_decoupled_bounds(self) -> None:
+        """Point the ``is_decoupled_lr`` groups at ``decoupled_lr`` and its floor; without
+        ``decoupled_lr`` they follow ``max_lr`` / ``min_lr`` like the others."""
+        for group in self.optimizer.param_groups:
+            if not group.get("is_decoupled_lr"):
+                continue
+            if self.decoupled_lr is None:
+                group.pop("max_lr", None)
+                group.pop("min_lr", None)
+            else:
+                group["max_lr"], group["min_lr"] = self.decoupled_lr, self._decoupled_floor()
 
     def get_wd(self) -> float:
         """The weight decay (before ``wd_mult``) at the current sample count."""
@@ -202,6 +232,8 @@ class OptimizerParamScheduler:
             "wd_incr_steps": self.wd_incr_steps,
             "wsd_decay_steps": self.wsd_decay_steps,
             "lr_wsd_decay_style": self.lr_wsd_decay_style,
+            "decoupled_lr": self.decoupled_lr,
+            "decoupled_min_lr": self.decoupled_min_lr,
         }
 
     def _check_and_set(self, name: str, current: Any, saved: Any) -> Any:
@@ -228,6 +260,9 @@ class OptimizerParamScheduler:
                    "end_iter": "lr_decay_steps", "decay_steps": "lr_decay_steps", "decay_style": "lr_decay_style",
                    "num_iters": "num_steps"}  # names used by older Megatron checkpoints
         saved = {renames.get(k, k): v for k, v in state_dict.items()}
+        for name in _NEWER_FIELDS:
+            saved.setdefault(name, None)
+        decoupled = (self.decoupled_lr, self.decoupled_min_lr)
         for name in _FIELD_FLAGS:  # lr_decay_style is settled before the WSD fields
             if name not in saved:
                 continue
@@ -235,5 +270,7 @@ class OptimizerParamScheduler:
                 continue
             setattr(self, name, self._check_and_set(name, getattr(self, name), saved[name]))
         self._validate()
+        if self.decoupled_lr is not None or (self.decoupled_lr, self.decoupled_min_lr) != decoupled:
+            self._set_decoupled_bounds()
         self.num_steps = 0
         self.step(int(saved["num_steps"]))

@@ -27,7 +27,8 @@ class Writer:
 
 def trainer():
     return SimpleNamespace(flops_per_step=1e12, world_size=1, global_batch_size=2, peak_tflops=None,
-                           cfg=SimpleNamespace(training=SimpleNamespace(seq_length=8)),
+                           cfg=SimpleNamespace(training=SimpleNamespace(seq_length=8),
+                                               logger=SimpleNamespace(log_params_norm=False)),
                            state=SimpleNamespace(iteration=0, consumed_train_samples=0), train_iters=10,
                            writer=Writer(), device=torch.device("cpu"))
 
@@ -71,3 +72,16 @@ def test_events_average_over_the_steps_of_a_line():
         log.record(loss, True, 1.0, 1e-4, 1.0, log.t0 + 9.0, None, FakeEvent(t))
     log.flush()
     assert abs(tr.writer.rows[-1][1]["iteration-time"] - 0.2) < 1e-9
+
+
+def test_a_ramp_line_shows_the_last_batch_and_averages_throughput_over_its_steps():
+    tr = trainer()
+    log = IntervalLog(tr)
+    loss = {"lm loss": (2.0, 1.0)}
+    for it, (batch, flops) in enumerate(((2, 1e12), (6, 3e12)), start=1):
+        tr.state.iteration = it
+        log.record(loss, True, 1.0, 1e-4, 1.0, log.t0 + 1.0 * it, None, None, global_batch_size=batch, flops=flops)
+    log.flush()  # 2 steps in 2 s: 1 s per step, (2 + 6) / 2 samples and (1 + 3) / 2 TFLOP per step
+    row = tr.writer.rows[-1][1]
+    assert row["batch-size"] == 6
+    assert abs(row["throughput"] - 2.0) < 1e-9 and abs(row["tokens-per-sec-per-gpu"] - 4 * 8) < 1e-9

@@ -17,6 +17,7 @@ from megatron.core.optimizer.clip_grads import param_is_not_duplicate
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.sharded_state import PARAM_GROUP_NAMES
 
 __all__ = [
     "ConstantGradScaler",
@@ -26,6 +27,7 @@ __all__ = [
     "OptimizerConfig",
     "get_megatron_optimizer",
     "get_param_groups",
+    "is_embedding_or_output_parameter",
     "param_is_not_duplicate",
 ]
 
@@ -36,39 +38,64 @@ def _default_no_wd(name: str, param: torch.nn.Parameter) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
+# The weights --decoupled-lr applies to (Megatron's ``is_embedding_or_output_parameter``): the word
+# embedding and the output layer, whose last-stage copy of a tied embedding is also named output_layer.
+_EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def is_embedding_or_output_parameter(name: str, param: torch.nn.Parameter) -> bool:
+    """True for the input embedding and output layer weights (or a param tagged
+    ``is_embedding_or_output_parameter``, as Megatron-Core models tag them)."""
+    return bool(getattr(param, "is_embedding_or_output_parameter", False)) or name.endswith(_EMBEDDING_OR_OUTPUT)
+
+
 def get_param_groups(
     model_chunks: list[torch.nn.Module],
     config: OptimizerConfig,
     no_weight_decay_cond: NoWeightDecayCond | None = None,
 ) -> list[dict[str, Any]]:
-    """Split trainable params into a weight-decay group and a no-weight-decay group.
+    """Split trainable params into weight-decay and no-weight-decay groups.
 
-    Biases and 1-D params (norm weights) get ``wd_mult = 0.0``; the rest ``wd_mult = 1.0``. Both
-    groups get ``lr_mult = 1.0``. A param shared by several chunks is listed once. Empty groups are
-    dropped. Group names (``decay``, ``no_decay``) identify groups in checkpoints.
+    Biases and 1-D params (norm weights) get ``wd_mult = 0.0``; the rest ``wd_mult = 1.0``; every
+    group ``lr_mult = 1.0``. With ``config.decoupled_lr`` the embedding and output layer weights
+    (:func:`is_embedding_or_output_parameter`) form groups of their own with ``is_decoupled_lr`` and
+    ``max_lr`` / ``min_lr`` = ``decoupled_lr`` / ``decoupled_min_lr`` (default ``min_lr``), which
+    :class:`OptimizerParamScheduler` follows. A param shared by several chunks is listed once. Empty
+    groups are dropped. Group names (``decay``, ``no_decay``, ``decoupled_decay``,
+    ``decoupled_no_decay``) identify groups in checkpoints.
     """
     no_wd = no_weight_decay_cond or _default_no_wd
     lr = config.lr if config.lr is not None else 0.0
-    buckets: dict[str, list[torch.nn.Parameter]] = {"decay": [], "no_decay": []}
+    decoupled = config.decoupled_lr is not None
+    buckets: dict[str, list[torch.nn.Parameter]] = {n: [] for n, *_ in _GROUPS}
     seen: set[int] = set()
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            buckets["no_decay" if no_wd(name, param) else "decay"].append(param)
+            kind = "no_decay" if no_wd(name, param) else "decay"
+            if decoupled and is_embedding_or_output_parameter(name, param):
+                kind = "decoupled_" + kind
+            buckets[kind].append(param)
     groups = []
-    for name, wd_mult in (("decay", 1.0), ("no_decay", 0.0)):
-        if buckets[name]:
-            groups.append({
-                "params": buckets[name],
-                "name": name,
-                "wd_mult": wd_mult,
-                "lr_mult": 1.0,
-                "lr": lr,
-                "weight_decay": config.weight_decay * wd_mult,
-            })
+    for name, wd_mult, is_decoupled in _GROUPS:
+        if not buckets[name]:
+            continue
+        group = {"params": buckets[name], "name": name, "wd_mult": wd_mult, "lr_mult": 1.0,
+                 "is_decoupled_lr": is_decoupled, "lr": lr, "weight_decay": config.weight_decay * wd_mult}
+        if is_decoupled:
+            group["max_lr"] = config.decoupled_lr
+            group["min_lr"] = config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
+            group["lr"] = config.decoupled_lr
+        groups.append(group)
     return groups
+
+
+# (name, wd_mult, is_decoupled_lr) of each param group, in the optimizer's order.
+_GROUPS = (("decay", 1.0, False), ("no_decay", 0.0, False),
+           ("decoupled_decay", 1.0, True), ("decoupled_no_decay", 0.0, True))
+assert tuple(name for name, *_ in _GROUPS) == PARAM_GROUP_NAMES  # the distributed optimizer's checkpoint relies on it
 
 
 def _make_grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:

@@ -16,6 +16,12 @@ class OptimizerConfig:
     optimizer: str = doc("adam", "Optimizer.", choices=OPTIMIZERS)
     lr: float | None = doc(None, "Peak learning rate (after warm-up).")
     min_lr: float = doc(0.0, "Learning rate floor at the end of decay.")
+    decoupled_lr: float | None = doc(
+        None, "Peak learning rate of the input embedding and output layer weights (embedding.word_embeddings.weight, "
+        "output_layer.weight and its tied copy on the last pipeline stage; not the position embeddings), which then "
+        "form param groups of their own on the same warm-up/decay schedule. Default: --lr for every param.")
+    decoupled_min_lr: float | None = doc(
+        None, "Learning rate floor of the --decoupled-lr params; default --min-lr. Only with --decoupled-lr.")
     weight_decay: float = doc(0.01, "Weight decay coefficient (not applied to biases and 1-D params).")
     adam_beta1: float = doc(0.9, "Adam beta1.")
     adam_beta2: float = doc(0.999, "Adam beta2.")
@@ -40,6 +46,8 @@ class OptimizerConfig:
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_positive("lr", self.lr, allow_none=True, allow_zero=True)
         check_positive("min_lr", self.min_lr, allow_zero=True)
+        check_positive("decoupled_lr", self.decoupled_lr, allow_none=True, allow_zero=True)
+        check_positive("decoupled_min_lr", self.decoupled_min_lr, allow_none=True, allow_zero=True)
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_positive("clip_grad", self.clip_grad, allow_zero=True)
         check_positive("adam_eps", self.adam_eps)

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 COMMON_KEY = "optimizer.common"
+# The names get_param_groups gives its groups (weight decay or not, --decoupled-lr or not).
+PARAM_GROUP_NAMES = ("decay", "no_decay", "decoupled_decay", "decoupled_no_decay")
 # Group entries restored from a checkpoint; the rest comes from this run's config.
 _RESTORED_GROUP_KEYS = ("lr", "weight_decay")
 
@@ -109,14 +111,17 @@ def _group_step(opt: MegatronOptimizer, group: dict[str, Any]) -> float | None:
 
 def _agree_on_steps(opt: MegatronOptimizer, groups: dict[str, dict[str, Any]]) -> None:
     """Distributed optimizer: the writer of ``optimizer.common`` may own no param of some group, so
-    take each group's step count as the maximum over all ranks (a collective; save is one too)."""
-    names = sorted(groups)
-    steps = torch.tensor([groups[n]["step"] if groups[n]["step"] is not None else -1.0 for n in names],
-                         dtype=torch.float64, device=opt.device)
+    take each group's step count as the maximum over all ranks (a collective; save is one too).
+    Every rank reduces the same list of names: pipeline stages without embedding or output layer
+    have no --decoupled-lr groups."""
+    names = sorted(set(groups) | set(PARAM_GROUP_NAMES))
+    steps = torch.tensor([groups[n]["step"] if n in groups and groups[n]["step"] is not None else -1.0
+                          for n in names], dtype=torch.float64, device=opt.device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     for name, step in zip(names, steps.tolist()):
-        groups[name]["step"] = step if step >= 0 else None
+        if name in groups:
+            groups[name]["step"] = step if step >= 0 else None
 
 
 def build(opt: MegatronOptimizer, model_sd: dict, common_replica_id: int = 0) -> tuple[dict[str, Any], list[str]]:
@@ -147,6 +152,17 @@ def build(opt: MegatronOptimizer, model_sd: dict, common_replica_id: int = 0) ->
     }
     sharded = {"param_state": param_state, "common": ShardedObject(COMMON_KEY, common, common_replica_id)}
     return sharded, [st.key for st in tensors]
+
+
+def _saved_group(saved_groups: dict[str, Any], name: str) -> dict[str, Any]:
+    """The checkpoint's group ``name``. A ``decoupled_*`` group (--decoupled-lr) missing from a
+    checkpoint saved without --decoupled-lr takes the group its params were in (same step count)."""
+    saved = saved_groups.get(name)
+    if saved is None and name.startswith("decoupled_"):
+        saved = saved_groups.get(name[len("decoupled_"):])
+    if saved is None:
+        raise ValueError(f"param group {name!r} is missing from the loaded optimizer state")
+    return saved
 
 
 @torch.no_grad()
@@ -181,9 +197,7 @@ def apply(opt: MegatronOptimizer, loaded: dict[str, Any], keys: list[str]) -> No
         if main_p is not model_p and "fp32_param" not in entry:
             main_p.copy_(model_p)  # saved from a run without main copies: start from the weights
     for group in opt.optimizer.param_groups:
-        saved = common["param_groups"].get(group["name"])
-        if saved is None:
-            raise ValueError(f"param group {group['name']!r} is missing from the loaded optimizer state")
+        saved = _saved_group(common["param_groups"], group["name"])
         for k in _RESTORED_GROUP_KEYS:
             if k in saved:
                 group[k] = saved[k]
