@@ -9,6 +9,9 @@ checkpoint. What is stored: ``model`` and ``optimizer`` (sharded), ``opt_param_s
 ``rng_state`` (one ShardedObject per (tp, pp) rank), ``fp8_state`` (delayed FP8 scaling's amax
 histories, when FP8 is on) and the caller's ``extra_state`` (iteration, consumed samples, FLOPs so
 far, ``args``, ``checkpoint_version``) as common values.
+
+Loading also reads Megatron-LM's legacy ``torch`` format (``mp_rank_*`` folders), told apart by its
+files: see ``legacy_checkpoint``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def read_tracker(root: str) -> int | None:
     """The iteration named by ``<root>/latest_checkpointed_iteration.txt``, or None without one.
 
     Raises:
-        ValueError: the tracker holds something other than an integer (``release`` is not supported).
+        ValueError: the tracker holds something other than an integer (``release`` is read only for
+            legacy ``torch`` checkpoints, by ``legacy_checkpoint``).
     """
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.isfile(path):
@@ -303,6 +307,9 @@ def load_checkpoint(
 ) -> dict | None:
     """Collectively load the newest (or ``ckpt_step``) checkpoint of ``load_dir`` in place.
 
+    A directory in Megatron-LM's legacy ``torch`` format is read by ``legacy_checkpoint`` (weights,
+    iteration, consumed samples and schedule; the optimizer restarts from the weights).
+
     Model tensors of ``model_sharded_state_dict`` are filled in place (any saving layout works). The
     optimizer (``load_sharded_state_dict``) and scheduler (``load_state_dict``) are restored unless
     ``load_optim`` is False or ``finetune``; RNG states unless ``load_rng`` is False, ``finetune``, or
@@ -319,6 +326,13 @@ def load_checkpoint(
             names a missing or incomplete checkpoint; ``model_args_check`` differs from the saved
             args; the optimizer state was asked for but not saved; missing keys or shape mismatch.
     """
+    from megatron.training import legacy_checkpoint  # here, not at the top: it imports this module
+
+    legacy = legacy_checkpoint.find_legacy_checkpoint(load_dir, ckpt_step)
+    if legacy is not None:  # the format is told by the files, as Megatron's --auto-detect-ckpt-format
+        return legacy_checkpoint.load_legacy_checkpoint(
+            legacy, model_sharded_state_dict, optimizer, opt_param_scheduler, load_optim=load_optim,
+            load_rng=load_rng, finetune=finetune, model_args_check=model_args_check, fp8_state=fp8_state, log=log)
     found = _resolve_checkpoint(load_dir, ckpt_step, exit_on_missing_checkpoint, log)
     if found is None:
         return None
