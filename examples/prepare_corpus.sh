@@ -40,3 +40,5 @@ echo
 echo "Data flags for pretrain_gpt.py:"
 echo "  --data-path $OUTDIR/corpus_text_document --split 949,50,1 \\"
 echo "  --tokenizer-type GPT2BPETokenizer --vocab-file $OUTDIR/vocab.json --merge-file $OUTDIR/merges.txt"
+echo "(On these 399 documents 949,50,1 leaves the test split empty: training says so and skips the test"
+echo " evaluation; --split 90,5,5 gives every split documents.)"

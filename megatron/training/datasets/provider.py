@@ -9,7 +9,7 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset, data_file_path, index_file_path
-from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.datasets.utils import Split, get_blend_from_list
 
 DEFAULT_SPLIT = "969, 30, 1"
 
@@ -74,9 +74,23 @@ def core_gpt_dataset_config(data_cfg: Any, tokenizer: Any, seq_length: int, seed
         reset_position_ids=data_cfg.reset_position_ids,
         reset_attention_mask=data_cfg.reset_attention_mask,
         eod_mask_loss=data_cfg.eod_mask_loss,
+        # Only a --reset-attention-mask mask is ever used; the plain causal one is never materialised.
+        create_attention_mask=data_cfg.create_attention_mask_in_dataloader and data_cfg.reset_attention_mask,
         mid_level_dataset_surplus=data_cfg.mid_level_dataset_surplus,
         log=log,
     )
+
+
+SPLIT_NAMES = ("train", "validation", "test")
+WITHOUT_SPLIT = ("no training", "no validation", "no test evaluation")
+
+
+def report_empty_splits(empty: dict[Split, str], log: Callable[[str], Any] = print) -> None:
+    """One line per split that holds no sample and is therefore not built (Megatron's rule for an
+    empty split: what needs it is skipped). An empty train split that training needs is refused by
+    the builder instead, on every rank alike."""
+    for split in sorted(empty, key=lambda s: s.value):
+        log(f" > {SPLIT_NAMES[split.value]} split is empty ({empty[split]}): {WITHOUT_SPLIT[split.value]}")
 
 
 def build_train_valid_test_datasets(data_cfg: Any, tokenizer: Any, seq_length: int, seed: int,
@@ -95,14 +109,19 @@ def build_train_valid_test_datasets(data_cfg: Any, tokenizer: Any, seq_length: i
         train_valid_test_num_samples: samples wanted per split.
         parallel_state: this rank's ``ParallelState`` (None: a single process).
         log: where progress and the blend report go.
+
+    Raises:
+        ValueError: a user error in the data flags (raised on every rank alike), e.g. an empty
+            train split (``BlendedMegatronDatasetBuilder.empty_splits``).
     """
     config = core_gpt_dataset_config(data_cfg, tokenizer, seq_length, seed, log)
     cls = MockGPTDataset if config.mock else GPTDataset
     built_here = is_dataset_built_on_rank(parallel_state)
     log(f"> building train, validation, and test datasets for GPT ({'mock data' if config.mock else 'indexed data'}) ...")
-    datasets = BlendedMegatronDatasetBuilder(cls, list(train_valid_test_num_samples), lambda: built_here,
-                                             config).build()
-    for name, ds, want in zip(("train", "validation", "test"), datasets, train_valid_test_num_samples):
+    builder = BlendedMegatronDatasetBuilder(cls, list(train_valid_test_num_samples), lambda: built_here, config)
+    report_empty_splits(builder.empty_splits(), log)
+    datasets = builder.build()
+    for name, ds, want in zip(SPLIT_NAMES, datasets, train_valid_test_num_samples):
         if ds is None:
             continue
         if isinstance(ds, BlendedDataset):
