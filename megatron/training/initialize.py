@@ -1,10 +1,15 @@
-"""Process-group set-up, device choice and seeding."""
+"""Process-group set-up, device choice, seeding, and stopping the whole job on an error."""
 
 from __future__ import annotations
 
 import os
 import random
+import signal
+import sys
+import threading
+import time
 from datetime import timedelta
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -49,6 +54,8 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10, tp:
         dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if backend == "nccl" else None)
+        if world > 1 and init_method == "env://":
+            _start_error_channel(world)
     return device, initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
@@ -71,6 +78,174 @@ def set_random_seeds(seed: int, pp_rank: int = 0) -> None:
 
 
 def destroy() -> None:
+    global _channel
+    if _channel is not None:
+        _channel.close()
+        _channel = None
     destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+# One error, one line, every rank out with the same code.
+#
+# A rank that raises a user error must not simply exit: its peers may be blocked in a collective
+# with it (gloo then dumps "Connection reset" tracebacks, NCCL hangs until its timeout), and torchrun
+# SIGTERMs the others the moment one rank exits. So the failing rank records the error in the job's
+# TCPStore, every other rank's watcher thread sees it within POLL_S, all meet at a store barrier,
+# ignore SIGTERM from then on and leave with the error's exit code, the failing ranks first (so that
+# torchrun names one of them as the root cause). The store is a connection of its own to the job's
+# store server (under torchrun the agent's, which outlives every rank): the process group's client
+# can be held by a blocking wait (NCCL's rendezvous) that would starve the watcher.
+
+POLL_S = 1.0  # how often a rank looks for a peer's error
+JOIN_TIMEOUT_S = 60.0  # how long the ranks that know wait for the others at the barrier
+
+
+class ErrorChannel:
+    """The store keys through which the ranks of one job (one torchrun attempt) stop together."""
+
+    def __init__(self, store, world: int):
+        self.store, self.world = store, world
+        self._lock = threading.Lock()  # one exit per process: the main thread's or the watcher's
+        self._closed = threading.Event()
+        self.stopping = False  # set once this process is on its way out through ``stop``
+
+    def watch(self) -> None:
+        """Poll for a peer's error in a daemon thread; on one, leave with its code (see ``stop``)."""
+        threading.Thread(target=self._watch, name="megatron-error-watch", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        try:
+            while not self.store.check(["failed"]):
+                if self._closed.wait(POLL_S):
+                    return
+        except Exception:  # the store server is gone: the job is ending anyway
+            return
+        if not self._closed.is_set():
+            self.stop(None, 0)
+
+    def stop(self, message: str | None, code: int) -> NoReturn:
+        """Exit this process once every rank knows. ``message`` is this rank's own error (main
+        thread): the first rank to report one prints it and sets the job's exit code (``code``).
+        ``None`` (the watcher): a peer failed; leave quietly with the job's code."""
+        with self._lock:
+            self.stopping = True
+            reported = False
+            try:
+                _ignore_sigterm()
+                if message is not None:
+                    first = self._report(code)
+                    reported = True
+                    if first:
+                        _print_error(message)
+                code = int(self.store.get("code"))
+                self._join()
+                self._leave_in_order(reporter=message is not None)
+            except Exception:  # a broken store, or a rank that never came: leave all the same
+                if message is not None and not reported:
+                    _print_error(message)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _report(self, code: int) -> bool:
+        """Record this rank's error; True for the first rank to report (the one that prints)."""
+        first = self.store.add("reporters", 1) == 1
+        if first:
+            self.store.set("code", str(code))
+        self.store.set("failed", "1")
+        return first
+
+    def _join(self) -> None:
+        if self.store.add("joined", 1) == self.world:
+            self.store.set("all_joined", "1")
+        self.store.wait(["all_joined"], timedelta(seconds=JOIN_TIMEOUT_S))
+
+    def _leave_in_order(self, reporter: bool) -> None:
+        """The ranks that raised the error leave first, the others a moment after them."""
+        if reporter:
+            self.store.add("left", 1)
+            return
+        reporters = self.store.add("reporters", 0)
+        deadline = time.monotonic() + 5.0
+        while self.store.add("left", 0) < reporters and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # a reporter exits right after counting itself; torchrun polls every 0.1 s
+
+
+def _ignore_sigterm() -> None:
+    """Ignore SIGTERM from any thread (``signal.signal`` works in the main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return
+    import ctypes
+
+    setsig = ctypes.pythonapi.PyOS_setsig  # CPython's C API: sigaction from any thread
+    setsig.argtypes, setsig.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
+    setsig(signal.SIGTERM, signal.SIG_IGN.value)
+
+
+_channel: ErrorChannel | None = None
+
+
+def wait_if_leaving() -> None:
+    """Called by the main thread with an exception in hand: when this rank is already leaving for
+    a peer's error, the exception is its consequence (no rank leaves before every rank has joined,
+    and a peer that left closes its connections): wait for the exit instead of reporting it."""
+    if _channel is not None and _channel.stopping:
+        with _channel._lock:  # held until os._exit
+            pass
+
+
+def _print_error(message: str) -> None:
+    print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+
+
+def _store_client(prefix: str):
+    """A new connection to the job's store server (MASTER_ADDR:MASTER_PORT), keys under ``prefix``."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
+    return dist.PrefixStore(prefix, store)
+
+
+def _channel_prefix() -> str:
+    """Per torchrun run and attempt: the agent's store outlives restarts (--max-restarts)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"megatron/errors/{run_id}/{attempt}"
+
+
+def _start_error_channel(world: int) -> None:
+    global _channel
+    _channel = ErrorChannel(_store_client(_channel_prefix()), world)
+    _channel.watch()
+
+
+def stop_job(message: str, code: int) -> int:
+    """Report an error that stops the run: ``pretrain_gpt.py: error: <message>`` once per job.
+
+    In a job of several processes every rank exits with ``code`` (this function does not return)
+    once all have learned of it; a single process prints, tears down and returns ``code``. Before
+    the process groups exist, the ranks meet in torchrun's store (every rank raises the same error
+    from the same flags); without torchrun, rank 0 alone prints.
+    """
+    if _channel is not None:
+        _channel.stop(message, code)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    if world > 1 and not dist.is_initialized() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        try:
+            channel = ErrorChannel(_store_client(_channel_prefix()), world)
+        except Exception:  # no store to meet in: fall through to rank 0 printing
+            pass
+        else:
+            channel.stop(message, code)
+    if rank == 0 or dist.is_initialized():
+        _print_error(message)
+    destroy()
+    return code

@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -101,8 +100,9 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         raise KeyboardInterrupt("killed during save")
 
     monkeypatch.setattr(checkpointing.dist_checkpointing, "save", dies_half_way)
-    with pytest.raises(KeyboardInterrupt):
-        run(TINY + f"--train-iters 6 --save {ck} --load {ck} --save-interval 2 --override-opt-param-scheduler".split())
+    # An interrupt (a second Ctrl-C) ends the run with 130 and one line, wherever it lands.
+    assert run(TINY + f"--train-iters 6 --save {ck} --load {ck} --save-interval 2 "
+                      "--override-opt-param-scheduler".split()) == 130
     monkeypatch.setattr(checkpointing.dist_checkpointing, "save", real_save)
     assert checkpointing.read_tracker(str(ck)) == 4
     assert run(TINY + f"--train-iters 6 --save {ck} --load {ck} --override-opt-param-scheduler".split()) == 0
@@ -146,26 +146,6 @@ def test_bf16_trains(tmp_path):
     assert run(TINY + f"--train-iters 6 --bf16 --metrics-file {tmp_path}/m.jsonl".split()) == 0
     curve = losses(f"{tmp_path}/m.jsonl")
     assert curve[6] < curve[1]
-
-
-@pytest.mark.slow
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
-    ck = tmp_path / "ck"
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "100000",
-           "--save", str(ck), "--exit-signal-handler"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if "iteration        3/" in line:
-            break
-    assert proc.poll() is None, "".join(seen)[-2000:]
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out[-2000:]
-    assert "exiting on SIGTERM" in out
-    it = checkpointing.read_tracker(str(ck))
-    assert it is not None and it >= 3
 
 
 @pytest.mark.slow
@@ -308,43 +288,3 @@ def test_bad_lr_schedule_fails_before_the_model_is_built(capsys):
     captured = capsys.readouterr()
     assert "LR warm-up (8 samples" in captured.err and "Traceback" not in captured.err
     assert "number of parameters" not in captured.out and "> kernels" not in captured.out
-
-
-def _children(pid: int) -> list[int]:
-    """Direct child processes of ``pid`` (torchrun's workers), from /proc."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except OSError:
-                continue
-    return kids
-
-
-@pytest.mark.slow
-def test_sigterm_to_one_rank_stops_every_rank_with_one_checkpoint(tmp_path):
-    """Only one of two ranks gets SIGTERM: the flag is max-reduced with the step results, so both
-    finish the same step, save one checkpoint together and exit 0."""
-    ck = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "100000", "--save", str(ck),
-           "--exit-signal-handler"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if "iteration        3/" in line:
-            break
-    workers = _children(proc.pid)
-    assert proc.poll() is None and len(workers) == 2, "".join(seen)[-2000:]
-    os.kill(workers[-1], signal.SIGTERM)
-    out, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 0, out[-3000:]
-    assert "exiting on SIGTERM" in out
-    it = checkpointing.read_tracker(str(ck))
-    assert it is not None and it >= 3
-    assert out.count("successfully saved checkpoint") == 1  # one collective save, at the same step on both ranks

@@ -7,6 +7,12 @@ stored in its checkpoint yields exactly the micro-batches the uninterrupted run 
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
+import os
+import signal
+import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -137,7 +143,9 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
                                                    data_parallel_rank, data_parallel_size, seed)
     else:
         raise ValueError(f"--dataloader-type {dataloader_type!r} is not valid; choose one of ['single', 'cyclic']")
-    return DataLoader(
+    if num_workers > 0:
+        _reap_workers_at_exit()
+    return _PretrainingDataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
@@ -145,4 +153,77 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
         persistent_workers=num_workers > 0,
         # Own generator: creating the iterator must not consume the global RNG (exact resume of dropout).
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=functools.partial(worker_init, _os_parent_of_workers()) if num_workers > 0 else None,
     )
+
+
+def _os_parent_of_workers() -> int | None:
+    """This process's pid when DataLoader workers will be its OS children (fork and spawn; with
+    forkserver their parent is the server), else None."""
+    return os.getpid() if torch.multiprocessing.get_start_method() in ("fork", "spawn") else None
+
+
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+class _PretrainingDataLoader(DataLoader):
+    """A DataLoader whose workers start with the stop signals blocked: a worker is forked (or
+    spawned) with its parent's signal mask, and until ``worker_init`` has made it ignore them, a
+    SIGTERM or SIGINT sent to the rank's process group would kill it (torch's worker handler lets
+    only its parent's SIGTERM through quietly). Signals that arrive meanwhile reach the rank when
+    the workers are up."""
+
+    def __iter__(self):
+        if self.num_workers == 0:
+            return super().__iter__()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        before = set(multiprocessing.active_children())
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            _WORKERS.update(c for c in multiprocessing.active_children() if c not in before)
+
+
+def worker_init(parent_pid: int | None, worker_id: int) -> None:
+    """Make a DataLoader worker deaf to SIGTERM and SIGINT, and bound to its rank's life.
+
+    torchrun, SLURM and a terminal's Ctrl-C signal the rank's whole process group, workers included;
+    a worker that died of it would crash the rank ("DataLoader worker exited unexpectedly") before
+    it could finish the step and save. The rank alone decides when to stop, and its workers never
+    outlive it: on Linux they get SIGKILL when the thread that started them (the rank's main thread,
+    which creates every iterator) exits; elsewhere the DataLoader's own watchdog stops them within
+    seconds. (The rank started them with the stop signals blocked: unblocked here, once ignored.)
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if parent_pid is not None and os.getppid() != parent_pid:  # the rank died before prctl took effect
+        os._exit(0)
+
+
+_WORKERS: weakref.WeakSet = weakref.WeakSet()  # the worker processes this process's loaders started
+
+
+@functools.cache
+def _reap_workers_at_exit() -> None:
+    """At interpreter exit, multiprocessing terminates daemonic children (SIGTERM) and joins them;
+    the workers ignore SIGTERM, so a worker still running then (an iterator alive at exit, e.g. after
+    an exception) would be joined forever. This hook, registered after multiprocessing's and so run
+    before it, kills and reaps them first. Registered once per process."""
+    import atexit
+
+    def kill_workers() -> None:
+        live = [w for w in list(_WORKERS) if w.is_alive()]
+        if live:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's handler would call this a failure
+        for worker in live:
+            worker.kill()
+            worker.join()
+
+    atexit.register(kill_workers)
