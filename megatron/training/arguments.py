@@ -43,6 +43,10 @@ class ModelImplConfig:
         "'auto' and 'on': compiled on CUDA, at any tensor-parallel size; 'off': eager everywhere. "
         "Has no effect on CPU. Compilation adds about a minute at start-up.",
         choices=("auto", "on", "off"))
+    disable_bf16_reduced_precision_matmul: bool = doc(
+        False, "Make cuBLAS accumulate bf16 GEMMs without reduced-precision reductions "
+        "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False); slower, closer to fp32. "
+        "Set once at start-up; no effect on the CPU.")
 
 
 @dataclass
@@ -59,12 +63,16 @@ class RunConfig:
     logger: LoggerConfig
     impl: ModelImplConfig
     ddp: DistributedDataParallelConfig
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """Accepted Megatron-LM flags that change nothing here, one line each, for the log."""
 
     def to_dict(self) -> dict:
-        """A plain, JSON-friendly nested dict (dtypes and callables as strings)."""
+        """A plain, JSON-friendly nested dict of the configs (dtypes and callables as strings)."""
         out = {}
         for f in dataclasses.fields(self):
             cfg = getattr(self, f.name)
+            if not dataclasses.is_dataclass(cfg):
+                continue
             out[f.name] = {k.name: _plain(getattr(cfg, k.name)) for k in dataclasses.fields(cfg)}
         return out
 
@@ -91,6 +99,16 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("logging and evaluation", LoggerConfig),
 )
 
+# Further Megatron-LM spellings of a field's flag (the same argparse action): flag -> field.
+SPELLINGS: dict[str, str] = {
+    "--override-opt_param-scheduler": "override_opt_param_scheduler",
+    "--use-checkpoint-opt_param-scheduler": "use_checkpoint_opt_param_scheduler",
+    "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
+    "--persistent-save-interval": "save_interval",
+    "--disable-log-loss-scale-to-tensorboard": "log_loss_scale_to_tensorboard",
+    "--disable-pad-vocab-size": "pad_vocab_size",
+}
+
 # Megatron spellings that are not one field each: flag -> (section, argparse kwargs).
 ALIASES: dict[str, tuple[str, dict]] = {
     "--swiglu": ("model", dict(action="store_true", help="SwiGLU MLP (sets activation to swiglu).")),
@@ -105,94 +123,14 @@ ALIASES: dict[str, tuple[str, dict]] = {
         action="store_true", help="No learned position table: --position-embedding-type none, unless rope is chosen "
                                   "(which has none anyway).")),
     "--recompute-activations": ("model", dict(action="store_true", help="Same as --recompute-granularity selective.")),
+    "--cross-entropy-loss-fusion": ("model", dict(action="store_true", dest="cross_entropy_loss_fusion_on", help=(
+        "Megatron-LM's switch for the fused output layer and cross entropy, which is on here by default "
+        "(see --no-cross-entropy-loss-fusion)."))),
     "--grad-reduce-in-bf16": ("data-parallel", dict(
         action="store_true", help="With --bf16: keep the main gradients in bf16 and reduce them across data-parallel "
                                   "ranks in bf16 (half the communication and gradient memory; accumulation over "
                                   "micro-batches also in bf16). Default: fp32.")),
 }
-
-
-# Megatron-LM flags this entry point does not take, each with what to do instead: a Megatron-LM script
-# stops with one line naming them, not "unrecognized arguments" and a guess at a similar spelling.
-_CP = ("context parallelism is not built yet; for long sequences use --sequence-parallel with "
-       "--tensor-model-parallel-size, or --recompute-granularity")
-_MOE = "mixture-of-experts layers are not built yet (dense models only)"
-_FSDP = ("FSDP is not built; --use-distributed-optimizer shards the optimizer state and main parameters over the "
-         "data-parallel ranks")
-_OPT_DTYPES = ("the main parameters and Adam moments are fp32, the main gradients fp32 (bf16 with "
-               "--grad-reduce-in-bf16); drop it")
-_TIMERS = "per-phase timers are not kept: the iteration time is logged, and --profile breaks a step down"
-NOT_TAKEN: dict[str, str] = {
-    "--use-legacy-models": "there is only one model implementation; drop it",
-    "--checkpoint-activations": "use --recompute-granularity full",
-    "--cp-comm-type": _CP,
-    "--hierarchical-context-parallel-sizes": _CP,
-    "--expert-tensor-parallel-size": _MOE,
-    "--num-experts": _MOE,
-    "--tp-comm-overlap": ("Transformer Engine's overlap of the tensor-parallel collectives; there is no Transformer "
-                          "Engine path, and PyTorch's micro-pipelined tensor parallelism measured slower on two "
-                          "GPUs (docs/performance.md); drop it"),
-    "--fp8-param-gather": ("FP8 parameters need Transformer Engine; FP8 here casts the bf16 weights in each forward "
-                           "(docs/fp8.md); drop it"),
-    "--use-torch-fsdp2": _FSDP,
-    "--use-megatron-fsdp": _FSDP,
-    "--data-parallel-sharding-strategy": _FSDP,
-    "--use-precision-aware-optimizer": _OPT_DTYPES,
-    "--main-grads-dtype": _OPT_DTYPES,
-    "--main-params-dtype": _OPT_DTYPES,
-    "--exp-avg-dtype": _OPT_DTYPES,
-    "--exp-avg-sq-dtype": _OPT_DTYPES,
-    "--log-timers-to-tensorboard": _TIMERS,
-    "--timing-log-level": _TIMERS,
-    "--timing-log-option": _TIMERS,
-    "--tensorboard-log-interval": "scalars are written every --log-interval iterations",
-    "--async-save": "checkpoints are written synchronously (atomically, see docs/checkpoints.md); drop it",
-    "--use-checkpoint-args": ("pass the model flags again: a checkpoint saved for a different model is refused at "
-                              "load, listing each flag that differs"),
-    "--rampup-batch-size": "batch-size ramp-up is not built; use a fixed --global-batch-size",
-    "--log-params-norm": "the parameter norm is not logged (the gradient norm is); drop it",
-}
-NOT_TAKEN_PREFIXES: dict[str, str] = {"--moe-": _MOE}
-
-# Megatron-LM flags that ask for what this package does anyway: accepted, without effect (the ones
-# with a value are checked in _apply_aliases).
-_ACCEPTED = "Accepted for Megatron-LM scripts, no effect: "
-_NO_KERNEL = (_ACCEPTED + "Megatron-LM's hand-written fused kernel does not exist here; torch.compile fuses each "
-              "layer (--torch-compile off runs them unfused).")
-COMPAT_FLAGS: dict[str, dict] = {
-    "--use-mcore-models": dict(action="store_true", help=_ACCEPTED + "the model is always this package's own."),
-    "--use-flash-attn": dict(action="store_true", help=_ACCEPTED + "attention always runs through torch's "
-                             "scaled_dot_product_attention (cuDNN's fused attention on Hopper)."),
-    "--attention-backend": dict(choices=("auto", "flash", "fused", "unfused", "local"), default="auto", help=(
-        "Accepted for Megatron-LM scripts at auto, flash or fused (no effect: attention always runs through torch's "
-        "scaled_dot_product_attention, which picks cuDNN's fused attention on Hopper); unfused and local are "
-        "refused.")),
-    "--attention-softmax-in-fp32": dict(action="store_true",
-                                        help=_ACCEPTED + "the fused attention kernels keep the softmax in fp32."),
-    "--no-masked-softmax-fusion": dict(action="store_true", help=_NO_KERNEL),
-    "--no-bias-dropout-fusion": dict(action="store_true", help=_NO_KERNEL),
-    "--no-bias-swiglu-fusion": dict(action="store_true", help=_NO_KERNEL),
-    "--no-rope-fusion": dict(action="store_true", help=_NO_KERNEL),
-    "--no-gradient-accumulation-fusion": dict(action="store_true", help=_ACCEPTED + "weight gradients are always "
-                                              "added into the main gradients by a kernel of their own (no APEX)."),
-    "--accumulate-allreduce-grads-in-fp32": dict(action="store_true", help=_ACCEPTED + "main gradients are "
-                                                 "accumulated and reduced in fp32 unless --grad-reduce-in-bf16."),
-    "--log-memory-to-tensorboard": dict(action="store_true", help=_ACCEPTED + "GPU memory is always written with "
-                                        "--tensorboard-dir / --wandb-project."),
-    "--log-validation-ppl-to-tensorboard": dict(action="store_true", help=_ACCEPTED + "validation perplexity is "
-                                                "always written with --tensorboard-dir / --wandb-project."),
-    "--context-parallel-size": dict(type=int, default=1, metavar="1",
-                                    help="Accepted at 1 for Megatron-LM scripts: " + _CP + "."),
-    "--expert-model-parallel-size": dict(type=int, default=1, metavar="1",
-                                         help="Accepted at 1 for Megatron-LM scripts: " + _MOE + "."),
-}
-
-
-def _not_taken(flag: str) -> str | None:
-    """What to do instead of Megatron-LM flag ``flag``, if it is one this entry point does not take."""
-    if flag in NOT_TAKEN:
-        return NOT_TAKEN[flag]
-    return next((why for prefix, why in NOT_TAKEN_PREFIXES.items() if flag.startswith(prefix)), None)
 
 
 # Fields without a usable default: the run stops with "--flag is required" when one is missing.
@@ -226,35 +164,138 @@ def _base_type(annotation) -> type:
     return annotation if annotation in (int, float, str, bool) else str
 
 
+class _ParseStop(Exception):
+    """argparse met a mistake it cannot parse past (a flag missing its value)."""
+
+
 class _Parser(argparse.ArgumentParser):
-    """Reports a bad flag in one line, with the closest valid spelling, instead of the whole usage."""
+    """Collects every mistake of one command line, so that all of them are reported at once."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mistakes: list[str] = []
 
     def error(self, message: str):
-        if message.startswith("unrecognized arguments:"):
-            # (arg as given, flag name, what to do instead if a Megatron-LM flag not taken); values are skipped
-            flags = [(a, name, _not_taken(name)) for a in message.split(":", 1)[1].split() if a.startswith("--")
-                     for name in [a.split("=")[0]]]
-            not_taken = [f"{name}: {why}" for _, name, why in flags if why]
-            if not_taken:
-                others = [a for a, _, why in flags if not why]
-                message = ("Megatron-LM flags not taken here: " + "; ".join(not_taken)
-                           + (f"; also unrecognized: {' '.join(others)}" if others else ""))
+        raise _ParseStop(message)
+
+
+class _Value(argparse.Action):
+    """Stores a flag's converted value; a value of the wrong type or outside the choices is recorded
+    as a mistake (reported with every other mistake of the launch) instead of stopping the parse."""
+
+    def __init__(self, option_strings, dest, convert=str, allowed=None, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.convert, self.allowed = convert, allowed
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        many = isinstance(values, list)
+        out = []
+        for raw in values if many else [values]:
+            try:
+                value = self.convert(raw)
+            except ValueError:
+                parser.mistakes.append(f"{option_string} {raw}: not a valid {self.convert.__name__}, e.g. "
+                                       f"{option_string} {_EXAMPLE[self.convert]}")
+                continue
+            if self.allowed and value not in self.allowed:
+                parser.mistakes.append(f"{option_string} {raw}: choose one of {', '.join(map(str, self.allowed))}")
+                continue
+            out.append(value)
+        setattr(namespace, self.dest, out if many else (out[0] if out else None))
+
+
+_EXAMPLE = {int: "8", float: "0.1", str: "x"}
+
+
+def _close_flag(flag: str, known: list[str]) -> str | None:
+    """A known flag that is really close to ``flag`` (a typo), or None: a wrong guess misleads more
+    than no guess (``--skip-train`` is not a misspelling of ``--clip-grad``)."""
+    names = {k[2:]: k for k in known}
+    close = difflib.get_close_matches(flag[2:], list(names), n=1, cutoff=0.8)
+    return names[close[0]] if close else None
+
+
+def _unknown(extras: list[str], known: list[str]) -> list[str]:
+    """One line per argument the parser did not take (values after an unknown flag are its values)."""
+    from megatron.training.megatron_flag_table import refusal_for_unlisted
+
+    lines, after_flag = [], False
+    for arg in extras:
+        if arg.startswith("--"):
+            name = arg.split("=")[0]
+            why = refusal_for_unlisted(name)  # a family of flags refused as a whole (--moe-*)
+            if why:
+                lines.append(f"{name}: {why}")
             else:
-                known = [s for a in self._actions for s in a.option_strings]
-                hints = [f"{a} -> did you mean {close[0]}?" for a, name, _ in flags
-                         if (close := difflib.get_close_matches(name, known, n=1))]
-                if hints:
-                    message += " (" + "; ".join(hints) + ")"
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+                close = _close_flag(name, known)
+                hint = f"; did you mean {close}?" if close else ""
+                lines.append(f"{name}: not a flag of pretrain_gpt.py nor of Megatron-LM 0.19.2{hint}")
+            after_flag = True
+        elif not after_flag:
+            lines.append(f"{arg}: unexpected value (pretrain_gpt.py takes flags only)")
+    return lines
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _defaults() -> dict:
+    out = {}
+    for _, cls in SECTIONS:
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+    return out
+
+
+def default_text(field_name: str, switch: bool) -> str:
+    """How --help and docs/flags.md show a flag's default."""
+    if switch:
+        return "off"
+    if field_name in REQUIRED:
+        return "required"
+    value = _defaults().get(field_name)
+    if value is None:
+        return "none"
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _help_with_default(f: dataclasses.Field, switch: bool) -> str:
+    text = f.metadata.get("help", "")
+    default = default_text(f.name, switch)
+    if default == "required":
+        return f"{text} [required]"
+    if default == "none" and "default" in text.lower():
+        return text  # the text says how the default is derived
+    return f"{text} [default: {default}]"
+
+
+class _HelpMegatron(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from megatron.training.megatron_flag_table import describe
+
+        print(describe(), flush=True)
+        parser.exit(0)
+
+
+USAGE = "pretrain_gpt.py [--flag value ...]   (python pretrain_gpt.py, or torchrun ... pretrain_gpt.py)"
+EPILOG = ("Every flag of Megatron-LM's pretrain_gpt.py is taken: the ones above are implemented; the rest are "
+          "accepted with a note (they ask for what this package always does, or tune a Megatron internal it does "
+          "not have) or refused with what to use instead. `pretrain_gpt.py --help-megatron` lists them; "
+          "docs/flags.md has all of it.")
+
+
+def build_parser() -> _Parser:
     """The full parser; ``--help`` groups flags by config and prints each field's documentation."""
-    parser = _Parser(
-        prog="pretrain_gpt.py", allow_abbrev=False,
-        description="Pretrain a GPT model. Flags are spelled as in Megatron-LM.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    from megatron.training import megatron_flags
+    from megatron.training.megatron_flag_table import FOREIGN
+
+    parser = _Parser(prog="pretrain_gpt.py", allow_abbrev=False, usage=USAGE, epilog=EPILOG,
+                     description="Pretrain a GPT model. Flags are spelled as in Megatron-LM.")
+    parser.add_argument("--help-megatron", action=_HelpMegatron,
+                        help="List Megatron-LM's flags that are accepted without effect or refused here, and why.")
     groups = {}
     for title, cls in SECTIONS:
         group = parser.add_argument_group(title)
@@ -264,46 +305,64 @@ def build_parser() -> argparse.ArgumentParser:
             flag = _flag_name(f)
             if flag is None:
                 continue
-            kwargs = dict(dest=f.name, help=f.metadata.get("help", ""))
-            if hints[f.name] is bool:
+            switch = hints[f.name] is bool
+            kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS,
+                                help=_help_with_default(f, switch).replace("%", "%%"))
+            if switch:
                 kwargs["action"] = "store_false" if f.default is True else "store_true"
             else:
-                kwargs["type"] = _base_type(hints[f.name])
+                convert = _base_type(hints[f.name])
+                choices = f.metadata.get("choices")
+                kwargs.update(action=_Value, convert=convert, allowed=choices,
+                              metavar=f.metadata.get("metavar") or ("{" + ",".join(choices) + "}" if choices
+                                                                     else convert.__name__.upper()))
                 if f.metadata.get("nargs"):
                     kwargs["nargs"] = f.metadata["nargs"]
-                if f.metadata.get("choices"):
-                    kwargs["choices"] = f.metadata["choices"]
-            kwargs["default"] = argparse.SUPPRESS
-            group.add_argument(flag, **kwargs)
+            group.add_argument(flag, *[s for s, name in SPELLINGS.items() if name == f.name], **kwargs)
     for flag, (section, kwargs) in ALIASES.items():
-        groups[section].add_argument(flag, default=False, **kwargs)
-    compat = parser.add_argument_group("Megatron-LM compatibility (accepted, no effect)")
-    for flag, kwargs in COMPAT_FLAGS.items():
-        compat.add_argument(flag, **{"default": False, **kwargs})
+        groups[section].add_argument(flag, default=False, **{**kwargs, "help": kwargs["help"] + " [default: off]"})
+    megatron_flags.register(parser, FOREIGN)
     return parser
 
 
 def flag_list() -> list[str]:
-    """Every flag the parser accepts, sorted (pinned by a snapshot test)."""
+    """Every flag the parser implements (not the foreign ones it only notes or refuses), sorted;
+    pinned by a snapshot test."""
+    from megatron.training.megatron_flags import GIVEN
+
     parser = build_parser()
-    return sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help")
+    return sorted(s for a in parser._actions if a.dest != GIVEN for s in a.option_strings
+                  if s.startswith("--") and s not in ("--help", "--help-megatron"))
 
 
-def _apply_compat(ns: dict) -> None:
-    """Check and drop the COMPAT_FLAGS: they change nothing, but some values ask for what is not here."""
-    compat = {flag: ns.pop(flag[2:].replace("-", "_"), False) for flag in COMPAT_FLAGS}
-    for flag, why in (("--context-parallel-size", _CP), ("--expert-model-parallel-size", _MOE)):
-        if compat[flag] not in (False, 1):
-            raise ValueError(f"{flag} {compat[flag]}: {why}; pass {flag} 1 or drop it")
-    if compat["--attention-backend"] in ("unfused", "local"):
-        raise ValueError(f"--attention-backend {compat['--attention-backend']}: attention always runs through torch's "
-                         "scaled_dot_product_attention (cuDNN's fused attention on Hopper); pass auto or drop it")
-    if compat["--accumulate-allreduce-grads-in-fp32"] and ns.get("grad_reduce_in_bf16"):
+def parse_namespace(argv: list[str]) -> tuple[dict, list[str]]:
+    """(flag values by config field, notes on the accepted foreign flags). Every mistake of the
+    command line (unknown flags, refused Megatron-LM flags, bad values and choices) is reported
+    together: one line each, then exit code 2."""
+    from megatron.training.megatron_flags import GIVEN, judge
+
+    parser = build_parser()
+    stop = None
+    try:
+        ns, extras = parser.parse_known_args(argv)
+    except _ParseStop as e:
+        ns, extras, stop = argparse.Namespace(), [], str(e)
+    values = vars(ns)
+    given = values.pop(GIVEN, [])
+    notes, refusals = judge(given)
+    known = [s for a in parser._actions for s in a.option_strings]
+    mistakes = refusals + _unknown(extras, known) + parser.mistakes + ([stop] if stop else [])
+    if mistakes:
+        if len(mistakes) == 1:
+            parser.exit(2, f"{parser.prog}: error: {mistakes[0]} (see --help)\n")
+        parser.exit(2, f"{parser.prog}: error: {len(mistakes)} problems with the flags (see --help; "
+                    "--help-megatron lists the Megatron-LM flags refused here):\n  " + "\n  ".join(mistakes) + "\n")
+    if values.get("grad_reduce_in_bf16") and any(e.flag == "--accumulate-allreduce-grads-in-fp32" for e, _ in given):
         raise ValueError("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16; keep one of them")
+    return values, notes
 
 
 def _apply_aliases(ns: dict) -> None:
-    _apply_compat(ns)
     if ns.pop("use_rotary_position_embeddings", False):
         if ns.get("position_embedding_type", "rope") != "rope":
             raise ValueError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
@@ -317,6 +376,8 @@ def _apply_aliases(ns: dict) -> None:
         ns["add_bias_linear"] = False
     if ns.pop("untie_embeddings_and_output_weights", False):
         ns["share_embeddings_and_output_weights"] = False
+    if ns.pop("cross_entropy_loss_fusion_on", False) and ns.get("cross_entropy_loss_fusion") is False:
+        raise ValueError("--cross-entropy-loss-fusion contradicts --no-cross-entropy-loss-fusion; keep one of them")
     if ns.pop("recompute_activations", False):
         ns.setdefault("recompute_granularity", "selective")
     if ns.pop("grad_reduce_in_bf16", False):
@@ -365,13 +426,18 @@ def configs_from_namespace(ns: dict) -> RunConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
-    """Parse and validate ``argv``. Unknown flags exit with argparse's usage message (code 2);
-    invalid values raise ``ValueError`` with the flag name and a valid value."""
+    """Parse and validate ``argv``. Flags that cannot be taken (unknown, refused, bad values) are
+    reported together and exit with code 2; invalid combinations raise ``ValueError`` with the flag
+    name and a valid value. ``cfg.notes`` holds one line per accepted Megatron-LM flag that changes
+    nothing here, for the log."""
     from megatron.training.validation import validate_run_config
 
-    parser = build_parser()
-    ns = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    ns, notes = parse_namespace(sys.argv[1:] if argv is None else argv)
     cfg = configs_from_namespace(ns)
+    if cfg.model.sequence_parallel and cfg.model.tensor_model_parallel_size == 1:
+        cfg.model.sequence_parallel = False  # as Megatron-LM does
+        notes.append("note: --sequence-parallel is off: it needs --tensor-model-parallel-size > 1")
+    cfg.notes = notes
     validate_run_config(cfg)
     return cfg
 

@@ -10,34 +10,49 @@ def _rank_from_env() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
-class _NoParallelism:
-    tp_size = 1
+class _Layout:
+    """The parallel sizes a dry run plans for, where the providers read them from a ParallelState."""
+
+    def __init__(self, tp_size: int):
+        self.tp_size = tp_size
 
 
 def run(argv: list[str] | None = None) -> int:
-    """Parse, validate and train. A user error prints ``error: <message>`` (on rank 0) and returns 2."""
+    """Parse, validate and train; returns the exit code.
+
+    A user error (``ValueError``) prints ``pretrain_gpt.py: error: <message>`` once per job and
+    exits 2 on every rank; divergence does the same with 3 (see ``initialize.stop_job``: in a job
+    of several processes every rank leaves from there). Any other exception is a bug and keeps its
+    traceback. An abort of ``--exit-signal-handler``'s graceful exit (a second Ctrl-C) returns 130.
+    """
     from megatron.training.arguments import parse_args
     from megatron.training.gpt import GPTProviders
-    from megatron.training.initialize import destroy
+    from megatron.training.initialize import destroy, stop_job, wait_if_leaving
     from megatron.training.training import TrainingDiverged, pretrain
 
     try:
         cfg = parse_args(argv)
+        if _rank_from_env() == 0 and cfg.notes:
+            print("\n".join(cfg.notes), flush=True)
         if cfg.training.dry_run:
             from megatron.training.dry_run import dry_run
 
-            _, padded = GPTProviders.tokenizer(cfg, _NoParallelism())
+            # Padded as the real run pads it: a multiple of divisible-by x the tensor-parallel size.
+            _, padded = GPTProviders.tokenizer(cfg, _Layout(cfg.model.tensor_model_parallel_size))
             dry_run(cfg, padded)
             return 0
         pretrain(cfg, GPTProviders(cfg))
     except ValueError as e:
-        if _rank_from_env() == 0:
-            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
-        destroy()
-        return 2
+        return stop_job(str(e), 2)
     except TrainingDiverged as e:
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
-        destroy()
-        return 3
+        return stop_job(str(e), 3)
+    except KeyboardInterrupt:
+        if _rank_from_env() == 0:
+            print("pretrain_gpt.py: aborted; the checkpoints saved before remain (an interrupted save is "
+                  "never loaded)", file=sys.stderr, flush=True)
+        return 130
+    except Exception:
+        wait_if_leaving()
+        raise
     destroy()
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.training.flops import num_floating_point_operations, shape_from_config
-from megatron.training.validation import world_size_from_env
+from megatron.training.validation import planned_world_size
 
 BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
 
@@ -33,7 +33,7 @@ def estimate_memory_bytes(cfg, num_params: int, padded_vocab_size: int) -> dict[
     per_layer = tokens * m.hidden_size * (18 + 16 * ffn_scale)
     per_layer /= tp if m.sequence_parallel else 2.0 / (1.0 + 1.0 / tp)
     logits = min(tokens * padded_vocab_size / tp, 2**30) * 2  # fused CE: bf16 logits overwritten by their grads
-    dp = world_size_from_env() // (tp * pp) if cfg.ddp.use_distributed_optimizer else 1
+    dp = planned_world_size(cfg) // (tp * pp) if cfg.ddp.use_distributed_optimizer else 1
     return {
         "weights": local_params * p_bytes,
         "gradients": local_params * (4 if cfg.ddp.grad_reduce_in_fp32 else p_bytes),  # --grad-reduce-in-bf16
@@ -49,7 +49,7 @@ def dry_run(cfg, padded_vocab_size: int, log=print) -> None:
     # The whole model in one process, so without the pipeline split (uneven first/last stage sizes
     # only describe a split over several pipeline ranks); the parameter count is the same.
     whole = dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+        cfg.model, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None, decoder_first_pipeline_num_layers=None,
         decoder_last_pipeline_num_layers=None, pipeline_model_parallel_layout=None,
         account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
@@ -57,7 +57,7 @@ def dry_run(cfg, padded_vocab_size: int, log=print) -> None:
     chunks = model_provider(whole, padded_vocab_size, ParallelState(grid=RankGrid(), rank=0), "meta")
     num_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     mem = estimate_memory_bytes(cfg, num_params, padded_vocab_size)
-    world = world_size_from_env()
+    world = planned_world_size(cfg)
     t = cfg.training
     flops = num_floating_point_operations(shape_from_config(cfg.model, padded_vocab_size),
                                           t.global_batch_size, t.seq_length)

@@ -18,9 +18,15 @@ from megatron.training.loop_utils import print_rank_0
 def tokenizer_provider(cfg, pg):
     """The tokenizer and the padded vocabulary size (a multiple of divisible-by x tp)."""
     tokenizer = build_tokenizer(cfg.tokenizer)
-    padded = cfg.tokenizer.padded_vocab_size or vocab_size_with_padding(
-        tokenizer.vocab_size, cfg.training.make_vocab_size_divisible_by, pg.tp_size, log=print_rank_0)
-    return tokenizer, padded
+    if cfg.tokenizer.padded_vocab_size:
+        return tokenizer, cfg.tokenizer.padded_vocab_size
+    if not cfg.tokenizer.pad_vocab_size:
+        if tokenizer.vocab_size % pg.tp_size:
+            raise ValueError(f"--no-pad-vocab-size: the vocabulary of {tokenizer.vocab_size} tokens does not split "
+                             f"over --tensor-model-parallel-size {pg.tp_size}; drop --no-pad-vocab-size")
+        return tokenizer, tokenizer.vocab_size
+    return tokenizer, vocab_size_with_padding(tokenizer.vocab_size, cfg.training.make_vocab_size_divisible_by,
+                                              pg.tp_size, log=print_rank_0)
 
 
 def model_provider(cfg, padded_vocab_size: int, pg, device) -> list[GPTModel]:
@@ -49,6 +55,33 @@ FIRST_STAGE_KEYS = ("tokens", "position_ids")
 LAST_STAGE_KEYS = ("labels", "loss_mask")
 DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64,
           "attention_mask": torch.bool}
+
+
+# Where the attention mask of a batch comes from (``attention_mask_source``).
+CAUSAL, FROM_LOADER, ON_DEVICE = "causal", "loader", "device"
+
+
+def attention_mask_source(data_cfg) -> str:
+    """``causal``: no mask (the plain causal mask is the model's fused causal attention, so it is
+    never built, broadcast or passed); ``loader``: the data loader's --reset-attention-mask mask,
+    broadcast over tp; ``device``: that mask built on the device from the tokens
+    (--no-create-attention-mask-in-dataloader). Both masks are the same tensor."""
+    if not data_cfg.reset_attention_mask:
+        return CAUSAL
+    return FROM_LOADER if data_cfg.create_attention_mask_in_dataloader else ON_DEVICE
+
+
+def document_attention_mask(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """GPTDataset's --reset-attention-mask mask for a batch: ``[b, 1, s, s]`` bool, True = masked,
+    causal and with no attention across an end-of-document token. ``tokens`` is ``[b, s]``."""
+    s = tokens.shape[1]
+    arange = torch.arange(s, device=tokens.device)
+    starts = torch.zeros_like(tokens)
+    starts[:, 1:] = torch.where(tokens[:, :-1] == eod, arange[1:], 0)  # a document starts after each EOD
+    doc_start = torch.cummax(starts, dim=1).values  # [b, s]: where each query's document starts
+    causal = arange[None, :] > arange[:, None]  # [s, s]: key after query
+    other_doc = arange[None, None, :] < doc_start[:, :, None]  # [b, s, s]: key before the query's document
+    return (causal | other_doc).unsqueeze(1)
 
 
 def batch_keys(pre_process: bool, post_process: bool, attention_mask: bool = False) -> tuple[str, ...]:
@@ -100,16 +133,21 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model, seq_length: int | None = None, micro_batch_size: int | None = None,
-                 attention_mask: bool = False):
+                 attention_mask: str = CAUSAL, eod: int | None = None):
     """Megatron's ``forward_step``: (per-token losses [b, s] on the last stage, else the activation
-    [s, b, h] for the next stage; loss_func)."""
+    [s, b, h] for the next stage; loss_func). ``attention_mask`` is an ``attention_mask_source``;
+    ``eod`` (the tokenizer's end-of-document id) is needed with ``ON_DEVICE``."""
     module = model
     while hasattr(module, "module"):
         module = module.module
     device = next(module.parameters()).device
-    keys = batch_keys(module.pre_process, module.post_process, attention_mask)
+    keys = batch_keys(module.pre_process, module.post_process, attention_mask == FROM_LOADER)
     batch = get_batch(data_iterator, device, module.pg, seq_length, micro_batch_size, keys)
-    output = model(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"),
+    mask = batch.get("attention_mask")
+    if attention_mask == ON_DEVICE and "tokens" in batch:  # --reset-attention-mask runs with pp 1 only
+        assert eod is not None, "forward_step builds the document mask from the tokens: give eod"
+        mask = document_attention_mask(batch["tokens"], eod)
+    output = model(batch.get("tokens"), batch.get("position_ids"), mask,
                    labels=batch.get("labels"), loss_mask=batch.get("loss_mask"))
     return output, partial(loss_func, batch.get("loss_mask"))
 
@@ -155,9 +193,15 @@ class GPTProviders:
 
     tokenizer = staticmethod(tokenizer_provider)
     model = staticmethod(model_provider)
-    data_iterators = staticmethod(data_iterators)
 
     def __init__(self, cfg):
-        mask = cfg.data.reset_attention_mask
+        self.mask_source = attention_mask_source(cfg.data)
         self.forward_step = partial(forward_step, seq_length=cfg.training.seq_length,
-                                    micro_batch_size=cfg.training.micro_batch_size, attention_mask=mask)
+                                    micro_batch_size=cfg.training.micro_batch_size, attention_mask=self.mask_source)
+
+    def data_iterators(self, trainer):
+        """``data_iterators(trainer)``; it also hands ``forward_step`` the tokenizer's end-of-document
+        id, where document masks are built on the device."""
+        if self.mask_source == ON_DEVICE:
+            self.forward_step = partial(self.forward_step, eod=trainer.tokenizer.eod)
+        return data_iterators(trainer)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from megatron.core.num_microbatches_calculator import (
+    NumMicroBatchesCalculator,
+    build_num_microbatches_calculator,
+)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.checkpointing import find_arg
 from megatron.training.metrics import format_iteration_line
@@ -33,14 +39,51 @@ def print_rank_last(msg: str) -> None:
 
 
 class DistributedSignalHandler:
-    """Records SIGTERM instead of dying, so the loop can finish the step, save and exit cleanly."""
+    """Turns SIGTERM (or the ``--exit-signal``) and SIGINT into a request to finish the step, save and exit.
 
-    def __init__(self, sig: int = signal.SIGTERM):
-        self.received = False
-        self._previous = signal.signal(sig, self._handle)
+    ``received`` is the number of the first signal (0 before any); the loop max-reduces it over
+    ranks. Further SIGTERMs are ignored: under SLURM a rank can get the same SIGTERM twice (from
+    SLURM and forwarded by torchrun). Once a SIGINT is involved, the next signal aborts
+    (KeyboardInterrupt): a second Ctrl-C, or torchrun's SIGTERM after a second Ctrl-C reached it.
+    """
 
-    def _handle(self, signum, frame) -> None:
-        self.received = True
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, signals: tuple[int, ...] = SIGNALS):
+        self.received = 0
+        self._previous = {s: signal.signal(s, self._handle) for s in signals}
+
+    def _handle(self, signum: int, frame) -> None:
+        if not self.received:
+            self.received = signum
+            _notice(f"received {signal_name(signum)}: finishing the step, saving and exiting"
+                    + (" (Ctrl-C again aborts)" if signum == signal.SIGINT else ""))
+            return
+        if signal.SIGINT in (signum, self.received):
+            self.release()
+            raise KeyboardInterrupt
+
+    def release(self) -> None:
+        """Restore the handlers that were installed before (idempotent)."""
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._previous = {}
+
+
+def signal_name(number: float) -> str:
+    """``15`` -> ``SIGTERM``."""
+    return signal.Signals(int(number)).name
+
+
+def _notice(msg: str) -> None:
+    """One line on rank 0's stderr from a signal handler: os.write, because the handler may run
+    while the main thread is inside a buffered write to the same stream."""
+    if _rank() != 0:
+        return
+    try:
+        os.write(sys.stderr.fileno(), f"{msg}\n".encode())
+    except (OSError, ValueError, AttributeError):  # stderr replaced (tests) or closed
+        pass
 
 
 def build_scheduler(cfg, optimizer, train_iters: int) -> OptimizerParamScheduler:
@@ -69,11 +112,29 @@ def build_scheduler(cfg, optimizer, train_iters: int) -> OptimizerParamScheduler
         use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=s.override_opt_param_scheduler,
         wsd_decay_steps=wsd or None, lr_wsd_decay_style=s.lr_wsd_decay_style,
+        decoupled_lr=o.decoupled_lr, decoupled_min_lr=o.decoupled_min_lr,
     )
 
 
+def build_batch_calculator(cfg, dp_size: int, rank: int = 0, log=None) -> NumMicroBatchesCalculator:
+    """The global batch size schedule of ``cfg`` (constant, --rampup-batch-size or
+    --step-batch-size-schedule in tokens of --seq-length) for ``dp_size`` data-parallel ranks."""
+    t = cfg.training
+    return build_num_microbatches_calculator(
+        rank, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, dp_size,
+        step_batch_size_schedule=t.step_batch_size_schedule, seq_length=t.seq_length, log=log)
+
+
+def train_iters_of(cfg, batches: NumMicroBatchesCalculator) -> int:
+    """--train-iters, or the steps of --train-samples under the batch schedule (Megatron's
+    update_train_iters: a ramp's steps counted one by one, a last partial batch dropped)."""
+    t = cfg.training
+    return t.train_iters if t.train_iters is not None else batches.iterations_for_samples(t.train_samples)
+
+
 def model_args_for_check(cfg, padded_vocab_size: int) -> dict:
-    """Flags that fix the model's tensor shapes, as {flag: value}; a checkpoint must agree on all."""
+    """Flags that fix the model's tensor shapes (or how its weights read), as {flag: value}; a checkpoint
+    must agree on all."""
     m = cfg.model
     out = {
         "--num-layers": m.num_layers,
@@ -86,6 +147,7 @@ def model_args_for_check(cfg, padded_vocab_size: int) -> dict:
         "--swiglu": m.activation == "swiglu",
         "--disable-bias-linear": not m.add_bias_linear,
         "--qk-layernorm": m.qk_layernorm,
+        "--apply-layernorm-1p": m.apply_layernorm_1p,  # same shapes, but stored norm weights read as w or 1 + w
         "--position-embedding-type": m.position_embedding_type,
         "--untie-embeddings-and-output-weights": not m.share_embeddings_and_output_weights,
         "--padded-vocab-size": padded_vocab_size,
@@ -114,6 +176,21 @@ def gelu_change_note(saved_args, model) -> str | None:
             f"this run computes {names[model.gelu_approximation]}. To keep the checkpoint's, {fix}")
 
 
+def params_l2_norm(model_chunks: list, parallel_state, device: torch.device) -> float:
+    """The L2 norm of the whole model's parameters (``--log-params-norm``), the same under every
+    layout: tensor-parallel shards and pipeline stages are summed over the model-parallel group,
+    while tp-replicated parameters and the last stage's copy of a tied embedding count once. Every
+    rank of the model-parallel group must call it (one all-reduce)."""
+    from megatron.core.optimizer.clip_grads import grad_norm_sq, param_is_not_duplicate
+
+    params = [p.detach() for chunk in model_chunks for p in chunk.parameters()
+              if param_is_not_duplicate(p, parallel_state.tp_rank)]
+    total = grad_norm_sq(params, device)  # the squared norm of any tensors, in fp32
+    if parallel_state.tp_size * parallel_state.pp_size > 1:
+        dist.all_reduce(total, group=parallel_state.mp_group)
+    return float(total.sqrt())
+
+
 class IntervalLog:
     """Collects per-step results (host numbers) between log lines, then prints one line. The time per
     iteration is the time between the device finishing the last step of the previous line and the
@@ -129,21 +206,29 @@ class IntervalLog:
         self.t0 = time.perf_counter()
         self.event0 = None  # the CUDA event of the previous line's last step
         self.event = None
+        self.decoupled_lr = None  # the --decoupled-lr groups' learning rate after the last step
         self._reset()
 
     def _reset(self) -> None:
         self.steps: list = []
+        self.batches: list[tuple[int, float]] = []  # (global batch size, model FLOPs) of each step
         self.grad_norm: float | None = None
         self.num_zeros: float | None = None
 
     def record(self, losses: dict, success: bool, grad_norm, lr: float, loss_scale: float, done: float,
-               num_zeros: float | None = None, event=None) -> None:
+               num_zeros: float | None = None, event=None, global_batch_size: int | None = None,
+               flops: float | None = None, decoupled_lr: float | None = None) -> None:
         """One step's results: ``losses`` {name: (sum, count)}, the learning rate and loss scale that
         the step left behind, ``done`` (the ``perf_counter()`` time the step was seen finished), with
         ``--log-num-zeros-in-grad`` the number of zero gradient elements, and on a GPU the timing
-        event recorded at the step's end."""
+        event recorded at the step's end. ``global_batch_size`` and ``flops`` are the step's (default
+        the trainer's constant ones); ``decoupled_lr`` the --decoupled-lr groups' learning rate."""
         self.steps.append((losses, success))
+        tr = self.trainer
+        self.batches.append((tr.global_batch_size if global_batch_size is None else global_batch_size,
+                             tr.flops_per_step if flops is None else flops))
         self.lr, self.loss_scale, self.done, self.event = lr, loss_scale, done, event
+        self.decoupled_lr = decoupled_lr
         if grad_norm is not None:
             self.grad_norm = grad_norm
         if num_zeros is not None:
@@ -169,24 +254,32 @@ class IntervalLog:
                 sums[k] = sums.get(k, 0.0) + v
         advanced = n - skipped
         avg = {k: v / max(advanced, 1) for k, v in sums.items()}
-        tflops = tr.flops_per_step / (elapsed * 1e12 * tr.world_size)
+        # Per step on average: with a batch-size ramp the steps of one line differ.
+        flops = sum(f for _, f in self.batches) / max(n, 1)
+        samples = sum(b for b, _ in self.batches) / max(n, 1)
+        batch = self.batches[-1][0] if self.batches else tr.global_batch_size  # the last step's, as Megatron logs
+        tflops = flops / (elapsed * 1e12 * tr.world_size)
+        params_norm = params_l2_norm(tr.model, tr.pg, tr.device) if tr.cfg.logger.log_params_norm else None
         stats = dict(
             consumed_samples=tr.state.consumed_train_samples, iteration_time_ms=elapsed * 1000.0,
             tflops_per_gpu=tflops,
-            tokens_per_sec_per_gpu=tr.global_batch_size * tr.cfg.training.seq_length / elapsed / tr.world_size,
+            tokens_per_sec_per_gpu=samples * tr.cfg.training.seq_length / elapsed / tr.world_size,
             mfu=(tflops / tr.peak_tflops) if tr.peak_tflops else None,
-            learning_rate=self.lr, global_batch_size=tr.global_batch_size,
-            losses=avg, loss_scale=self.loss_scale, grad_norm=self.grad_norm, num_zeros=self.num_zeros,
-            skipped_iterations=skipped, nan_iterations=nan,
+            learning_rate=self.lr, decoupled_learning_rate=self.decoupled_lr,
+            global_batch_size=batch, losses=avg, loss_scale=self.loss_scale, grad_norm=self.grad_norm, num_zeros=self.num_zeros,
+            skipped_iterations=skipped, nan_iterations=nan, params_norm=params_norm,
         )
         print_rank_last(format_iteration_line(tr.state.iteration, tr.train_iters, stats))
-        scalars = {"learning-rate": stats["learning_rate"], "batch-size": tr.global_batch_size,
+        scalars = {"learning-rate": stats["learning_rate"], "decoupled-learning-rate": stats["decoupled_learning_rate"],
+                   "batch-size": batch,
                    "loss-scale": stats["loss_scale"], "grad-norm": self.grad_norm,
                    "iteration-time": elapsed, "throughput": tflops,
                    "tokens-per-sec-per-gpu": stats["tokens_per_sec_per_gpu"], "mfu": stats["mfu"],
                    "skipped-iterations": skipped, "nan-iterations": nan, **avg}
         if self.num_zeros is not None:
             scalars["num-zeros"] = self.num_zeros
+        if params_norm is not None:
+            scalars["params-norm"] = params_norm
         if tr.device.type == "cuda":
             scalars["mem-allocated-bytes"] = torch.cuda.memory_allocated(tr.device)
             scalars["mem-max-allocated-bytes"] = torch.cuda.max_memory_allocated(tr.device)
@@ -201,7 +294,7 @@ class InFlightStep:
     only, not for the steps queued after it.
 
     ``scalars`` maps names to 0-dim device tensors, host numbers or None (absent); ``flags`` is the
-    ``[SIGTERM, time is up]`` tensor or None; ``lr`` and ``loss_scale`` are what the step left behind.
+    ``[signal number, time is up]`` tensor or None; ``lr`` and ``loss_scale`` are what the step left behind.
     """
 
     def __init__(self, iteration: int, losses: dict, success: bool, scalars: dict, flags, device: torch.device,

@@ -19,12 +19,14 @@ def format_iteration_line(it: int, train_iters: int, stats: dict) -> str:
         f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}] iteration {it:8d}/{train_iters:8d}",
         f"consumed samples: {stats['consumed_samples']:12d}",
         f"elapsed time per iteration (ms): {stats['iteration_time_ms']:.1f}",
-        f"throughput per GPU (TFLOP/s/GPU): {stats['tflops_per_gpu']:.1f}",
+        f"throughput per GPU (TFLOP/s/GPU): {_tflops(stats['tflops_per_gpu'])}",
         f"tokens per second per GPU: {stats['tokens_per_sec_per_gpu']:.1f}",
         "MFU: " + (f"{stats['mfu'] * 100:.1f}%" if stats.get("mfu") is not None else "n/a"),
         f"learning rate: {stats['learning_rate']:.6E}",
-        f"global batch size: {stats['global_batch_size']:5d}",
     ]
+    if stats.get("decoupled_learning_rate") is not None:  # --decoupled-lr, on stages that hold those params
+        parts.append(f"decoupled learning rate: {stats['decoupled_learning_rate']:.6E}")
+    parts.append(f"global batch size: {stats['global_batch_size']:5d}")
     for key, value in stats["losses"].items():
         parts.append(f"{key}: {value:.6E}")
     parts.append(f"loss scale: {stats['loss_scale']:.1f}")
@@ -32,9 +34,17 @@ def format_iteration_line(it: int, train_iters: int, stats: dict) -> str:
         parts.append(f"grad norm: {stats['grad_norm']:.3f}")
     if stats.get("num_zeros") is not None:
         parts.append(f"num zeros: {stats['num_zeros']:.1f}")
+    if stats.get("params_norm") is not None:
+        parts.append(f"params norm: {stats['params_norm']:.3f}")
     parts.append(f"number of skipped iterations: {stats['skipped_iterations']:3d}")
     parts.append(f"number of nan iterations: {stats['nan_iterations']:3d}")
     return " | ".join(parts) + " |"
+
+
+def _tflops(value: float) -> str:
+    """Megatron's one decimal, or three significant digits below 1 TFLOP/s (a CPU or a tiny model),
+    so that a slow run shows its figure instead of 0.0."""
+    return f"{value:.1f}" if value >= 1.0 else f"{value:.3g}"
 
 
 def format_validation(prefix: str, losses: dict) -> str:
@@ -51,9 +61,13 @@ class MetricsWriter:
 
     def __init__(self, enabled: bool, tensorboard_dir: str | None = None, wandb_project: str | None = None,
                  wandb_exp_name: str | None = None, wandb_save_dir: str | None = None,
-                 metrics_file: str | None = None, run_config: dict | None = None):
+                 metrics_file: str | None = None, run_config: dict | None = None, wandb_entity: str | None = None,
+                 log_loss_scale: bool = True, world_size: int | None = None):
+        """``log_loss_scale`` False drops the "loss-scale" scalar; ``world_size`` (when given) is added
+        as "world-size" to every record that carries the training scalars (those with a learning rate)."""
         self.enabled = enabled
         self.tb = self.wandb = self.jsonl = None
+        self.log_loss_scale, self.world_size = log_loss_scale, world_size
         if not enabled:
             return
         if tensorboard_dir:
@@ -65,7 +79,8 @@ class MetricsWriter:
 
             save_dir = wandb_save_dir or tensorboard_dir or "."
             os.makedirs(save_dir, exist_ok=True)
-            self.wandb = wandb.init(project=wandb_project, name=wandb_exp_name, dir=save_dir, config=run_config)
+            self.wandb = wandb.init(project=wandb_project, name=wandb_exp_name, dir=save_dir, config=run_config,
+                                    entity=wandb_entity)
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             self.jsonl = open(metrics_file, "a", buffering=1)
@@ -74,6 +89,10 @@ class MetricsWriter:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in scalars.items() if v is not None}
+        if not self.log_loss_scale:
+            clean.pop("loss-scale", None)
+        if self.world_size is not None and "learning-rate" in clean:
+            clean["world-size"] = float(self.world_size)
         if self.tb is not None:
             for k, v in clean.items():
                 self.tb.add_scalar(k, v, iteration)

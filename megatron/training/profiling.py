@@ -210,6 +210,9 @@ class StepProfiler:
         self.dir = logger_cfg.profile_dir or default_dir or "profile"
         self.prof: torch.profiler.profile | None = None
         self.active = False
+        if self.enabled and not self.cuda and not logger_cfg.use_pytorch_profiler:
+            print(" > --profile without --use-pytorch-profiler only marks a capture range for nsys on a GPU, so on the "
+                  "CPU nothing is recorded; add --use-pytorch-profiler for a trace and a time summary", flush=True)
 
     def before_step(self, iteration: int) -> None:
         if not self.enabled or self.active or iteration != self.cfg.profile_step_start:
@@ -218,7 +221,9 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.cuda:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities, record_shapes=False)
+            self.prof = torch.profiler.profile(activities=activities,
+                                               record_shapes=self.cfg.pytorch_profiler_collect_shapes,
+                                               with_stack=self.cfg.pytorch_profiler_collect_callstack)
             self.prof.__enter__()
         elif self.cuda:
             torch.cuda.cudart().cudaProfilerStart()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import time
 
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.distributed.finalize_model_grads import sync_shared_embedding
+from megatron.core.num_microbatches_calculator import set_num_microbatches_calculator
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_seed
@@ -22,15 +24,19 @@ from megatron.training.initialize import initialize_distributed, set_random_seed
 from megatron.training.loop_utils import (
     DistributedSignalHandler,
     InFlightStep,
+    build_batch_calculator,
     build_scheduler,
     gelu_change_note,
     is_last_rank,
     model_args_for_check,
     print_rank_0,
     print_rank_last,
+    signal_name,
+    train_iters_of,
 )
 from megatron.training.metrics import MetricsWriter, format_validation
 from megatron.training.profiling import OPTIMIZER_RANGE
+from megatron.training.validation import batch_schedule_flag, check_batch_schedule
 
 
 class TrainingDiverged(RuntimeError):
@@ -54,11 +60,14 @@ class Trainer:
         self.cfg = cfg
         self.providers = providers
         self.start_time = time.time()
+        self.job_id = os.environ.get("SLURM_JOB_ID", "local")  # for --log-progress, read once
         t = cfg.training
         self.device, self.pg = initialize_distributed(t.distributed_backend, t.distributed_timeout_minutes,
                                                       tp=cfg.model.tensor_model_parallel_size,
                                                       pp=cfg.model.pipeline_model_parallel_size)
         self.world_size = dist.get_world_size()
+        if cfg.impl.disable_bf16_reduced_precision_matmul:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         set_random_seeds(t.seed, self.pg.pp_rank)
         # Dropout inside tensor-parallel regions draws from this tracker (seed + 2718 + tp rank).
         self.pg.rng_tracker = model_parallel_seed(t.seed, self.pg.tp_rank, device=self.device)
@@ -87,14 +96,19 @@ class Trainer:
                          f"elements (even share {100 / self.pg.dp_size:.1f}%)")
         if cfg.model.fp16:
             cfg.model.grad_scale_func = self.optimizer.scale_loss
+        # The final global batch size; evaluation always runs it. Training steps follow the schedule.
         self.global_batch_size = t.global_batch_size
-        self.train_iters = t.train_iters if t.train_iters is not None else t.train_samples // t.global_batch_size
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.pg.dp_size)
+        self.batch_sizes = build_batch_calculator(cfg, self.pg.dp_size, dist.get_rank(), print_rank_0)
+        set_num_microbatches_calculator(self.batch_sizes)  # for user code that calls get_num_microbatches()
+        self.train_iters = train_iters_of(cfg, self.batch_sizes)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.train_iters)
         self.state = TrainState()
         self._load()
-        self.flops_per_step = num_floating_point_operations(
-            shape_from_config(cfg.model, self.padded_vocab_size), t.global_batch_size, t.seq_length)
+        self._start_batch_schedule()
+        self.flops_shape = shape_from_config(cfg.model, self.padded_vocab_size)
+        self.flops_per_step = self.step_flops(t.global_batch_size)
+        self.flops_at_start = self.state.num_floating_point_operations_so_far  # after --load
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.peak_tflops = peak_tflops(device_name)
         if self.peak_tflops is None:
@@ -102,7 +116,8 @@ class Trainer:
         self.forward_backward = get_forward_backward_func(self.pg.pp_size, len(self.model))
         (self.train_iter, self.valid_iter, self.test_iter), self.has_split = providers.data_iterators(self)
         self.writer = MetricsWriter(is_last_rank(), **self._writer_kwargs())
-        self.signal_handler = DistributedSignalHandler() if t.exit_signal_handler else None
+        self.signal_handler = DistributedSignalHandler(
+            (getattr(signal, t.exit_signal), signal.SIGINT)) if t.exit_signal_handler else None
 
     # ----------------------------------------------------------------------------------------------
     def _setup_kernels(self, chunks: list) -> None:
@@ -140,7 +155,9 @@ class Trainer:
             metrics_file = os.path.join(run_dir, "metrics.jsonl")
         return dict(tensorboard_dir=lg.tensorboard_dir, wandb_project=lg.wandb_project,
                     wandb_exp_name=lg.wandb_exp_name, wandb_save_dir=lg.wandb_save_dir,
-                    metrics_file=metrics_file, run_config=self.cfg.to_dict())
+                    metrics_file=metrics_file, run_config=self.cfg.to_dict(), wandb_entity=lg.wandb_entity,
+                    log_loss_scale=lg.log_loss_scale_to_tensorboard,
+                    world_size=self.world_size if lg.log_world_size_to_tensorboard else None)
 
     def _load(self) -> None:
         ck = self.cfg.checkpoint
@@ -169,6 +186,31 @@ class Trainer:
             for f in dataclasses.fields(TrainState):
                 setattr(self.state, f.name, int(extra.get(f.name, 0)))
 
+    def _start_batch_schedule(self) -> None:
+        """Check the batch sizes still to come against this layout (a resumed run from its consumed
+        samples on) and describe a ramp."""
+        t, b = self.cfg.training, self.batch_sizes
+        consumed = self.state.consumed_train_samples
+        if self.cfg.checkpoint.load:
+            check_batch_schedule(self.cfg, self.pg.dp_size, consumed)
+        b.update(consumed, consistency_check=True)
+        if b.final_from() == 0:
+            return
+        print_rank_0(f" > {batch_schedule_flag(self.cfg)}: global batch size {b.get_current_global_batch_size()} "
+                     f"at {consumed} consumed samples, {b.global_batch_size} from {b.final_from()} samples on; "
+                     f"{self.train_iters} iterations")
+        if t.train_iters is not None:
+            print_rank_0(f" > note: with --train-iters, the iteration lengths of the LR schedule are converted to "
+                         f"samples at the final global batch size {b.global_batch_size} (as in Megatron); the "
+                         "ramp's smaller steps stretch them: use --train-samples and --lr-*-samples to avoid that")
+
+    def step_batch_size(self, consumed_samples: int) -> int:
+        """The samples of the step that starts after ``consumed_samples`` (the schedule's running size)."""
+        return self.batch_sizes.running_batch_size(self.batch_sizes.global_batch_size_at(consumed_samples))
+
+    def step_flops(self, batch_size: int) -> int:
+        return num_floating_point_operations(self.flops_shape, batch_size, self.cfg.training.seq_length)
+
     def model_sharded_state_dict(self) -> dict:
         """All chunks' tensors (keys are global layer names, so any layout reads any other)."""
         if len(self.model) == 1:
@@ -195,19 +237,42 @@ class Trainer:
             extra_state=extra, parallel_state=self.pg, rng_state_fn=self.pg.rng_tracker.get_states,
             save_optim=ck.save_optim, save_rng=ck.save_rng, fp8_state=self.fp8_sharded_state_dict(), log=print_rank_0,
         )
+        self.log_progress("saved checkpoint")
+
+    def log_progress(self, event: str) -> None:
+        """``--log-progress``: one line appended to <save>/progress.txt by rank 0 (Megatron's progress log:
+        what happened, the iteration, samples, tokens and FLOPs so far, and this job's throughput)."""
+        ck, lg, st = self.cfg.checkpoint, self.cfg.logger, self.state
+        if not (lg.log_progress and ck.save) or dist.get_rank() != 0:
+            return
+        seconds = max(time.time() - self.start_time, 1e-9)
+        tflops = (st.num_floating_point_operations_so_far - self.flops_at_start) / seconds / self.world_size / 1e12
+        tokens = st.consumed_train_samples * self.cfg.training.seq_length
+        fields = [time.strftime("%Y-%m-%d %H:%M:%S"), f"job id: {self.job_id}", f"processes: {self.world_size}",
+                  event, f"iteration: {st.iteration}", f"consumed samples: {st.consumed_train_samples}",
+                  f"tokens: {tokens}", f"floating-point operations: {st.num_floating_point_operations_so_far}",
+                  f"job throughput: {tflops:.3g} TFLOP/s per process"]
+        os.makedirs(ck.save, exist_ok=True)
+        with open(os.path.join(ck.save, "progress.txt"), "a") as f:
+            f.write("\t".join(fields) + "\n")
 
     # ----------------------------------------------------------------------------------------------
-    def train_step(self, sync: bool = True):
-        """One optimizer step over ``num_microbatches`` micro-batches. Returns (loss sum/count tensors,
-        update_successful, grad_norm, num_zeros); with ``sync=False`` the grad norm and zero count
-        are device tensors and nothing waits for the device (see :class:`InFlightStep`)."""
+    def train_step(self, sync: bool = True, num_microbatches: int | None = None,
+                   global_batch_size: int | None = None):
+        """One optimizer step over ``num_microbatches`` micro-batches of ``global_batch_size`` samples
+        in all (default: the final batch size's). Returns (loss sum/count tensors, update_successful,
+        grad_norm, num_zeros); with ``sync=False`` the grad norm and zero count are device tensors
+        and nothing waits for the device (see :class:`InFlightStep`). The LR schedule advances by the
+        step's samples."""
+        num_microbatches = self.num_microbatches if num_microbatches is None else num_microbatches
+        global_batch_size = self.global_batch_size if global_batch_size is None else global_batch_size
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         t = self.cfg.training
         metrics = self.forward_backward(
             forward_step_func=self.providers.forward_step, data_iterator=self.train_iter, model=self.model,
-            num_microbatches=self.num_microbatches, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
+            num_microbatches=num_microbatches, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
         # Before the step: NCCL runs a communicator's collectives in the order they were issued, and
@@ -218,7 +283,7 @@ class Trainer:
         with torch.profiler.record_function(OPTIMIZER_RANGE):  # the profile's optimizer category (--profile)
             success, grad_norm, num_zeros = self.optimizer.step(sync=sync)
         if success:
-            self.scheduler.step(increment=self.global_batch_size)
+            self.scheduler.step(increment=global_batch_size)
         return losses, success, grad_norm, num_zeros
 
     def _reduce_losses(self, metrics: list) -> dict:
@@ -281,8 +346,9 @@ class Trainer:
         )
 
     def _exit_flags(self) -> torch.Tensor | None:
-        """This rank's [SIGTERM received, time is up] as a device tensor, max-reduced over ranks
-        without waiting (read when the step's results are), or None when neither exit is enabled."""
+        """This rank's [signal received (its number, 0: none), time is up] as a device tensor,
+        max-reduced over ranks without waiting (read when the step's results are), or None when
+        neither exit is enabled."""
         t = self.cfg.training
         if self.signal_handler is None and t.exit_duration_in_mins is None:
             return None
@@ -296,7 +362,8 @@ class Trainer:
 
     def _evaluates_at(self, iteration: int) -> bool:
         lg = self.cfg.logger
-        return bool(lg.eval_interval and iteration % lg.eval_interval == 0)
+        started = lg.start_eval_at_iter is None or iteration >= lg.start_eval_at_iter
+        return bool(lg.eval_interval and iteration % lg.eval_interval == 0 and started)
 
     def _saves_at(self, iteration: int) -> bool:
         ck = self.cfg.checkpoint
@@ -309,7 +376,7 @@ class Trainer:
     def _exit_reason(self, flags: list[float] | None) -> str | None:
         t = self.cfg.training
         if flags is not None and flags[0] > 0:
-            return "exiting on SIGTERM"
+            return f"exiting on {signal_name(flags[0])}"
         if flags is not None and flags[1] > 0:
             return f"exiting after {t.exit_duration_in_mins} minutes (--exit-duration-in-mins)"
         if self._exits_at(self.state.iteration):
@@ -322,12 +389,27 @@ class Trainer:
         return (iteration >= self.train_iters or self._evaluates_at(iteration) or self._saves_at(iteration)
                 or self._exits_at(iteration))
 
-    def _launch(self, iteration: int) -> InFlightStep:
-        losses, success, grad_norm, num_zeros = self.train_step(sync=False)
-        # The log line of this step shows the learning rate and loss scale as they are now.
-        return InFlightStep(iteration, losses, success, {"grad_norm": grad_norm, "num_zeros": num_zeros},
-                            self._exit_flags(), self.device, lr=self.optimizer.param_groups[0]["lr"],
-                            loss_scale=float(self.optimizer.get_loss_scale()))
+    def _launch(self, iteration: int, consumed_samples: int) -> InFlightStep:
+        """Queue step ``iteration``, which starts after ``consumed_samples`` samples."""
+        b = self.batch_sizes
+        b.update(consumed_samples, consistency_check=True, verbose=True)
+        losses, success, grad_norm, num_zeros = self.train_step(
+            sync=False, num_microbatches=b.get(), global_batch_size=b.get_current_running_global_batch_size())
+        # The log line of this step shows the learning rates and loss scale as they are now.
+        lr, decoupled_lr = self._learning_rates()
+        return InFlightStep(iteration, losses, success,
+                            {"grad_norm": grad_norm, "num_zeros": num_zeros, "decoupled_lr": decoupled_lr},
+                            self._exit_flags(), self.device, lr=lr, loss_scale=float(self.optimizer.get_loss_scale()))
+
+    def _learning_rates(self) -> tuple[float, float | None]:
+        """(the learning rate, the --decoupled-lr groups' one or None) of the optimizer's groups."""
+        lr = decoupled = None
+        for group in self.optimizer.param_groups:
+            if group.get("is_decoupled_lr"):
+                decoupled = group["lr"]
+            elif lr is None:
+                lr = group["lr"]
+        return (decoupled if lr is None else lr), decoupled
 
     def train(self) -> None:
         """The loop. Step k+1 is queued on the GPU before step k's loss and grad norm are read, so the
@@ -341,15 +423,19 @@ class Trainer:
         profiler = StepProfiler(lg, dist.get_rank(), self.device, lg.tensorboard_dir or ck.save)
         last_saved = self.state.iteration if ck.load else -1
         print_rank_0(f"training from iteration {self.state.iteration} to {self.train_iters}")
+        self.log_progress("starting job")
         pending: InFlightStep | None = None
         reason = None
         while True:
             launched = pending.iteration if pending is not None else self.state.iteration
+            consumed = self.state.consumed_train_samples  # after `launched`: the pending step's samples added
+            if pending is not None:
+                consumed += self.step_batch_size(consumed)
             step = None
             if reason is None and launched < self.train_iters and (pending is None
                                                                     or not self._needs_barrier(launched)):
                 profiler.before_step(launched + 1)
-                step = self._launch(launched + 1)
+                step = self._launch(launched + 1, consumed)
                 summary = profiler.after_step(launched + 1)
                 if summary:
                     print(summary, flush=True)
@@ -358,10 +444,13 @@ class Trainer:
                 success, grad_norm = pending.success, scalars["grad_norm"]
                 self._check_finite(grad_norm, losses)
                 self.state.iteration = pending.iteration
-                self.state.consumed_train_samples += self.global_batch_size
-                self.state.num_floating_point_operations_so_far += self.flops_per_step
+                batch = self.step_batch_size(self.state.consumed_train_samples)
+                flops = self.step_flops(batch)
+                self.state.consumed_train_samples += batch  # skipped (fp16 overflow) steps consume theirs too
+                self.state.num_floating_point_operations_so_far += flops
                 interval.record(losses, success, grad_norm, pending.lr, pending.loss_scale, pending.done,
-                                scalars["num_zeros"], pending.event)
+                                scalars["num_zeros"], pending.event, global_batch_size=batch, flops=flops,
+                                decoupled_lr=scalars["decoupled_lr"])
                 if self.state.iteration % lg.log_interval == 0 or self.state.iteration == 1:
                     interval.flush()
                 if self._evaluates_at(self.state.iteration):
@@ -378,6 +467,15 @@ class Trainer:
         if reason:
             print_rank_0(reason)
             return
+        self._final_evaluation()
+
+    def skip_train(self) -> None:
+        """--skip-train: the evaluation that ends training, at the loaded iteration; nothing is trained
+        or saved (Megatron's pretrain with --skip-train)."""
+        print_rank_0(f"skipping training (--skip-train is on) at iteration {self.state.iteration}")
+        self._final_evaluation()
+
+    def _final_evaluation(self) -> None:
         self.evaluate_and_print(f"iteration {self.state.iteration} on validation set", 1, False)
         self.evaluate_and_print(f"iteration {self.state.iteration} on test set", 2, False)
 
@@ -388,7 +486,12 @@ def pretrain(cfg: RunConfig, providers) -> TrainState:
     and ``data_iterators(trainer)``."""
     trainer = Trainer(cfg, providers)
     try:
-        trainer.train()
+        if cfg.training.skip_train:
+            trainer.skip_train()
+        else:
+            trainer.train()
     finally:
         trainer.writer.close()
+        if trainer.signal_handler is not None:
+            trainer.signal_handler.release()
     return trainer.state

@@ -16,6 +16,19 @@ def world_size_from_env() -> int:
     return 1
 
 
+def planned_world_size(cfg) -> int:
+    """The world size a run is validated for: ``--world-size`` if given (a dry run plans for it), else the
+    launcher's. A real run given ``--world-size`` must be launched with that many processes."""
+    launcher = world_size_from_env()
+    given = cfg.training.world_size
+    if given is None:
+        return launcher
+    if not cfg.training.dry_run and given != launcher:
+        raise ValueError(f"--world-size {given} differs from the {launcher} process(es) this run was launched with; "
+                         f"drop --world-size (it plans --dry-run runs) or launch {given} processes")
+    return given
+
+
 def check_batch_sizes(cfg, world_size: int) -> None:
     t = cfg.training
     tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
@@ -31,6 +44,38 @@ def check_batch_sizes(cfg, world_size: int) -> None:
             f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
             f"{t.micro_batch_size} x data-parallel size {dp}; use e.g. --global-batch-size {good}"
         )
+    if t.rampup_batch_size is not None:
+        from megatron.core.num_microbatches_calculator import check_rampup
+
+        start, increment, ramp_samples = (int(v) for v in t.rampup_batch_size)
+        check_rampup(start, increment, ramp_samples, t.global_batch_size)
+    if cfg.checkpoint.load is None:  # a resumed run is checked from its consumed samples on (Trainer)
+        check_batch_schedule(cfg, dp, 0)
+
+
+def batch_schedule_flag(cfg) -> str:
+    """The flag that sets the global batch size schedule, as the user wrote it."""
+    t = cfg.training
+    if t.rampup_batch_size is not None:
+        return "--rampup-batch-size " + " ".join(str(v) for v in t.rampup_batch_size)
+    if t.step_batch_size_schedule is not None:
+        return f"--step-batch-size-schedule {t.step_batch_size_schedule!r}"
+    return f"--global-batch-size {t.global_batch_size}"
+
+
+def check_batch_schedule(cfg, dp: int, consumed_samples: int) -> None:
+    """Every global batch size the schedule still uses from ``consumed_samples`` on is a multiple of
+    --micro-batch-size x ``dp`` (a ramp's first sizes need not divide a layout it resumes on)."""
+    from megatron.training.loop_utils import build_batch_calculator
+
+    t = cfg.training
+    unit = t.micro_batch_size * dp
+    for size in build_batch_calculator(cfg, dp).batch_sizes_from(consumed_samples):
+        if size % unit:
+            raise ValueError(
+                f"{batch_schedule_flag(cfg)}: global batch size {size} is not divisible by --micro-batch-size "
+                f"{t.micro_batch_size} x data-parallel size {dp}; use batch sizes (a ramp's start and increment) "
+                f"that are multiples of {unit}")
 
 
 def check_pipeline(cfg, world_size: int) -> None:
@@ -47,10 +92,12 @@ def check_pipeline(cfg, world_size: int) -> None:
                          "--pipeline-model-parallel-size > 1 (later stages rotate by positions 0..s-1)")
     if m.virtual_pipeline_model_parallel_size:
         from megatron.core.pipeline_parallel.interleaved import check_interleaving
+        from megatron.training.loop_utils import build_batch_calculator
 
         dp = world_size // (m.tensor_model_parallel_size * pp)
-        check_interleaving(t.global_batch_size // (t.micro_batch_size * dp), pp,
-                           m.microbatch_group_size_per_virtual_pipeline_stage)
+        for size in build_batch_calculator(cfg, dp).batch_sizes_from(0):  # each step's count must fit
+            check_interleaving(size // (t.micro_batch_size * dp), pp,
+                               m.microbatch_group_size_per_virtual_pipeline_stage)
 
 
 def check_sequence(cfg) -> None:
@@ -87,6 +134,8 @@ def check_optimizer(cfg) -> None:
         raise ValueError("--lr is required (e.g. --lr 3e-4)")
     if o.min_lr > o.lr:
         raise ValueError(f"--min-lr {o.min_lr} is larger than --lr {o.lr}; use a value <= {o.lr}")
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr only applies with --decoupled-lr; add --decoupled-lr or drop it")
     if o.loss_scale is not None and not cfg.model.fp16:
         raise ValueError("--loss-scale only applies with --fp16; drop it (bf16 and fp32 need no loss scaling)")
     d = cfg.ddp
@@ -100,7 +149,11 @@ def check_data_and_tokenizer(cfg) -> None:
     if not (d.mock_data or d.data_path or d.train_data_path):
         raise ValueError("no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
     if tok.tokenizer_type is None:
-        if d.mock_data and tok.vocab_size:
+        if tok.vocab_file and tok.merge_file:  # Megatron-LM's gpt3 example passes these two and no type
+            tok.tokenizer_type = "GPT2BPETokenizer"
+            cfg.notes.append("note: --tokenizer-type GPT2BPETokenizer, the tokenizer of --vocab-file with "
+                             "--merge-file (no --tokenizer-type given)")
+        elif d.mock_data and tok.vocab_size:
             tok.tokenizer_type = "NullTokenizer"
         else:
             raise ValueError("--tokenizer-type is required (e.g. GPT2BPETokenizer, or NullTokenizer with --mock-data)")
@@ -114,6 +167,8 @@ def check_checkpointing(cfg) -> None:
         raise ValueError("--save-interval needs --save DIR")
     if cfg.training.exit_signal_handler and not c.save:
         raise ValueError("--exit-signal-handler saves before exiting and needs --save DIR")
+    if cfg.logger.log_progress and not c.save:
+        raise ValueError("--log-progress writes <save>/progress.txt and needs --save DIR")
 
 
 def check_implementation(cfg) -> None:
@@ -164,21 +219,25 @@ def check_lr_schedule(cfg, world_size: int) -> None:
     stand-in optimizer so that they fail here, before any model is built."""
     from types import SimpleNamespace
 
-    from megatron.training.loop_utils import build_scheduler
+    from megatron.training.loop_utils import build_batch_calculator, build_scheduler, train_iters_of
 
-    t = cfg.training
-    train_iters = t.train_iters if t.train_iters is not None else t.train_samples // t.global_batch_size
+    tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
+    train_iters = train_iters_of(cfg, build_batch_calculator(cfg, world_size // (tp * pp)))
     build_scheduler(cfg, SimpleNamespace(param_groups=[{"lr_mult": 1.0, "wd_mult": 1.0}]), train_iters)
 
 
-LAYOUT_CHECKS = (check_batch_sizes, check_pipeline, check_lr_schedule)
+LAYOUT_CHECKS = (check_batch_sizes, check_pipeline)
 CHECKS = (check_sequence, check_schedule_units, check_optimizer, check_data_and_tokenizer, check_checkpointing,
           check_implementation, check_fp8, check_logging)
+# Last: the schedule is built from values the checks above vouch for (--lr given, units consistent).
+FINAL_CHECKS = (check_lr_schedule,)
 
 
 def validate_run_config(cfg, world_size: int | None = None) -> None:
-    ws = world_size_from_env() if world_size is None else world_size
+    ws = planned_world_size(cfg) if world_size is None else world_size
     for layout_check in LAYOUT_CHECKS:
         layout_check(cfg, ws)
     for check in CHECKS:
         check(cfg)
+    for final_check in FINAL_CHECKS:
+        final_check(cfg, ws)

@@ -30,6 +30,7 @@ its generated code (their one-time self-check runs before the compile: :func:`pr
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 
@@ -47,6 +48,23 @@ from torch.library import triton_op, wrap_triton
 
 _FAILED: set[str] = set()
 _CHECKED: set[str] = set()
+
+
+def _op(name: str):
+    """``torch.library.triton_op(name)``. Without Triton installed, registering one makes torch scan
+    the body for kernels and log "Triton not available" once per op on every process, though the op
+    then only ever runs its torch code; the scan runs with that logger quiet."""
+    def register(fn):
+        if triton is not None:
+            return triton_op(name, mutates_args=())(fn)
+        log = logging.getLogger("torch._library.triton")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            return triton_op(name, mutates_args=())(fn)
+        finally:
+            log.setLevel(level)
+    return register
 
 
 def interpreting() -> bool:
@@ -352,7 +370,7 @@ def swiglu_backward_triton(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return dx.view(x.shape)
 
 
-@triton_op("megatron::swiglu_backward", mutates_args=())
+@_op("megatron::swiglu_backward")
 def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """d(silu(gate) * up) / d[gate; up] for the incoming ``grad`` of ``silu(gate) * up``."""
     if ready(grad, "swiglu_backward"):
@@ -456,13 +474,13 @@ def _cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, wi
     return _fp8_cast_transpose_torch(t, scale, dtype, with_amax)
 
 
-@triton_op("megatron::fp8_amax", mutates_args=())
+@_op("megatron::fp8_amax")
 def fp8_amax(t: torch.Tensor) -> torch.Tensor:
     """``max |t|`` as an fp32 scalar (NaN reported as inf: either way the scale falls back to 1)."""
     return fp8_amax_triton(t) if ready(t, "fp8_cast") else _fp8_amax_torch(t)
 
 
-@triton_op("megatron::fp8_cast_transpose", mutates_args=())
+@_op("megatron::fp8_cast_transpose")
 def fp8_cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``t [M, N] * scale`` (fp32 scalar) saturated and cast to ``dtype`` (fp8): row-major ``[M, N]``
     and transposed ``[N, M]``, both contiguous."""
@@ -470,7 +488,7 @@ def fp8_cast_transpose(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     return q, q_t
 
 
-@triton_op("megatron::fp8_cast_transpose_amax", mutates_args=())
+@_op("megatron::fp8_cast_transpose_amax")
 def fp8_cast_transpose_amax(t: torch.Tensor, scale: torch.Tensor,
                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`fp8_cast_transpose` and ``max |t|`` as an fp32 scalar from the same pass (NaN as inf)."""
@@ -530,7 +548,7 @@ def swiglu_backward_cast_transpose_amax_triton(grad: torch.Tensor, x: torch.Tens
     return out, out_t, partials.amax()
 
 
-@triton_op("megatron::swiglu_cast_transpose_amax", mutates_args=())
+@_op("megatron::swiglu_cast_transpose_amax")
 def swiglu_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor,
                                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`fp8_cast_transpose_amax` of ``silu(gate) * up`` over ``x = [gate; up]`` ``[M, 2F]``
@@ -541,7 +559,7 @@ def swiglu_cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor,
     return q, q_t, amax
 
 
-@triton_op("megatron::swiglu_backward_cast_transpose_amax", mutates_args=())
+@_op("megatron::swiglu_backward_cast_transpose_amax")
 def swiglu_backward_cast_transpose_amax(grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
                                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`fp8_cast_transpose_amax` of :func:`swiglu_backward` ``(grad [M, F], x [M, 2F])`` (fc1's
