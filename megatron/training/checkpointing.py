@@ -3,9 +3,12 @@
     <save>/latest_checkpointed_iteration.txt   the integer iteration of the newest complete checkpoint
     <save>/iter_0000100/                       one torch_dist checkpoint (DCP files + metadata.json)
 
-A save writes every file of ``iter_XXXXXXX`` first, then its ``metadata.json``, then the tracker file,
-atomically. A save killed at any point therefore leaves the tracker naming the previous complete
-checkpoint. What is stored: ``model`` and ``optimizer`` (sharded), ``opt_param_scheduler`` (plain),
+A save writes every file into ``iter_XXXXXXX.saving`` (``metadata.json`` last), renames it to
+``iter_XXXXXXX`` (an existing checkpoint of that iteration is renamed aside first and removed after:
+``checkpoint_dirs``), then writes the tracker file, atomically. A save killed at any point therefore
+leaves the tracker naming a complete checkpoint; a save that fails (disk full) removes what it wrote
+and ends the run with one line. Each checkpoint records whether its model and optimizer tensors were
+all finite (``finite``). What is stored: ``model`` and ``optimizer`` (sharded), ``opt_param_scheduler`` (plain),
 ``rng_state`` (one ShardedObject per (tp, pp) rank), ``fp8_state`` (delayed FP8 scaling's amax
 histories, when FP8 is on) and the caller's ``extra_state`` (iteration, consumed samples, FLOPs so
 far, ``args``, ``checkpoint_version``) as common values.
@@ -26,12 +29,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing import ShardedObject
+from megatron.core.dist_checkpointing import CheckpointReadError, CheckpointWriteError, ShardedObject
+from megatron.training import checkpoint_advice, checkpoint_dirs
+from megatron.training.checkpoint_advice import FINITE_KEY
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+TRACKER_FILENAME = checkpoint_dirs.TRACKER_FILENAME
 CKPT_FORMAT = "torch_dist"
 CONTENTS_KEY = "checkpoint_contents"
-_RESERVED_KEYS = ("model", "optimizer", "opt_param_scheduler", "rng_state", "fp8_state", CONTENTS_KEY)
+_RESERVED_KEYS = ("model", "optimizer", "opt_param_scheduler", "rng_state", "fp8_state", CONTENTS_KEY, FINITE_KEY)
 _RESET_ON_FINETUNE = (
     "iteration", "consumed_train_samples", "consumed_valid_samples", "num_floating_point_operations_so_far"
 )
@@ -39,7 +44,7 @@ _RESET_ON_FINETUNE = (
 
 def get_checkpoint_name(root: str, iteration: int) -> str:
     """``<root>/iter_{iteration:07d}``."""
-    return os.path.join(root, f"iter_{iteration:07d}")
+    return checkpoint_dirs.iteration_dir(root, iteration)
 
 
 def read_tracker(root: str) -> int | None:
@@ -52,8 +57,15 @@ def read_tracker(root: str) -> int | None:
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path} is not text (byte {raw[e.start]:#04x} at offset {e.start}); it must hold the iteration of a "
+            f"complete iter_XXXXXXX directory in {root}: rewrite it (e.g. echo 100 > {path}) or pass --ckpt-step N"
+        ) from None
     try:
         return int(text)
     except ValueError:
@@ -63,17 +75,7 @@ def read_tracker(root: str) -> int | None:
         ) from None
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # some platforms cannot open directories; the rename itself is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+_fsync_dir = checkpoint_dirs.fsync_dir
 
 
 def write_tracker(root: str, iteration: int) -> None:
@@ -148,6 +150,10 @@ def set_rng_state(state: dict[str, Any], rng_restore_fn: Callable[[Any], None] |
         rng_restore_fn(state["extra"])
 
 
+class NonFiniteStateError(RuntimeError):
+    """``save_checkpoint(require_finite=True)`` found a NaN or Inf in the model or optimizer tensors."""
+
+
 def save_checkpoint(
     save_dir: str,
     iteration: int,
@@ -161,9 +167,13 @@ def save_checkpoint(
     parallel_state: Any = None,
     rng_state_fn: Callable[[], Any] | None = None,
     fp8_state: dict | None = None,
+    require_finite: bool = False,
     log: Callable[[str], None] = print,
 ) -> None:
     """Collectively save ``iter_{iteration:07d}`` under ``save_dir``, then point the tracker at it.
+
+    The files are written beside any existing checkpoint of that iteration and swapped in once
+    complete (``checkpoint_dirs``): a complete checkpoint of the iteration exists at every instant.
 
     Args:
         optimizer: duck-typed; ``optimizer.sharded_state_dict(model_sharded_state_dict)`` is saved
@@ -175,24 +185,49 @@ def save_checkpoint(
             one process, or pure data parallelism (rank 0's state is saved).
         rng_state_fn: extra RNG state to store (e.g. the CUDA RNG tracker's states).
         fp8_state: sharded tensors of FP8 scaling state (``fusions.fp8.fp8_sharded_state_dict``).
+        require_finite: refuse to save model or optimizer tensors holding NaN or Inf (otherwise they
+            are saved, recorded as not finite).
 
     Raises:
         ValueError: ``extra_state`` uses a reserved key, or the sharded state dict is inconsistent.
+        CheckpointWriteError: a file could not be written (on any rank): what was written of this
+            checkpoint is removed and the tracker still names the previous one.
+        NonFiniteStateError: ``require_finite`` and a tensor is not finite; nothing was written.
     """
     clash = sorted(set(extra_state) & set(_RESERVED_KEYS))
     if clash:
         raise ValueError(f"extra_state keys {clash} are reserved for the checkpoint layout")
     ckpt_dir = get_checkpoint_name(save_dir, iteration)
+    state, common = _state_to_save(model_sharded_state_dict, optimizer, opt_param_scheduler, extra_state,
+                                   save_optim, save_rng, parallel_state, rng_state_fn, fp8_state)
+    common[FINITE_KEY] = dist_checkpointing.all_finite({"model": state["model"], "optimizer": state.get("optimizer")})
+    if require_finite and not common[FINITE_KEY]:
+        raise NonFiniteStateError(f"the model or optimizer state at iteration {iteration} holds NaN or Inf, so "
+                                  f"{ckpt_dir} was not written")
     is_rank0 = _rank() == 0
     if is_rank0:
         log(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in {CKPT_FORMAT} format")
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(ckpt_dir):
-            if read_tracker(save_dir) == iteration:
-                log(f"warning: overwriting {ckpt_dir}, the checkpoint named by {TRACKER_FILENAME}")
-            shutil.rmtree(ckpt_dir)  # left by an earlier save of this iteration (possibly crashed)
+        _prepare_save(save_dir, ckpt_dir, iteration, log)
+    _barrier()
+    staging = checkpoint_dirs.staging_dir(ckpt_dir)
+    try:
+        dist_checkpointing.save(state, staging, common_state=common)  # ends with metadata.json
+    except CheckpointWriteError as e:
+        # Every rank is past its writes: DCP reports a rank's failure to all, metadata.json is rank 0's.
+        if is_rank0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointWriteError(save_dir, _failed_save_reason(e, save_dir, iteration, staging)) from None
+    if is_rank0:
+        _publish(save_dir, ckpt_dir, iteration)
+        log(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
     _barrier()
 
+
+def _state_to_save(
+    model_sharded_state_dict: dict, optimizer: Any, opt_param_scheduler: Any, extra_state: dict, save_optim: bool,
+    save_rng: bool, parallel_state: Any, rng_state_fn: Callable[[], Any] | None, fp8_state: dict | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the sharded state, the common values) of one checkpoint."""
     state: dict[str, Any] = {"model": model_sharded_state_dict}
     common: dict[str, Any] = dict(extra_state)
     if optimizer is not None and save_optim:
@@ -204,12 +239,41 @@ def save_checkpoint(
     if fp8_state:
         state["fp8_state"] = fp8_state
     common[CONTENTS_KEY] = sorted([*state, *(["opt_param_scheduler"] if opt_param_scheduler is not None else [])])
-    dist_checkpointing.save(state, ckpt_dir, common_state=common)  # ends with metadata.json
+    return state, common
 
-    if is_rank0:
+
+def _prepare_save(save_dir: str, ckpt_dir: str, iteration: int, log: Callable[[str], None]) -> None:
+    """Rank 0 before the write: the save directory exists, no leftover of an earlier save of the same
+    iteration is in the way."""
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        checkpoint_dirs.remove_staging(ckpt_dir)
+    except OSError as e:
+        raise CheckpointWriteError(save_dir, str(e)) from None
+    if os.path.isdir(ckpt_dir) and read_tracker(save_dir) == iteration:
+        log(f"warning: replacing {ckpt_dir}, the checkpoint named by {TRACKER_FILENAME}; it stays until the new "
+            "one is complete")
+
+
+def _failed_save_reason(error: CheckpointWriteError, save_dir: str, iteration: int, staging: str) -> str:
+    try:
+        newest = read_tracker(save_dir)
+    except ValueError:
+        newest = None
+    kept = (f"{TRACKER_FILENAME} still names iteration {newest}" if newest is not None
+            else "no earlier checkpoint is named by a tracker")
+    return (f"saving iteration {iteration} failed: {error.reason}; removed the partial {staging}; {kept}. Fix that "
+            "(free space or quota, permissions), or pass --save a directory on another file system, and resume")
+
+
+def _publish(save_dir: str, ckpt_dir: str, iteration: int) -> None:
+    """Rank 0 after the write: swap the complete checkpoint in, then point the tracker at it."""
+    try:
+        checkpoint_dirs.swap_in(ckpt_dir)
         write_tracker(save_dir, iteration)
-        log(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
-    _barrier()
+    except OSError as e:
+        raise CheckpointWriteError(save_dir, f"saving iteration {iteration}: {e} (after every file was written, "
+                                             "while renaming it into place or updating the tracker)") from None
 
 
 def find_arg(tree: Any, name: str) -> tuple[bool, Any]:
@@ -275,7 +339,11 @@ def _resolve_checkpoint(
         if _rank() == 0:
             log(f"no checkpoint found in {load_dir} (no {TRACKER_FILENAME}): starting from scratch")
         return None
-    ckpt_dir = get_checkpoint_name(load_dir, iteration)
+    name = get_checkpoint_name(load_dir, iteration)
+    if _rank() == 0:
+        checkpoint_dirs.repair(name, log)  # a save killed while replacing this checkpoint
+    _barrier()
+    ckpt_dir = checkpoint_dirs.resolve(name)
     source = f"--ckpt-step {ckpt_step}" if ckpt_step is not None else f"{TRACKER_FILENAME} in {load_dir}"
     try:
         dist_checkpointing.read_metadata_json(ckpt_dir)
@@ -286,6 +354,21 @@ def _resolve_checkpoint(
             "--ckpt-step N"
         ) from None
     return iteration, ckpt_dir
+
+
+def _load_dir_and_step(load_dir: str, ckpt_step: int | None, log: Callable[[str], None]) -> tuple[str, int | None]:
+    """``--load .../iter_0000100`` (a checkpoint, not the directory of a run's checkpoints) means that
+    checkpoint: Megatron users pass it, and its name and files say which one is meant."""
+    parent, iteration = checkpoint_dirs.split_iteration_dir(load_dir)
+    if iteration is None:
+        return load_dir, ckpt_step
+    if ckpt_step is not None and ckpt_step != iteration:
+        raise ValueError(f"--load {load_dir} is the checkpoint of iteration {iteration} but --ckpt-step {ckpt_step} "
+                         f"asks for another: pass --load {parent} --ckpt-step {ckpt_step}, or drop --ckpt-step")
+    if _rank() == 0:
+        log(f"--load {load_dir} is the checkpoint of iteration {iteration}: loading it as --load {parent} "
+            f"--ckpt-step {iteration}")
+    return parent, iteration
 
 
 def load_checkpoint(
@@ -307,8 +390,9 @@ def load_checkpoint(
 ) -> dict | None:
     """Collectively load the newest (or ``ckpt_step``) checkpoint of ``load_dir`` in place.
 
-    A directory in Megatron-LM's legacy ``torch`` format is read by ``legacy_checkpoint`` (weights,
-    iteration, consumed samples and schedule; the optimizer restarts from the weights).
+    ``load_dir`` may also be one checkpoint, ``<dir>/iter_0000100``: that one is loaded. A directory
+    in Megatron-LM's legacy ``torch`` format is read by ``legacy_checkpoint`` (weights, iteration,
+    consumed samples and schedule; the optimizer restarts from the weights).
 
     Model tensors of ``model_sharded_state_dict`` are filled in place (any saving layout works). The
     optimizer (``load_sharded_state_dict``) and scheduler (``load_state_dict``) are restored unless
@@ -324,10 +408,14 @@ def load_checkpoint(
     Raises:
         ValueError: no checkpoint with ``exit_on_missing_checkpoint``; the tracker or ``ckpt_step``
             names a missing or incomplete checkpoint; ``model_args_check`` differs from the saved
-            args; the optimizer state was asked for but not saved; missing keys or shape mismatch.
+            args; the optimizer state was asked for but not saved, or saved for another precision;
+            missing keys or shape mismatch.
+        CheckpointReadError: a file of the checkpoint is missing, truncated or unreadable (named, with
+            the ``--ckpt-step`` of another checkpoint to load).
     """
     from megatron.training import legacy_checkpoint  # here, not at the top: it imports this module
 
+    load_dir, ckpt_step = _load_dir_and_step(load_dir, ckpt_step, log)
     legacy = legacy_checkpoint.find_legacy_checkpoint(load_dir, ckpt_step)
     if legacy is not None:  # the format is told by the files, as Megatron's --auto-detect-ckpt-format
         return legacy_checkpoint.load_legacy_checkpoint(
@@ -340,30 +428,17 @@ def load_checkpoint(
     is_rank0 = _rank() == 0
     if is_rank0:
         log(f"loading checkpoint from {load_dir} at iteration {iteration}")
-    common = dist_checkpointing.load_common_state(ckpt_dir)
-    if model_args_check:
-        check_model_args(common.get("args", {}), model_args_check, ckpt_dir, log if is_rank0 else _quiet)
-    contents = common.get(CONTENTS_KEY, list(_RESERVED_KEYS))
-
     restore_optim = optimizer is not None and load_optim and not finetune
-    request: dict[str, Any] = {"model": model_sharded_state_dict}
-    if restore_optim:
-        if "optimizer" not in contents:
-            raise ValueError(
-                f"{ckpt_dir} holds no optimizer state (saved with --no-save-optim); "
-                "resume with --no-load-optim or --finetune"
-            )
-        request["optimizer"] = optimizer.sharded_state_dict(model_sharded_state_dict)
-    loaded = dist_checkpointing.load(request, ckpt_dir)
-    if restore_optim:
-        optimizer.load_sharded_state_dict(loaded["optimizer"])
-        if opt_param_scheduler is not None and "opt_param_scheduler" in common:
-            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
-
-    if load_rng and not finetune:
-        _load_rng(ckpt_dir, parallel_state, rng_restore_fn, log if is_rank0 else _quiet)
-    if fp8_state and not finetune:
-        _load_fp8_state(ckpt_dir, fp8_state, log if is_rank0 else _quiet)
+    say = log if is_rank0 else _quiet
+    try:
+        common = _load_state(ckpt_dir, model_sharded_state_dict, optimizer if restore_optim else None,
+                             opt_param_scheduler, model_args_check, say)
+        if load_rng and not finetune:
+            _load_rng(ckpt_dir, parallel_state, rng_restore_fn, say)
+        if fp8_state and not finetune:
+            _load_fp8_state(ckpt_dir, fp8_state, say)
+    except CheckpointReadError as e:
+        raise CheckpointReadError(f"{e}; {checkpoint_advice.another_checkpoint(load_dir, iteration)}") from None
 
     extra = {k: v for k, v in common.items() if k not in _RESERVED_KEYS}
     if finetune:
@@ -371,6 +446,35 @@ def load_checkpoint(
     if is_rank0:
         log(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
     return extra
+
+
+def _load_state(ckpt_dir: str, model_sharded_state_dict: dict, optimizer: Any, opt_param_scheduler: Any,
+                model_args_check: dict[str, Any] | None, log: Callable[[str], None]) -> dict:
+    """Check the saved args, fill the model (and, given one, the optimizer and scheduler) in place;
+    return the checkpoint's common values."""
+    common = dist_checkpointing.load_common_state(ckpt_dir)
+    if model_args_check:
+        check_model_args(common.get("args", {}), model_args_check, ckpt_dir, log)
+    if common.get(FINITE_KEY) is False:
+        log(f"warning: {ckpt_dir} holds NaN or Inf in its model or optimizer tensors (saved with "
+            "--no-check-for-nan-in-loss-and-grad); training from it gives NaN")
+    request: dict[str, Any] = {"model": model_sharded_state_dict}
+    if optimizer is not None:
+        if "optimizer" not in common.get(CONTENTS_KEY, list(_RESERVED_KEYS)):
+            raise ValueError(
+                f"{ckpt_dir} holds no optimizer state (saved with --no-save-optim); "
+                "resume with --no-load-optim or --finetune"
+            )
+        request["optimizer"] = optimizer.sharded_state_dict(model_sharded_state_dict)
+        checkpoint_advice.check_optimizer_precision(
+            ckpt_dir, dist_checkpointing.sharded_tensors(model_sharded_state_dict),
+            dist_checkpointing.sharded_tensors(request["optimizer"]))
+    loaded = dist_checkpointing.load(request, ckpt_dir)
+    if optimizer is not None:
+        optimizer.load_sharded_state_dict(loaded["optimizer"])
+        if opt_param_scheduler is not None and "opt_param_scheduler" in common:
+            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    return common
 
 
 def _quiet(_: str) -> None:

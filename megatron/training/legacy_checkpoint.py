@@ -102,7 +102,7 @@ def find_legacy_checkpoint(load_dir: str, ckpt_step: int | None = None) -> Legac
         tracker = os.path.join(load_dir, checkpointing.TRACKER_FILENAME)
         if not os.path.isfile(tracker):
             return None
-        with open(tracker) as f:
+        with open(tracker, errors="replace") as f:  # bytes that are not text: the torch_dist reader names them
             text = f.read().strip()
         release = text == "release"
         if not release and not text.isdigit():

@@ -162,22 +162,25 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         return original(self, item)
 
     monkeypatch.setattr(dcp_backend._BlockSavePlanner, "resolve_data", dying_resolve_data)
-    with pytest.raises(RuntimeError, match=r"(?s)writing checkpoint .*iter_0000200 failed on ranks \[0\].*simulated"):
+    with pytest.raises(RuntimeError,
+                       match=r"(?s)writing checkpoint .*iter_0000200\.saving failed on ranks \[0\].*simulated"):
         _save(tmp_path, 200, model, opt, sched, log=lambda _: None)
     monkeypatch.setattr(dcp_backend._BlockSavePlanner, "resolve_data", original)
 
     assert ckpt.read_tracker(str(tmp_path)) == 100
-    assert (tmp_path / "iter_0000200").is_dir() and not (tmp_path / "iter_0000200" / "metadata.json").exists()
+    # the partial files lie beside the checkpoint's name, never under it
+    assert not (tmp_path / "iter_0000200").exists()
+    assert not (tmp_path / "iter_0000200.saving" / "metadata.json").exists()
     model2, _, _ = _setup(seed=1)
     extra = ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), log=lambda _: None)
     assert extra["iteration"] == 100
     for k, v in model2.state_dict().items():
         torch.testing.assert_close(v, at_100[k], rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"(?s)incomplete checkpoint .*iter_0000200.*--ckpt-step 200"):
+    with pytest.raises(ValueError, match=r"(?s)iter_0000200 does not exist.*--ckpt-step 200"):
         ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), ckpt_step=200, log=lambda _: None)
 
     _save(tmp_path, 200, model, opt, sched, log=lambda _: None)  # a retry replaces the partial directory
-    assert ckpt.read_tracker(str(tmp_path)) == 200
+    assert ckpt.read_tracker(str(tmp_path)) == 200 and not (tmp_path / "iter_0000200.saving").exists()
     assert ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), log=lambda _: None)["iteration"] == 200
 
 

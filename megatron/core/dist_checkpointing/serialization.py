@@ -5,6 +5,10 @@ A sharded state dict is a nested dict (lists allowed) whose leaves are ``Sharded
 object ``common_state`` inside the DCP checkpoint. A checkpoint directory holds DCP's files
 (``.metadata``, ``__{rank}_{n}.distcp``) and our ``metadata.json``, written last: its presence marks a
 complete checkpoint.
+
+A file that cannot be written (disk full, quota, permissions) is a ``CheckpointWriteError``; a checkpoint
+to load whose files are missing, truncated or unreadable is a ``CheckpointReadError``; both are one line
+naming the file, raised before any tensor is read when the damage can be seen from the file sizes.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.errors import CheckpointReadError, CheckpointWriteError
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
-from megatron.core.dist_checkpointing.torch_dist import dcp_load, dcp_save, read_dcp_metadata
+from megatron.core.dist_checkpointing.torch_dist import dcp_load, dcp_save, file_problems, read_dcp_metadata
 from megatron.core.dist_checkpointing.validation import validate_load_request, validate_save
 
 METADATA_FILE = "metadata.json"
@@ -41,6 +47,39 @@ def _iter_sharded(tree: Any) -> Iterator[_Leaf]:
             yield from _iter_sharded(value)
     elif isinstance(tree, ShardedTensor | ShardedObject):
         yield tree
+
+
+def sharded_tensors(tree: Any) -> list[ShardedTensor]:
+    """The ShardedTensor leaves of a nested dict/list (a sharded state dict), in a deterministic order."""
+    return [leaf for leaf in _iter_sharded(tree) if isinstance(leaf, ShardedTensor)]
+
+
+_FINITE_CHUNK = 1 << 26  # elements per isfinite pass: bounds the temporary bool tensor at 64 MiB
+
+
+def _is_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool on ``t``'s device: no NaN or Inf in ``t``."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() <= _FINITE_CHUNK:
+        return torch.isfinite(flat).all()
+    return torch.stack([torch.isfinite(c).all() for c in flat.split(_FINITE_CHUNK)]).all()
+
+
+def all_finite(sharded_state_dict: Any, process_group: Any = None) -> bool:
+    """Collective (one all-reduce over ``process_group``): every floating ShardedTensor of every rank
+    holds no NaN or Inf."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in sharded_tensors(sharded_state_dict):
+        if t.data.is_floating_point():
+            per_device.setdefault(t.data.device, []).append(_is_finite(t.data))
+    nccl = dist.is_available() and dist.is_initialized() and dist.get_backend(process_group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    flag = torch.ones((), dtype=torch.int32, device=device)
+    for flags in per_device.values():  # one copy to the reduction's device per device, no sync per tensor
+        flag &= torch.stack(flags).all().to(device=device, dtype=torch.int32)
+    if _group_size(process_group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=process_group)
+    return bool(flag.item())
 
 
 def _strip_sharded(tree: Any) -> Any:
@@ -90,7 +129,11 @@ def _raise_if_any(errors: list[str], process_group: Any, prefix: str) -> None:
 
 
 def write_metadata_json(checkpoint_dir: str) -> None:
-    """Atomically write ``metadata.json`` (the completion marker); callers run it on one rank."""
+    """Atomically write ``metadata.json`` (the completion marker); callers run it on one rank.
+
+    Raises:
+        CheckpointWriteError: the file cannot be written.
+    """
     content = {
         "sharded_backend": SHARDED_BACKEND,
         "sharded_backend_version": SHARDED_BACKEND_VERSION,
@@ -99,11 +142,14 @@ def write_metadata_json(checkpoint_dir: str) -> None:
     }
     path = os.path.join(checkpoint_dir, METADATA_FILE)
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(content, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(content, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise CheckpointWriteError(checkpoint_dir, str(e)) from None
 
 
 def read_metadata_json(checkpoint_dir: str) -> dict[str, Any]:
@@ -160,6 +206,7 @@ def save(
     Raises:
         ValueError: a coverage, overlap, shape or key problem (on every rank, before writing), or a key
             of ``common_state`` that also appears among the plain values.
+        CheckpointWriteError: a file could not be written (on every rank when DCP's write failed on any).
     """
     common = _strip_sharded(sharded_state_dict)
     for key, value in (common_state or {}).items():
@@ -174,11 +221,11 @@ def save(
     objects = {o.unique_key: o.data for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)}
     if _rank(process_group) == 0:
         objects[COMMON_STATE_KEY] = common
-        os.makedirs(checkpoint_dir, exist_ok=True)
+        _make_dir(checkpoint_dir)
         if is_complete_checkpoint(checkpoint_dir):  # overwriting: never look complete while half-written
             os.remove(os.path.join(checkpoint_dir, METADATA_FILE))
     _barrier(process_group)
-    os.makedirs(checkpoint_dir, exist_ok=True)
+    _make_dir(checkpoint_dir)
     dcp_save(tensors, objects, checkpoint_dir, process_group)
     _barrier(process_group)
     if _rank(process_group) == 0:
@@ -186,9 +233,40 @@ def save(
     _barrier(process_group)
 
 
+def _make_dir(checkpoint_dir: str) -> None:
+    try:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+    except OSError as e:
+        raise CheckpointWriteError(checkpoint_dir, str(e)) from None
+
+
+def check_files(checkpoint_dir: str, keys: set[str] | None = None) -> Any:
+    """Check that the files holding ``keys`` (default: every file) are all there and as long as the
+    checkpoint's ``.metadata`` records; return that metadata.
+
+    Raises:
+        CheckpointReadError: ``.metadata`` or a data file is missing, truncated or unreadable; names the first.
+    """
+    md = read_dcp_metadata(checkpoint_dir)
+    _raise_file_problems(checkpoint_dir, md, keys)
+    return md
+
+
+def _raise_file_problems(checkpoint_dir: str, md: Any, keys: set[str] | None) -> None:
+    problems = file_problems(checkpoint_dir, md, keys)
+    if problems:
+        more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
+        raise CheckpointReadError(f"{problems[0]}{more}: the checkpoint is damaged")
+
+
 def load_common_state(checkpoint_dir: str) -> dict:
-    """The plain (non-sharded) values of a checkpoint, read locally by the calling rank alone."""
+    """The plain (non-sharded) values of a checkpoint, read locally by the calling rank alone.
+
+    Raises:
+        ValueError: not a complete checkpoint; CheckpointReadError: the file holding them is damaged.
+    """
     read_metadata_json(checkpoint_dir)
+    check_files(checkpoint_dir, {COMMON_STATE_KEY})
     return dcp_load({}, [COMMON_STATE_KEY], checkpoint_dir, no_dist=True)[COMMON_STATE_KEY]
 
 
@@ -230,14 +308,15 @@ def load(
         ValueError: missing directory, incomplete checkpoint, a requested key not in the checkpoint
             (``strict``; otherwise it is left out of the result) or a global shape that differs, on
             every rank. The message names the directory and the keys.
+        CheckpointReadError: a file this rank reads is missing, truncated or unreadable (named).
     """
     read_metadata_json(checkpoint_dir)
     dcp_md = read_dcp_metadata(checkpoint_dir)
     leaves = list(_iter_sharded(sharded_state_dict))
     req = validate_load_request(leaves, dcp_md, strict)
     _raise_if_any(req.errors, process_group, f"cannot load checkpoint {checkpoint_dir}:")
-
     object_keys = sorted({o.unique_key for o in leaves if isinstance(o, ShardedObject) and id(o) not in req.skipped})
+    _raise_file_problems(checkpoint_dir, dcp_md, {COMMON_STATE_KEY, *object_keys, *req.blocks})
     objects = dcp_load(req.blocks, [COMMON_STATE_KEY, *object_keys], checkpoint_dir, process_group)
     loaded: dict[int, Any] = {}
     for leaf in leaves:

@@ -14,14 +14,20 @@ directly in its own vocabulary:
 
 Non-tensor values travel as ``BYTE_IO`` items (``torch.save`` pickles). Everything used here is public
 DCP planner API present in torch 2.11 and 2.13.
+
+Failures of the files themselves are one-line ``CheckpointWriteError`` / ``CheckpointReadError`` naming the
+file and the OS error (``_CheckedFileSystem`` keeps the OSError that ``torch.save`` would drop); any
+other failure is a ``RuntimeError`` with DCP's per-rank tracebacks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -47,6 +54,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron.core.dist_checkpointing.errors import CheckpointReadError, CheckpointWriteError
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 # key -> [(global offset, destination tensor)]: any number of blocks of one key on one rank.
@@ -153,12 +161,91 @@ class _BlockLoadPlanner(DefaultLoadPlanner):
         pass  # resolve_tensor returned a view of the destination: the data is already in place
 
 
+class _RecordingFileIO(io.FileIO):
+    """A file that keeps the first OSError of its writes."""
+
+    first_error: OSError | None = None
+
+    def write(self, b: Any) -> int | None:
+        try:
+            return super().write(b)
+        except OSError as e:
+            if self.first_error is None:
+                self.first_error = e
+            raise
+
+
+def _with_path(error: OSError, path: Any) -> OSError:
+    """``error`` naming ``path`` (a failed ``write`` or ``fsync`` names no file)."""
+    if error.filename is not None or error.errno is None:
+        return error
+    return OSError(error.errno, error.strerror, os.fspath(path))
+
+
+class _CheckedFileSystem(FileSystem):
+    """DCP's local file system, where a failed write surfaces as the OSError it was.
+
+    DCP writes tensors with ``torch.save``, whose zip writer turns a failed ``write`` (ENOSPC, EDQUOT,
+    EIO) into "unexpected pos N vs M" and drops the OSError. A file opened for writing here keeps the
+    first OSError of its writes and raises it, with the file's path, in place of what it caused; a
+    file whose write failed never leaves its ``with`` block quietly.
+    """
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[io.IOBase]:
+        if "r" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        raw = _RecordingFileIO(os.fspath(path), mode.replace("b", ""))
+        try:
+            with io.BufferedWriter(raw) as stream:
+                yield stream
+        except Exception as e:
+            error = raw.first_error or (e if isinstance(e, OSError) else None)
+            if error is None:
+                raise
+            error = _with_path(error, path)
+            if error is e:
+                raise
+            raise error from e
+        if raw.first_error is not None:
+            raise _with_path(raw.first_error, path)
+
+
+def _os_errors(e: CheckpointException) -> dict[int, OSError]:
+    """Rank -> the OSError it failed with (directly or as the cause of its error), for the ranks that did."""
+    found: dict[int, OSError] = {}
+    for rank, failure in e.failures.items():
+        exc: BaseException | None = failure[0] if isinstance(failure, tuple) else failure
+        while exc is not None and not isinstance(exc, OSError):
+            exc = exc.__cause__
+        if exc is not None:
+            found[rank] = exc
+    return found
+
+
+def _describe_os_errors(errors: dict[int, OSError]) -> str:
+    ranks = sorted(errors)
+    if len(ranks) == 1:
+        where = f"rank {ranks[0]}"
+    else:
+        shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+        where = f"ranks {shown}; rank {ranks[0]}'s error shown"
+    return f"{errors[ranks[0]]} ({where})"
+
+
 @contextlib.contextmanager
-def _reraise(what: str) -> Iterator[None]:
-    """DCP reports rank failures as CheckpointException, a BaseException; make it a RuntimeError."""
+def _reraise(what: str, io_error: Callable[[str], ValueError]) -> Iterator[None]:
+    """DCP reports rank failures as CheckpointException, a BaseException (every rank gets every rank's
+    failure). An OS error on any rank becomes ``io_error(reason)`` (one line, the same on every rank);
+    any other failure a RuntimeError with DCP's tracebacks."""
     try:
         yield
     except CheckpointException as e:
+        os_errors = _os_errors(e)
+        if os_errors:
+            raise io_error(_describe_os_errors(os_errors)) from None
         raise RuntimeError(f"{what} failed on ranks {sorted(e.failures)}:\n{e}") from e
 
 
@@ -166,16 +253,27 @@ def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+def _writer(checkpoint_dir: str) -> dcp.FileSystemWriter:
+    writer = dcp.FileSystemWriter(checkpoint_dir, single_file_per_rank=True, sync_files=True)
+    if type(getattr(writer, "fs", None)) is FileSystem:  # DCP's own local file system: report its OS errors
+        writer.fs = _CheckedFileSystem()
+    return writer
+
+
 def dcp_save(
     tensors: list[ShardedTensor], objects: dict[str, Any], checkpoint_dir: str, process_group: Any = None
 ) -> None:
-    """Collective (over ``process_group``): write this rank's blocks and objects with DCP."""
-    writer = dcp.FileSystemWriter(checkpoint_dir, single_file_per_rank=True, sync_files=True)
-    with warnings.catch_warnings(), _reraise(f"writing checkpoint {checkpoint_dir}"):
+    """Collective (over ``process_group``): write this rank's blocks and objects with DCP.
+
+    Raises:
+        CheckpointWriteError: a file could not be written on some rank (on every rank, the same).
+    """
+    with warnings.catch_warnings(), _reraise(f"writing checkpoint {checkpoint_dir}",
+                                             lambda reason: CheckpointWriteError(checkpoint_dir, reason)):
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(
             {},
-            storage_writer=writer,
+            storage_writer=_writer(checkpoint_dir),
             planner=_BlockSavePlanner(tensors, objects),
             process_group=process_group,
             no_dist=_no_dist(),
@@ -189,9 +287,15 @@ def dcp_load(
     process_group: Any = None,
     no_dist: bool = False,
 ) -> dict[str, Any]:
-    """Collective unless ``no_dist``: fill ``blocks`` in place; return the requested objects by key."""
+    """Collective unless ``no_dist``: fill ``blocks`` in place; return the requested objects by key.
+
+    Raises:
+        CheckpointReadError: a file could not be read on some rank.
+    """
     planner = _BlockLoadPlanner(blocks, object_keys)
-    with warnings.catch_warnings(), torch.no_grad(), _reraise(f"reading checkpoint {checkpoint_dir}"):
+    with warnings.catch_warnings(), torch.no_grad(), _reraise(
+            f"reading checkpoint {checkpoint_dir}",
+            lambda reason: CheckpointReadError(f"cannot read checkpoint {checkpoint_dir}: {reason}")):
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(
             {},
@@ -203,6 +307,42 @@ def dcp_load(
     return planner.objects
 
 
+DCP_METADATA_FILE = ".metadata"
+
+
 def read_dcp_metadata(checkpoint_dir: str) -> Metadata:
-    """The DCP ``.metadata`` of a checkpoint: keys, global shapes, dtypes and saved chunks."""
-    return dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    """The DCP ``.metadata`` of a checkpoint: keys, global shapes, dtypes and saved chunks.
+
+    Raises:
+        CheckpointReadError: ``.metadata`` is missing or cannot be unpickled.
+    """
+    path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointReadError(f"{path} is missing (DCP's index of the saved tensors): the checkpoint is damaged")
+    try:
+        return dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError) as e:
+        raise CheckpointReadError(f"{path} cannot be read ({type(e).__name__}: {e}): the checkpoint is damaged") from None
+
+
+def file_problems(checkpoint_dir: str, md: Metadata, keys: set[str] | None = None) -> list[str]:
+    """The data files of the checkpoint (those holding ``keys``, default all) that are missing or shorter
+    than ``.metadata`` records: one message each, naming the file."""
+    needed: dict[str, int] = {}  # file -> bytes the items stored in it end at
+    wanted: set[str] = set()
+    for index, info in (getattr(md, "storage_data", None) or {}).items():
+        name = info.relative_path
+        needed[name] = max(needed.get(name, 0), info.offset + info.length)
+        if keys is None or index.fqn in keys:
+            wanted.add(name)
+    problems = []
+    for name in sorted(wanted):
+        path = os.path.join(checkpoint_dir, name)
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            problems.append(f"{path} is missing")
+            continue
+        if size < needed[name]:
+            problems.append(f"{path} is truncated ({size} bytes; {DCP_METADATA_FILE} records {needed[name]})")
+    return problems
