@@ -105,11 +105,8 @@ def merge(prefixes: list[str], output_prefix: str) -> None:
         for prefix in prefixes:
             builder.add_index(prefix)
         builder.finalize(output_prefix + ".idx")
-    except BaseException:  # no half-written dataset is left behind (a lone .bin is refused as input)
-        builder._file.close()
-        for suffix in SUFFIXES:
-            if os.path.isfile(output_prefix + suffix):
-                os.remove(output_prefix + suffix)
+    except BaseException:  # no half-written dataset is left behind, and an existing output stays as it was
+        builder.abort()
         raise
 
 

@@ -10,7 +10,14 @@ writes ``out/corpus_text_document.{bin,idx}`` (one file pair per ``--json-keys``
 Input is streamed in ~1 MB batches; at most ``2 * workers`` batches are in flight, so memory is
 bounded whatever the input size. Malformed JSON, a missing key, a non-string value or non-UTF-8
 bytes skip that line (for every key, so the outputs stay aligned), are counted, and the first few
-are reported with their file and line number. A user error prints one line and exits 2.
+are reported with their file and line number. A user error (an input without any document
+included) prints one line and exits 2.
+
+Nothing at the output prefix changes until every input has been read: each pair is written under
+temporary names and renamed into place at the end, with its checksum record
+(``megatron.core.datasets.integrity``). A corrupt input, an error, Ctrl-C or SIGTERM (acted on at
+the next batch boundary; a second one quits at once) leaves an existing dataset as it was; so does
+a kill -9, which also leaves ``*.tmp.<pid>`` files to delete.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -77,6 +85,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if args.log_interval < 1:
         raise UserError(f"--log-interval must be >= 1, got {args.log_interval}")
+    if args.max_documents is not None and args.max_documents < 1:
+        raise UserError(f"--max-documents must be >= 1, got {args.max_documents}")
     files: list[str] = []
     for pattern in args.input:
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
@@ -104,6 +114,10 @@ _STATE: dict[str, Any] = {}
 
 
 def _init_worker(options: dict[str, Any], keys: list[str], append_eod: bool, threads: int) -> None:
+    # A signal to the process group (Ctrl-C, SIGTERM) is the main process's to handle: a worker that
+    # died of it while waiting for a batch would hold the pool's queue lock forever.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Set before the tokenizer libraries start their thread pools (fresh spawned interpreter).
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
@@ -138,42 +152,66 @@ def _parse_line(raw: bytes, keys: list[str]) -> tuple[list[list[str]] | None, st
     return out, None
 
 
+def _tokenize_documents(tok: Any, parsed: list[list[list[str]]], k_i: int) -> list[list[Any]]:
+    """Per document, the ids of each non-empty sentence of key ``k_i`` (empty sentences are dropped)."""
+    sentences = [s for doc in parsed for s in doc[k_i]]
+    ids = tok.tokenize_batch(sentences) if sentences else []
+    out, pos = [], 0
+    for doc in parsed:
+        n = len(doc[k_i])
+        out.append([x for x in ids[pos:pos + n] if len(x) > 0])
+        pos += n
+    return out
+
+
+def _assemble(docs: list[list[Any]], eod: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flat int64 tokens, sequence lengths, sequences per document); ``eod`` ends each non-empty document."""
+    lengths: list[int] = []
+    per_doc: list[int] = []
+    pieces: list[Any] = []
+    for kept in docs:
+        pieces.extend(kept)
+        lengths.extend(len(x) for x in kept)
+        if kept and eod is not None:
+            pieces.append((eod,))
+            lengths[-1] += 1
+        per_doc.append(len(kept))
+    flat = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=int(sum(lengths)))
+    return flat, np.asarray(lengths, np.int32), np.asarray(per_doc, np.int64)
+
+
+def _outside(docs: list[list[Any]], vocab_size: int) -> set[int]:
+    """Documents holding an id outside [0, vocab_size) (only NullTokenizer input can: its text is the ids)."""
+    return {i for i, kept in enumerate(docs) if any(min(x) < 0 or max(x) >= vocab_size for x in kept)}
+
+
 def encode_batch(batch: tuple[str, int, list[bytes]]) -> dict[str, Any]:
     """Tokenize one batch of raw lines; returns per key the flat tokens, sequence lengths and
-    sequences per document, plus the skipped lines."""
+    sequences per document, plus the skipped lines (in line order)."""
     name, first_line, lines = batch
     tok, keys, append_eod, dtype = _STATE["tokenizer"], _STATE["keys"], _STATE["append_eod"], _STATE["dtype"]
-    parsed, errors = [], []
+    parsed, line_of, errors = [], [], []
     for i, raw in enumerate(lines):
-        if not raw.strip():
-            errors.append((f"{name}:{first_line + i}", "empty line"))
-            continue
-        texts, err = _parse_line(raw, keys)
+        texts, err = _parse_line(raw, keys) if raw.strip() else (None, "empty line")
         if err:
-            errors.append((f"{name}:{first_line + i}", err))
+            errors.append((i, err))
         else:
             parsed.append(texts)
-    out: dict[str, Any] = {"errors": errors, "docs": len(parsed), "bytes": sum(len(x) for x in lines)}
-    eod = (tok.eod,)
-    for k_i, key in enumerate(keys):
-        sentences = [s for doc in parsed for s in doc[k_i]]
-        ids = tok.tokenize_batch(sentences) if sentences else []
-        lengths: list[int] = []
-        per_doc: list[int] = []
-        pieces: list[Any] = []
-        pos = 0
-        for doc in parsed:
-            n = len(doc[k_i])
-            kept = [x for x in ids[pos:pos + n] if len(x) > 0]  # empty sentences are dropped
-            pos += n
-            pieces.extend(kept)
-            lengths.extend(len(x) for x in kept)
-            if kept and append_eod:
-                pieces.append(eod)
-                lengths[-1] += 1
-            per_doc.append(len(kept))
-        flat = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype, count=int(sum(lengths)))
-        out[key] = (flat, np.asarray(lengths, np.int32), np.asarray(per_doc, np.int64))
+            line_of.append(i)
+    eod = tok.eod if append_eod else None
+    docs = {key: _tokenize_documents(tok, parsed, k_i) for k_i, key in enumerate(keys)}
+    assembled = {key: _assemble(docs[key], eod) for key in keys}
+    if any(len(a[0]) and (a[0].min() < 0 or a[0].max() >= tok.vocab_size) for a in assembled.values()):
+        bad = set().union(*(_outside(docs[key], tok.vocab_size) for key in keys))  # skipped for every key
+        errors += [(line_of[i], f"token id outside the vocabulary [0, {tok.vocab_size})") for i in bad]
+        errors.sort()
+        docs = {key: [d for i, d in enumerate(docs[key]) if i not in bad] for key in keys}
+        assembled = {key: _assemble(docs[key], eod) for key in keys}
+        parsed = [d for i, d in enumerate(parsed) if i not in bad]
+    out: dict[str, Any] = {"errors": [(f"{name}:{first_line + i}", kind) for i, kind in errors],
+                           "docs": len(parsed), "bytes": sum(len(x) for x in lines)}
+    for key, (flat, lengths, per_doc) in assembled.items():
+        out[key] = (flat.astype(dtype), lengths, per_doc)
     return out
 
 
@@ -236,13 +274,9 @@ class Progress:
             self.bar.close()
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Preprocess; returns counts (documents, skipped lines by kind, examples, seconds)."""
-    options = tokenizer_options(args)
-    probe = build_tokenizer(argparse.Namespace(**options))  # fail fast on a bad tokenizer flag
-    dtype = DType.optimal_dtype(probe.vocab_size)
-    prefixes = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
-    builders = {k: IndexedDatasetBuilder(p + ".bin", dtype=dtype) for k, p in prefixes.items()}
+def tokenize_into(args: argparse.Namespace, options: dict[str, Any],
+                  builders: dict[str, IndexedDatasetBuilder]) -> dict[str, Any]:
+    """Stream every input through the tokenizer pool into ``builders``; returns the counts."""
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     ctx = mp.get_context("spawn")
     pool = ctx.Pool(args.workers, _init_worker, (options, args.json_keys, args.append_eod, threads))
@@ -250,7 +284,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kinds: Counter[str] = Counter()
     examples: list[str] = []
     in_flight: deque = deque()
-    start = time.perf_counter()
 
     def consume(result: dict[str, Any]) -> None:
         for where, kind in result["errors"]:
@@ -263,18 +296,92 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         for batch in read_batches(args.input_files, args.max_documents):
+            check_stop()
             in_flight.append(pool.apply_async(encode_batch, (batch,)))
             while len(in_flight) >= 2 * args.workers:
                 consume(in_flight.popleft().get())
+                check_stop()
         while in_flight:
             consume(in_flight.popleft().get())
+            check_stop()
     finally:
-        pool.terminate()
+        # The batches in flight (at most 2 x workers) finish; the workers, immune to signals, then
+        # exit. terminate() is never used: it SIGTERMs workers that ignore it.
+        pool.close()
+        pool.join()
         progress.close()
-    for k, builder in builders.items():
-        builder.finalize(prefixes[k] + ".idx")
-    return {"documents": progress.docs, "bytes": progress.bytes, "skipped": dict(kinds),
-            "examples": examples, "seconds": time.perf_counter() - start, "prefixes": prefixes}
+    return {"documents": progress.docs, "bytes": progress.bytes, "skipped": dict(kinds), "examples": examples}
+
+
+def no_documents(files: list[str], stats: dict[str, Any]) -> str:
+    """The error for an input that yields no document (nothing is written then)."""
+    named = ", ".join(repr(f) for f in files[:MAX_EXAMPLES]) + (f" and {len(files) - MAX_EXAMPLES} more"
+                                                                 if len(files) > MAX_EXAMPLES else "")
+    skipped = sum(stats["skipped"].values())
+    if not skipped:
+        why = "0 lines"
+    else:
+        detail = ", ".join(f"{n} {kind}" for kind, n in sorted(stats["skipped"].items()))
+        why = f"{skipped} lines, all skipped: {detail}; first: {stats['examples'][0]}"
+    return f"--input {named} {'holds' if len(files) == 1 else 'hold'} no documents ({why}); nothing was written"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Preprocess; returns counts (documents, skipped lines by kind, examples, seconds).
+
+    The outputs appear only when every input has been read: each pair is written under temporary
+    names and all pairs are renamed into place at the end (``IndexedDatasetBuilder``), so a failed
+    or killed run leaves an existing dataset at the prefix as it was."""
+    options = tokenizer_options(args)
+    probe = build_tokenizer(argparse.Namespace(**options))  # fail fast on a bad tokenizer flag
+    dtype = DType.optimal_dtype(probe.vocab_size)
+    prefixes = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
+    start = time.perf_counter()
+    builders: dict[str, IndexedDatasetBuilder] = {}
+    try:
+        for k, p in prefixes.items():
+            builders[k] = IndexedDatasetBuilder(p + ".bin", dtype=dtype)
+        stats = tokenize_into(args, options, builders)
+        if stats["documents"] == 0:
+            raise UserError(no_documents(args.input_files, stats))
+        for k, builder in builders.items():
+            builder.prepare(prefixes[k] + ".idx")
+        commit_all(list(builders.values()))
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    return {**stats, "seconds": time.perf_counter() - start, "prefixes": prefixes}
+
+
+def commit_all(builders: list[IndexedDatasetBuilder]) -> None:
+    """Rename every prepared pair into place, the per-key outputs together. A Ctrl-C or SIGTERM
+    that comes now is only noted (``check_stop`` is not called again), so the run ends normally;
+    only a kill -9 can land between two renames."""
+    for builder in builders:
+        builder.commit()
+
+
+class Interrupted(BaseException):
+    """Raised by ``check_stop`` after a Ctrl-C or SIGTERM: unwinds so that temporary files go."""
+
+
+_SIGNALS: list[int] = []  # received, in order; set by the handler, acted on between batches
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    """Note the first signal: the main loop stops at the next batch boundary, where no pool lock is
+    held (an exception raised inside the pool's own code could leave it waiting forever). A second
+    one ends the process at once, as kill -9 would."""
+    if _SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    _SIGNALS.append(signum)
+
+
+def check_stop() -> None:
+    if _SIGNALS:
+        raise Interrupted(_SIGNALS[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # e.g. an output directory that cannot be written
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, Interrupted) as exc:
+        print("error: interrupted; nothing was written (a dataset already at --output-prefix is unchanged)",
+              file=sys.stderr)
+        return 128 + int(exc.args[0] if isinstance(exc, Interrupted) else signal.SIGINT)
     mb_s = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e6
     print(f"Done: {stats['documents']} documents, {stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.1f} s "
           f"({mb_s:.2f} MB/s) -> {', '.join(p + '.{bin,idx}' for p in stats['prefixes'].values())}",
@@ -296,4 +410,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
     sys.exit(main())

@@ -168,7 +168,7 @@ def data_iterators(trainer):
     cfg, pg = trainer.cfg, trainer.pg
     datasets = build_train_valid_test_datasets(
         cfg.data, trainer.tokenizer, cfg.training.seq_length, cfg.training.seed, _samples(trainer),
-        parallel_state=pg, log=print_rank_0,
+        parallel_state=pg, log=print_rank_0, padded_vocab_size=trainer.padded_vocab_size,
     )
     consumed = [trainer.state.consumed_train_samples, trainer.state.consumed_valid_samples, 0]
     chunks = [c.module if hasattr(c, "module") else c for c in trainer.model]

@@ -113,6 +113,17 @@ class GPTDatasetConfig:
 
 
 
+def index_cache_dir(config: GPTDatasetConfig, dataset_path: str | None, class_name: str = "GPTDataset") -> str | None:
+    """Where the index cache of ``dataset_path`` lives: ``--data-cache-path``, else
+    ``<prefix>/cache/<class>_indices`` (None for data without a path). The dataset statistics of
+    ``integrity.dataset_stats`` are cached there too."""
+    if config.path_to_cache:
+        return config.path_to_cache
+    if dataset_path is None:
+        return None
+    return os.path.join(dataset_path, "cache", f"{class_name}_indices")
+
+
 class GPTDataset(Dataset):
     """Samples of ``sequence_length + 1`` tokens from a split of an indexed dataset.
 
@@ -162,11 +173,9 @@ class GPTDataset(Dataset):
 
     # ------------------------------------------------------------------ indices
     def _cache_dir(self) -> str | None:
-        if self.config.path_to_cache:
-            return self.config.path_to_cache
-        if self.config.mock or self.dataset_path is None:
-            return None
-        return os.path.join(self.dataset_path, "cache", f"{type(self).__name__}_indices")
+        if self.config.mock:
+            return self.config.path_to_cache or None
+        return index_cache_dir(self.config, self.dataset_path, type(self).__name__)
 
     def _load_or_build_indices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         directory = self._cache_dir()

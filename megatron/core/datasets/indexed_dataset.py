@@ -20,13 +20,15 @@ Reads are memory-mapped views (no copy). Every inconsistency between the two fil
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any
 
 import numpy as np
+
+from megatron.core.datasets import integrity
+from megatron.core.datasets.integrity import tmp_path
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -70,9 +72,9 @@ def index_file_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
-def write_index(idx_path: str, dtype: Any, sequence_lengths: np.ndarray, document_indices: np.ndarray,
-                sequence_modes: np.ndarray | None = None) -> None:
-    """Write an ``.idx`` file for sequences stored back to back in ``dtype``."""
+def _write_index_file(path: str, dtype: Any, sequence_lengths: np.ndarray, document_indices: np.ndarray,
+                      sequence_modes: np.ndarray | None = None) -> None:
+    """Write (and fsync) the ``.idx`` bytes of sequences stored back to back in ``dtype`` at ``path``."""
     lengths = np.asarray(sequence_lengths, dtype=np.int32)
     docs = np.asarray(document_indices, dtype=np.int64)
     itemsize = np.dtype(dtype).itemsize
@@ -80,8 +82,7 @@ def write_index(idx_path: str, dtype: Any, sequence_lengths: np.ndarray, documen
     if len(lengths) > 1:
         np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
     pointers *= itemsize
-    tmp = idx_path + ".tmp"
-    with open(tmp, "wb") as f:
+    with open(path, "wb") as f:
         f.write(MAGIC)
         f.write(struct.pack("<Q", VERSION))
         f.write(struct.pack("<B", DType.code_from_dtype(dtype)))
@@ -92,6 +93,15 @@ def write_index(idx_path: str, dtype: Any, sequence_lengths: np.ndarray, documen
         f.write(docs.astype("<i8", copy=False).tobytes(order="C"))
         if sequence_modes is not None:
             f.write(np.asarray(sequence_modes, dtype=np.int8).tobytes(order="C"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_index(idx_path: str, dtype: Any, sequence_lengths: np.ndarray, document_indices: np.ndarray,
+                sequence_modes: np.ndarray | None = None) -> None:
+    """Write an ``.idx`` file for sequences stored back to back in ``dtype`` (tmp + rename)."""
+    tmp = tmp_path(idx_path)
+    _write_index_file(tmp, dtype, sequence_lengths, document_indices, sequence_modes)
     os.replace(tmp, idx_path)
 
 
@@ -119,6 +129,9 @@ class IndexReader:
         expected = HEADER_SIZE + 12 * n + 8 * d + (n if multimodal else 0)
         if size < expected:
             raise ValueError(f"{idx_path!r} is truncated: {size} bytes, the header promises {expected}")
+        if size not in (expected, expected + (0 if multimodal else n)):  # text data may be read from a multimodal .idx
+            raise ValueError(f"{idx_path!r} is corrupt: {size} bytes, its header describes {expected} "
+                             f"({n} sequences, {max(d - 1, 0)} documents)")
         self.sequence_count, self.document_count = int(n), int(d)
         buf = np.memmap(idx_path, mode="r", order="C")
         self._buf = buf
@@ -146,7 +159,8 @@ class IndexedDataset:
         mmap: memory-map the ``.bin`` (``--no-mmap-bin-files`` reads with plain file I/O).
 
     Raises:
-        ValueError: a missing or corrupt file, or a ``.bin`` shorter than the index says.
+        ValueError: a missing or corrupt file, or a ``.bin`` whose size is not exactly the end of
+            the index's last document (the two files were not written together).
     """
 
     def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True) -> None:
@@ -167,6 +181,11 @@ class IndexedDataset:
         have = os.path.getsize(bin_path)
         if have < needed:
             raise ValueError(f"data file {bin_path!r} is truncated: {have} bytes, its index needs {needed}")
+        if have > needed:  # Megatron writes exactly the tokens: more bytes mean the files were not written together
+            raise ValueError(
+                f"data file {bin_path!r} holds {have} bytes, but its index {self.index.path!r} ends its last "
+                f"document at byte {needed}: they are not one dataset (an .idx of another corpus, or a .bin "
+                "written again without its .idx); write both again (tools/preprocess_data.py)")
         self._bin: np.ndarray | None = None
         if self.mmap and have > 0:
             self._bin = np.memmap(bin_path, mode="r", order="C")
@@ -225,6 +244,12 @@ class IndexedDataset:
 class IndexedDatasetBuilder:
     """Writes a ``.bin`` while collecting what ``finalize`` writes into the ``.idx``.
 
+    Nothing at ``bin_path`` or the ``.idx`` changes before ``finalize``: tokens go to a temporary
+    file beside the ``.bin`` (``<name>.tmp.<pid>``, never read as data), and ``finalize`` replaces
+    the pair by renames together with its checksum record ``<prefix>/checksum.json``
+    (``integrity``). ``abort()`` removes the temporary files and leaves an existing pair as it was;
+    a process killed before ``finalize`` leaves the old pair and a temporary file to delete.
+
     Args:
         bin_path: the ``.bin`` file to create.
         dtype: token dtype (``DType.optimal_dtype(vocab_size)``).
@@ -236,13 +261,20 @@ class IndexedDatasetBuilder:
         self.dtype = np.dtype(dtype)
         DType.code_from_dtype(self.dtype)
         self.multimodal = multimodal
-        self._file = open(bin_path, "wb")  # noqa: SIM115 - closed by finalize
+        self._tmp_bin = tmp_path(bin_path)
+        self._file = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed by prepare or abort
         self._lengths: list[np.ndarray] = []
         self._pending: list[int] = []
         self._docs: list[np.ndarray] = []
         self._doc_pending: list[int] = []
         self._modes: list[int] = []
         self._count = 0  # sequences written so far
+        self._token_range: tuple[int, int] | None = None  # (min, max) id written so far
+        self._renames: list[tuple[str, str]] = []  # (temporary, final) once prepared
+
+    def _write(self, arr: np.ndarray) -> None:
+        self._file.write(np.ascontiguousarray(arr).data)
+        self._token_range = integrity.merge_ranges(self._token_range, integrity.array_range(arr))
 
     def _flush_pending(self) -> None:
         if self._pending:
@@ -255,7 +287,7 @@ class IndexedDatasetBuilder:
     def add_item(self, tokens: Any, mode: int = 0) -> None:
         """Append one sequence (array-like or CPU tensor of ids)."""
         arr = np.asarray(tokens, dtype=self.dtype)
-        self._file.write(arr.tobytes(order="C"))
+        self._write(arr)
         self._pending.append(arr.size)
         self._count += 1
         if self.multimodal:
@@ -268,7 +300,7 @@ class IndexedDatasetBuilder:
     def add_document(self, tokens: Any, lengths: Sequence[int], modes: Sequence[int] | None = None) -> None:
         """Append one document made of sequences of ``lengths`` tokens each, then close it."""
         arr = np.asarray(tokens, dtype=self.dtype)
-        self._file.write(arr.tobytes(order="C"))
+        self._write(arr)
         self._pending.extend(int(x) for x in lengths)
         self._count += len(lengths)
         if self.multimodal:
@@ -291,7 +323,7 @@ class IndexedDatasetBuilder:
                    else np.asarray(sequences_per_document, dtype=np.int64))
         if int(per_doc.sum()) != len(lengths) or int(lengths.sum(dtype=np.int64)) != arr.size:
             raise ValueError("add_documents: lengths, sequences_per_document and tokens disagree")
-        self._file.write(arr.data)
+        self._write(arr)
         self._flush_pending()
         self._lengths.append(lengths)
         self._docs.append(self._count + np.cumsum(per_doc))
@@ -304,20 +336,70 @@ class IndexedDatasetBuilder:
         index = IndexReader(index_file_path(path_prefix), self.multimodal)
         if np.dtype(index.dtype) != self.dtype:
             raise ValueError(f"{index.path!r} stores {np.dtype(index.dtype).name}, this builder writes {self.dtype.name}")
+        nbytes = int(index.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        have = os.path.getsize(data_file_path(path_prefix))
+        if have != nbytes:
+            raise ValueError(f"data file {data_file_path(path_prefix)!r} holds {have} bytes, its index {index.path!r} "
+                             f"describes {nbytes}")
         self._flush_pending()
         self._lengths.append(np.array(index.sequence_lengths, dtype=np.int32))
         self._docs.append(self._count + np.array(index.document_indices[1:], dtype=np.int64))
         self._count += index.sequence_count
         if self.multimodal and index.sequence_modes is not None:
             self._modes.extend(index.sequence_modes.tolist())
+        chunk_bytes = 16 << 20  # a multiple of every itemsize
         with open(data_file_path(path_prefix), "rb") as src:
-            shutil.copyfileobj(src, self._file, 16 << 20)
+            while block := src.read(chunk_bytes):
+                self._write(np.frombuffer(block, dtype=self.dtype))
 
-    def finalize(self, idx_path: str) -> None:
-        """Close the ``.bin`` and write the ``.idx``."""
+    def prepare(self, idx_path: str) -> None:
+        """Close the ``.bin`` and write the ``.idx`` and the checksum record, all under temporary
+        names: the files at the final names are still the old ones until ``commit``."""
         self._flush_pending()
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
         docs = np.concatenate([np.zeros(1, np.int64)] + self._docs)
         modes = np.asarray(self._modes, dtype=np.int8) if self.multimodal else None
-        write_index(idx_path, self.dtype, lengths, docs, modes)
+        tmp_idx = tmp_path(idx_path)
+        _write_index_file(tmp_idx, self.dtype, lengths, docs, modes)
+        self._renames = [(self._tmp_bin, self.bin_path), (tmp_idx, idx_path)]
+        record = self._record_path(idx_path)
+        if record is not None:
+            tmp_record = tmp_path(record)
+            integrity.write_record(integrity.make_record(self._tmp_bin, tmp_idx, self.dtype, self._token_range),
+                                   tmp_record)
+            self._renames.insert(0, (tmp_record, record))
+
+    def _record_path(self, idx_path: str) -> str | None:
+        """``<prefix>/checksum.json`` when the two files form ``<prefix>.bin/.idx`` (and ``<prefix>``
+        can be a directory), else None: the pair then gets no record."""
+        prefix = idx_path[:-len(".idx")]
+        if not (idx_path.endswith(".idx") and self.bin_path == data_file_path(prefix)):
+            return None
+        try:
+            os.makedirs(prefix, exist_ok=True)
+        except OSError:  # <prefix> is a file
+            return None
+        return integrity.record_path(prefix)
+
+    def commit(self) -> None:
+        """Replace the pair (and its record) by renames; see ``integrity`` for the order."""
+        if not self._renames:
+            raise RuntimeError("IndexedDatasetBuilder.commit() before prepare()")
+        integrity.commit(self._renames)
+        self._renames = []
+
+    def finalize(self, idx_path: str) -> None:
+        """Close the ``.bin``, write the ``.idx`` and put the pair in place (``prepare`` + ``commit``)."""
+        self.prepare(idx_path)
+        self.commit()
+
+    def abort(self) -> None:
+        """Drop what was written: the temporary files go, an existing pair stays as it was."""
+        self._file.close()
+        for path in [self._tmp_bin] + [src for src, _ in self._renames]:
+            if os.path.exists(path):
+                os.remove(path)
+        self._renames = []

@@ -56,24 +56,49 @@ def convert_split_vector_to_split_matrix(vector_a: Sequence[float],
     return out
 
 
-def get_blend_from_list(blend: Sequence[str] | None) -> tuple[list[str], list[float] | None] | None:
+def get_blend_from_list(blend: Sequence[str] | None, flag: str = "--data-path") -> tuple[list[str], list[float] | None] | None:
     """``["0.3", "a", "0.7", "b"]`` -> ``(["a", "b"], [0.3, 0.7])``; ``["a", "b"]`` -> ``(["a", "b"], None)``.
 
     A single string holding spaces is split first. An odd-length list or a non-numeric first entry
-    means prefixes only.
+    means prefixes only (Megatron's rule).
+
+    Raises:
+        ValueError: read as prefixes only, the list holds a number that names no dataset (no
+            ``.idx`` file): weights and prefixes that do not alternate, e.g. ``0.5 A 0.5``.
     """
     if blend is None:
         return None
     items = [x for s in blend for x in str(s).split()]
     if not items:
         return None
-    if len(items) % 2 == 1:
-        return items, None
+    if len(items) % 2 == 0:
+        try:
+            return items[1::2], [float(x) for x in items[0::2]]
+        except ValueError:
+            pass
+    _check_prefixes_only(items, flag)
+    return items, None
+
+
+def _is_number(text: str) -> bool:
     try:
-        weights = [float(x) for x in items[0::2]]
+        float(text)
     except ValueError:
-        return items, None
-    return items[1::2], weights
+        return False
+    return True
+
+
+def _check_prefixes_only(items: list[str], flag: str) -> None:
+    """A weight among prefixes is a blend that lost an entry; a dataset named like a number is not."""
+    if not any(_is_number(x) and not os.path.isfile(x + ".idx") for x in items):
+        return
+    if len(items) % 2:
+        why = f"{len(items)} entries cannot pair up"
+    else:
+        bad = next(x for x in items[0::2] if not _is_number(x))
+        why = f"{bad!r} stands where a weight should be"
+    raise ValueError(f"{flag} {' '.join(items)!r}: weights and prefixes must alternate (WEIGHT PREFIX "
+                     f"[WEIGHT PREFIX ...], e.g. 0.3 A 0.7 B) or be prefixes only; {why}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -179,3 +204,95 @@ def dumps_description(identifiers: dict) -> str:
 def compile_helpers() -> None:
     """Megatron-Core's step that compiles its C++ index helpers. Ours are numpy
     (``megatron.core.datasets.helpers``): there is nothing to build, so this returns at once."""
+
+
+# ----------------------------------------------------------------------------------------------
+# One JSON result per key (small derived facts, e.g. a dataset's token-id range), same protocol.
+
+
+def _read_json_result(path: str, key: dict) -> dict | None:
+    """The cached result for ``key``, or None (absent, unreadable, or written for another key)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cached = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cached, dict) or cached.get("key") != key or not isinstance(cached.get("result"), dict):
+        return None
+    return cached["result"]
+
+
+def _raise_reported(marker: str) -> None:
+    """Raise the failure the builder rank left in ``marker``: a ``ValueError`` (a user error) as
+    one, so that every rank reports the same message; anything else as a RuntimeError."""
+    try:
+        with open(marker, encoding="utf-8") as f:
+            failure = json.load(f)
+        kind, message = str(failure["type"]), str(failure["message"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # half written: look again on the next poll
+    if kind == "ValueError":
+        raise ValueError(message)
+    raise RuntimeError(f"the rank computing {marker[:-len('.error')]!r} failed: {kind}: {message}")
+
+
+def build_or_wait_json(path: str, key: dict, build: Callable[[], dict], timeout_s: float,
+                       log: Callable[[str], object] = print, poll_s: float = 0.5,
+                       report_every_s: float = 30.0) -> dict:
+    """``build()``'s result for ``key``, cached in the JSON file ``path``. A cached file is used
+    when it holds ``key``; otherwise global rank 0 builds and writes it (tmp + rename) and the other
+    ranks poll for it. A failure of rank 0 goes into ``path + ".error"``, which the others raise.
+
+    Raises:
+        ValueError: ``build`` raised one (on every rank), or ``path`` cannot be written.
+        RuntimeError: rank 0 failed otherwise, or ``timeout_s`` passed.
+    """
+    found = _read_json_result(path, key)
+    if found is not None:
+        return found
+    marker = path + ".error"
+    if global_rank() != 0:
+        start = last = time.monotonic()
+        while (found := _read_json_result(path, key)) is None:
+            if os.path.isfile(marker):
+                _raise_reported(marker)
+            now = time.monotonic()
+            if now - start > timeout_s:
+                raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for rank 0 to write {path!r}")
+            if now - last >= report_every_s:
+                log(f" > waiting for rank 0 to write {os.path.basename(path)} ({now - start:.0f} s so far)")
+                last = now
+            time.sleep(poll_s)
+        return found
+    if os.path.isfile(marker):
+        try:
+            os.remove(marker)  # a failure of an earlier run
+        except OSError:
+            pass
+    try:
+        result = build()
+    except Exception as exc:
+        _report_failure(marker, type(exc).__name__, str(exc))
+        raise
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"key": key, "result": result}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        message = f"cannot write {path!r} ({exc.strerror or exc}); give a writable --data-cache-path"
+        _report_failure(marker, "ValueError", message)
+        raise ValueError(message) from None
+    return result
+
+
+def _report_failure(marker: str, kind: str, message: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(marker) or ".", exist_ok=True)
+        tmp = f"{marker}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"type": kind, "message": message}, f)
+        os.replace(tmp, marker)
+    except OSError:  # an unwritable cache directory: the waiting ranks time out instead
+        pass
