@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
@@ -192,11 +194,28 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
 
-def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelState:
-    """Create every group of the grid collectively (all ranks must call this in the same order)."""
+def default_group_timeout() -> timedelta | None:
+    """The default group's collective timeout (``init_process_group(timeout=...)``), or None where
+    this torch does not expose it; then ``new_group`` uses torch's default (30 minutes for gloo)."""
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return dist.group.WORLD._get_backend(device).options._timeout  # type: ignore[union-attr]
+    except Exception:  # a private attribute: absent in some builds and backends
+        return None
+
+
+def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                         timeout: timedelta | None = None) -> ParallelState:
+    """Create every group of the grid collectively (all ranks must call this in the same order).
+
+    Every group waits ``timeout`` for a collective; None: as long as the default group does.
+    (``dist.new_group`` without a timeout would wait torch's default, not the configured one.)
+    """
     initialized = dist.is_available() and dist.is_initialized()
     world_size = dist.get_world_size() if initialized else 1
     rank = dist.get_rank() if initialized else 0
+    if initialized and timeout is None:
+        timeout = default_group_timeout()
     grid = make_grid(world_size, tp=tp, pp=pp, cp=cp, ep=ep)
     state = ParallelState(grid=grid, rank=rank)
     named = {name: grid.groups(axes) for name, axes in _GROUP_AXES.items()}
@@ -204,7 +223,7 @@ def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> 
     named["embedding"] = [sorted({g[0], g[-1]}) for g in named["pp"]]
     for name, all_groups in named.items():
         for ranks in all_groups:
-            group = dist.new_group(ranks) if initialized else None
+            group = dist.new_group(ranks, timeout=timeout) if initialized else None
             if rank in ranks:
                 state.groups[name] = group
                 state.group_ranks[name] = ranks
@@ -220,14 +239,20 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: int | None = None,
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    distributed_timeout_minutes: int | None = None,
 ) -> ParallelState:
-    """Build the groups and record them as the default instance (the Megatron-Core entry point)."""
+    """Build the groups and record them as the default instance (the Megatron-Core entry point).
+
+    ``distributed_timeout_minutes``: every group's collective timeout; None (unlike Megatron-Core's
+    30): the default group's, so that ``init_process_group(timeout=...)`` holds for every group.
+    """
     global _DEFAULT
     _DEFAULT = build_parallel_state(
         tp=tensor_model_parallel_size,
         pp=pipeline_model_parallel_size,
         cp=context_parallel_size,
         ep=expert_model_parallel_size,
+        timeout=None if distributed_timeout_minutes is None else timedelta(minutes=distributed_timeout_minutes),
     )
     return _DEFAULT
 

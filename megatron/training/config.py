@@ -82,6 +82,9 @@ class TrainingConfig:
         check_positive("train_samples", self.train_samples, allow_none=True, allow_zero=True)
         check_positive("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
         check_positive("world_size", self.world_size, allow_none=True)
+        if self.distributed_timeout_minutes < 1:  # an int of minutes, as in Megatron-LM
+            raise ValueError(f"--distributed-timeout-minutes must be a whole number of minutes >= 1, got "
+                             f"{self.distributed_timeout_minutes} (e.g. --distributed-timeout-minutes 10, the default)")
         self._check_batch_schedule()
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
+from megatron.training.peers import LOST_RANK_CODE, Loss, PeerWatch, kill_stopped, wait_reaped
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -31,6 +32,8 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10, tp:
 
     Without CUDA the backend is gloo on the CPU; with CUDA, NCCL on ``cuda:LOCAL_RANK``. A single
     process started with plain ``python`` gets a one-rank group too, so every code path is the same.
+    Every process group waits ``timeout_minutes`` for a collective, and so long for a silent rank
+    (see ``peers``) before the job stops with exit code 4.
     """
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
@@ -55,8 +58,10 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10, tp:
                                 timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if backend == "nccl" else None)
         if world > 1 and init_method == "env://":
-            _start_error_channel(world)
-    return device, initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            local_world = _env_int("LOCAL_WORLD_SIZE", default=0) or None
+            _start_error_channel(world, rank, 60.0 * timeout_minutes, local_world)
+    return device, initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             distributed_timeout_minutes=timeout_minutes)
 
 
 def _free_port() -> int:
@@ -98,6 +103,11 @@ def destroy() -> None:
 # torchrun names one of them as the root cause). The store is a connection of its own to the job's
 # store server (under torchrun the agent's, which outlives every rank): the process group's client
 # can be held by a blocking wait (NCCL's rendezvous) that would starve the watcher.
+#
+# A rank that stops (SIGSTOP) or dies (kill -9, a crash) cannot report itself: its peers do, from
+# its heartbeat and, on its host, its process (megatron.training.peers). The first rank to find it
+# prints one line naming it and every live rank exits LOST_RANK_CODE (4); the barrier counts the
+# lost ranks as arrived.
 
 POLL_S = 1.0  # how often a rank looks for a peer's error
 JOIN_TIMEOUT_S = 60.0  # how long the ranks that know wait for the others at the barrier
@@ -106,38 +116,89 @@ JOIN_TIMEOUT_S = 60.0  # how long the ranks that know wait for the others at the
 class ErrorChannel:
     """The store keys through which the ranks of one job (one torchrun attempt) stop together."""
 
-    def __init__(self, store, world: int):
-        self.store, self.world = store, world
+    def __init__(self, store, world: int, peers: PeerWatch | None = None):
+        self.store, self.world, self.peers = store, world, peers
         self._lock = threading.Lock()  # one exit per process: the main thread's or the watcher's
         self._closed = threading.Event()
         self.stopping = False  # set once this process is on its way out through ``stop``
 
     def watch(self) -> None:
-        """Poll for a peer's error in a daemon thread; on one, leave with its code (see ``stop``)."""
+        """Poll for a peer's error in a daemon thread; on one, leave with its code (see ``stop``).
+        With ``peers``, the same thread beats and watches for a lost rank (``lose``)."""
         threading.Thread(target=self._watch, name="megatron-error-watch", daemon=True).start()
 
     def close(self) -> None:
+        """This rank ends normally: its watchers must not take its exit for a loss."""
+        if self.peers is not None and not self._closed.is_set():
+            try:
+                self.peers.mark("done")
+            except Exception:  # the store server is gone: nobody is left to watch
+                pass
         self._closed.set()
 
     def _watch(self) -> None:
+        loss: Loss | None = None
         try:
             while not self.store.check(["failed"]):
-                if self._closed.wait(POLL_S):
+                if self.peers is None:
+                    if self._closed.wait(POLL_S):
+                        return
+                    continue
+                loss = self.peers.tick(self._closed)
+                if self._closed.is_set():
                     return
+                if loss is not None and not self.store.check(["failed"]):
+                    break
+                loss = None
         except Exception:  # the store server is gone: the job is ending anyway
             return
+        if loss is not None:
+            self.lose(loss)
         if not self._closed.is_set():
             self.stop(None, 0)
 
-    def stop(self, message: str | None, code: int) -> NoReturn:
+    def lose(self, loss: Loss) -> None:
+        """A rank is lost: kill it if it is a stopped process on this host, report it, leave with
+        LOST_RANK_CODE. Returns at once when this process is already leaving (for another reason)."""
+        if self.stopping:
+            return
+        _ignore_sigterm()  # the launcher SIGTERMs the survivors of a rank that died
+        kill_stopped(loss)  # first, so that the launcher names the lost rank as the first to fail
+        self.stop(loss.message, LOST_RANK_CODE, loss=loss)
+
+    def explain(self, error: BaseException) -> None:
+        """Main thread, with ``error`` in hand. A collective that failed or timed out: if a rank was
+        lost (or a peer already reported the job's end), leave as ``lose`` (or ``stop``) does; else
+        return, and the error keeps its traceback."""
+        if (self.peers is None or not _is_communication_error(error)
+                or threading.current_thread() is not threading.main_thread()):
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as in ``lose``: while looking for the lost rank
+        try:
+            loss = self.peers.explain(lambda: self.store.check(["failed"]))
+            if loss is not None:
+                self.lose(loss)
+            if self.store.check(["failed"]):
+                self.stop(None, 0)
+            self.peers.mark("raising")
+        except Exception:  # the store server is gone: nothing to learn from it
+            pass
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+    def stop(self, message: str | None, code: int, loss: Loss | None = None) -> NoReturn:
         """Exit this process once every rank knows. ``message`` is this rank's own error (main
         thread): the first rank to report one prints it and sets the job's exit code (``code``).
-        ``None`` (the watcher): a peer failed; leave quietly with the job's code."""
+        ``None`` (the watcher): a peer failed; leave quietly with the job's code. ``loss``: the rank
+        the message is about, which is not waited for."""
         with self._lock:
             self.stopping = True
             reported = False
             try:
                 _ignore_sigterm()
+                if loss is not None:
+                    self._mark_lost(loss.rank)
                 if message is not None:
                     first = self._report(code)
                     reported = True
@@ -145,6 +206,7 @@ class ErrorChannel:
                         _print_error(message)
                 code = int(self.store.get("code"))
                 self._join()
+                wait_reaped(loss)
                 self._leave_in_order(reporter=message is not None)
             except Exception:  # a broken store, or a rank that never came: leave all the same
                 if message is not None and not reported:
@@ -162,9 +224,16 @@ class ErrorChannel:
         return first
 
     def _join(self) -> None:
-        if self.store.add("joined", 1) == self.world:
+        # Each rank that joins reads the lost count after adding itself, each rank that marks a loss
+        # reads the joined count after adding it: whichever adds last sees both and opens the barrier.
+        if self.store.add("joined", 1) + self.store.add("num_lost", 0) >= self.world:
             self.store.set("all_joined", "1")
         self.store.wait(["all_joined"], timedelta(seconds=JOIN_TIMEOUT_S))
+
+    def _mark_lost(self, rank: int) -> None:
+        if self.store.add(f"lost/{rank}", 1) == 1:
+            if self.store.add("num_lost", 1) + self.store.add("joined", 0) >= self.world:
+                self.store.set("all_joined", "1")
 
     def _leave_in_order(self, reporter: bool) -> None:
         """The ranks that raised the error leave first, the others a moment after them."""
@@ -196,10 +265,35 @@ _channel: ErrorChannel | None = None
 def wait_if_leaving() -> None:
     """Called by the main thread with an exception in hand: when this rank is already leaving for
     a peer's error, the exception is its consequence (no rank leaves before every rank has joined,
-    and a peer that left closes its connections): wait for the exit instead of reporting it."""
-    if _channel is not None and _channel.stopping:
+    and a peer that left closes its connections): wait for the exit instead of reporting it. When
+    the exception is a collective that failed with a lost rank, report that rank and leave
+    (``ErrorChannel.explain``). Otherwise return: the exception keeps its traceback."""
+    if _channel is None:
+        return
+    if not _channel.stopping:
+        error = sys.exc_info()[1]
+        if error is not None:
+            _channel.explain(error)
+    if _channel.stopping:
         with _channel._lock:  # held until os._exit
             pass
+
+
+def note_iteration(iteration: int) -> None:
+    """The last iteration the training loop finished, for this rank's heartbeat (a plain attribute
+    store: nothing waits for the device)."""
+    if _channel is not None and _channel.peers is not None:
+        _channel.peers.iteration = iteration
+
+
+def _is_communication_error(error: BaseException) -> bool:
+    """A collective or store operation that failed: what a lost rank makes its peers raise (gloo
+    raises a plain RuntimeError naming its transport, NCCL a DistBackendError)."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        s in text for s in ("gloo", "NCCL", "Connection reset", "Connection closed", "imed out"))
 
 
 def _print_error(message: str) -> None:
@@ -220,9 +314,12 @@ def _channel_prefix() -> str:
     return f"megatron/errors/{run_id}/{attempt}"
 
 
-def _start_error_channel(world: int) -> None:
+def _start_error_channel(world: int, rank: int, timeout_s: float, local_world: int | None) -> None:
     global _channel
-    _channel = ErrorChannel(_store_client(_channel_prefix()), world)
+    store = _store_client(_channel_prefix())
+    peers = PeerWatch(store, rank, world, timeout_s, local_world)
+    peers.register()
+    _channel = ErrorChannel(store, world, peers)
     _channel.watch()
 
 

@@ -1,0 +1,105 @@
+"""A rank that stops (SIGSTOP) or dies (kill -9) in the middle of training: one line that names it,
+every live rank exits 4, torchrun 1, within about --distributed-timeout-minutes of the stop.
+
+The job runs under plain torchrun, as users run it: the ranks are torchrun's children, so its summary
+shows each rank's exit code and which failure it observed first (its "Root Cause").
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_signals import ENV, PRETRAIN, ROOT, TINY, _read_until, children
+
+from megatron.training.cli import run
+
+ERROR = "pretrain_gpt.py: error: "
+
+
+def _rank_of(pid: int) -> int:
+    with open(f"/proc/{pid}/environ") as f:
+        env = dict(v.split("=", 1) for v in f.read().split("\0") if "=" in v)
+    return int(env["RANK"])
+
+
+def _job_with_rank_1_hit(sig: signal.Signals, extra: list[str], timeout: float) -> tuple[str, int, float]:
+    """Two ranks under torchrun; ``sig`` to rank 1 once it has trained a while. Returns (everything
+    the job printed, rank 1's pid, seconds from the signal to torchrun's exit)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", PRETRAIN, *TINY,
+           "--num-workers", "0", "--train-iters", "100000", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV,
+                            start_new_session=True)
+    try:
+        # Rank 1 prints the log lines; by iteration 40 its heartbeat (every second) holds an iteration.
+        seen = _read_until(proc, "iteration       40/")
+        pids = {_rank_of(p): p for p in children(proc.pid)}
+        os.kill(pids[1], sig)
+        hit = time.monotonic()
+        out, _ = proc.communicate(timeout=timeout)
+        elapsed = time.monotonic() - hit
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in children(proc.pid):
+            os.kill(p, signal.SIGKILL)
+    assert proc.returncode == 1, out[-3000:]
+    return "".join(seen) + out, pids[1], elapsed
+
+
+def _summary(out: str) -> tuple[dict[int, str], int]:
+    """torchrun's summary: {rank: exit code} of every failure, and the root cause's rank."""
+    codes = {int(r): c for r, c in re.findall(r"rank +: (\d+) \(local_rank: \d+\)\n +exitcode +: (-?\d+)", out)}
+    root = re.search(r"Root Cause.*?rank +: (\d+)", out, re.S)
+    assert root, out[-3000:]
+    return codes, int(root.group(1))
+
+
+def _check_one_line(out: str, pid: int, *expected: str) -> str:
+    assert out.count(ERROR) == 1, out[-4000:]
+    line = out.split(ERROR)[1].splitlines()[0]
+    assert f"rank 1 (pid {pid}, host " in line, line
+    iteration = re.search(r"at iteration (\d+)", line)
+    assert iteration and int(iteration.group(1)) >= 1, line
+    for text in expected:
+        assert text in line, line
+    # No rank's traceback (gloo's "Connection reset by peer", its timeout): torchrun's own only.
+    assert out.count("Traceback") == 1 and "ChildFailedError" in out, out[-4000:]
+    assert "Connection reset" not in out and "Timed out" not in out, out[-4000:]
+    return line
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_after_the_timeout():
+    """SIGSTOP of rank 1: rank 0 waits --distributed-timeout-minutes 1 for it (every process group
+    honours the flag, and so does the heartbeat watch), names it, kills the stopped process (which
+    torchrun's SIGTERM would only wait 30 s for) and exits 4."""
+    out, pid, elapsed = _job_with_rank_1_hit(signal.SIGSTOP, ["--distributed-timeout-minutes", "1"], timeout=150)
+    _check_one_line(out, pid, "stopped responding", "its process is stopped", "--distributed-timeout-minutes 1")
+    assert 55 < elapsed < 90, elapsed
+    codes, root = _summary(out)
+    assert codes == {0: "4", 1: "-9"} and root == 1, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_by_the_survivor():
+    """kill -9 of rank 1: rank 0 names it (not gloo's "Connection reset by peer" at an address) and
+    exits 4 after torchrun has seen rank 1 end, so that torchrun names rank 1 as the root cause."""
+    out, pid, elapsed = _job_with_rank_1_hit(signal.SIGKILL, [], timeout=60)
+    _check_one_line(out, pid, "was killed by SIGKILL")
+    assert elapsed < 30, elapsed
+    codes, root = _summary(out)
+    assert codes == {0: "4", 1: "-9"} and root == 1, out[-3000:]
+
+
+@pytest.mark.parametrize("minutes", ["0", "-1"])
+def test_a_timeout_below_one_minute_is_refused(capsys, minutes):
+    assert run([*TINY, "--train-iters", "4", "--distributed-timeout-minutes", minutes]) == 2
+    err = capsys.readouterr().err
+    assert err.count(ERROR) == 1 and "Traceback" not in err, err
+    assert f"--distributed-timeout-minutes must be a whole number of minutes >= 1, got {minutes}" in err, err
