@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import sys
 import types
 import typing
@@ -29,6 +28,7 @@ from megatron.training.config import (
     TokenizerConfig,
     TrainingConfig,
 )
+from megatron.training.flag_parsing import Parser, ParseStop, Value, attach_negative_values, unknown
 
 
 @dataclass
@@ -164,78 +164,6 @@ def _base_type(annotation) -> type:
     return annotation if annotation in (int, float, str, bool) else str
 
 
-class _ParseStop(Exception):
-    """argparse met a mistake it cannot parse past (a flag missing its value)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """Collects every mistake of one command line, so that all of them are reported at once."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.mistakes: list[str] = []
-
-    def error(self, message: str):
-        raise _ParseStop(message)
-
-
-class _Value(argparse.Action):
-    """Stores a flag's converted value; a value of the wrong type or outside the choices is recorded
-    as a mistake (reported with every other mistake of the launch) instead of stopping the parse."""
-
-    def __init__(self, option_strings, dest, convert=str, allowed=None, **kwargs):
-        super().__init__(option_strings, dest, **kwargs)
-        self.convert, self.allowed = convert, allowed
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        many = isinstance(values, list)
-        out = []
-        for raw in values if many else [values]:
-            try:
-                value = self.convert(raw)
-            except ValueError:
-                parser.mistakes.append(f"{option_string} {raw}: not a valid {self.convert.__name__}, e.g. "
-                                       f"{option_string} {_EXAMPLE[self.convert]}")
-                continue
-            if self.allowed and value not in self.allowed:
-                parser.mistakes.append(f"{option_string} {raw}: choose one of {', '.join(map(str, self.allowed))}")
-                continue
-            out.append(value)
-        setattr(namespace, self.dest, out if many else (out[0] if out else None))
-
-
-_EXAMPLE = {int: "8", float: "0.1", str: "x"}
-
-
-def _close_flag(flag: str, known: list[str]) -> str | None:
-    """A known flag that is really close to ``flag`` (a typo), or None: a wrong guess misleads more
-    than no guess (``--skip-train`` is not a misspelling of ``--clip-grad``)."""
-    names = {k[2:]: k for k in known}
-    close = difflib.get_close_matches(flag[2:], list(names), n=1, cutoff=0.8)
-    return names[close[0]] if close else None
-
-
-def _unknown(extras: list[str], known: list[str]) -> list[str]:
-    """One line per argument the parser did not take (values after an unknown flag are its values)."""
-    from megatron.training.megatron_flag_table import refusal_for_unlisted
-
-    lines, after_flag = [], False
-    for arg in extras:
-        if arg.startswith("--"):
-            name = arg.split("=")[0]
-            why = refusal_for_unlisted(name)  # a family of flags refused as a whole (--moe-*)
-            if why:
-                lines.append(f"{name}: {why}")
-            else:
-                close = _close_flag(name, known)
-                hint = f"; did you mean {close}?" if close else ""
-                lines.append(f"{name}: not a flag of pretrain_gpt.py nor of Megatron-LM 0.19.2{hint}")
-            after_flag = True
-        elif not after_flag:
-            lines.append(f"{arg}: unexpected value (pretrain_gpt.py takes flags only)")
-    return lines
-
-
 def _defaults() -> dict:
     out = {}
     for _, cls in SECTIONS:
@@ -287,12 +215,12 @@ EPILOG = ("Every flag of Megatron-LM's pretrain_gpt.py is taken: the ones above 
           "docs/flags.md has all of it.")
 
 
-def build_parser() -> _Parser:
+def build_parser() -> Parser:
     """The full parser; ``--help`` groups flags by config and prints each field's documentation."""
     from megatron.training import megatron_flags
     from megatron.training.megatron_flag_table import FOREIGN
 
-    parser = _Parser(prog="pretrain_gpt.py", allow_abbrev=False, usage=USAGE, epilog=EPILOG,
+    parser = Parser(prog="pretrain_gpt.py", allow_abbrev=False, usage=USAGE, epilog=EPILOG,
                      description="Pretrain a GPT model. Flags are spelled as in Megatron-LM.")
     parser.add_argument("--help-megatron", action=_HelpMegatron,
                         help="List Megatron-LM's flags that are accepted without effect or refused here, and why.")
@@ -313,7 +241,7 @@ def build_parser() -> _Parser:
             else:
                 convert = _base_type(hints[f.name])
                 choices = f.metadata.get("choices")
-                kwargs.update(action=_Value, convert=convert, allowed=choices,
+                kwargs.update(action=Value, convert=convert, allowed=choices,
                               metavar=f.metadata.get("metavar") or ("{" + ",".join(choices) + "}" if choices
                                                                      else convert.__name__.upper()))
                 if f.metadata.get("nargs"):
@@ -342,16 +270,17 @@ def parse_namespace(argv: list[str]) -> tuple[dict, list[str]]:
     from megatron.training.megatron_flags import GIVEN, judge
 
     parser = build_parser()
+    arity = {s: a.nargs for a in parser._actions for s in a.option_strings}
     stop = None
     try:
-        ns, extras = parser.parse_known_args(argv)
-    except _ParseStop as e:
+        ns, extras = parser.parse_known_args(attach_negative_values(argv, arity))
+    except ParseStop as e:
         ns, extras, stop = argparse.Namespace(), [], str(e)
     values = vars(ns)
     given = values.pop(GIVEN, [])
     notes, refusals = judge(given)
     known = [s for a in parser._actions for s in a.option_strings]
-    mistakes = refusals + _unknown(extras, known) + parser.mistakes + ([stop] if stop else [])
+    mistakes = refusals + unknown(extras, known) + parser.mistakes + ([stop] if stop else [])
     if mistakes:
         if len(mistakes) == 1:
             parser.exit(2, f"{parser.prog}: error: {mistakes[0]} (see --help)\n")

@@ -17,7 +17,7 @@ from megatron.core.num_microbatches_calculator import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.checkpointing import find_arg
-from megatron.training.metrics import format_iteration_line
+from megatron.training.metrics import LossSpikeWatch, format_iteration_line
 
 
 def _rank() -> int:
@@ -191,6 +191,33 @@ def params_l2_norm(model_chunks: list, parallel_state, device: torch.device) -> 
     return float(total.sqrt())
 
 
+def average_losses(steps: list[tuple[dict, bool]]) -> tuple[dict[str, float], int, int]:
+    """(mean loss by name, skipped steps, nan steps) of one log line's steps, each ``({name: (sum,
+    count)}, update_successful)``.
+
+    A step is a nan iteration when any of its losses is NaN or Inf, skipped (fp16 overflow) or not:
+    with --no-check-for-nan-in-loss-and-grad such a step is taken. The mean is over the taken steps
+    with finite losses, so that a NaN never hides in it; a name whose every taken step was non-finite
+    shows NaN."""
+    sums: dict[str, float] = {}
+    taken = skipped = nan = 0
+    names: dict[str, None] = {}  # every loss name of a taken step, in order
+    for losses, success in steps:
+        values = {k: v[0] / max(v[1], 1.0) for k, v in losses.items()}
+        finite = all(math.isfinite(v) for v in values.values())
+        nan += not finite
+        if not success:
+            skipped += 1
+            continue
+        names.update(dict.fromkeys(values))
+        if finite:
+            taken += 1
+            for k, v in values.items():
+                sums[k] = sums.get(k, 0.0) + v
+    avg = {k: sums[k] / taken if k in sums else math.nan for k in names}
+    return avg, skipped, nan
+
+
 class IntervalLog:
     """Collects per-step results (host numbers) between log lines, then prints one line. The time per
     iteration is the time between the device finishing the last step of the previous line and the
@@ -207,6 +234,7 @@ class IntervalLog:
         self.event0 = None  # the CUDA event of the previous line's last step
         self.event = None
         self.decoupled_lr = None  # the --decoupled-lr groups' learning rate after the last step
+        self.spikes = LossSpikeWatch()
         self._reset()
 
     def _reset(self) -> None:
@@ -242,18 +270,9 @@ class IntervalLog:
         else:  # the first line (from start-up, a host interval) or no device events (CPU)
             elapsed = (self.done - self.t0) / max(n, 1)
         self.t0, self.event0 = self.done, self.event
-        sums: dict = {}
-        skipped = nan = 0
-        for losses, success in self.steps:
-            values = {k: v[0] / max(v[1], 1.0) for k, v in losses.items()}
-            if not success:
-                skipped += 1
-                nan += any(not math.isfinite(v) for v in values.values())
-                continue
-            for k, v in values.items():
-                sums[k] = sums.get(k, 0.0) + v
-        advanced = n - skipped
-        avg = {k: v / max(advanced, 1) for k, v in sums.items()}
+        avg, skipped, nan = average_losses(self.steps)
+        for line in self.spikes.check(tr.state.iteration - n + 1, tr.state.iteration, avg):
+            print_rank_last(line)
         # Per step on average: with a batch-size ramp the steps of one line differ.
         flops = sum(f for _, f in self.batches) / max(n, 1)
         samples = sum(b for b, _ in self.batches) / max(n, 1)

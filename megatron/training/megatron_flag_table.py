@@ -125,8 +125,9 @@ _DIST_OPT_INST = 'one distributed optimizer instance spans the data-parallel ran
 _FAKE_PG = 'use --dry-run to see parameters and memory without running on GPUs'
 _LAZY_MPU = ('pretrain_gpt.py always sets up its own process groups; from your own code, use the library '
              '(megatron.core.parallel_state)')
-_NAN_CHECKS = ('loss-spike and large-gradient checks are not built yet; a NaN/Inf gradient norm stops the run (see '
-               '--no-check-for-nan-in-loss-and-grad)')
+_NAN_CHECKS = ("Megatron-LM's loss-spike and large-gradient checks (re-running the step) are not built yet; a NaN/Inf "
+               'gradient norm stops the run (see --no-check-for-nan-in-loss-and-grad) and a logged loss far above its '
+               'recent median prints a one-line warning')
 _FAULTS = 'fault injection is not built'
 _HASH = ('weight-hash checks across replicas are not built; data-parallel replicas start from identical weights and '
          'apply identical reduced gradients')

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
+from collections import deque
 from datetime import datetime
 
 
@@ -39,6 +41,43 @@ def format_iteration_line(it: int, train_iters: int, stats: dict) -> str:
     parts.append(f"number of skipped iterations: {stats['skipped_iterations']:3d}")
     parts.append(f"number of nan iterations: {stats['nan_iterations']:3d}")
     return " | ".join(parts) + " |"
+
+
+class LossSpikeWatch:
+    """Says in one line when a logged loss jumps far above its recent level; the run goes on.
+
+    A logged value is a spike when, with at least ``WARMUP`` earlier values of the same name on record,
+    it exceeds ``FACTOR`` times the median of the last ``WINDOW`` of them and that median by more than
+    ``MARGIN`` (nats). The median ignores an earlier spike; the margin keeps small losses quiet (a
+    memorised batch near 0, an auxiliary loss). Non-finite values are counted as nan iterations by the
+    log line and are not recorded; every finite one is, so a lasting change of level stops warning
+    after a few lines."""
+
+    FACTOR = 3.0
+    WINDOW = 10
+    WARMUP = 3
+    MARGIN = 1.0
+
+    def __init__(self) -> None:
+        self.history: dict[str, deque[float]] = {}
+
+    def check(self, first: int, last: int, losses: dict[str, float]) -> list[str]:
+        """Warnings for the losses averaged over iterations ``first``..``last`` (one log line)."""
+        lines = []
+        for name, value in losses.items():
+            if not math.isfinite(value):
+                continue
+            past = self.history.setdefault(name, deque(maxlen=self.WINDOW))
+            if len(past) >= self.WARMUP:
+                level = statistics.median(past)
+                if value > self.FACTOR * level and value - level > self.MARGIN:
+                    steps = f"iteration {last}" if first == last else f"iterations {first}-{last}"
+                    lines.append(
+                        f"warning: loss spike: {name} {value:.6E} over {steps} is {value / max(level, 1e-12):.1f}x "
+                        f"the median {level:.6E} of the last {len(past)} logged values; the run continues (check "
+                        "the data of those steps; a lower --lr or a --clip-grad helps against spikes)")
+            past.append(value)
+        return lines
 
 
 def _tflops(value: float) -> str:

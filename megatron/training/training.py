@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel.random import model_parallel_seed
 from megatron.training import checkpointing
 from megatron.training.arguments import RunConfig, format_arguments
 from megatron.training.flops import num_floating_point_operations, peak_tflops, shape_from_config
-from megatron.training.initialize import initialize_distributed, set_random_seeds
+from megatron.training.initialize import initialize_distributed, note_iteration, set_random_seeds
 from megatron.training.loop_utils import (
     DistributedSignalHandler,
     InFlightStep,
@@ -232,11 +232,21 @@ class Trainer:
         args = {flag.lstrip("-").replace("-", "_"): value for flag, value in checks.items()}
         args["config"] = self.cfg.to_dict()
         extra.update(args=args, checkpoint_version=3.0)
-        checkpointing.save_checkpoint(
-            ck.save, self.state.iteration, self.model_sharded_state_dict(), self.optimizer, self.scheduler,
-            extra_state=extra, parallel_state=self.pg, rng_state_fn=self.pg.rng_tracker.get_states,
-            save_optim=ck.save_optim, save_rng=ck.save_rng, fp8_state=self.fp8_sharded_state_dict(), log=print_rank_0,
-        )
+        check_nan = self.cfg.training.check_for_nan_in_loss_and_grad
+        try:  # with the NaN check on, a state holding NaN/Inf is never saved: it cannot be trained on
+            checkpointing.save_checkpoint(
+                ck.save, self.state.iteration, self.model_sharded_state_dict(), self.optimizer, self.scheduler,
+                extra_state=extra, parallel_state=self.pg, rng_state_fn=self.pg.rng_tracker.get_states,
+                save_optim=ck.save_optim, save_rng=ck.save_rng, fp8_state=self.fp8_sharded_state_dict(),
+                require_finite=check_nan, log=print_rank_0,
+            )
+        except checkpointing.NonFiniteStateError as e:
+            roots = checkpointing.checkpoint_advice.checkpoint_roots((ck.save, ck.load))
+            raise TrainingDiverged(
+                f"{e} (the step's gradient norm was finite: its update overflowed); "
+                f"{checkpointing.checkpoint_advice.resume_advice(roots, self.state.iteration)}. Lower --lr, raise "
+                "--lr-warmup-iters, check --clip-grad and the data, or pass --no-check-for-nan-in-loss-and-grad to "
+                "save it anyway") from None
         self.log_progress("saved checkpoint")
 
     def log_progress(self, event: str) -> None:
@@ -332,17 +342,20 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------
     def _check_finite(self, grad_norm, losses: dict) -> None:
-        """A NaN/Inf gradient norm means the step just taken poisoned the weights: stop before anything
-        is saved, so the newest checkpoint stays a good one."""
+        """A NaN/Inf gradient norm at step k + 1 was computed from the weights of iteration k: stop before
+        they are trained on or saved again, and name the newest checkpoint older than k whose tensors
+        were finite (the checkpoint of k itself would repeat the NaN: resuming is exact)."""
         if not self.cfg.training.check_for_nan_in_loss_and_grad or grad_norm is None or math.isfinite(grad_norm):
             return
         loss = {k: v[0] / max(v[1], 1.0) for k, v in losses.items()}
-        last = checkpointing.read_tracker(self.cfg.checkpoint.save) if self.cfg.checkpoint.save else None
-        kept = f"the newest checkpoint (iteration {last}) is intact" if last is not None else "nothing was saved"
+        it, advice = self.state.iteration, checkpointing.checkpoint_advice
+        roots = advice.checkpoint_roots((self.cfg.checkpoint.save, self.cfg.checkpoint.load))
+        bad = advice.saved_at(roots, it)
+        repeats = f", which {bad} holds (resuming from it repeats this)" if bad else ""
         raise TrainingDiverged(
-            f"non-finite gradient norm ({grad_norm}) at iteration {self.state.iteration + 1} (loss {loss}); "
-            f"{kept}. Lower --lr, raise --lr-warmup-iters, check --clip-grad and the data, or pass "
-            "--no-check-for-nan-in-loss-and-grad to continue anyway"
+            f"non-finite gradient norm ({grad_norm}) at iteration {it + 1} (loss {loss}), computed from the weights "
+            f"of iteration {it}{repeats}; {advice.resume_advice(roots, it)}. Lower --lr, raise --lr-warmup-iters, "
+            "check --clip-grad and the data, or pass --no-check-for-nan-in-loss-and-grad to continue anyway"
         )
 
     def _exit_flags(self) -> torch.Tensor | None:
@@ -444,6 +457,7 @@ class Trainer:
                 success, grad_norm = pending.success, scalars["grad_norm"]
                 self._check_finite(grad_norm, losses)
                 self.state.iteration = pending.iteration
+                note_iteration(self.state.iteration)  # for the heartbeat that names a lost rank
                 batch = self.step_batch_size(self.state.consumed_train_samples)
                 flops = self.step_flops(batch)
                 self.state.consumed_train_samples += batch  # skipped (fp16 overflow) steps consume theirs too

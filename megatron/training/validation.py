@@ -4,6 +4,7 @@ valid value; single-config checks live in the configs' own ``__post_init__``."""
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -78,6 +79,28 @@ def check_batch_schedule(cfg, dp: int, consumed_samples: int) -> None:
                 f"that are multiples of {unit}")
 
 
+def check_training_length(cfg, world_size: int) -> None:
+    """At least one step to train: the LR schedule's length is the run's. (Megatron-LM skips its loop at
+    --train-iters 0 but asserts a decay length > 0 unless --lr-decay-iters is given; --skip-train is
+    the evaluation-only run, here as there.)"""
+    from megatron.training.loop_utils import build_batch_calculator, train_iters_of
+
+    t = cfg.training
+    tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
+    batches = build_batch_calculator(cfg, world_size // (tp * pp))
+    if train_iters_of(cfg, batches) > 0:
+        return
+    evaluate = ("; --skip-train still builds the run's learning-rate schedule, which needs the run's length"
+                if t.skip_train else
+                "; to evaluate a checkpoint without training, keep the run's length and add --skip-train --load DIR")
+    if t.train_iters is not None:
+        raise ValueError(f"--train-iters {t.train_iters} trains nothing; give 1 or more (e.g. --train-iters 1000)"
+                         + evaluate)
+    first = batches.running_batch_size(batches.global_batch_size_at(0))
+    raise ValueError(f"--train-samples {t.train_samples} is less than the first step's global batch of {first} samples "
+                     f"and trains nothing; give --train-samples {first} or more" + evaluate)
+
+
 def check_pipeline(cfg, world_size: int) -> None:
     """Interleaving's micro-batch rules, and data features later pipeline stages cannot see."""
     m, t, d = cfg.model, cfg.training, cfg.data
@@ -144,6 +167,20 @@ def check_optimizer(cfg) -> None:
                          "add both or drop --overlap-param-gather")
 
 
+def check_split(cfg) -> None:
+    """--split holds 1 to 3 non-negative shares. The dataset reads any separator and so would read
+    ``-1,50,50`` as ``1,50,50``: a minus before a share (not between two, as in ``90-5-5``) is refused."""
+    from megatron.core.datasets.utils import parse_and_normalize_split
+
+    split = cfg.data.split
+    if split is None:
+        return
+    if re.search(r"(?:^|[^.0-9])-\s*[.0-9]", split):
+        raise ValueError(f"--split {split}: a share is negative; give non-negative proportions of train, validation "
+                         "and test, e.g. --split 969,30,1")
+    parse_and_normalize_split(split)  # raises naming --split
+
+
 def check_data_and_tokenizer(cfg) -> None:
     d, tok = cfg.data, cfg.tokenizer
     if not (d.mock_data or d.data_path or d.train_data_path):
@@ -169,6 +206,10 @@ def check_checkpointing(cfg) -> None:
         raise ValueError("--exit-signal-handler saves before exiting and needs --save DIR")
     if cfg.logger.log_progress and not c.save:
         raise ValueError("--log-progress writes <save>/progress.txt and needs --save DIR")
+    if c.save:  # before any training: a first save that cannot be written would end the run
+        from megatron.training.checkpoint_dirs import check_save_dir
+
+        check_save_dir(c.save)
 
 
 def check_implementation(cfg) -> None:
@@ -226,9 +267,9 @@ def check_lr_schedule(cfg, world_size: int) -> None:
     build_scheduler(cfg, SimpleNamespace(param_groups=[{"lr_mult": 1.0, "wd_mult": 1.0}]), train_iters)
 
 
-LAYOUT_CHECKS = (check_batch_sizes, check_pipeline)
-CHECKS = (check_sequence, check_schedule_units, check_optimizer, check_data_and_tokenizer, check_checkpointing,
-          check_implementation, check_fp8, check_logging)
+LAYOUT_CHECKS = (check_batch_sizes, check_training_length, check_pipeline)
+CHECKS = (check_sequence, check_schedule_units, check_optimizer, check_data_and_tokenizer, check_split,
+          check_checkpointing, check_implementation, check_fp8, check_logging)
 # Last: the schedule is built from values the checks above vouch for (--lr given, units consistent).
 FINAL_CHECKS = (check_lr_schedule,)
 
