@@ -95,7 +95,7 @@ def _rank_main(rank: int, world_size: int, backend: str, port: int, grid: tuple[
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         tp, pp, cp = grid
-        ps = parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp)
+        ps = parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp, distributed_timeout_minutes=None)
         value = _resolve_body(*body_ref)(ps, **kwargs)
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent, with its traceback

@@ -1,0 +1,437 @@
+"""The rank grid and the process groups built from it (no module state: see ``parallel_state``).
+
+Every rank sits at one coordinate of a grid whose axes are named ``tp, cp, ep, dp, pp``. The grid's
+``order`` lists them from fastest to slowest varying; the default ``tp-cp-ep-dp-pp`` (Megatron's)
+gives::
+
+    global_rank = tp_rank + TP * (cp_rank + CP * (ep_rank + EP * (dp_rank + DP * pp_rank)))
+
+A group for a set of axes (for example ``"tp-dp"``) holds the ranks that differ only along those
+axes. As in Megatron-Core, the same ranks are decomposed twice: the dense grid (``ep = 1``; dp is
+the world over tp x cp x pp) for attention and dense layers, and the expert grid (``cp = 1``; its
+``tp`` axis is the expert-tensor-parallel degree, its ``dp`` the expert-data-parallel degree) for
+expert layers. Both use the same order and have the same pipeline groups.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+AXES = ("tp", "cp", "ep", "dp", "pp")
+
+
+class ParallelLayoutError(ValueError, RuntimeError):
+    """A layout that cannot be built. A ValueError (a user error, naming the parameter) that is
+    also the RuntimeError Megatron-Core raises for the same mistakes."""
+
+
+def parse_order(order: str | Sequence[str]) -> tuple[str, ...]:
+    """``"tp-cp-ep-dp-pp"`` -> a tuple of all five axes, fastest first.
+
+    Axes the order leaves out are appended (they must then have size 1; checked by the caller).
+    """
+    tokens = order.lower().split("-") if isinstance(order, str) else [t.lower() for t in order]
+    unknown = [t for t in tokens if t not in AXES]
+    if unknown or len(set(tokens)) != len(tokens):
+        raise ParallelLayoutError(
+            f"order {order!r} is not valid: use each of {'-'.join(AXES)} at most once, separated by '-' "
+            f"(e.g. 'tp-cp-ep-dp-pp' or 'tp-cp-ep-pp-dp')")
+    return tuple(tokens) + tuple(a for a in AXES if a not in tokens)
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Pure rank <-> coordinate arithmetic for a grid of the five axes (no communication).
+
+    ``order`` lists the axes fastest-varying first (default ``tp-cp-ep-dp-pp``).
+    """
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    pp: int = 1
+    order: tuple[str, ...] = AXES
+
+    def __post_init__(self) -> None:
+        if sorted(self.order) != sorted(AXES):
+            raise ParallelLayoutError(f"order {self.order} must list each of {AXES} once")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.ep * self.dp * self.pp
+
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank`` along every axis."""
+        out = {}
+        for axis in self.order:
+            size = getattr(self, axis)
+            out[axis] = rank % size
+            rank //= size
+        return {a: out[a] for a in AXES}
+
+    def rank(self, coords: dict[str, int]) -> int:
+        rank, stride = 0, 1
+        for axis in self.order:
+            rank += coords.get(axis, 0) * stride
+            stride *= getattr(self, axis)
+        return rank
+
+    def groups(self, axes: str) -> list[list[int]]:
+        """All groups spanning ``axes`` (e.g. ``"tp-dp"``): ranks that differ only along those axes.
+
+        Members are ascending; groups are listed with the fastest fixed axis varying fastest (the
+        enumeration of Megatron-Core's ``RankGenerator.get_ranks``).
+        """
+        varying = axes.split("-")
+        for a in varying:
+            if a not in AXES:
+                raise ValueError(f"unknown parallel axis {a!r}; valid axes are {AXES}")
+        fixed = [a for a in self.order if a not in varying]
+        result = []
+        slow_first = list(reversed(fixed))
+        for fixed_vals in itertools.product(*(range(getattr(self, a)) for a in slow_first)):
+            base = dict(zip(slow_first, fixed_vals))
+            members = []
+            for var_vals in itertools.product(*(range(getattr(self, a)) for a in varying)):
+                c = dict(base)
+                c.update(dict(zip(varying, var_vals)))
+                members.append(self.rank(c))
+            result.append(sorted(members))
+        return result
+
+
+def make_grid(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+              order: str | Sequence[str] = AXES) -> RankGrid:
+    """Derive the data-parallel degree; raise one error naming every degree when they do not divide."""
+    model = tp * pp * cp * ep
+    for name, value in (("tensor", tp), ("pipeline", pp), ("context", cp), ("expert", ep)):
+        if value < 1:
+            raise ParallelLayoutError(f"--{name}-model-parallel-size must be >= 1, got {value}")
+    if world_size % model != 0:
+        raise ParallelLayoutError(
+            f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x context ({cp}) "
+            f"x expert ({ep}) = {model}; choose degrees whose product divides {world_size}"
+        )
+    return RankGrid(tp=tp, cp=cp, ep=ep, dp=world_size // model, pp=pp, order=parse_order(order))
+
+
+def make_expert_grid(world_size: int, etp: int, ep: int, pp: int, order: str | Sequence[str] = AXES) -> RankGrid:
+    """The expert decomposition: expert-tensor (``tp`` axis) x expert (``ep``) x expert-data (``dp``)
+    x pipeline, in the dense grid's order (``cp`` is 1)."""
+    for name, value in (("expert_tensor_parallel_size", etp), ("expert_model_parallel_size", ep)):
+        if value < 1:
+            raise ParallelLayoutError(f"{name} must be >= 1, got {value}")
+    if world_size % (etp * ep * pp) != 0:
+        raise ParallelLayoutError(
+            f"world size {world_size} is not divisible by expert_tensor_parallel_size ({etp}) x "
+            f"expert_model_parallel_size ({ep}) x pipeline ({pp}) = {etp * ep * pp}; choose sizes whose "
+            f"product divides {world_size}")
+    return RankGrid(tp=etp, cp=1, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, order=parse_order(order))
+
+
+def _derived_expert_grid(grid: RankGrid) -> RankGrid:
+    """The expert grid of a dense grid built without one: expert tp = tp, expert dp = cp x dp (the
+    context and data ranks, adjacent in the default order)."""
+    return RankGrid(tp=grid.tp, cp=1, ep=grid.ep, dp=grid.cp * grid.dp, pp=grid.pp, order=grid.order)
+
+
+# Groups of the dense grid, as axis strings.
+_GROUP_AXES = {
+    "tp": "tp",
+    "cp": "cp",
+    "dp": "dp",
+    "pp": "pp",
+    "dp_cp": "cp-dp",
+    "mp": "tp-pp",
+    "tp_cp": "tp-cp",
+    "tp_dp": "tp-dp",
+    "tp_dp_cp": "tp-cp-dp",
+}
+# Groups of the expert grid (names as Megatron-Core's ProcessGroupCollection spells them).
+_EXPERT_GROUP_AXES = {
+    "ep": "ep",
+    "expt_tp": "tp",
+    "expt_dp": "dp",
+    "tp_ep": "tp-ep",
+    "tp_ep_pp": "tp-ep-pp",
+}
+# Gloo twins of the data-parallel groups (the same group when the default backend is gloo).
+_GLOO_GROUPS = {"dp_gloo": "dp", "dp_cp_gloo": "dp_cp", "expt_dp_gloo": "expt_dp"}
+
+
+@dataclass
+class ParallelState:
+    """This rank's view of the grids: sizes, ranks along every axis and the process groups.
+
+    ``groups[name]`` is a ``torch.distributed`` group (or ``None`` when torch.distributed is not
+    initialised, which is only valid for a world of one); ``group_ranks[name]`` its global ranks.
+    ``embedding`` joins the first and last pipeline stage of this rank's pipeline (tied input/output
+    embeddings), ``position_embedding`` the first. ``expert_grid`` is the expert decomposition of
+    the same ranks (derived from ``grid`` when not given: expert tp = tp, expert dp = cp x dp).
+    """
+
+    grid: RankGrid
+    rank: int
+    groups: dict[str, object] = field(default_factory=dict)
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    # Named RNG states (megatron.core.tensor_parallel.random.RNGStatesTracker) for dropout inside
+    # tensor-parallel regions; set by whoever seeds the run. None: dropout uses the default RNG.
+    rng_tracker: Any = None
+    expert_grid: RankGrid | None = None
+
+    def __post_init__(self) -> None:
+        if self.expert_grid is None:
+            self.expert_grid = _derived_expert_grid(self.grid)
+
+    def size(self, axis: str) -> int:
+        return getattr(self.grid, axis) if axis != "ep" else self.expert_grid.ep
+
+    def axis_rank(self, axis: str) -> int:
+        """This rank's coordinate along ``axis`` (``ep``: in the expert grid)."""
+        grid = self.expert_grid if axis == "ep" else self.grid
+        return grid.coords(self.rank)[axis]
+
+    # Short accessors in the closed vocabulary of style.md.
+    @property
+    def tp_size(self) -> int:
+        return self.grid.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.axis_rank("tp")
+
+    @property
+    def pp_size(self) -> int:
+        return self.grid.pp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.axis_rank("pp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.grid.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.axis_rank("dp")
+
+    @property
+    def cp_size(self) -> int:
+        return self.grid.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.axis_rank("cp")
+
+    @property
+    def ep_size(self) -> int:
+        return self.expert_grid.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.expert_grid.coords(self.rank)["ep"]
+
+    @property
+    def expt_tp_size(self) -> int:
+        return self.expert_grid.tp
+
+    @property
+    def expt_tp_rank(self) -> int:
+        return self.expert_grid.coords(self.rank)["tp"]
+
+    @property
+    def expt_dp_size(self) -> int:
+        return self.expert_grid.dp
+
+    @property
+    def expt_dp_rank(self) -> int:
+        return self.expert_grid.coords(self.rank)["dp"]
+
+    @property
+    def tp_group(self):
+        return self.groups.get("tp")
+
+    @property
+    def pp_group(self):
+        return self.groups.get("pp")
+
+    @property
+    def dp_group(self):
+        return self.groups.get("dp")
+
+    @property
+    def dp_cp_group(self):
+        return self.groups.get("dp_cp")
+
+    @property
+    def mp_group(self):
+        return self.groups.get("mp")
+
+    @property
+    def embedding_group(self):
+        return self.groups.get("embedding")
+
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def default_group_timeout() -> timedelta | None:
+    """The default group's collective timeout (``init_process_group(timeout=...)``), or None where
+    this torch does not expose it; then ``new_group`` uses torch's default (30 minutes for gloo)."""
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return dist.group.WORLD._get_backend(device).options._timeout  # type: ignore[union-attr]
+    except Exception:  # a private attribute: absent in some builds and backends
+        return None
+
+
+def default_embedding_ranks(pp_ranks: list[int]) -> list[int]:
+    """The ranks of one pipeline holding the word embeddings: its first and last stage."""
+    return [pp_ranks[0]] if len(pp_ranks) == 1 else [pp_ranks[0], pp_ranks[-1]]
+
+
+def default_position_embedding_ranks(pp_ranks: list[int]) -> list[int]:
+    """The ranks of one pipeline holding the position embeddings: its first stage."""
+    return [pp_ranks[0]]
+
+
+def _named_rank_lists(grid: RankGrid, expert_grid: RankGrid,
+                      embedding_ranks: Callable[[list[int]], list[int]],
+                      position_embedding_ranks: Callable[[list[int]], list[int]]) -> dict[str, list[list[int]]]:
+    named = {name: grid.groups(axes) for name, axes in _GROUP_AXES.items()}
+    named.update({name: expert_grid.groups(axes) for name, axes in _EXPERT_GROUP_AXES.items()})
+    named["embedding"] = [sorted(embedding_ranks(list(g))) for g in named["pp"]]
+    named["position_embedding"] = [sorted(position_embedding_ranks(list(g))) for g in named["pp"]]
+    named["intra_dist_opt"] = [list(range(grid.world_size))]
+    return named
+
+
+def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                         timeout: timedelta | None = None, *, etp: int | None = None,
+                         order: str | Sequence[str] = AXES,
+                         embedding_ranks: Callable[[list[int]], list[int]] | None = None,
+                         position_embedding_ranks: Callable[[list[int]], list[int]] | None = None,
+                         gloo_groups: bool = True) -> ParallelState:
+    """Create every group of both grids collectively (all ranks must call this in the same order).
+
+    Args:
+        tp, pp, cp: the dense grid's degrees; its dp is the world over ``tp * pp * cp``.
+        ep, etp: the expert grid's expert-parallel and expert-tensor-parallel degrees (etp
+            defaults to ``tp``); its expert-data degree is the world over ``etp * ep * pp``.
+        timeout: every group's collective timeout; None: as long as the default group's.
+            (``dist.new_group`` without a timeout would wait torch's default, not the configured one.)
+        order: the axes fastest first; when pp is not last the two grids' dp must be equal.
+        embedding_ranks / position_embedding_ranks: a pipeline's ranks -> those holding the
+            (position) embeddings; default its first and last / its first stage.
+        gloo_groups: build gloo twins of the dp, dp-cp and expert-dp groups when the default backend
+            is not gloo (under gloo they are the same groups).
+
+    Groups with the same members are created once and shared between names.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    world_size = dist.get_world_size() if initialized else 1
+    rank = dist.get_rank() if initialized else 0
+    if initialized and timeout is None:
+        timeout = default_group_timeout()
+    grid = make_grid(world_size, tp=tp, pp=pp, cp=cp, order=order)
+    expert_grid = make_expert_grid(world_size, tp if etp is None else etp, ep, pp, order=grid.order)
+    if grid.order[-1] != "pp" and pp > 1 and expert_grid.dp != grid.dp:
+        raise ParallelLayoutError(
+            f"order {'-'.join(grid.order)!r} does not end with pp: the data-parallel size of dense "
+            f"({grid.dp}) and expert ({expert_grid.dp}) layers must then be equal")
+    named = _named_rank_lists(grid, expert_grid, embedding_ranks or default_embedding_ranks,
+                              position_embedding_ranks or default_position_embedding_ranks)
+    assert named["pp"] == expert_grid.groups("pp"), "dense and expert pipelines must coincide"
+    state = ParallelState(grid=grid, rank=rank, expert_grid=expert_grid)
+    created: dict[tuple[tuple[int, ...], str | None], object] = {}
+
+    def group_of(ranks: list[int], backend: str | None = None) -> object:
+        key = (tuple(ranks), backend)
+        if key not in created:
+            created[key] = dist.new_group(ranks, timeout=timeout, backend=backend) if initialized else None
+        return created[key]
+
+    for name, all_groups in named.items():
+        for ranks in all_groups:
+            group = group_of(ranks)
+            if rank in ranks:
+                state.groups[name] = group
+                state.group_ranks[name] = ranks
+    separate_gloo = initialized and dist.get_backend() != "gloo"
+    for gloo_name, name in (_GLOO_GROUPS.items() if gloo_groups else ()):
+        for ranks in named[name]:
+            group = group_of(ranks, "gloo") if separate_gloo else created[(tuple(ranks), None)]
+            if rank in ranks:
+                state.groups[gloo_name] = group
+                state.group_ranks[gloo_name] = ranks
+    return state
+
+
+class RankGenerator:
+    """Megatron-Core's rank-group generator, over :class:`RankGrid`.
+
+    ``order`` names the axes fastest first (``"tp-cp-ep-dp-pp"``); axes it leaves out are appended
+    and must have size 1. ``get_ranks("tp-dp")`` lists every group spanning those axes, each offset by
+    ``rank_offset``. As in Megatron-Core one generator holds either ep or cp (not both), and the
+    ``gtp_remat`` axis is accepted with size 1 only (weight rematerialisation is not built here).
+    """
+
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0,
+                 gtp_remat: int = 1) -> None:
+        if ep != 1 and cp != 1:
+            raise ParallelLayoutError(
+                f"RankGenerator takes ep ({ep}) or cp ({cp}) > 1, not both: cp belongs to the dense "
+                "generator, ep to the expert one")
+        if gtp_remat != 1:
+            raise ParallelLayoutError(f"gtp_remat={gtp_remat}: weight rematerialisation is not built; use 1")
+        self.tp, self.ep, self.dp, self.pp, self.cp, self.gtp_remat = tp, ep, dp, pp, cp, gtp_remat
+        self.rank_offset = rank_offset
+        self.world_size = tp * ep * dp * pp * cp
+        self.name_to_size = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp, "gtp_remat": gtp_remat}
+        tokens = order.lower().split("-")
+        for name, size in self.name_to_size.items():
+            if name not in tokens:
+                if size != 1:
+                    raise ParallelLayoutError(
+                        f"order {order!r} leaves out {name}, whose size is {size}; add it to the order")
+                tokens.append(name)
+        self.order = "-".join(tokens)
+        self.ordered_size = [self.name_to_size[t] for t in tokens]
+        self._grid = RankGrid(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp,
+                              order=parse_order([t for t in tokens if t != "gtp_remat"]))
+
+    def get_mask(self, order: str, token: str) -> list[bool]:
+        """Which axes of ``order`` the hyphen-separated ``token`` names."""
+        ordered = order.split("-")
+        mask = [False] * len(ordered)
+        for t in token.split("-"):
+            mask[ordered.index(t)] = True
+        return mask
+
+    def get_ranks(self, token: str) -> list[list[int]]:
+        """Every group spanning the axes of ``token`` (e.g. ``"tp-dp"``), global ranks ascending."""
+        axes = "-".join(t for t in token.split("-") if t != "gtp_remat")
+        if not axes:  # only the size-1 gtp_remat axis: one rank per group
+            return [[r + self.rank_offset] for r in range(self.world_size)]
+        return [[r + self.rank_offset for r in g] for g in self._grid.groups(axes)]
+
+    def get_gtp_ranks(self, gtp_remat_size: int) -> list[list[int]]:
+        """The weight-rematerialisation groups: one rank each (their size is always 1 here)."""
+        if gtp_remat_size != self.gtp_remat:
+            raise ParallelLayoutError(f"gtp_remat_size {gtp_remat_size} != this generator's {self.gtp_remat}")
+        return self.get_ranks("gtp_remat")
