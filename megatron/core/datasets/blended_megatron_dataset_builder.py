@@ -34,11 +34,12 @@ class BlendedMegatronDatasetBuilder:
     """Builds the datasets of every split with Megatron-Core semantics.
 
     Args:
-        cls: ``GPTDataset`` or ``MockGPTDataset`` (mock mode is forced when the config has no blend).
+        cls: a ``MegatronDataset`` subclass: ``GPTDataset``, ``MockGPTDataset`` (``GPTDataset`` with
+            a config in mock mode builds it) or a user's own class.
         sizes: samples wanted for train, valid, test (None: one epoch / exhaustive).
         is_built_on_rank: whether this rank holds datasets (Megatron: TP rank 0 on the first or
             last pipeline stage). Every rank must still call ``build``.
-        config: a ``GPTDatasetConfig``.
+        config: a ``BlendedMegatronDatasetConfig`` (``GPTDatasetConfig`` for the GPT classes).
 
     ``build()`` returns ``[train, valid, test]`` with None for splits that are not built: those not
     asked for and those ``empty_splits()`` names (no sample could be cut from them).
@@ -53,9 +54,9 @@ class BlendedMegatronDatasetBuilder:
         self.config = config
         self._low_level: dict[str | None, Any] = {}
         self._empty: dict[Split, str] | None = None
-        if config.mock and not getattr(cls, "__name__", "").startswith("Mock"):
-            from megatron.core.datasets.gpt_dataset import MockGPTDataset
+        from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
+        if config.mock and cls is GPTDataset:  # a custom class decides what its mock data is
             self.cls = MockGPTDataset
 
     def build(self) -> list[Any | None]:
@@ -158,8 +159,10 @@ class BlendedMegatronDatasetBuilder:
         if end == beg:
             return what
         lengths = getattr(low, "sequence_lengths", None)
-        need = self.config.sequence_length + int(self.config.add_extra_token_to_sequence)
-        tokens = need if lengths is None else int(np.asarray(lengths[beg:end]).sum(dtype=np.int64))
+        if lengths is None:  # not token documents (a custom dataset): any document is a sample
+            return None
+        need = self.config.sequence_length + int(getattr(self.config, "add_extra_token_to_sequence", True))
+        tokens = int(np.asarray(lengths[beg:end]).sum(dtype=np.int64))
         if tokens < need:
             return f"{what}, {tokens} tokens, fewer than one sample of {need}"
         return None

@@ -16,101 +16,77 @@ cached on disk under an MD5 of everything that determines them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from megatron.core.datasets import helpers
+from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-from megatron.core.datasets.utils import (
-    Split,
-    build_or_wait,
-    cache_complete,
-    cache_paths,
-    convert_split_vector_to_split_matrix,
-    dumps_description,
-    load_cache,
-    parse_and_normalize_split,
-)
+from megatron.core.datasets.megatron_dataset import MegatronDataset
+from megatron.core.datasets.utils import Split, build_or_wait, cache_complete, cache_paths, load_cache
 
 logger = logging.getLogger(__name__)
 INDEX_SUFFIXES = ("description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy")
 
 
 @dataclass
-class GPTDatasetConfig:
-    """What GPTDataset, MockGPTDataset and BlendedMegatronDatasetBuilder need.
+class GPTDatasetConfig(BlendedMegatronDatasetConfig):
+    """What GPTDataset and MockGPTDataset need beyond BlendedMegatronDatasetConfig (Megatron-Core
+    0.19.2's fields and defaults).
 
-    Mock mode (``MockGPTDataset``) is on when neither ``blend`` nor ``blend_per_split`` is given.
+    Raises (from ``__post_init__``):
+        ValueError: no ``tokenizer``; ``hybrid_context_parallel`` (not built here); or
+            ``sequences_per_dataset`` with a tokenizer of unknown ``vocab_size``.
     """
 
-    random_seed: int
-    """Seed of the document and sample shuffles (``--seed``)."""
-    sequence_length: int
-    """Tokens per sample, S (``--seq-length``); each sample reads S + 1 tokens."""
-    blend: tuple[list[str], list[float] | None] | None = None
-    """(prefixes, weights or None) split by ``split`` (``--data-path``)."""
-    blend_per_split: list[tuple[list[str], list[float] | None] | None] | None = None
-    """One blend per split train/valid/test (``--train-data-path`` ...); excludes ``blend``."""
-    split: str | None = None
-    """Proportions of ``blend``, e.g. ``"969,30,1"``; mock mode defaults to ``"1,1,1"``."""
-    num_dataset_builder_threads: int = 1
-    """Accepted for compatibility; index building is vectorised in one thread."""
-    path_to_cache: str | None = None
-    """Index cache directory (``--data-cache-path``); default ``<prefix>/cache/GPTDataset_indices``."""
-    mmap_bin_files: bool = True
-    """Memory-map ``.bin`` files (``--no-mmap-bin-files`` reads with plain I/O)."""
-    tokenizer: Any = None
-    """A MegatronTokenizer: ``eod``, ``pad``, ``vocab_size`` and ``unique_identifiers`` are used."""
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
+    reset_position_ids: bool | None = None
+    """Restart position ids after each EOD (``--reset-position-ids``); None reads as False."""
+    reset_attention_mask: bool | None = None
+    """Block-diagonal attention per document (``--reset-attention-mask``); None reads as False."""
+    eod_mask_loss: bool | None = None
+    """No loss on EOD tokens (``--eod-mask-loss``); None reads as False."""
     create_attention_mask: bool = True
     """Emit the [1, S, S] attention mask in every sample, as Megatron does (False:
     ``--no-create-attention-mask-in-dataloader``; the model then attends causally)."""
-    mid_level_dataset_surplus: float = 0.005
-    """Extra fraction of samples each blended dataset builds, so blending never runs short."""
     drop_last_partial_validation_sequence: bool = True
+    """Drop the validation split's last, partial sample (False: keep it, padded)."""
     add_extra_token_to_sequence: bool = True
-    cache_wait_timeout_s: float = 4 * 3600.0
-    """How long non-zero ranks poll for rank 0's index cache before giving up."""
-    log: Callable[[str], Any] | None = field(default=None, repr=False)
-    """Where progress lines go (default: the module logger)."""
-    split_matrix: list[tuple[float, float] | None] | None = field(init=False, default=None)
-    mock: bool = field(init=False, default=False)
+    """Read S + 1 tokens per sample so tokens and labels are both S long; False: read S, the last
+    label is padding (no loss there) and consecutive samples do not overlap."""
+    object_storage_cache_path: str | None = None
+    """Accepted; object-storage paths (``s3://``, ``msc://``) are refused when a dataset is opened."""
+    data_parallel_size: int = 1
+    """Accepted; only hybrid context parallelism (not built here) reads it."""
+    sequence_parallel_size: int = 0
+    """Accepted; only hybrid context parallelism (not built here) reads it."""
+    hybrid_context_parallel: bool = False
+    """Not built here: True is refused."""
+    sequences_per_dataset: dict[str, int] | None = None
+    """Accepted (Megatron: counts that spare reading the ``.idx`` files); the index files are read."""
+    token_dtype_code: int | None = field(init=False, default=None)
+    """Derived: 4 (int32) for vocabularies over 65536 ids, else 8 (uint16)."""
+    context_parallel_size: int | None = None
+    """Accepted; only packed-sequence padding (not built here) reads it."""
+    inter_document_masking: bool = False
+    """Return ``cu_seqlens`` (document boundaries, padded to S + 1 entries with S), ``max_seqlen``
+    and per-document ``position_ids`` instead of an attention mask."""
 
     def __post_init__(self) -> None:
-        if self.sequence_length is None or self.sequence_length < 1:
-            raise ValueError(f"--seq-length must be >= 1, got {self.sequence_length}")
-        if self.blend is not None and self.blend_per_split is not None:
-            raise ValueError("give either --data-path or --train/valid/test-data-path, not both")
-        self.mock = self.blend is None and self.blend_per_split is None
-        if self.blend_per_split is not None:
-            if len(self.blend_per_split) != 3:
-                raise ValueError("blend_per_split needs one entry (or None) for each of train, valid, test")
-            self.split = None
-        else:
-            if self.split is None:
-                if not self.mock:
-                    raise ValueError("--split is required with --data-path (e.g. --split 969,30,1)")
-                self.split = "1,1,1"
-            self.split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(self.split))
+        super().__post_init__()
         if self.tokenizer is None:
             raise ValueError("GPTDatasetConfig needs a tokenizer (its eod id and identifiers are used)")
-
-    def emit(self, msg: str) -> None:
-        (self.log or logger.info)(msg)
-
-
+        if self.hybrid_context_parallel:
+            raise ValueError("hybrid_context_parallel=True is not supported here; leave it False")
+        vocab = getattr(self.tokenizer, "vocab_size", None)
+        self.token_dtype_code = None if vocab is None else (4 if vocab > np.iinfo(np.uint16).max + 1 else 8)
+        if self.sequences_per_dataset is not None and self.token_dtype_code is None:
+            raise ValueError("sequences_per_dataset needs a tokenizer with a vocab_size")
 
 
 def index_cache_dir(config: GPTDatasetConfig, dataset_path: str | None, class_name: str = "GPTDataset") -> str | None:
@@ -124,8 +100,9 @@ def index_cache_dir(config: GPTDatasetConfig, dataset_path: str | None, class_na
     return os.path.join(dataset_path, "cache", f"{class_name}_indices")
 
 
-class GPTDataset(Dataset):
-    """Samples of ``sequence_length + 1`` tokens from a split of an indexed dataset.
+class GPTDataset(MegatronDataset):
+    """Samples of ``sequence_length`` (+ 1 with ``add_extra_token_to_sequence``) tokens from a split
+    of an indexed dataset.
 
     Args:
         indexed_dataset: the low-level dataset (``IndexedDataset`` or the mock one).
@@ -138,25 +115,7 @@ class GPTDataset(Dataset):
 
     def __init__(self, indexed_dataset: Any, dataset_path: str | None, indexed_indices: np.ndarray,
                  num_samples: int | None, index_split: Split, config: GPTDatasetConfig) -> None:
-        self.dataset = indexed_dataset
-        self.dataset_path = dataset_path
-        self.indices = indexed_indices
-        self.num_samples = num_samples
-        self.index_split = index_split
-        self.config = config
-        ids: OrderedDict[str, Any] = OrderedDict()
-        ids["class"] = type(self).__name__
-        ids["dataset_path"] = dataset_path
-        ids["num_samples"] = num_samples
-        ids["index_split"] = index_split.name
-        for attr in ("random_seed", "sequence_length", "split", "split_matrix", "tokenizer"):
-            ids[attr] = getattr(config, attr)
-        self.unique_identifiers = ids
-        self.unique_description = dumps_description(ids)
-        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
-        tok = config.tokenizer
-        pad = int(getattr(tok, "pad", -1))
-        self._pad_token_id = -1 if pad < 0 or pad in (tok.eod, getattr(tok, "eos", None)) else pad
+        super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
         self._cached_masks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._causal_mask: torch.Tensor | None = None
         self.num_epochs = 1
@@ -169,6 +128,9 @@ class GPTDataset(Dataset):
 
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> Any:
+        if str(dataset_path).startswith(("s3://", "msc://")):
+            raise ValueError(f"dataset path {dataset_path!r}: object storage (s3://, msc://) is not supported; "
+                             "copy the files to a local path")
         return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files)
 
     # ------------------------------------------------------------------ indices
@@ -258,31 +220,41 @@ class GPTDataset(Dataset):
     def __len__(self) -> int:
         return int(self.sample_index.shape[0] - 1) if len(self.sample_index) else 0
 
-    def _query(self, idx: int) -> np.ndarray:
-        """The S + 1 token ids of sample ``idx`` (after the shuffle), padded if short."""
+    def _query(self, idx: int) -> tuple[np.ndarray, list[int]]:
+        """The S + extra token ids of sample ``idx`` (after the shuffle), padded if short, and the
+        length of each document's part of them (before padding)."""
         j = int(self.shuffle_index[idx])
         beg, beg_off = (int(x) for x in self.sample_index[j])
         end, end_off = (int(x) for x in self.sample_index[j + 1])
+        extra = int(self.config.add_extra_token_to_sequence)
         if beg == end:
-            parts = [self.dataset.get(int(self.document_index[beg]), beg_off, end_off - beg_off + 1)]
+            parts = [self.dataset.get(int(self.document_index[beg]), beg_off, end_off - beg_off + extra)]
         else:
             parts = []
             for i in range(beg, end + 1):
                 offset = beg_off if i == beg else 0
-                length = end_off + 1 if i == end else None
+                length = end_off + extra if i == end else None
                 parts.append(self.dataset.get(int(self.document_index[i]), offset, length))
+        lengths = [len(p) for p in parts]
         tokens = np.concatenate(parts).astype(np.int64)
-        want = self.config.sequence_length + int(self.config.add_extra_token_to_sequence)
+        want = self.config.sequence_length + extra
         if len(tokens) < want:
             tokens = np.concatenate([tokens, np.full(want - len(tokens), self._pad_token_id, np.int64)])
-        return tokens
+        return tokens, lengths
 
     def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
-        if idx is None:  # Megatron's padding sample: all pad, no loss
-            text = torch.full((self.config.sequence_length + 1,), self._pad_token_id, dtype=torch.int64)
+        S, extra = self.config.sequence_length, bool(self.config.add_extra_token_to_sequence)
+        if idx is None:  # Megatron's padding sample: no loss
+            text = torch.full((S + int(extra),), self._pad_token_id, dtype=torch.int64)
+            lengths: list[int] = []
         else:
-            text = torch.from_numpy(self._query(int(idx)))
-        tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+            raw, lengths = self._query(int(idx))
+            text = torch.from_numpy(raw)
+        if extra:
+            tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+        else:  # the label after the last token is not in the sample
+            tokens, labels = text, torch.roll(text, -1)
+            labels[-1] = self._pad_token_id
         sample = self._masks(tokens)
         sample["loss_mask"][labels == self._pad_token_id] = 0.0
         if idx is None:
@@ -290,7 +262,13 @@ class GPTDataset(Dataset):
         tokens[tokens == self._pad_token_id] = 0
         labels[labels == self._pad_token_id] = 0
         sample["tokens"], sample["labels"] = tokens, labels
-        return {k: sample[k] for k in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask") if k in sample}
+        if self.config.inter_document_masking:
+            sample.pop("attention_mask", None)
+            sample.update(_document_boundaries(lengths, S, extra, sample["position_ids"]))
+            keys: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "max_seqlen")
+        else:
+            keys = ("tokens", "labels", "attention_mask", "loss_mask", "position_ids")
+        return {k: sample[k] for k in keys if k in sample}
 
     def _causal(self, S: int) -> torch.Tensor:
         """The [1, S, S] causal mask (True = key after query), built once and shared by every sample."""
@@ -329,6 +307,27 @@ class GPTDataset(Dataset):
             other_doc = arange[None, :] < seg_start[:, None]  # key before the query's document
             out["attention_mask"] = (after | other_doc).unsqueeze(0)  # [1, S, S], True = masked
         return out
+
+
+def _document_boundaries(lengths: list[int], S: int, extra: bool, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``cu_seqlens`` ([S + 1] int32: 0, the end of each document part, then S repeated),
+    ``max_seqlen`` and ``position_ids`` restarting at each part. Padding joins the last part."""
+    lengths = list(lengths)
+    if extra and lengths:  # the extra token only feeds the last label
+        lengths[-1] -= 1
+        if lengths[-1] == 0:
+            lengths.pop()
+    shortfall = S - sum(lengths)
+    if shortfall > 0:
+        if lengths:
+            lengths[-1] += shortfall
+        else:
+            lengths.append(shortfall)
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths])
+    padded = torch.full((S + 1,), S, dtype=torch.int32)
+    padded[: cu.numel()] = cu
+    return {"cu_seqlens": padded, "max_seqlen": (cu[1:] - cu[:-1]).max(), "position_ids": position_ids}
 
 
 class MockGPTLowLevelDataset:

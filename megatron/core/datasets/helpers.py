@@ -28,9 +28,9 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, sequence_l
     """Rows ``(position in document_index, token offset)`` where each sample begins, plus one row
     where the last one ends: shape ``[num_samples + 1, 2]``.
 
-    Sample ``j`` covers global tokens ``[j * S, j * S + S + extra)`` of the concatenated documents;
-    the row of position ``p`` points at the document holding token ``p`` (the last token of a sample
-    is the first of the next one when ``add_extra_token``).
+    Sample ``j`` covers global tokens ``[j * S, j * S + S + extra)`` of the concatenated documents
+    (the last token of a sample is the first of the next one when ``add_extra_token``); without
+    ``drop_last_partial_sequence`` the last sample ends with the last token.
 
     Args:
         sizes: tokens of every document of the low-level dataset.
@@ -45,8 +45,11 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, sequence_l
     positions = np.arange(num_samples + 1, dtype=np.int64) * sequence_length
     if not drop_last_partial_sequence and num_samples > 0:
         positions[-1] = min(int(positions[-1]), total - extra)
-    # Document holding token p: first k with ends[k] > p (skips empty documents).
-    doc = np.searchsorted(ends, positions, side="right")
+    # With the extra token a row names the document holding token p (first k with ends[k] > p);
+    # without it p is an exclusive end, so a sample ending with a document names that document at
+    # offset len(document) (first k with ends[k] >= p), as Megatron's helper does. Both skip empty
+    # documents and keep the last row inside the array.
+    doc = np.searchsorted(ends, positions, side="right" if extra else "left")
     starts = ends[doc] - doc_sizes[doc]
     dtype = np.int32 if max(len(document_index), sequence_length + total) < 2**31 - 1 else np.int64
     out = np.empty((num_samples + 1, 2), dtype=dtype)
