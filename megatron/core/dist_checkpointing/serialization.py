@@ -1,326 +1,261 @@
-"""Save and load sharded state dicts (``torch_dist`` format).
+"""``save`` and ``load`` of sharded state dicts (``torch_dist`` format), with Megatron-Core's signatures.
 
 A sharded state dict is a nested dict (lists allowed) whose leaves are ``ShardedTensor``,
-``ShardedObject`` or plain values. Plain values are *common*: rank 0 writes them once, as one pickled
-object ``common_state`` inside the DCP checkpoint. A checkpoint directory holds DCP's files
-(``.metadata``, ``__{rank}_{n}.distcp``) and our ``metadata.json``, written last: its presence marks a
-complete checkpoint.
-
-A file that cannot be written (disk full, quota, permissions) is a ``CheckpointWriteError``; a checkpoint
-to load whose files are missing, truncated or unreadable is a ``CheckpointReadError``; both are one line
-naming the file, raised before any tensor is read when the damage can be seen from the file sizes.
+``ShardedObject``, ``ShardedTensorFactory``, ``LocalNonpersistentObject`` or plain values. Plain values
+are *common*: rank 0 writes them once (see ``files``). ``load`` returns only what the checkpoint holds.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing.errors import CheckpointReadError, CheckpointWriteError
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
-from megatron.core.dist_checkpointing.torch_dist import dcp_load, dcp_save, file_problems, read_dcp_metadata
+from megatron.core.config_utils import ConfigError
+from megatron.core.dist_checkpointing import files
+from megatron.core.dist_checkpointing.dict_utils import diff
+from megatron.core.dist_checkpointing.files import COMMON_STATE_KEY, METADATA_FILE, all_gather, group_rank
+from megatron.core.dist_checkpointing.integrity import (
+    INTEGRITY_FNAME,
+    save_integrity_manifest,
+    verify_integrity_manifest,
+)
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    is_main_replica,
+)
+from megatron.core.dist_checkpointing.metadata import (
+    CONTENT_METADATA_KEY,
+    checkpoint_keys,
+    load_common_state_dict,
+    load_content_metadata,
+    load_sharded_metadata,
+    load_tensors_metadata,
+)
+from megatron.core.dist_checkpointing.state_tree import (
+    build_result,
+    expand_factories,
+    iter_sharded,
+    strip_sharded,
+    unsaved_plain_paths,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strict import (
+    StrictHandling,
+    mismatch_errors,
+    parse_strict_flag,
+    report_mismatch,
+)
+from megatron.core.dist_checkpointing.torch_dist import dcp_load, dcp_save, read_dcp_metadata
 from megatron.core.dist_checkpointing.validation import validate_load_request, validate_save
 
-METADATA_FILE = "metadata.json"
-SHARDED_BACKEND = "torch_dist"
-SHARDED_BACKEND_VERSION = 1
-FORMAT_MAGIC = "megatron-dist-checkpoint"
-FORMAT_VERSION = 1
-COMMON_STATE_KEY = "common_state"
+logger = logging.getLogger(__name__)
 
-_MISSING = object()
-_Leaf = ShardedTensor | ShardedObject
+__all__ = [
+    "get_default_load_sharded_strategy", "get_default_save_sharded_strategy", "load", "load_common_state_dict",
+    "load_content_metadata", "load_plain_tensors", "load_sharded_metadata", "load_tensors_metadata", "save",
+]
 
 
-def _iter_sharded(tree: Any) -> Iterator[_Leaf]:
-    """Every ShardedTensor / ShardedObject leaf of a nested dict/list, in a deterministic order."""
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _iter_sharded(value)
-    elif isinstance(tree, list):
-        for value in tree:
-            yield from _iter_sharded(value)
-    elif isinstance(tree, ShardedTensor | ShardedObject):
-        yield tree
+def _check_strategy(strategy: Any, classes: tuple[type, ...]) -> None:
+    if strategy is None or isinstance(strategy, classes):
+        return
+    if isinstance(strategy, tuple) and strategy[:1] == ("torch_dist",):
+        return
+    raise ConfigError(f"sharded_strategy={strategy!r}: only the 'torch_dist' backend is implemented; pass None "
+                      "or a strategy from dist_checkpointing.strategies (e.g. get_default_save_sharded_strategy())")
 
 
-def sharded_tensors(tree: Any) -> list[ShardedTensor]:
-    """The ShardedTensor leaves of a nested dict/list (a sharded state dict), in a deterministic order."""
-    return [leaf for leaf in _iter_sharded(tree) if isinstance(leaf, ShardedTensor)]
+def _as_block(leaf: Any) -> Any:
+    """A ShardedTensor whose ``data`` has the global number of axes (a view: prepended axes as size 1)."""
+    if not isinstance(leaf, ShardedTensor) or leaf.prepend_axis_num == 0:
+        return leaf
+    assert leaf.data is not None
+    shape = leaf.block_shape
+    return replace(leaf, data=leaf.data.view(shape), local_shape=shape, prepend_axis_num=0,
+                   axis_fragmentations=None)
 
 
-_FINITE_CHUNK = 1 << 26  # elements per isfinite pass: bounds the temporary bool tensor at 64 MiB
-
-
-def _is_finite(t: torch.Tensor) -> torch.Tensor:
-    """0-d bool on ``t``'s device: no NaN or Inf in ``t``."""
-    flat = t.detach().reshape(-1)
-    if flat.numel() <= _FINITE_CHUNK:
-        return torch.isfinite(flat).all()
-    return torch.stack([torch.isfinite(c).all() for c in flat.split(_FINITE_CHUNK)]).all()
-
-
-def all_finite(sharded_state_dict: Any, process_group: Any = None) -> bool:
-    """Collective (one all-reduce over ``process_group``): every floating ShardedTensor of every rank
-    holds no NaN or Inf."""
-    per_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in sharded_tensors(sharded_state_dict):
-        if t.data.is_floating_point():
-            per_device.setdefault(t.data.device, []).append(_is_finite(t.data))
-    nccl = dist.is_available() and dist.is_initialized() and dist.get_backend(process_group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    flag = torch.ones((), dtype=torch.int32, device=device)
-    for flags in per_device.values():  # one copy to the reduction's device per device, no sync per tensor
-        flag &= torch.stack(flags).all().to(device=device, dtype=torch.int32)
-    if _group_size(process_group) > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=process_group)
-    return bool(flag.item())
-
-
-def _strip_sharded(tree: Any) -> Any:
-    """The plain (common) part of a tree; sharded leaves dropped (``None`` placeholders in lists)."""
-    if isinstance(tree, dict):
-        out = {k: _strip_sharded(v) for k, v in tree.items()}
-        return {k: v for k, v in out.items() if v is not _MISSING}
-    if isinstance(tree, list):
-        return [None if v is _MISSING else v for v in map(_strip_sharded, tree)]
-    if isinstance(tree, ShardedTensor | ShardedObject):
-        return _MISSING
-    return tree
-
-
-def _group_size(process_group: Any) -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(process_group)
-    return 1
-
-
-def _rank(process_group: Any) -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(process_group)
-    return 0
-
-
-def _all_gather(obj: Any, process_group: Any) -> list[Any]:
-    if _group_size(process_group) == 1:
-        return [obj]
-    out: list[Any] = [None] * _group_size(process_group)
-    dist.all_gather_object(out, obj, group=process_group)
-    return out
-
-
-def _barrier(process_group: Any) -> None:
-    if _group_size(process_group) > 1:
-        dist.barrier(group=process_group)
-
-
-def _raise_if_any(errors: list[str], process_group: Any, prefix: str) -> None:
-    """Collective: every rank raises the same ValueError if any rank found a problem."""
-    all_errors = sorted({e for rank_errors in _all_gather(errors, process_group) for e in rank_errors})
-    if all_errors:
-        shown = all_errors[:20]
-        more = f" (and {len(all_errors) - len(shown)} more)" if len(all_errors) > len(shown) else ""
-        raise ValueError(prefix + "\n  " + "\n  ".join(shown) + more)
-
-
-def write_metadata_json(checkpoint_dir: str) -> None:
-    """Atomically write ``metadata.json`` (the completion marker); callers run it on one rank.
-
-    Raises:
-        CheckpointWriteError: the file cannot be written.
-    """
-    content = {
-        "sharded_backend": SHARDED_BACKEND,
-        "sharded_backend_version": SHARDED_BACKEND_VERSION,
-        "format": FORMAT_MAGIC,
-        "format_version": FORMAT_VERSION,
-    }
-    path = os.path.join(checkpoint_dir, METADATA_FILE)
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(content, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise CheckpointWriteError(checkpoint_dir, str(e)) from None
-
-
-def read_metadata_json(checkpoint_dir: str) -> dict[str, Any]:
-    """Check that ``checkpoint_dir`` is a complete checkpoint of a format we read; return metadata.json.
-
-    Raises:
-        ValueError: the directory is missing, has no ``metadata.json`` (an interrupted save), or was
-            written by another backend or a newer format version.
-    """
-    if not os.path.isdir(checkpoint_dir):
-        raise ValueError(f"checkpoint directory {checkpoint_dir} does not exist")
-    path = os.path.join(checkpoint_dir, METADATA_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"incomplete checkpoint {checkpoint_dir}: no {METADATA_FILE} (the save was interrupted "
-            "before it finished); load an earlier complete checkpoint instead"
-        )
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"corrupt {path}: {e}") from e
-    if meta.get("sharded_backend") != SHARDED_BACKEND:
-        raise ValueError(
-            f"{path}: sharded_backend is {meta.get('sharded_backend')!r}; only {SHARDED_BACKEND!r} is supported"
-        )
-    if meta.get("format", FORMAT_MAGIC) != FORMAT_MAGIC or meta.get("format_version", 1) > FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: format {meta.get('format')!r} version {meta.get('format_version')} is not readable "
-            f"by this code ({FORMAT_MAGIC!r} up to version {FORMAT_VERSION}); upgrade megatron"
-        )
-    return meta
-
-
-def is_complete_checkpoint(checkpoint_dir: str) -> bool:
-    """True if ``checkpoint_dir`` holds a ``metadata.json`` (the last file a save writes)."""
-    return os.path.isfile(os.path.join(checkpoint_dir, METADATA_FILE))
+def _warn_if_common_differs(common: dict, preprocess: Callable[[dict], dict] | None, process_group: Any) -> None:
+    """Collective: log a warning on each rank whose common values differ from rank 0's (rank 0's are saved)."""
+    if files.group_size(process_group) == 1:
+        return
+    mine = preprocess(common) if preprocess is not None else common
+    box = [mine]
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=process_group)
+    if group_rank(process_group) != 0:
+        only0, only_here, mismatch = diff(box[0], mine)
+        if only0 or only_here or mismatch:
+            logger.warning("rank %d's common state differs from rank 0's (which is saved): only on rank 0 %s, "
+                           "only here %s, different %s", dist.get_rank(), only0, only_here, [m[0] for m in mismatch])
 
 
 def save(
-    sharded_state_dict: dict,
+    sharded_state_dict: ShardedStateDict,
     checkpoint_dir: str,
+    sharded_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Callable[[dict], dict] | None = None,
+    content_metadata: dict | None = None,
+    async_strategy: str | None = "nvrx",
+    verify_integrity: bool = False,
+    *,
     common_state: dict | None = None,
     process_group: Any = None,
 ) -> None:
     """Collectively save a sharded state dict to ``checkpoint_dir`` (created if needed).
 
-    Each rank writes the ShardedTensor blocks and ShardedObjects it holds as main replica; rank 0
-    writes the plain values of its ``sharded_state_dict`` merged with ``common_state``. Before any
-    file is written, all ranks check together that every global tensor is covered exactly once by
-    main replicas with one global shape and dtype. ``metadata.json`` is written after a barrier, last
-    (an existing one is removed first, so a directory being overwritten never looks complete).
+    Factories are saved as what they build and non-persistent objects left out (``sharded_state_dict``
+    itself is not changed). Each rank writes the ShardedTensor blocks and ShardedObjects it holds as
+    main replica; rank 0 writes the plain values, ``common_state`` and ``content_metadata`` (see
+    ``load_content_metadata``). With ``validate_access_integrity`` all ranks first check together that
+    every global tensor is covered exactly once by main replicas and every object has one (and warn
+    where a rank's plain values differ from rank 0's, after ``preprocess_common_before_consistancy_check``);
+    keys, global shapes and dtypes are always checked. ``verify_integrity`` also writes a SHA-256
+    manifest. ``metadata.json`` is written last (an existing one removed first). Returns None: the
+    checkpoint is complete when ``save`` returns.
 
     Raises:
-        ValueError: a coverage, overlap, shape or key problem (on every rank, before writing), or a key
-            of ``common_state`` that also appears among the plain values.
+        ConfigError: ``async_sharded_save=True`` (not implemented) or a strategy of another backend.
+        CheckpointError: a sharding, shape or key problem (on every rank, before writing), or a key of
+            ``common_state`` / ``content_metadata`` that also is a plain value.
         CheckpointWriteError: a file could not be written (on every rank when DCP's write failed on any).
     """
-    common = _strip_sharded(sharded_state_dict)
-    for key, value in (common_state or {}).items():
+    if async_sharded_save:
+        raise ConfigError("async_sharded_save=True: asynchronous checkpoint saving is not implemented; "
+                          "pass async_sharded_save=False (save returns once the checkpoint is complete)")
+    _check_strategy(sharded_strategy, (TorchDistSaveShardedStrategy, FullyParallelSaveStrategyWrapper))
+    tree = expand_factories(sharded_state_dict)
+    common = strip_sharded(tree)
+    extra = dict(common_state or {})
+    if content_metadata is not None:
+        extra = {**extra, CONTENT_METADATA_KEY: content_metadata}
+    for key, value in extra.items():
         if key in common:
-            raise ValueError(f"common_state key {key!r} is also a key of the sharded state dict")
+            raise files.CheckpointError(f"common_state key {key!r} is also a key of the sharded state dict")
         common[key] = value
-    leaves = list(_iter_sharded(sharded_state_dict))
-    errors = validate_save(leaves, reserved_keys={COMMON_STATE_KEY}, gather=lambda x: _all_gather(x, process_group))
-    _raise_if_any(errors, process_group, f"cannot save checkpoint to {checkpoint_dir}:")
+    leaves = [_as_block(leaf) for leaf in iter_sharded(tree)]
+    errors = validate_save(leaves, reserved_keys={COMMON_STATE_KEY}, gather=lambda x: all_gather(x, process_group),
+                           check_access=validate_access_integrity)
+    files.raise_if_any(errors, process_group, f"cannot save checkpoint to {checkpoint_dir}:")
+    if validate_access_integrity:
+        _warn_if_common_differs(common, preprocess_common_before_consistancy_check, process_group)
+    _write(leaves, common, checkpoint_dir, verify_integrity, process_group)
 
+
+def _write(leaves: list, common: dict, checkpoint_dir: str, verify_integrity: bool, process_group: Any) -> None:
     tensors = [t for t in leaves if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
     objects = {o.unique_key: o.data for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)}
-    if _rank(process_group) == 0:
+    rank0 = group_rank(process_group) == 0
+    if rank0:
         objects[COMMON_STATE_KEY] = common
-        _make_dir(checkpoint_dir)
-        if is_complete_checkpoint(checkpoint_dir):  # overwriting: never look complete while half-written
-            os.remove(os.path.join(checkpoint_dir, METADATA_FILE))
-    _barrier(process_group)
-    _make_dir(checkpoint_dir)
+        files.make_dir(checkpoint_dir)
+        for name in (METADATA_FILE, INTEGRITY_FNAME):  # overwriting: never look complete while half-written
+            if os.path.isfile(os.path.join(checkpoint_dir, name)):
+                os.remove(os.path.join(checkpoint_dir, name))
+    files.barrier(process_group)
+    files.make_dir(checkpoint_dir)
     dcp_save(tensors, objects, checkpoint_dir, process_group)
-    _barrier(process_group)
-    if _rank(process_group) == 0:
-        write_metadata_json(checkpoint_dir)
-    _barrier(process_group)
-
-
-def _make_dir(checkpoint_dir: str) -> None:
-    try:
-        os.makedirs(checkpoint_dir, exist_ok=True)
-    except OSError as e:
-        raise CheckpointWriteError(checkpoint_dir, str(e)) from None
-
-
-def check_files(checkpoint_dir: str, keys: set[str] | None = None) -> Any:
-    """Check that the files holding ``keys`` (default: every file) are all there and as long as the
-    checkpoint's ``.metadata`` records; return that metadata.
-
-    Raises:
-        CheckpointReadError: ``.metadata`` or a data file is missing, truncated or unreadable; names the first.
-    """
-    md = read_dcp_metadata(checkpoint_dir)
-    _raise_file_problems(checkpoint_dir, md, keys)
-    return md
-
-
-def _raise_file_problems(checkpoint_dir: str, md: Any, keys: set[str] | None) -> None:
-    problems = file_problems(checkpoint_dir, md, keys)
-    if problems:
-        more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
-        raise CheckpointReadError(f"{problems[0]}{more}: the checkpoint is damaged")
-
-
-def load_common_state(checkpoint_dir: str) -> dict:
-    """The plain (non-sharded) values of a checkpoint, read locally by the calling rank alone.
-
-    Raises:
-        ValueError: not a complete checkpoint; CheckpointReadError: the file holding them is damaged.
-    """
-    read_metadata_json(checkpoint_dir)
-    check_files(checkpoint_dir, {COMMON_STATE_KEY})
-    return dcp_load({}, [COMMON_STATE_KEY], checkpoint_dir, no_dist=True)[COMMON_STATE_KEY]
-
-
-def _build_result(request: Any, common: Any, loaded: dict[int, Any]) -> Any:
-    """The request's nesting with sharded leaves replaced and plain leaves taken from the checkpoint."""
-    if isinstance(request, dict):
-        out = dict(common) if isinstance(common, dict) else {}
-        for key, value in request.items():
-            sub = common.get(key, _MISSING) if isinstance(common, dict) else _MISSING
-            built = _build_result(value, sub, loaded)
-            if built is _MISSING:
-                out.pop(key, None)
-            else:
-                out[key] = built
-        return out
-    if isinstance(request, list):
-        subs = common if isinstance(common, list) and len(common) == len(request) else [_MISSING] * len(request)
-        return [_build_result(v, s, loaded) for v, s in zip(request, subs)]
-    if isinstance(request, ShardedTensor | ShardedObject):
-        return loaded.get(id(request), _MISSING)
-    return request if common is _MISSING else common
+    files.barrier(process_group)
+    if rank0 and verify_integrity:
+        save_integrity_manifest(checkpoint_dir)
+    if rank0:
+        files.write_metadata_json(checkpoint_dir)
+    files.barrier(process_group)
 
 
 def load(
-    sharded_state_dict: dict,
+    sharded_state_dict: ShardedStateDict,
     checkpoint_dir: str,
-    strict: bool = True,
+    sharded_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    strict: str | bool | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+    verify_integrity: bool = False,
     process_group: Any = None,
-) -> dict:
+) -> Any:  # StateDict, or (StateDict, missing_keys, unexpected_keys) in the RETURN_* modes
     """Collectively load the slices each rank asks for; return them in the request's nesting.
 
     Each ShardedTensor's ``data`` is filled in place with its global block (read from whichever saved
-    chunks overlap it, so the saving layout does not matter) and appears in the result as that tensor.
-    Values are cast to ``data``'s dtype. With ``allow_shape_mismatch`` only the part of the block that
-    lies inside the saved global shape is read. ShardedObjects become their saved value. The result
-    also holds every common value of the checkpoint (checkpoint values win over plain request values).
+    chunks overlap it, so the saving layout does not matter; ``data=None`` is allocated on the CPU) and
+    appears in the result as that tensor; values are cast to its dtype, and with
+    ``allow_shape_mismatch`` only the part inside the saved global shape is read. ShardedObjects
+    become their saved value, factories their ``merge_fn`` of what they built, non-persistent objects
+    their local value. The result holds every common value of the checkpoint and nothing that was
+    not saved: a plain value of the request that the checkpoint lacks is left out (and is an
+    unexpected key for ``strict``). ``strict`` (a ``StrictHandling``, its value string, or a bool: True
+    is ``ASSUME_OK_UNEXPECTED``, False ``LOG_UNEXPECTED``) decides what a mismatch does; the
+    ``RETURN_*`` modes return ``(state_dict, missing_keys, unexpected_keys)``. ``verify_integrity``
+    first checks the files against the manifest ``save(verify_integrity=True)`` wrote.
+    ``validate_access_integrity`` is accepted; any rank may read any slices, so it checks nothing.
 
     Raises:
-        ValueError: missing directory, incomplete checkpoint, a requested key not in the checkpoint
-            (``strict``; otherwise it is left out of the result) or a global shape that differs, on
-            every rank. The message names the directory and the keys.
+        CheckpointError (a ``CheckpointingException`` and ``ValueError``): missing directory, incomplete
+            checkpoint, an unexpected sharded key (default mode) or any mismatch (``RAISE_*``), a
+            global shape that differs, on every rank, naming the directory and the keys.
         CheckpointReadError: a file this rank reads is missing, truncated or unreadable (named).
     """
-    read_metadata_json(checkpoint_dir)
+    mode = parse_strict_flag(strict)
+    _check_strategy(sharded_strategy, (TorchDistLoadShardedStrategy, FullyParallelLoadStrategyWrapper))
+    files.read_metadata_json(checkpoint_dir)
+    if verify_integrity:
+        verify_integrity_manifest(checkpoint_dir, process_group)
+    tree = expand_factories(sharded_state_dict)
+    common = files.load_common_state(checkpoint_dir)
     dcp_md = read_dcp_metadata(checkpoint_dir)
-    leaves = list(_iter_sharded(sharded_state_dict))
-    req = validate_load_request(leaves, dcp_md, strict)
-    _raise_if_any(req.errors, process_group, f"cannot load checkpoint {checkpoint_dir}:")
-    object_keys = sorted({o.unique_key for o in leaves if isinstance(o, ShardedObject) and id(o) not in req.skipped})
-    _raise_file_problems(checkpoint_dir, dcp_md, {COMMON_STATE_KEY, *object_keys, *req.blocks})
-    objects = dcp_load(req.blocks, [COMMON_STATE_KEY, *object_keys], checkpoint_dir, process_group)
+    originals = list(iter_sharded(tree))
+    for leaf in originals:
+        if isinstance(leaf, ShardedTensor):
+            leaf.init_data("cpu")
+    blocks = [_as_block(leaf) for leaf in originals]
+    req = validate_load_request(blocks, dcp_md, strict=mode == StrictHandling.ASSUME_OK_UNEXPECTED)
+    unexpected = {o.key for o, b in zip(originals, blocks) if id(b) in req.skipped}
+    unexpected |= set(unsaved_plain_paths(tree, common))
+    need_missing = StrictHandling.requires_global_app_metadata(mode)
+    accessed = {o.key for o in originals} if need_missing else set()
+    local_errors = req.errors + mismatch_errors(mode, set(), unexpected)
+    gathered = all_gather((local_errors, accessed), process_group)
+    missing = checkpoint_keys(dcp_md) - set().union(*(keys for _, keys in gathered)) if need_missing else set()
+    errors = sorted({e for rank_errors, _ in gathered for e in rank_errors})
+    errors += [e for e in mismatch_errors(mode, missing, set()) if e not in errors]
+    if errors:
+        raise files.errors_exception(errors, f"cannot load checkpoint {checkpoint_dir}:")  # the same on every rank
+    report_mismatch(mode, checkpoint_dir, missing, unexpected)
+
+    object_keys = sorted({o.unique_key for o in blocks if isinstance(o, ShardedObject) and id(o) not in req.skipped})
+    files.raise_file_problems(checkpoint_dir, dcp_md, {*object_keys, *req.blocks})
+    objects = dcp_load(req.blocks, object_keys, checkpoint_dir, process_group)
     loaded: dict[int, Any] = {}
-    for leaf in leaves:
-        if id(leaf) in req.skipped:
-            continue
-        loaded[id(leaf)] = leaf.data if isinstance(leaf, ShardedTensor) else objects[leaf.unique_key]
-    return _build_result(sharded_state_dict, objects[COMMON_STATE_KEY], loaded)
+    for orig, block in zip(originals, blocks):
+        if id(block) not in req.skipped:
+            loaded[id(orig)] = orig.data if isinstance(orig, ShardedTensor) else objects[orig.unique_key]
+    result = build_result(tree, common, loaded)
+    if StrictHandling.requires_returning_mismatch_keys(mode):
+        return result, missing, unexpected
+    return result
+
+
+def load_plain_tensors(checkpoint_dir: str) -> StateDict:
+    """Every tensor of the checkpoint, whole and unsharded, by key (common values not included).
+    Collective when distributed (each rank reads everything)."""
+    request = load_tensors_metadata(checkpoint_dir)
+    out = load(request, checkpoint_dir, validate_access_integrity=False)
+    assert isinstance(out, dict)
+    return {k: out[k] for k in request}

@@ -19,6 +19,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.strict import StrictHandling, parse_strict_flag
+
+__all__ = ["LoadRequest", "StrictHandling", "parse_strict_flag", "validate_load_request", "validate_save"]
 
 # (offset, local shape) of one block
 _Block = tuple[tuple[int, ...], tuple[int, ...]]
@@ -53,8 +56,13 @@ def validate_save(
     leaves: list[ShardedTensor | ShardedObject],
     reserved_keys: set[str],
     gather: Callable[[Any], list[Any]],
+    check_access: bool = True,
 ) -> list[str]:
-    """Collective (through ``gather``): problems that would make the saved checkpoint wrong."""
+    """Collective (through ``gather``): problems that would make the saved checkpoint wrong.
+
+    ``check_access`` (``save(validate_access_integrity=...)``): also require every element of every
+    global tensor to have exactly one main replica, every object unique key exactly one, and a
+    sharded object's grid (``global_shape``) all its shards."""
     errors = _local_errors(leaves)
     tensors = [
         (t.key, tuple(t.global_shape), str(t.dtype), tuple(t.global_offset), t.local_shape,
@@ -62,19 +70,23 @@ def validate_save(
         for t in leaves
         if isinstance(t, ShardedTensor)
     ]
-    objects = [(o.unique_key, is_main_replica(o.replica_id)) for o in leaves if isinstance(o, ShardedObject)]
+    objects = [(o.unique_key, is_main_replica(o.replica_id), o.key, o.num_shards if o.global_shape and not o.shard_key
+                else 0) for o in leaves if isinstance(o, ShardedObject)]
     all_ranks = gather((tensors, objects))
 
     shapes: dict[str, set[tuple[tuple[int, ...], str]]] = defaultdict(set)
     blocks: dict[str, list[_Block]] = defaultdict(list)
     obj_writers: dict[str, int] = defaultdict(int)
+    grids: dict[str, tuple[int, set[str]]] = {}  # object key -> (shards of its grid, unique keys seen)
     for rank_tensors, rank_objects in all_ranks:
         for key, shape, dtype, offset, local_shape, main in rank_tensors:
             shapes[key].add((shape, dtype))
             if main:
                 blocks[key].append((offset, local_shape))
-        for key, main in rank_objects:
+        for key, main, grid_key, num_shards in rank_objects:
             obj_writers[key] += int(main)
+            if num_shards:
+                grids.setdefault(grid_key, (num_shards, set()))[1].add(key)
 
     for key in sorted(set(shapes) & (set(obj_writers) | reserved_keys)):
         errors.append(f"{key}: used both as a tensor key and as an object (or reserved) key")
@@ -83,6 +95,8 @@ def validate_save(
     for key, variants in sorted(shapes.items()):
         if len(variants) > 1:
             errors.append(f"{key}: ranks disagree on (global shape, dtype): {sorted(variants)}")
+            continue
+        if not check_access:
             continue
         (shape, _), = variants
         key_blocks = sorted(blocks[key])
@@ -95,9 +109,14 @@ def validate_save(
         if covered != math.prod(shape) and not any("overlap" in e and e.startswith(key + ":") for e in errors):
             errors.append(f"{key}: main replicas cover {covered} of {math.prod(shape)} elements of global shape "
                           f"{shape}; each element needs exactly one writer (replica_id 0)")
+    if not check_access:
+        return errors
     for key, writers in sorted(obj_writers.items()):
         if writers != 1:
             errors.append(f"object {key}: {writers} main replicas (replica_id 0); exactly one is required")
+    for key, (num_shards, seen) in sorted(grids.items()):
+        if len(seen) != num_shards:
+            errors.append(f"object {key}: {len(seen)} of the {num_shards} shards of its global_shape are saved")
     return errors
 
 

@@ -150,7 +150,7 @@ def build(opt: MegatronOptimizer, model_sd: dict, common_replica_id: int = 0) ->
         "param_groups": groups,
         "grad_scaler": opt.grad_scaler.state_dict() if opt.grad_scaler is not None else None,
     }
-    sharded = {"param_state": param_state, "common": ShardedObject(COMMON_KEY, common, common_replica_id)}
+    sharded = {"param_state": param_state, "common": ShardedObject(COMMON_KEY, common, replica_id=common_replica_id)}
     return sharded, [st.key for st in tensors]
 
 
