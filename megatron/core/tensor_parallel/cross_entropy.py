@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
+from megatron.core.tensor_parallel.mappings import ProcessGroup, default_tp_group, group_rank, group_size
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -67,9 +67,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None = None,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-token cross entropy of vocab-sharded logits.
+def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None,
+                          label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token cross entropy of vocab-sharded logits over an explicit group (the library's form).
 
     Args:
         logits: ``[..., V/tp]`` this rank's vocabulary block (any float dtype; computed in fp32).
@@ -79,6 +79,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
     Returns:
         ``[...]`` fp32 losses, identical on every tp rank.
+
+    Raises:
+        ValueError: ``label_smoothing`` is outside ``[0, 1)``.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
@@ -87,3 +90,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         return F.cross_entropy(flat, target.reshape(-1), reduction="none",
                                label_smoothing=label_smoothing).view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, label_smoothing)
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 label_smoothing: float = 0.0, tp_group: ProcessGroup | None = None) -> torch.Tensor:
+    """Megatron-Core's entry point: :func:`sharded_cross_entropy` where an omitted ``tp_group`` is the
+    default ParallelState's tp group (after ``initialize_model_parallel(tp)``, the logits are this
+    rank's ``V/tp`` block; before it, one rank holding the whole vocabulary).
+
+    Args:
+        vocab_parallel_logits: ``[s, b, V/tp]`` (any leading shape).
+        target: ``[s, b]`` global token ids.
+        label_smoothing: in ``[0, 1)``; 0 is no smoothing.
+        tp_group: the group the vocabulary is split over; default the default tp group.
+    """
+    return sharded_cross_entropy(vocab_parallel_logits, target, default_tp_group(tp_group), label_smoothing)

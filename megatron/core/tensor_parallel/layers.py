@@ -9,9 +9,21 @@ caller to fuse the bias into a later op.
 FP8: ``megatron.core.fusions.fp8.apply_fp8`` may give a column/row-parallel linear an ``fp8``
 submodule (scaling state only); its GEMM then runs in FP8 on the same local shards, between the
 same collectives. Weights, checkpoints and the tp/sp semantics are unchanged.
+
+Two constructor forms. The library's: ``init_std=`` with ``tp_group`` (None: no tensor
+parallelism), ``sequence_parallel`` and ``params_dtype`` given, parameters on the CPU, values set
+later by the layout-invariant init (``init.init_param_``). Megatron-Core's: ``config=`` and
+``init_method=``; then an omitted ``tp_group`` is the default ParallelState's tp group, sequence
+parallelism and dtype come from the config, the parameters are allocated on the current GPU
+(CPU with ``use_cpu_initialization`` or without CUDA) and initialised at construction as Megatron
+does (``init_method`` under the tracker's model-parallel state, or the full weight on the CPU and
+this rank's block); ``init_std`` records ``config.init_method_std`` for a later re-initialisation.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,13 +31,40 @@ from torch import nn
 
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.init import set_init_attrs, tag_param
+from megatron.core.tensor_parallel.layer_api import (
+    MegatronForm,
+    copy_tensor_model_parallel_attributes,
+    linear_with_grad_accumulation_and_async_allreduce,
+    param_is_not_tensor_parallel_duplicate,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.tensor_parallel.mappings import ProcessGroup
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "copy_tensor_model_parallel_attributes",
+    "linear_with_grad_accumulation_and_async_allreduce", "param_is_not_tensor_parallel_duplicate",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes",
+]
+
+InitMethod = Callable[[torch.Tensor], Any]
 
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d != 0:
         raise ValueError(f"{what} ({n}) is not divisible by --tensor-model-parallel-size {d}")
     return n // d
+
+
+def _megatron_form(cls: str, init_std: float | None, config: Any, init_method: InitMethod | None,
+                   tp_group: ProcessGroup | None) -> MegatronForm | None:
+    """The Megatron-Core form's settings, or None for the library's form (``init_std=``)."""
+    if config is None:
+        if init_std is None:
+            raise ValueError(f"{cls} needs init_std= (this library's form) or config= and init_method= "
+                             "(Megatron-Core's form)")
+        return None
+    return MegatronForm(config, init_method, tp_group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -40,13 +79,28 @@ class ColumnParallelLinear(nn.Module):
         partition_stride: >1 when the output stacks that many sub-tensors that are split separately
             (SwiGLU's [gate; up]).
         skip_weight_param_allocation: no weight of its own; ``forward`` takes ``weight`` (tied output layer).
+        config / init_method / stride: Megatron-Core's form (module docstring); ``stride`` is
+            ``partition_stride``. keep_master_weight_for_test, embedding_activation_buffer,
+            grad_output_buffer, is_expert, tp_comm_buffer_name, disable_grad_reduce and name are
+            accepted for its signature and have no effect.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, init_std: float, bias: bool = True,
+    def __init__(self, input_size: int, output_size: int, *, init_std: float | None = None, bias: bool = True,
                  tp_group: ProcessGroup | None = None, gather_output: bool = False, sequence_parallel: bool = False,
                  skip_bias_add: bool = False, partition_stride: int = 1,
-                 skip_weight_param_allocation: bool = False, params_dtype: torch.dtype = torch.float32):
+                 skip_weight_param_allocation: bool = False, params_dtype: torch.dtype = torch.float32,
+                 config: Any = None, init_method: InitMethod | None = None, stride: int = 1,
+                 keep_master_weight_for_test: bool = False, embedding_activation_buffer: list | None = None,
+                 grad_output_buffer: list | None = None, is_expert: bool = False,
+                 tp_comm_buffer_name: str | None = None, disable_grad_reduce: bool = False, name: str | None = None):
         super().__init__()
+        form = _megatron_form("ColumnParallelLinear", init_std, config, init_method, tp_group)
+        device = torch.device("cpu")
+        if form is not None:
+            tp_group, sequence_parallel, params_dtype = form.tp_group, form.sequence_parallel, form.params_dtype
+            init_std, partition_stride, device = form.init_std, stride, form.device
+        assert init_std is not None
+        self.input_size, self.output_size = input_size, output_size
         self.tp_group = tp_group
         self.tp_size = mappings.group_size(tp_group)
         self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
@@ -58,20 +112,24 @@ class ColumnParallelLinear(nn.Module):
         if skip_weight_param_allocation:
             self.weight = None
         else:
-            self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype))
+            self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype,
+                                                   device=device))
             set_init_attrs(self.weight, std=init_std, partition_dim=0, partition_size=self.tp_size,
                            partition_stride=partition_stride)
+            if form is not None:
+                form.init_weight_(self.weight, 0, partition_stride)
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype))
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device))
             set_init_attrs(self.bias, partition_dim=0, partition_size=self.tp_size, partition_stride=partition_stride)
         else:
             self.bias = None
         self.fp8: nn.Module | None = None  # set by fusions.fp8.apply_fp8: the GEMM runs in FP8
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, in]`` (``[s/tp, b, in]`` with sequence parallelism) -> ``([s, b, out/tp], bias)``,
-        or ``[s, b, out]`` with ``gather_output``. ``weight`` replaces the own weight (tied output layer).
+        or ``[s, b, out]`` with ``gather_output`` (``runtime_gather_output``, when not None, decides
+        instead for this call). ``weight`` replaces the own weight (tied output layer).
 
         Collectives: without sequence parallelism the input enters through ``copy_to`` (backward
         all-reduces its gradient); with it the input is all-gathered along the sequence (backward
@@ -83,16 +141,16 @@ class ColumnParallelLinear(nn.Module):
         x = self.input_collective(x)
         bias = None if self.skip_bias_add else self.bias
         out = F.linear(x, weight, bias) if self.fp8 is None else self.fp8(x, weight, bias)
-        if self.gather_output:
-            out = mappings.gather_from_tensor_model_parallel_region(out, self.tp_group)
+        if self.gather_output if runtime_gather_output is None else runtime_gather_output:
+            out = mappings.gather_from_tp(out, self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)
 
     def input_collective(self, x: torch.Tensor) -> torch.Tensor:
         """The input as the local GEMM reads it: all-gathered along the sequence with sequence
         parallelism, else as is (in both cases backward reduces its gradient over the tp group)."""
         if self.sequence_parallel:
-            return mappings.gather_from_sequence_parallel_region(x, self.tp_group)
-        return mappings.copy_to_tensor_model_parallel_region(x, self.tp_group)
+            return mappings.gather_from_sp(x, self.tp_group)
+        return mappings.copy_to_tp(x, self.tp_group)
 
 
 class RowParallelLinear(nn.Module):
@@ -100,22 +158,41 @@ class RowParallelLinear(nn.Module):
 
     The input is already tp-sharded along its last dim. With ``sequence_parallel`` the sum is a
     reduce-scatter along the sequence dim instead of an all-reduce. The bias is added after the sum.
+
+    ``input_is_parallel=False`` (Megatron-Core's) takes a replicated input and keeps this rank's block
+    of its last dim first. config / init_method / stride: Megatron-Core's form (module docstring);
+    keep_master_weight_for_test, is_expert, tp_comm_buffer_name and name have no effect.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, init_std: float, bias: bool = True,
+    def __init__(self, input_size: int, output_size: int, *, init_std: float | None = None, bias: bool = True,
                  tp_group: ProcessGroup | None = None, sequence_parallel: bool = False, skip_bias_add: bool = False,
-                 params_dtype: torch.dtype = torch.float32):
+                 params_dtype: torch.dtype = torch.float32, config: Any = None, init_method: InitMethod | None = None,
+                 input_is_parallel: bool = True, stride: int = 1, keep_master_weight_for_test: bool = False,
+                 is_expert: bool = False, tp_comm_buffer_name: str | None = None, name: str | None = None):
         super().__init__()
+        form = _megatron_form("RowParallelLinear", init_std, config, init_method, tp_group)
+        device = torch.device("cpu")
+        if form is not None:
+            tp_group, sequence_parallel, params_dtype = form.tp_group, form.sequence_parallel, form.params_dtype
+            init_std, device = form.init_std, form.device
+        assert init_std is not None
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel = input_is_parallel
         self.tp_group = tp_group
         self.tp_size = mappings.group_size(tp_group)
         self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.skip_bias_add = skip_bias_add
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype))
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype,
+                                               device=device))
         set_init_attrs(self.weight, std=init_std, partition_dim=1, partition_size=self.tp_size)
+        if form is not None:
+            form.init_weight_(self.weight, 1, stride)
         self.bias: nn.Parameter | None
         if bias:
-            self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype))
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
             set_init_attrs(self.bias)
             # Replicated across tp but fed by sequence-sharded outputs: its grad needs a tp all-reduce.
             tag_param(self.bias, sequence_parallel=self.sequence_parallel)
@@ -129,6 +206,8 @@ class RowParallelLinear(nn.Module):
         Collectives: forward all-reduce (backward identity), or with sequence parallelism a
         reduce-scatter along the sequence (backward all-gather).
         """
+        if not self.input_is_parallel:
+            x = mappings.scatter_to_tp(x, self.tp_group)
         out = self.output_collective(F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight, None))
         if self.skip_bias_add:
             return out, self.bias
@@ -138,8 +217,8 @@ class RowParallelLinear(nn.Module):
         """The local GEMM's partial output summed over the tp group: reduce-scattered along the
         sequence with sequence parallelism, else all-reduced."""
         if self.sequence_parallel:
-            return mappings.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
-        return mappings.reduce_from_tensor_model_parallel_region(out, self.tp_group)
+            return mappings.reduce_scatter_to_sp(out, self.tp_group)
+        return mappings.reduce_from_tp(out, self.tp_group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -149,20 +228,33 @@ class VocabParallelEmbedding(nn.Module):
     are zeroed; the partial results are summed across the group: an all-reduce giving ``[b, s, h]``,
     or with ``reduce_scatter_embeddings`` a reduce-scatter along the sequence giving ``[s/tp, b, h]``
     (sequence-first, ready for the sequence-parallel region).
+
+    config / init_method: Megatron-Core's form (module docstring).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float,
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float | None = None,
                  tp_group: ProcessGroup | None = None, params_dtype: torch.dtype = torch.float32,
-                 reduce_scatter_embeddings: bool = False):
+                 reduce_scatter_embeddings: bool = False, config: Any = None, init_method: InitMethod | None = None):
         super().__init__()
+        form = _megatron_form("VocabParallelEmbedding", init_std, config, init_method, tp_group)
+        device = torch.device("cpu")
+        if form is not None:
+            tp_group, params_dtype, init_std, device = form.tp_group, form.params_dtype, form.init_std, form.device
+        assert init_std is not None
+        self.embedding_dim = embedding_dim
         self.tp_group = tp_group
         self.tp_size = mappings.group_size(tp_group)
         self.num_embeddings = num_embeddings
         self.num_per_partition = _divide(num_embeddings, self.tp_size, "padded vocabulary size")
         self.vocab_start = mappings.group_rank(tp_group) * self.num_per_partition
+        self.vocab_start_index, self.vocab_end_index = self.vocab_start, self.vocab_start + self.num_per_partition
+        self.num_embeddings_per_partition = self.num_per_partition
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and self.tp_size > 1
-        self.weight = nn.Parameter(torch.empty(self.num_per_partition, embedding_dim, dtype=params_dtype))
+        self.weight = nn.Parameter(torch.empty(self.num_per_partition, embedding_dim, dtype=params_dtype,
+                                               device=device))
         set_init_attrs(self.weight, std=init_std, partition_dim=0, partition_size=self.tp_size)
+        if form is not None:
+            form.init_weight_(self.weight, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``[b, s]`` ids -> ``[b, s, h]``, or ``[s/tp, b, h]`` with ``reduce_scatter_embeddings``."""
@@ -174,5 +266,5 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, h], partial over the vocabulary
         if self.reduce_scatter_embeddings:
             out = out.transpose(0, 1).contiguous()  # [s, b, h]
-            return mappings.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
-        return mappings.reduce_from_tensor_model_parallel_region(out, self.tp_group)
+            return mappings.reduce_scatter_to_sp(out, self.tp_group)
+        return mappings.reduce_from_tp(out, self.tp_group)

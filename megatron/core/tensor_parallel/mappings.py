@@ -1,6 +1,9 @@
 """Autograd collectives across the tensor-parallel group.
 
-Each function is the identity when the group has one rank (or is ``None``). Shapes follow the
+The functions here take the group explicitly and are the identity when it has one rank (or is
+``None``, no tensor parallelism); the library calls these. Megatron-Core's public names
+(``copy_to_tensor_model_parallel_region(input_, group=None)``, ...), where an omitted group means the
+default ParallelState's tp group, are in :mod:`megatron.core.tensor_parallel.tp_regions`. Shapes follow the
 sequence-first convention ``[s, b, h]``: "sequence" collectives act on dim 0, the others on the
 last dim. Slices are contiguous blocks in rank order: rank ``r`` of ``n`` holds block ``r``.
 
@@ -189,33 +192,33 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _gather(g, ctx.group, 0), None
 
 
-def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Enter a tp region with a replicated input. Forward: identity. Backward: all-reduce."""
     return _CopyToRegion.apply(x, group) if group_size(group) > 1 else x
 
 
-def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum the ranks' partial results. Forward: all-reduce. Backward: identity."""
     return _ReduceFromRegion.apply(x, group) if group_size(group) > 1 else x
 
 
-def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def scatter_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward: keep this rank's block of the last dim. Backward: all-gather the last dim."""
     return _ScatterToRegion.apply(x, group) if group_size(group) > 1 else x
 
 
-def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def gather_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward: all-gather the last dim. Backward: keep this rank's block of the gradient."""
     return _GatherFromRegion.apply(x, group) if group_size(group) > 1 else x
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Enter the sequence-parallel region. Forward: keep this rank's block of dim 0.
     Backward: all-gather dim 0."""
     return _ScatterToSequence.apply(x, group) if group_size(group) > 1 else x
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None,
+def gather_from_sp(x: torch.Tensor, group: ProcessGroup | None,
                                          tensor_parallel_output_grad: bool = True) -> torch.Tensor:
     """Leave the sequence-parallel region. Forward: all-gather dim 0.
 
@@ -226,7 +229,167 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | 
     return _GatherFromSequence.apply(x, group, tensor_parallel_output_grad) if group_size(group) > 1 else x
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sum the ranks' partial results into sequence shards. Forward: reduce-scatter along dim 0.
     Backward: all-gather dim 0."""
     return _ReduceScatterToSequence.apply(x, group) if group_size(group) > 1 else x
+
+
+# -- Megatron-Core's public names: an omitted group is the default ParallelState's tp group ------------
+
+
+def default_tp_group(group: ProcessGroup | None) -> ProcessGroup | None:
+    """``group``, or when it is None the tp group of the default ParallelState (read only by the public
+    entry points below; library code passes its group). Before ``initialize_model_parallel`` the
+    default is a one-rank state: None, no tensor parallelism, and no group is created."""
+    if group is not None:
+        return group
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_parallel_state().tp_group
+
+
+def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Enter a tp region with a replicated input. Forward: identity. Backward: all-reduce over ``group``
+    (default: the default tp group)."""
+    return copy_to_tp(input_, default_tp_group(group))
+
+
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None
+                                             ) -> torch.Tensor:
+    """Sum the ranks' partial results. Forward: all-reduce over ``group`` (default: the default tp
+    group). Backward: identity."""
+    return reduce_from_tp(input_, default_tp_group(group))
+
+
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None
+                                            ) -> torch.Tensor:
+    """Forward: keep this rank's block of the last dim. Backward: all-gather the last dim."""
+    return scatter_to_tp(input_, default_tp_group(group))
+
+
+def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None
+                                             ) -> torch.Tensor:
+    """Forward: all-gather the last dim in rank order. Backward: keep this rank's block."""
+    return gather_from_tp(input_, default_tp_group(group))
+
+
+def scatter_to_sequence_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """Forward: keep this rank's block of dim 0. Backward: all-gather dim 0."""
+    return scatter_to_sp(input_, default_tp_group(group))
+
+
+def _check_no_split_sizes(name: str, value: object) -> None:
+    if value is not None:
+        raise ValueError(f"{name}: uneven splits are not supported here; pass {name}=None (equal blocks)")
+
+
+def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_output_grad: bool = True,
+                                         group: ProcessGroup | None = None,
+                                         output_split_sizes: list[int] | None = None,
+                                         use_global_buffer: bool = False) -> torch.Tensor:
+    """Forward: all-gather dim 0. Backward: reduce-scatter dim 0 when ``tensor_parallel_output_grad``
+    (the consumer is tensor-parallel), else keep this rank's block.
+
+    ``use_global_buffer`` (Megatron's reusable output buffer) is accepted and has no effect: the
+    output is always a new tensor. ``output_split_sizes`` must be None.
+    """
+    _check_no_split_sizes("output_split_sizes", output_split_sizes)
+    return gather_from_sp(input_, default_tp_group(group), bool(tensor_parallel_output_grad))
+
+
+def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None,
+                                               input_split_sizes: list[int] | None = None,
+                                               use_global_buffer: bool = False) -> torch.Tensor:
+    """Forward: reduce-scatter along dim 0. Backward: all-gather dim 0. ``input_split_sizes`` must be
+    None; ``use_global_buffer`` has no effect."""
+    _check_no_split_sizes("input_split_sizes", input_split_sizes)
+    return reduce_scatter_to_sp(input_, default_tp_group(group))
+
+
+class _AllGatherLastDim(torch.autograd.Function):
+    """Forward: all-gather the last dim. Backward: reduce-scatter the last dim."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_last_dim(g, ctx.group), None
+
+
+class _ReduceScatterLastDim(torch.autograd.Function):
+    """Forward: reduce-scatter the last dim. Backward: all-gather the last dim."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.group, -1), None
+
+
+def _reduce_scatter_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    n = group_size(group)
+    _check_divisible(x, n, x.dim() - 1)
+    moved = torch.stack(x.chunk(n, dim=-1))  # [n, ..., last/n]: rank blocks along dim 0
+    return _reduce_scatter(moved, group).squeeze(0)
+
+
+def all_gather_last_dim_from_tensor_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None
+                                                    ) -> torch.Tensor:
+    """Forward: all-gather the last dim. Backward: reduce-scatter the last dim (the gradient of every
+    rank's copy is summed)."""
+    group = default_tp_group(group)
+    return _AllGatherLastDim.apply(input_, group) if group_size(group) > 1 else input_
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None
+                                                      ) -> torch.Tensor:
+    """Forward: sum over the group and keep this rank's block of the last dim. Backward: all-gather
+    the last dim."""
+    group = default_tp_group(group)
+    return _ReduceScatterLastDim.apply(input_, group) if group_size(group) > 1 else input_
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: all-to-all of dim 0 blocks. Backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, group, x, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.splits = group, (output_split_sizes, input_split_sizes)
+        x = x.contiguous()
+        if output_split_sizes is None:
+            out = torch.empty_like(x)
+        else:
+            out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
+        dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes,
+                               input_split_sizes=input_split_sizes, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_sizes, in_sizes = ctx.splits
+        return None, _AllToAll.apply(ctx.group, g, in_sizes, out_sizes), None, None
+
+
+def all_to_all(group: ProcessGroup, input_: torch.Tensor, output_split_sizes_: list[int] | None = None,
+               input_split_sizes: list[int] | None = None, use_nccl_stream: bool = False) -> torch.Tensor:
+    """All-to-all along dim 0 over ``group`` (required, as in Megatron-Core): block ``j`` of this
+    rank's input goes to rank ``j``; blocks are equal unless split sizes are given. Backward: the
+    reverse exchange. ``use_nccl_stream`` has no effect.
+
+    Raises:
+        ValueError: ``group`` is None.
+    """
+    if group is None:
+        raise ValueError("all_to_all needs its group: pass group=<a process group> (e.g. the tp group)")
+    if group_size(group) == 1:
+        return input_
+    return _AllToAll.apply(group, input_, output_split_sizes_, input_split_sizes)

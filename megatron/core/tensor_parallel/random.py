@@ -9,7 +9,11 @@ ranks hold different data and must draw different masks: that code runs under
 ``seed + 2718 + tp_rank``) into the device's default generator and swaps it back afterwards.
 
 The tracker is an object, not a module global: whoever builds the model creates it with
-``model_parallel_seed`` and passes it down to the modules that need it.
+``model_parallel_seed`` and passes it down to the modules that need it (library code calls
+``checkpoint_with_rng(..., tracker=)``). Megatron-Core's entry points (``model_parallel_cuda_manual_seed``,
+``get_cuda_rng_tracker``, ``checkpoint(function, distribute_saved_activations, *args)``,
+``CheckpointWithoutOutput``) read and fill the default ParallelState's ``rng_tracker``, the one
+models built from the default state hand to their dropout.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import torch
 import torch.utils.checkpoint
 
 if TYPE_CHECKING:
-    from megatron.core.parallel_state import ParallelState
+    pass
 
+# Megatron-Core's names of the tracker's states.
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 EXPERT_PARALLEL_RNG = "expert-parallel-rng"
 DATA_PARALLEL_RNG = "data-parallel-rng"
@@ -41,8 +46,17 @@ class RNGStatesTracker:
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"RNGStatesTracker supports cpu and cuda devices, got {self.device}")
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every named state (the default generator is not touched)."""
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: dict[int, str] = {}
+        self._initialized = False
+
+    def is_initialized(self) -> bool:
+        """True once a state was added or ``set_states`` was called."""
+        return self._initialized
 
     # -- state of the device's default generator ------------------------------------------------
     def _get_rng_state(self) -> torch.Tensor:
@@ -72,6 +86,7 @@ class RNGStatesTracker:
         gen.manual_seed(seed)
         self._states[name] = gen.get_state()
         self._seeds[seed] = name
+        self._initialized = True
 
     def names(self) -> list[str]:
         return list(self._states)
@@ -83,6 +98,7 @@ class RNGStatesTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         """Replace the named states by (copies of) ``states``, as returned by ``get_states``."""
         self._states = {name: state.clone() for name, state in states.items()}
+        self._initialized = True
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
@@ -102,8 +118,9 @@ class RNGStatesTracker:
             self._set_rng_state(outside)
 
 
-def model_parallel_seed(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0,
-                        device: torch.device | str | None = None) -> RNGStatesTracker:
+def model_parallel_seed(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int | None = None,
+                        device: torch.device | str | None = None,
+                        tracker: RNGStatesTracker | None = None) -> RNGStatesTracker:
     """A tracker with Megatron's named states for this rank.
 
     * ``"model-parallel-rng"`` = ``seed + 2718 + tp_rank`` (dropout inside tp regions);
@@ -115,57 +132,24 @@ def model_parallel_seed(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int
     ``megatron.training`` does); this function does not touch them.
 
     Args:
+        etp_rank: the expert-tensor-parallel rank; default ``tp_rank`` (Megatron's expert tp size
+            defaults to the tp size).
         device: where the forked random ops run; default the current CUDA device when CUDA is
             available, else the CPU.
+        tracker: fill this (emptied) tracker instead of a new one.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    tracker = RNGStatesTracker(device)
+    if tracker is None:
+        tracker = RNGStatesTracker(device)
+    tracker.reset()
+    etp_rank = tp_rank if etp_rank is None else etp_rank
     tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
     tracker.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * ep_rank + etp_rank)
     tracker.add(DATA_PARALLEL_RNG, seed)
-    return tracker
-
-
-def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
-                                    use_cudagraphable_rng: bool = False, tp_rank: int | None = None,
-                                    ep_rank: int | None = None, etp_rank: int | None = None,
-                                    parallel_state: ParallelState | None = None) -> RNGStatesTracker:
-    """Megatron-Core's seeding entry point: seed the default generator and the named tp/ep states.
-
-    The default generator of the device that dropout runs on (the current CUDA device when CUDA is
-    available, else the CPU) is seeded with ``seed``, alike on every tp rank; ``parallel_state``
-    (default: the instance ``initialize_model_parallel`` recorded) receives the tracker of
-    :func:`model_parallel_seed`, which models built on it afterwards hand to their dropout. On the
-    CPU this also seeds ``torch.initial_seed()``, which ``GPTModel`` initialises from by default.
-
-    Args:
-        seed: the seed; tp_rank / ep_rank / etp_rank default to this rank's (etp 0).
-        te_rng_tracker, use_cudagraphable_rng: Transformer Engine's and CUDA-graph-safe trackers,
-            not provided here (must be False). inference_rng_tracker: accepted; the states are the same.
-
-    Raises:
-        ValueError: ``te_rng_tracker`` or ``use_cudagraphable_rng`` is True.
-    """
-    for name, value in (("te_rng_tracker", te_rng_tracker), ("use_cudagraphable_rng", use_cudagraphable_rng)):
-        if value:
-            raise ValueError(f"model_parallel_cuda_manual_seed({name}=True) needs a tracker this package does not "
-                             f"have (Transformer Engine / CUDA graphs); call it with {name}=False")
-    if parallel_state is None:
-        from megatron.core.parallel_state import get_parallel_state
-
-        parallel_state = get_parallel_state()
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed(seed)
-    else:
-        torch.manual_seed(seed)
-    tracker = model_parallel_seed(seed, parallel_state.tp_rank if tp_rank is None else tp_rank,
-                                  parallel_state.axis_rank("ep") if ep_rank is None else ep_rank,
-                                  0 if etp_rank is None else etp_rank)
-    parallel_state.rng_tracker = tracker
     return tracker
 
 
@@ -188,8 +172,8 @@ def _replay_contexts(tracker: RNGStatesTracker | None) -> tuple[Any, Any]:
     return contextlib.nullcontext(), recompute()
 
 
-def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None,
-               **kwargs: Any) -> Any:
+def checkpoint_with_rng(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None,
+                        **kwargs: Any) -> Any:
     """Activation checkpointing: run ``function(*args, **kwargs)`` without keeping its activations,
     and recompute them in backward.
 
@@ -201,3 +185,23 @@ def checkpoint(function: Callable[..., Any], *args: Any, tracker: RNGStatesTrack
         function, *args, use_reentrant=False, preserve_rng_state=True,
         context_fn=lambda: _replay_contexts(tracker), **kwargs,
     )
+
+
+# Megatron-Core's public names of this module, defined over the tracker above.
+from megatron.core.tensor_parallel.recompute import CheckpointWithoutOutput, checkpoint  # noqa: E402
+from megatron.core.tensor_parallel.rng_api import (  # noqa: E402
+    CudaRNGStatesTracker,
+    get_all_rng_states,
+    get_cuda_rng_tracker,
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
+    is_graph_safe_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+)
+
+__all__ = [
+    "DATA_PARALLEL_RNG", "EXPERT_PARALLEL_RNG", "MODEL_PARALLEL_RNG", "CheckpointWithoutOutput",
+    "CudaRNGStatesTracker", "RNGStatesTracker", "checkpoint", "checkpoint_with_rng", "get_all_rng_states",
+    "get_cuda_rng_tracker", "get_data_parallel_rng_tracker_name", "get_expert_parallel_rng_tracker_name",
+    "is_graph_safe_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "model_parallel_seed",
+]
