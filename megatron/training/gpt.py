@@ -8,7 +8,7 @@ import torch
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.tensor_parallel.data import broadcast_data
+from megatron.core.tensor_parallel.data import broadcast_batch
 from megatron.core.tokenizer import build_tokenizer, vocab_size_with_padding
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.datasets.provider import build_train_valid_test_datasets
@@ -102,7 +102,7 @@ def _broadcast(batch: dict | None, keys: tuple[str, ...], seq_length: int, micro
         specs[key] = (shape, torch.uint8 if mask else DTYPES[key])  # gloo has no bool broadcast
     if batch is not None and "attention_mask" in batch:
         batch = {**batch, "attention_mask": batch["attention_mask"].to(torch.uint8)}
-    out = broadcast_data(list(keys), batch, specs, pg.tp_group, src_rank=pg.group_ranks["tp"][0], device=device)
+    out = broadcast_batch(list(keys), batch, specs, pg.tp_group, src_rank=pg.group_ranks["tp"][0], device=device)
     return {k: v.to(DTYPES[k]) for k, v in out.items()}
 
 

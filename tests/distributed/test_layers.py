@@ -150,7 +150,7 @@ def test_vocab_parallel_cross_entropy(ps: ParallelState, tp: int, smoothing: flo
     loss_ref.backward(grad)
 
     shard = logits.chunk(tp, -1)[r].clone().requires_grad_(True)
-    loss = vocab_parallel_cross_entropy(shard, target, ps.tp_group, label_smoothing=smoothing)
+    loss = vocab_parallel_cross_entropy(shard, target, label_smoothing=smoothing, tp_group=ps.tp_group)
     assert loss.shape == (S, B) and loss.dtype == torch.float32
     assert_close(loss, loss_ref.detach())
     loss.backward(grad)
@@ -158,7 +158,7 @@ def test_vocab_parallel_cross_entropy(ps: ParallelState, tp: int, smoothing: flo
 
     # A second backward through a retained graph gives the same gradient (saved tensors intact).
     shard.grad = None
-    loss = vocab_parallel_cross_entropy(shard.bfloat16(), target, ps.tp_group, label_smoothing=smoothing)
+    loss = vocab_parallel_cross_entropy(shard.bfloat16(), target, label_smoothing=smoothing, tp_group=ps.tp_group)
     loss.backward(grad, retain_graph=True)
     first = shard.grad.clone()
     shard.grad = None

@@ -67,12 +67,12 @@ def test_sequence_collectives(ps: ParallelState, tp: int) -> None:
     assert_close(dx, grad, rtol=0, atol=0)
 
     # gather_from_sequence feeding a tp-parallel consumer: backward reduce-scatters.
-    y, dx = _run(lambda t: m.gather_from_sequence_parallel_region(t, g), x.chunk(tp, 0)[r], grad * (r + 1))
+    y, dx = _run(lambda t: m.gather_from_sequence_parallel_region(t, group=g), x.chunk(tp, 0)[r], grad * (r + 1))
     assert_close(y, x, rtol=0, atol=0)
     assert_close(dx, (grad * scale).chunk(tp, 0)[r])
 
     # ... feeding a replicated consumer: backward only keeps this rank's slice.
-    y, dx = _run(lambda t: m.gather_from_sequence_parallel_region(t, g, tensor_parallel_output_grad=False),
+    y, dx = _run(lambda t: m.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False, group=g),
                  x.chunk(tp, 0)[r], grad)
     assert_close(y, x, rtol=0, atol=0)
     assert_close(dx, grad.chunk(tp, 0)[r], rtol=0, atol=0)

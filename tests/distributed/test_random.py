@@ -13,8 +13,10 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.tensor_parallel.random import (
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
-    checkpoint,
     model_parallel_seed,
+)
+from megatron.core.tensor_parallel.random import (
+    checkpoint_with_rng as checkpoint,
 )
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.tensor_parallel.mappings import group_size
-from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.tensor_parallel.random import checkpoint_with_rng
 from megatron.core.transformer.rope import apply_rotary
 from megatron.core.transformer.spec_utils import build_module
 
@@ -140,7 +140,7 @@ class SelfAttention(nn.Module):
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.recompute_core_attention and self.training:
-            context = checkpoint(self.core_attention, q, k, v, attention_mask, tracker=self.rng_tracker)
+            context = checkpoint_with_rng(self.core_attention, q, k, v, attention_mask, tracker=self.rng_tracker)
         else:
             context = self.core_attention(q, k, v, attention_mask)
         return self.linear_proj(context)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.tensor_parallel.random import checkpoint_with_rng
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import build_module
 
@@ -53,13 +53,13 @@ class TransformerBlock(nn.Module):
         elif self.recompute[0] == "uniform":
             # Checkpoint the input of every chunk of `recompute_num_layers` layers.
             for start in range(0, n, self.recompute[1]):
-                hidden = checkpoint(self._run(start, min(start + self.recompute[1], n)), hidden,
-                                    attention_mask, rotary, tracker=self.rng_tracker)
+                hidden = checkpoint_with_rng(self._run(start, min(start + self.recompute[1], n)), hidden,
+                                             attention_mask, rotary, tracker=self.rng_tracker)
         else:  # block: recompute only the first `recompute_num_layers` layers of this stage
             for i in range(n):
                 if i < self.recompute[1]:
-                    hidden = checkpoint(self._run(i, i + 1), hidden, attention_mask, rotary,
-                                        tracker=self.rng_tracker)
+                    hidden = checkpoint_with_rng(self._run(i, i + 1), hidden, attention_mask, rotary,
+                                                 tracker=self.rng_tracker)
                 else:
                     hidden = self._run(i, i + 1)(hidden, attention_mask, rotary)
         if self.final_layernorm is not None:

@@ -38,7 +38,7 @@ class LanguageModelEmbedding(nn.Module):
             emb = emb + self.position_embeddings(position_ids)
         emb = emb.transpose(0, 1).contiguous()  # [s, b, h]
         if self.sequence_parallel:
-            emb = mappings.scatter_to_sequence_parallel_region(emb, self.tp_group)
+            emb = mappings.scatter_to_sp(emb, self.tp_group)
             if self.rng_tracker is not None:  # each rank drops out its own sequence shard
                 with self.rng_tracker.fork():
                     return F.dropout(emb, p=self.dropout_p, training=self.training)

@@ -10,7 +10,7 @@ from megatron.core.fusions.linear_cross_entropy import linear_cross_entropy
 from megatron.core.models.common.embeddings import LanguageModelEmbedding
 from megatron.core.parallel_state import ParallelState, get_parallel_state
 from megatron.core.tensor_parallel import mappings
-from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.cross_entropy import sharded_cross_entropy
 from megatron.core.tensor_parallel.init import init_param_, tag_param
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.attention import mask_for_attention
@@ -199,9 +199,9 @@ class GPTModel(nn.Module):
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V/tp]
         if labels is None:
             if not self.parallel_output:
-                logits = mappings.gather_from_tensor_model_parallel_region(logits, self.pg.tp_group)
+                logits = mappings.gather_from_tp(logits, self.pg.tp_group)
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.pg.tp_group)  # [s, b]
+        loss = sharded_cross_entropy(logits, labels.t(), self.pg.tp_group)  # [s, b]
         return loss.t().contiguous()
 
     # ----------------------------------------------------------------------------------------------
