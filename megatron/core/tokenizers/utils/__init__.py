@@ -1,0 +1,1 @@
+"""Megatron-Core's ``megatron.core.tokenizers.utils``."""
