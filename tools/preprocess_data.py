@@ -5,7 +5,9 @@
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
         --append-eod --workers 2
 
-writes ``out/corpus_text_document.{bin,idx}`` (one file pair per ``--json-keys`` entry).
+writes ``out/corpus_text_document.{bin,idx}`` (one file pair per ``--json-keys`` entry). Run as a
+script or through ``runpy.run_path(path, run_name="__main__")`` (a success returns normally, a failure
+exits non-zero); ``get_args()``, ``main()`` and ``Encoder`` are Megatron-LM's names for its parts.
 
 Input is streamed in ~1 MB batches; at most ``2 * workers`` batches are in flight, so memory is
 bounded whatever the input size. Malformed JSON, a missing key, a non-string value or non-UTF-8
@@ -103,10 +105,15 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+_TOKENIZER_DEFAULTS: dict[str, Any] = {"vocab_file": None, "merge_file": None, "tokenizer_model": None,
+                                       "vocab_size": None, "null_tokenizer_eod_id": None,
+                                       "tiktoken_pattern": "v2", "tiktoken_num_special_tokens": 1000}
+
+
 def tokenizer_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size",
-             "null_tokenizer_eod_id", "tiktoken_pattern", "tiktoken_num_special_tokens")
-    return {n: getattr(args, n) for n in names}
+    """The tokenizer flags of ``args`` (a Megatron-LM namespace may lack some: their defaults)."""
+    return {"tokenizer_type": args.tokenizer_type,
+            **{n: getattr(args, n, default) for n, default in _TOKENIZER_DEFAULTS.items()}}
 
 
 # --------------------------------------------------------------------------------- workers
@@ -121,9 +128,15 @@ def _init_worker(options: dict[str, Any], keys: list[str], append_eod: bool, thr
     # Set before the tokenizer libraries start their thread pools (fresh spawned interpreter).
     os.environ["RAYON_NUM_THREADS"] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    _load_state(options, keys, append_eod)
+
+
+def _load_state(options: dict[str, Any], keys: list[str], append_eod: bool) -> Any:
+    """Build the tokenizer a worker (or ``Encoder``) tokenizes with; returns it."""
     tok = build_tokenizer(argparse.Namespace(**options))
     _STATE.update(tokenizer=tok, keys=keys, append_eod=append_eod,
                   dtype=DType.optimal_dtype(tok.vocab_size))
+    return tok
 
 
 def _parse_line(raw: bytes, keys: list[str]) -> tuple[list[list[str]] | None, str | None]:
@@ -213,6 +226,52 @@ def encode_batch(batch: tuple[str, int, list[bytes]]) -> dict[str, Any]:
     for key, (flat, lengths, per_doc) in assembled.items():
         out[key] = (flat.astype(dtype), lengths, per_doc)
     return out
+
+
+class Encoder:
+    """Megatron-LM's per-document encoder, over the same tokenization as the worker pool.
+
+    ``Encoder(args).initializer()`` builds the tokenizer (``Encoder.tokenizer``); ``encode(json_line)``
+    returns ``(ids, lens, len(json_line))`` where, per ``args.json_keys`` key, ``ids[key]`` is the
+    document's token ids (every non-empty sentence's, then the eod id with ``args.append_eod`` unless
+    the document is empty) and ``lens[key]`` the sentence lengths (the eod counted in the last one):
+    the document ``main`` writes for that line. ``split(json_line)`` returns ``(json, len(json_line))``
+    with each key's text as a list of pieces (no sentence splitting: ``--split-sentences`` is refused).
+    """
+
+    tokenizer: Any = None
+    _PIECE_CHARS = 1_000_000
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def initializer(self) -> None:
+        Encoder.tokenizer = _load_state(tokenizer_options(self.args), list(self.args.json_keys),
+                                        bool(getattr(self.args, "append_eod", False)))
+
+    def split(self, json_line: str) -> tuple[str, int]:
+        data = json.loads(json_line)
+        out = {}
+        for key in self.args.json_keys:
+            text = data[key]
+            out[key] = list(text) if isinstance(text, list) else [
+                text[i:i + self._PIECE_CHARS] for i in range(0, len(text), self._PIECE_CHARS)]
+        return json.dumps(out), len(json_line)
+
+    def encode(self, json_line: str | bytes) -> tuple[dict[str, list[int]], dict[str, list[int]], int]:
+        """Raises ValueError for a line the tool would skip (malformed JSON, a missing key, ...)."""
+        if Encoder.tokenizer is None:
+            self.initializer()
+        raw = json_line.encode("utf-8") if isinstance(json_line, str) else json_line
+        texts, err = _parse_line(raw, list(self.args.json_keys))
+        if err:
+            raise ValueError(f"cannot encode this line: {err}")
+        eod = Encoder.tokenizer.eod if getattr(self.args, "append_eod", False) else None
+        ids, lens = {}, {}
+        for k_i, key in enumerate(self.args.json_keys):
+            flat, lengths, _ = _assemble(_tokenize_documents(Encoder.tokenizer, [texts], k_i), eod)
+            ids[key], lens[key] = flat.tolist(), lengths.tolist()
+        return ids, lens, len(json_line)
 
 
 # --------------------------------------------------------------------------------- main loop
@@ -409,7 +468,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _run_as_script() -> None:
+    """``main()`` with the stop signals handled between batches; the caller's handlers come back after
+    (under ``runpy`` the caller is another program). Exits only on failure."""
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = main()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if code:
+        sys.exit(code)
+
+
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
-    sys.exit(main())
+    _run_as_script()

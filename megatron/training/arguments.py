@@ -4,7 +4,8 @@ Every config field whose metadata ``flag`` is not ``None`` becomes a flag: ``--f
 the spelling in its metadata). Booleans that default to False are switches; booleans that default
 to True get a ``--no-field-name`` switch. Flags that do not map one-to-one onto a field (Megatron
 spellings such as ``--swiglu`` or ``--disable-bias-linear``) live in ``ALIASES``. The argparse
-``Namespace`` never leaves this module: ``parse_args`` returns a ``RunConfig`` of typed configs.
+``Namespace`` is what Megatron-LM's two-step ``parse_args`` / ``validate_args`` hand to its users
+(``megatron_args``); the run itself takes ``parse_run_config``'s ``RunConfig`` of typed configs.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ def _defaults() -> dict:
     out = {}
     for _, cls in SECTIONS:
         for f in dataclasses.fields(cls):
+            if f.name in out:
+                continue  # a field of two configs (OptimizerConfig mirrors a few): the first section's
             if f.default is not dataclasses.MISSING:
                 out[f.name] = f.default
             elif f.default_factory is not dataclasses.MISSING:
@@ -263,13 +266,15 @@ def flag_list() -> list[str]:
                   if s.startswith("--") and s not in ("--help", "--help-megatron"))
 
 
-def parse_namespace(argv: list[str]) -> tuple[dict, list[str]]:
+def parse_namespace(argv: list[str], parser: Parser | None = None,
+                    ignore_unknown: bool = False) -> tuple[dict, list[str]]:
     """(flag values by config field, notes on the accepted foreign flags). Every mistake of the
     command line (unknown flags, refused Megatron-LM flags, bad values and choices) is reported
-    together: one line each, then exit code 2."""
+    together: one line each, then exit code 2. ``parser`` defaults to ``build_parser()``;
+    ``ignore_unknown`` drops flags that neither it nor Megatron-LM knows (refused ones still stop)."""
     from megatron.training.megatron_flags import GIVEN, judge
 
-    parser = build_parser()
+    parser = parser or build_parser()
     arity = {s: a.nargs for a in parser._actions for s in a.option_strings}
     stop = None
     try:
@@ -280,7 +285,7 @@ def parse_namespace(argv: list[str]) -> tuple[dict, list[str]]:
     given = values.pop(GIVEN, [])
     notes, refusals = judge(given)
     known = [s for a in parser._actions for s in a.option_strings]
-    mistakes = refusals + unknown(extras, known) + parser.mistakes + ([stop] if stop else [])
+    mistakes = refusals + ([] if ignore_unknown else unknown(extras, known)) + parser.mistakes + ([stop] if stop else [])
     if mistakes:
         if len(mistakes) == 1:
             parser.exit(2, f"{parser.prog}: error: {mistakes[0]} (see --help)\n")
@@ -354,21 +359,46 @@ def configs_from_namespace(ns: dict) -> RunConfig:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> RunConfig:
-    """Parse and validate ``argv``. Flags that cannot be taken (unknown, refused, bad values) are
-    reported together and exit with code 2; invalid combinations raise ``ValueError`` with the flag
-    name and a valid value. ``cfg.notes`` holds one line per accepted Megatron-LM flag that changes
-    nothing here, for the log."""
+def run_config_from_values(values: dict, notes: list[str], world_size: int | None = None) -> RunConfig:
+    """Build and validate the run's configs from flag values by field (``parse_namespace``'s), for
+    ``world_size`` processes (default: ``--world-size``, else the launcher's)."""
     from megatron.training.validation import validate_run_config
 
-    ns, notes = parse_namespace(sys.argv[1:] if argv is None else argv)
-    cfg = configs_from_namespace(ns)
+    cfg = configs_from_namespace(values)
+    notes = list(notes)
     if cfg.model.sequence_parallel and cfg.model.tensor_model_parallel_size == 1:
         cfg.model.sequence_parallel = False  # as Megatron-LM does
         notes.append("note: --sequence-parallel is off: it needs --tensor-model-parallel-size > 1")
     cfg.notes = notes
-    validate_run_config(cfg)
+    validate_run_config(cfg, world_size)
     return cfg
+
+
+def parse_run_config(argv: list[str] | None = None) -> RunConfig:
+    """Parse and validate ``argv`` (default ``sys.argv[1:]``) into the run's configs. Flags that cannot
+    be taken (unknown, refused, bad values) are reported together and exit with code 2; invalid
+    combinations raise ``ValueError`` with the flag name and a valid value. ``cfg.notes`` holds one
+    line per accepted Megatron-LM flag that changes nothing here, for the log."""
+    ns, notes = parse_namespace(sys.argv[1:] if argv is None else argv)
+    return run_config_from_values(ns, notes)
+
+
+def parse_args(extra_args_provider=None, ignore_unknown_args: bool = False) -> argparse.Namespace:
+    """Megatron-LM's first step: parse ``sys.argv`` into a namespace of every flag's dest (Megatron's
+    names, e.g. ``args.hidden_size``) with its default, without cross-flag checks or derived values.
+    See ``megatron_args.parse_args``."""
+    from megatron.training import megatron_args
+
+    return megatron_args.parse_args(extra_args_provider, ignore_unknown_args)
+
+
+def validate_args(args: argparse.Namespace, defaults: dict | None = None) -> argparse.Namespace:
+    """Megatron-LM's second step: check ``args`` and fill the derived values (``data_parallel_size``,
+    ``ffn_hidden_size``, ``kv_channels``, ...); raises ``ValueError`` naming the flag. See
+    ``megatron_args.validate_args``."""
+    from megatron.training import megatron_args
+
+    return megatron_args.validate_args(args, defaults)
 
 
 def format_arguments(cfg: RunConfig) -> str:

@@ -25,13 +25,13 @@ def run(argv: list[str] | None = None) -> int:
     of several processes every rank leaves from there). Any other exception is a bug and keeps its
     traceback. An abort of ``--exit-signal-handler``'s graceful exit (a second Ctrl-C) returns 130.
     """
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import parse_run_config
     from megatron.training.gpt import GPTProviders
     from megatron.training.initialize import destroy, stop_job, wait_if_leaving
     from megatron.training.training import TrainingDiverged, pretrain
 
     try:
-        cfg = parse_args(argv)
+        cfg = parse_run_config(argv)
         if _rank_from_env() == 0 and cfg.notes:
             print("\n".join(cfg.notes), flush=True)
         if cfg.training.dry_run:

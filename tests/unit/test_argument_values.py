@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron.training.arguments import attach_negative_values, parse_args
+from megatron.training.arguments import attach_negative_values, parse_run_config
 from megatron.training.cli import run
 
 MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
@@ -19,7 +19,7 @@ RUN = MODEL + "--lr 1e-3 --train-iters 2".split()
 def test_a_negative_number_is_the_flags_value_and_its_check_names_it(flag, value, message):
     """argparse read -1e-3 as a flag and said 'expected one argument'."""
     with pytest.raises(ValueError, match="^" + message):
-        parse_args(RUN + [flag, value])
+        parse_run_config(RUN + [flag, value])
 
 
 @pytest.mark.parametrize("split", ["-1,50,50", "100,-1,1", "90, -5, 15"])
@@ -33,7 +33,7 @@ def test_a_negative_split_share_is_refused(split, capsys):
 
 def test_splits_megatron_takes_are_still_taken():
     for split in ("969,30,1", "98/2", "90-5-5", "100,0,0"):
-        assert parse_args(RUN + ["--split", split]).data.split == split
+        assert parse_run_config(RUN + ["--split", split]).data.split == split
 
 
 def test_flags_of_several_values_and_switches_keep_their_values():
@@ -53,17 +53,17 @@ def test_flags_of_several_values_and_switches_keep_their_values():
 
 
 def test_negative_values_of_lists_and_megatron_flags_parse():
-    cfg = parse_args(RUN + "--rampup-batch-size 2 2 8 --global-batch-size 4 --profile-ranks 0 1 --rerun-mode -1e-3 "
+    cfg = parse_run_config(RUN + "--rampup-batch-size 2 2 8 --global-batch-size 4 --profile-ranks 0 1 --rerun-mode -1e-3 "
                            "--recompute-modules core_attn".split())
     assert cfg.training.rampup_batch_size == [2, 2, 8] and cfg.logger.profile_ranks == [0, 1]
     assert any("--rerun-mode -1e-3" in n for n in cfg.notes)
     with pytest.raises(ValueError, match="^--rampup-batch-size -2 2 8: the start and increment must be > 0"):
-        parse_args(RUN + "--rampup-batch-size -2e0 2 8 --global-batch-size 4".split())
+        parse_run_config(RUN + "--rampup-batch-size -2e0 2 8 --global-batch-size 4".split())
 
 
 def test_a_negative_number_after_a_switch_is_a_stray_value(capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args(RUN + ["--bf16", "-1e-3"])
+        parse_run_config(RUN + ["--bf16", "-1e-3"])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == (
         "pretrain_gpt.py: error: -1e-3: unexpected value (pretrain_gpt.py takes flags only) (see --help)")
@@ -80,5 +80,5 @@ def test_a_run_of_no_step_is_refused_naming_its_length_flag(capsys):
                         (["--train-iters", "0", "--lr-decay-iters", "5"], "^--train-iters 0 trains nothing"),
                         (["--train-iters", "0", "--skip-train"], "^--train-iters 0 trains nothing.*--skip-train still")):
         with pytest.raises(ValueError, match=start):
-            parse_args(MODEL + ["--lr", "1e-3"] + argv)
-    assert parse_args(MODEL + "--lr 1e-3 --train-samples 4 --global-batch-size 4".split()).training.train_samples == 4
+            parse_run_config(MODEL + ["--lr", "1e-3"] + argv)
+    assert parse_run_config(MODEL + "--lr 1e-3 --train-samples 4 --global-batch-size 4".split()).training.train_samples == 4

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from megatron.training.arguments import build_parser, configs_from_namespace, flag_list, parse_args
+from megatron.training.arguments import build_parser, configs_from_namespace, flag_list, parse_run_config
 from megatron.training.validation import validate_run_config
 
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "snapshots", "pretrain_gpt_flags.txt")
@@ -42,7 +42,7 @@ def test_megatron_spellings_present():
 
 
 def test_flags_map_onto_configs():
-    cfg = parse_args(BASE + "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --bf16 "
+    cfg = parse_run_config(BASE + "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --bf16 "
                      "--group-query-attention --num-query-groups 2 --normalization RMSNorm --norm-epsilon 1e-6 "
                      "--no-load-optim --global-batch-size 8".split())
     m = cfg.model
@@ -53,7 +53,7 @@ def test_flags_map_onto_configs():
 
 
 def test_defaults_follow_megatron():
-    cfg = parse_args(BASE)
+    cfg = parse_run_config(BASE)
     assert cfg.model.hidden_dropout == 0.1 and cfg.model.init_method_std == 0.02
     assert cfg.optimizer.weight_decay == 0.01 and cfg.optimizer.clip_grad == 1.0
     assert cfg.optimizer.initial_loss_scale == 2.0**32 and cfg.optimizer.hysteresis == 2
@@ -80,13 +80,13 @@ BAD = [
 @pytest.mark.parametrize("extra,message", BAD)
 def test_user_errors_name_the_flag(extra, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        parse_args(BASE + extra.split())
+        parse_run_config(BASE + extra.split())
 
 
 def test_null_tokenizer_needs_vocab_size():
     argv = [a for a in BASE if a not in ("--vocab-size", "128")] + ["--tokenizer-type", "NullTokenizer"]
     with pytest.raises(ValueError, match="--vocab-size"):
-        parse_args(argv)
+        parse_run_config(argv)
 
 
 def test_batch_check_uses_world_size():
@@ -98,7 +98,7 @@ def test_batch_check_uses_world_size():
 
 def test_unknown_flag_one_line_with_suggestion(capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args(BASE + ["--num-layer", "3"])
+        parse_run_config(BASE + ["--num-layer", "3"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did you mean --num-layers" in err[0]
@@ -112,13 +112,13 @@ def test_megatron_compat_flags_are_accepted_without_effect():
               "--attention-backend", "flash", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
               "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
               "--accumulate-allreduce-grads-in-fp32"]
-    cfg = parse_args(BASE + compat)
-    assert cfg.to_dict() == parse_args(BASE).to_dict()
+    cfg = parse_run_config(BASE + compat)
+    assert cfg.to_dict() == parse_run_config(BASE).to_dict()
     assert all(flag in " ".join(cfg.notes) for flag in compat if flag.startswith("--"))
 
 
 def test_gelu_flags_follow_megatron():
-    approx = lambda extra: parse_args(BASE + extra).model.gelu_approximation  # noqa: E731
+    approx = lambda extra: parse_run_config(BASE + extra).model.gelu_approximation  # noqa: E731
     assert approx([]) == "tanh"  # biased GELU MLP: Megatron-LM's bias-GELU fusion, the tanh approximation
     assert approx(["--no-bias-gelu-fusion"]) == "none"
     assert approx(["--disable-bias-linear"]) == "none"
@@ -127,14 +127,14 @@ def test_gelu_flags_follow_megatron():
 
 def test_megatron_compat_flags_asking_for_something_else_are_refused(capsys):
     with pytest.raises(SystemExit):
-        parse_args(BASE + ["--attention-backend", "unfused"])
+        parse_run_config(BASE + ["--attention-backend", "unfused"])
     assert "--attention-backend unfused: attention always runs through" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16"):
-        parse_args(BASE + ["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"])
+        parse_run_config(BASE + ["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"])
 
 
 def test_megatron_position_embedding_spellings():
-    pos = lambda extra: parse_args(BASE + extra).model.position_embedding_type  # noqa: E731
+    pos = lambda extra: parse_run_config(BASE + extra).model.position_embedding_type  # noqa: E731
     assert pos(["--use-rotary-position-embeddings"]) == "rope"
     assert pos(["--position-embedding-type", "rope", "--no-position-embedding"]) == "rope"
     assert pos(["--use-rotary-position-embeddings", "--no-position-embedding"]) == "rope"
@@ -147,7 +147,7 @@ def test_megatron_position_embedding_spellings():
 @pytest.mark.parametrize("flag", ["--context-parallel-size", "--expert-model-parallel-size"])
 def test_context_and_expert_parallel_sizes_other_than_one_are_refused(capsys, flag):
     with pytest.raises(SystemExit) as e:
-        parse_args(BASE + [flag, "2"])
+        parse_run_config(BASE + [flag, "2"])
     assert e.value.code == 2
     assert re.search(f"{flag} 2: .*not built yet.*pass {flag} 1 or drop it", capsys.readouterr().err)
 
@@ -161,7 +161,7 @@ def test_context_and_expert_parallel_sizes_other_than_one_are_refused(capsys, fl
 ])
 def test_megatron_flags_not_taken_get_one_line_saying_what_to_do(capsys, argv, expected):
     with pytest.raises(SystemExit) as e:
-        parse_args(BASE + argv)
+        parse_run_config(BASE + argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert expected in "\n".join(err)
@@ -187,38 +187,38 @@ def test_flag_reference_is_current():
 
 
 def test_overlap_p2p_communication_is_on_by_default_and_can_be_turned_off():
-    assert parse_args(BASE).model.overlap_p2p_comm is True
-    assert parse_args(BASE + ["--no-overlap-p2p-communication"]).model.overlap_p2p_comm is False
+    assert parse_run_config(BASE).model.overlap_p2p_comm is True
+    assert parse_run_config(BASE + ["--no-overlap-p2p-communication"]).model.overlap_p2p_comm is False
 
 
 def test_compiled_layers_are_accepted_under_tensor_parallelism(monkeypatch):
     """Compiled tp2 + SP layers equal eager ones on NCCL (tests/distributed/test_compile.py) and train."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert parse_args(BASE + "--tensor-model-parallel-size 2 --torch-compile on".split()).impl.torch_compile == "on"
-    assert parse_args(BASE + "--tensor-model-parallel-size 2".split()).impl.torch_compile == "auto"
+    assert parse_run_config(BASE + "--tensor-model-parallel-size 2 --torch-compile on".split()).impl.torch_compile == "on"
+    assert parse_run_config(BASE + "--tensor-model-parallel-size 2".split()).impl.torch_compile == "auto"
 
 
 def test_gradients_are_aliased_only_for_the_optimizer_that_reads_them_in_place():
     """The one-pass AdamW reads bf16 gradients as they are; with fp16 loss scaling or another
     optimizer they would be widened into new fp32 tensors, so DDP keeps its fp32 buffer there."""
-    assert parse_args(BASE).ddp.alias_single_gradients is True
-    assert parse_args(BASE + ["--fp16"]).ddp.alias_single_gradients is False
-    assert parse_args(BASE + ["--optimizer", "sgd"]).ddp.alias_single_gradients is False
+    assert parse_run_config(BASE).ddp.alias_single_gradients is True
+    assert parse_run_config(BASE + ["--fp16"]).ddp.alias_single_gradients is False
+    assert parse_run_config(BASE + ["--optimizer", "sgd"]).ddp.alias_single_gradients is False
 
 
 def test_overlap_param_gather_needs_the_distributed_optimizer_and_overlapped_reduction(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--overlap-param-gather needs --use-distributed-optimizer"):
-        parse_args(BASE + ["--overlap-param-gather", "--use-distributed-optimizer"])
-    cfg = parse_args(BASE + "--overlap-param-gather --use-distributed-optimizer --overlap-grad-reduce".split())
+        parse_run_config(BASE + ["--overlap-param-gather", "--use-distributed-optimizer"])
+    cfg = parse_run_config(BASE + "--overlap-param-gather --use-distributed-optimizer --overlap-grad-reduce".split())
     assert cfg.ddp.overlap_param_gather
 
 
 def test_grad_reduce_in_bf16_needs_bf16():
     with pytest.raises(ValueError, match="--grad-reduce-in-bf16 needs --bf16"):
-        parse_args(BASE + ["--grad-reduce-in-bf16"])
-    assert parse_args(BASE + ["--bf16", "--grad-reduce-in-bf16"]).ddp.grad_reduce_in_fp32 is False
-    assert parse_args(BASE + ["--bf16"]).ddp.grad_reduce_in_fp32 is True
+        parse_run_config(BASE + ["--grad-reduce-in-bf16"])
+    assert parse_run_config(BASE + ["--bf16", "--grad-reduce-in-bf16"]).ddp.grad_reduce_in_fp32 is False
+    assert parse_run_config(BASE + ["--bf16"]).ddp.grad_reduce_in_fp32 is True
 
 
 def test_virtual_stage_errors_name_the_uneven_split(monkeypatch):
@@ -228,10 +228,10 @@ def test_virtual_stage_errors_name_the_uneven_split(monkeypatch):
     assert BASE[:2] == ["--num-layers", "2"]
     base = ["--num-layers", "26"] + BASE[2:] + ["--global-batch-size", "16"]
     with pytest.raises(ValueError, match="divisible by --pipeline-model-parallel-size .4.; for an uneven split"):
-        parse_args(base + "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2".split())
+        parse_run_config(base + "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2".split())
     with pytest.raises(ValueError, match="does not divide the --num-layers 24"):
-        parse_args(["--num-layers", "24"] + base[2:]
+        parse_run_config(["--num-layers", "24"] + base[2:]
                    + "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4".split())
-    cfg = parse_args(base + ("--pipeline-model-parallel-size 4 --virtual-pipeline-model-parallel-size 2 "
+    cfg = parse_run_config(base + ("--pipeline-model-parallel-size 4 --virtual-pipeline-model-parallel-size 2 "
                              "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 4").split())
     assert cfg.model.virtual_pipeline_model_parallel_size == 2

@@ -27,7 +27,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.arguments import parse_args
+from megatron.training.arguments import parse_run_config
 from tests.host_transfers import HostTransfers
 
 
@@ -298,15 +298,15 @@ def test_first_last_layers_bf16_keeps_those_layers_out_of_fp8(monkeypatch):
 
 
 def test_first_last_layers_bf16_flags_and_errors():
-    m = parse_args(BASE + ["--dry-run"]).model
+    m = parse_run_config(BASE + ["--dry-run"]).model
     assert (m.first_last_layers_bf16, m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) == (False, 1, 1)
     argv = BASE[:1] + ["4"] + BASE[2:] + "--bf16 --fp8-format hybrid --dry-run --first-last-layers-bf16".split()
-    m = parse_args(argv + "--num-layers-at-end-in-bf16 2".split()).model
+    m = parse_run_config(argv + "--num-layers-at-end-in-bf16 2".split()).model
     assert (m.first_last_layers_bf16, m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) == (True, 1, 2)
     with pytest.raises(ValueError, match="keeps all 4 layers in bf16; keep fewer \\(together at most 3\\)"):
-        parse_args(argv + "--num-layers-at-start-in-bf16 2 --num-layers-at-end-in-bf16 2".split())
+        parse_run_config(argv + "--num-layers-at-start-in-bf16 2 --num-layers-at-end-in-bf16 2".split())
     with pytest.raises(ValueError, match="--num-layers-at-start-in-bf16 -1: give a count"):
-        parse_args(argv + "--num-layers-at-start-in-bf16 -1".split())
+        parse_run_config(argv + "--num-layers-at-start-in-bf16 -1".split())
     line = next(x for x in kernel_report(tiny_config(fp8_format="hybrid", first_last_layers_bf16=True), torch.device("cpu"),
                                          1, 0, "CPU run", True, fp8_linears=8) if "FP8:" in x)
     assert "the first 1 and last 1 transformer layers in bf16: --first-last-layers-bf16" in line
@@ -317,25 +317,25 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 
 
 def test_fp8_flags_defaults_and_values():
-    m = parse_args(BASE).model
+    m = parse_run_config(BASE).model
     assert (m.fp8_format, m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo) == \
         (None, "delayed", 1024, "max")
-    m = parse_args(BASE + "--bf16 --fp8-format e4m3 --fp8-recipe tensorwise --fp8-amax-history-len 16 "
+    m = parse_run_config(BASE + "--bf16 --fp8-format e4m3 --fp8-recipe tensorwise --fp8-amax-history-len 16 "
                           "--fp8-amax-compute-algo most_recent --dry-run".split()).model
     assert Fp8Recipe.from_config(m) == Fp8Recipe("e4m3", "tensorwise", 16, "most_recent")
 
 
 def test_fp8_needs_bf16():
     with pytest.raises(ValueError, match="--fp8-format hybrid needs --bf16"):
-        parse_args(BASE + "--fp8-format hybrid".split())
+        parse_run_config(BASE + "--fp8-format hybrid".split())
     with pytest.raises(ValueError, match="--bf16"):
-        parse_args(BASE + "--fp16 --fp8-format e4m3".split())
+        parse_run_config(BASE + "--fp16 --fp8-format e4m3".split())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_fp8_on_a_machine_without_gpu_fails_before_training():
     with pytest.raises(ValueError, match="--fp8-format hybrid needs an H100/H200-class GPU"):
-        parse_args(BASE + "--bf16 --fp8-format hybrid".split())
+        parse_run_config(BASE + "--bf16 --fp8-format hybrid".split())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only switch")
@@ -346,7 +346,7 @@ def test_emulation_switch_lets_tests_run_fp8_on_the_cpu(monkeypatch):
     assert fp8_mod.fp8_device_error(torch.device("cpu")) is not None
     monkeypatch.setenv("MEGATRON_FP8_EMULATE", "1")
     assert fp8_mod.fp8_device_error(torch.device("cpu")) is None
-    parse_args(BASE + "--bf16 --fp8-format hybrid".split())  # no error at parse time either
+    parse_run_config(BASE + "--bf16 --fp8-format hybrid".split())  # no error at parse time either
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
     with pytest.warns(UserWarning, match="emulated on the CPU"):
         assert apply_fp8([model], cfg, torch.device("cpu")) == 4 * cfg.num_layers
@@ -559,7 +559,7 @@ def test_torchao_gemm_impl_flag_and_errors(monkeypatch):
     assert Fp8Recipe.from_config(cfg).gemm_impl == "torchao"
     lines = kernel_report(cfg, torch.device("cpu"), 1, 0, "CPU run", True)
     assert "torchao float8 training" in next(line for line in lines if "FP8:" in line)
-    assert parse_args(BASE + ["--dry-run"]).model.fp8_gemm_impl == "scaled_mm"
+    assert parse_run_config(BASE + ["--dry-run"]).model.fp8_gemm_impl == "scaled_mm"
     with pytest.raises(ValueError, match="--fp8-gemm-impl torchao runs the tensorwise recipe only.*--fp8-recipe tensorwise"):
         tiny_config(fp8_format="hybrid", fp8_recipe="delayed", fp8_gemm_impl="torchao")
     with pytest.raises(ValueError, match="--fp8-gemm-impl 'cublas' is not valid"):

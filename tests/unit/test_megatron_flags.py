@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron.training.arguments import build_parser, flag_list, parse_args
+from megatron.training.arguments import build_parser, flag_list, parse_run_config
 from megatron.training.megatron_flag_table import FOREIGN
 from megatron.training.megatron_flags import ALWAYS, NO_EFFECT, REFUSED
 
@@ -35,7 +35,7 @@ def _values(entry) -> list[str]:
 
 def _errors(capsys, argv) -> list[str]:
     with pytest.raises(SystemExit) as e:
-        parse_args(argv)
+        parse_run_config(argv)
     assert e.value.code == 2
     return capsys.readouterr().err.strip().splitlines()
 
@@ -65,11 +65,11 @@ def test_every_accepted_megatron_flag_parses_with_its_arity_and_leaves_a_note():
         if entry.kind != REFUSED:
             argv += [flag, *_values(entry)]
             accepted.append(flag)
-    cfg = parse_args(argv)
+    cfg = parse_run_config(argv)
     noted = " ".join(cfg.notes)
     assert [f for f in accepted if f not in noted] == []
     assert all(n.startswith("note: ") for n in cfg.notes)
-    assert cfg.to_dict() == parse_args(BASE).to_dict()
+    assert cfg.to_dict() == parse_run_config(BASE).to_dict()
 
 
 def test_every_refused_megatron_flag_is_refused_and_named_in_one_report(capsys):
@@ -87,7 +87,7 @@ def test_a_value_outside_the_accepted_ones_is_refused_with_what_to_pass(capsys):
     err = _errors(capsys, BASE + ["--context-parallel-size", "2"])
     assert err[0].startswith("pretrain_gpt.py: error: --context-parallel-size 2: context parallelism is not built")
     assert "pass --context-parallel-size 1 or drop it" in err[0]
-    assert parse_args(BASE + ["--recompute-modules", "core_attn"]).notes
+    assert parse_run_config(BASE + ["--recompute-modules", "core_attn"]).notes
 
 
 def test_refusals_bad_values_and_unknown_flags_are_reported_together(capsys):
@@ -128,7 +128,7 @@ def test_accepted_flags_are_noted_once_in_the_log(capsys):
 
 
 def test_sequence_parallel_at_tensor_parallel_size_one_is_turned_off_with_a_note():
-    cfg = parse_args(BASE + ["--sequence-parallel"])
+    cfg = parse_run_config(BASE + ["--sequence-parallel"])
     assert cfg.model.sequence_parallel is False
     assert any("--sequence-parallel is off" in n for n in cfg.notes)
 

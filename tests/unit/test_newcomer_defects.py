@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from megatron.training.arguments import parse_args
+from megatron.training.arguments import parse_run_config
 from megatron.training.cli import run
 from megatron.training.config import DataConfig, LoggerConfig
 
@@ -35,12 +35,12 @@ def test_dry_run_takes_world_size_from_the_flag_and_pads_the_vocabulary_for_its_
 def test_world_size_of_a_real_run_must_match_the_launcher(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="--world-size 8 differs from the 1 process"):
-        parse_args(MODEL + "--train-iters 2 --vocab-size 128 --world-size 8".split())
+        parse_run_config(MODEL + "--train-iters 2 --vocab-size 128 --world-size 8".split())
 
 
 def test_missing_lr_is_one_clear_error():
     with pytest.raises(ValueError, match=r"--lr is required \(e.g. --lr 3e-4\)"):
-        parse_args([a for a in MODEL if a not in ("--lr", "1e-3")] + "--train-iters 2 --vocab-size 128".split())
+        parse_run_config([a for a in MODEL if a not in ("--lr", "1e-3")] + "--train-iters 2 --vocab-size 128".split())
 
 
 def test_throughput_on_a_cpu_is_shown_not_rounded_to_zero():
@@ -131,7 +131,7 @@ def test_exit_signal_chooses_the_signal_the_handler_saves_on():
 
     from megatron.training.loop_utils import DistributedSignalHandler
 
-    cfg = parse_args(MODEL + "--train-iters 2 --vocab-size 128 --save /tmp/x --exit-signal-handler "
+    cfg = parse_run_config(MODEL + "--train-iters 2 --vocab-size 128 --save /tmp/x --exit-signal-handler "
                              "--exit-signal SIGUSR1".split())
     handler = DistributedSignalHandler((getattr(signal, cfg.training.exit_signal), signal.SIGINT))
     try:
@@ -139,4 +139,4 @@ def test_exit_signal_chooses_the_signal_the_handler_saves_on():
         assert handler.received == signal.SIGUSR1
     finally:
         handler.release()
-    assert parse_args(MODEL + "--train-iters 2 --vocab-size 128".split()).training.exit_signal == "SIGTERM"
+    assert parse_run_config(MODEL + "--train-iters 2 --vocab-size 128".split()).training.exit_signal == "SIGTERM"

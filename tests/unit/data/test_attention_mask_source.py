@@ -76,12 +76,12 @@ def test_the_model_gets_a_mask_only_when_it_is_not_causal(reset, in_loader, sour
 
 
 def test_the_flag_is_generated_with_megatrons_spelling():
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import parse_run_config
 
     base = ("--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
             "--train-iters 1 --lr 1e-3 --mock-data --vocab-size 64 --tokenizer-type NullTokenizer").split()
-    assert parse_args(base).data.create_attention_mask_in_dataloader is True  # Megatron's default
-    assert parse_args(base + ["--no-create-attention-mask-in-dataloader"]).data.create_attention_mask_in_dataloader \
+    assert parse_run_config(base).data.create_attention_mask_in_dataloader is True  # Megatron's default
+    assert parse_run_config(base + ["--no-create-attention-mask-in-dataloader"]).data.create_attention_mask_in_dataloader \
         is False
 
 
