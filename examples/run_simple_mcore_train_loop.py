@@ -6,9 +6,11 @@ Every name and argument is the one Megatron-Core's example uses: a TransformerCo
 tensor-parallel size (the model takes it from ``initialize_model_parallel``), the model wrapped in
 DistributedDataParallel, ``model(tokens, position_ids, attention_mask, labels=labels)`` with the
 dataset's causal mask, ``finalize_model_grads`` after each step, a plain torch Adam, and a distributed
-checkpoint saved to and loaded from ``./ckpt``. Two things differ: without CUDA it runs on the CPU
-over gloo, and the null tokenizer is this package's NullTokenizer (the example's
-``MegatronTokenizer.from_pretrained(..., {"library": "null-text"})`` builds the same thing).
+checkpoint saved to and loaded from ``./ckpt``, and the tokenizer made as the example makes it,
+``MegatronTokenizer.from_pretrained(metdata_path={"library": "null-text"}, vocab_size=64)``.
+One thing differs: without CUDA it runs on the CPU over gloo. (That tokenizer call is spelled
+``metdata_path`` in the original; Megatron-Core 0.19.2 then raises TypeError, we read it as
+``metadata_path``.)
 """
 
 import os
@@ -29,7 +31,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.tokenizer import NullTokenizer
+from megatron.core.tokenizers import MegatronTokenizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 _SEQUENCE_LENGTH = 64
@@ -84,7 +86,10 @@ def get_train_data_iterator():
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
-        tokenizer=NullTokenizer(vocab_size=_SEQUENCE_LENGTH),
+        tokenizer=MegatronTokenizer.from_pretrained(
+            metdata_path={"library": "null-text"}, vocab_size=_SEQUENCE_LENGTH
+        ),
+        mid_level_dataset_surplus=0.005,
     )
 
     datasets = BlendedMegatronDatasetBuilder(MockGPTDataset, [1000, None, None], lambda: True, config).build()
