@@ -37,7 +37,7 @@ class _DistributedCheckpoint(torch.autograd.Function):
         ctx.rng = capture_rng(tracker)
         outputs = run_function(*args)
         first = args[0]
-        ctx.first_shape, ctx.requires_grad = first.shape, [isinstance(a, torch.Tensor) and a.requires_grad
+        ctx.first_shape, ctx.arg_requires_grad = first.shape, [isinstance(a, torch.Tensor) and a.requires_grad
                                                            for a in args]
         ctx.constants = [None if isinstance(a, torch.Tensor) else a for a in args]
         shard = split_tensor_into_1d_equal_chunks(first.detach(), new_buffer=True, tp_group=group)
@@ -50,7 +50,7 @@ class _DistributedCheckpoint(torch.autograd.Function):
         tensors = iter([gather_split_1d_tensor(shard, ctx.group).view(ctx.first_shape), *rest])
         args = tuple(next(tensors) if c is None else c for c in ctx.constants)
         inputs = tuple(a.detach().requires_grad_(rg) if isinstance(a, torch.Tensor) else a
-                       for a, rg in zip(args, ctx.requires_grad))
+                       for a, rg in zip(args, ctx.arg_requires_grad))
         with replaying_rng(ctx.rng, ctx.tracker), torch.enable_grad():
             outputs = ctx.run_function(*inputs)
         return (None, None, None, *grads_of(outputs, grads, inputs))
