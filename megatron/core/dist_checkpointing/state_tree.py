@@ -57,14 +57,17 @@ def iter_sharded(tree: Any) -> Iterator[Leaf]:
 
 def strip_sharded(tree: Any) -> Any:
     """The plain (common) part of a tree: sharded and non-persistent leaves dropped (``None``
-    placeholders in lists), factories replaced by the plain part of what they built."""
+    placeholders in lists that also hold plain values), factories replaced by the plain part of what they built."""
     if isinstance(tree, Built):
         return strip_sharded(tree.sub)
     if isinstance(tree, dict):
         out = {k: strip_sharded(v) for k, v in tree.items()}
         return {k: v for k, v in out.items() if v is not MISSING}
     if isinstance(tree, list):
-        return [None if v is MISSING else v for v in map(strip_sharded, tree)]
+        items = [strip_sharded(v) for v in tree]
+        if items and all(v is MISSING for v in items):
+            return MISSING  # a list of sharded leaves only leaves nothing behind
+        return [None if v is MISSING else v for v in items]
     if isinstance(tree, ShardedTensor | ShardedObject | LocalNonpersistentObject):
         return MISSING
     return tree
@@ -113,7 +116,7 @@ def build_result(request: Any, common: Any, loaded: dict[int, Any]) -> Any:
                 out.pop(key, None)
             else:
                 out[key] = built
-        return out
+        return out if out or isinstance(common, dict) else MISSING
     if isinstance(request, list) and request:
         subs = common if isinstance(common, list) and len(common) == len(request) else [MISSING] * len(request)
         items = [build_result(v, s, loaded) for v, s in zip(request, subs)]
