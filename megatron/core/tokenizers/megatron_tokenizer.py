@@ -1,7 +1,7 @@
 """MegatronTokenizer: Megatron-Core's entry point that restores a tokenizer from its metadata.
 
 The metadata (a ``tokenizer_metadata.json`` beside the tokenizer, or a dict) names the ``library``
-(``null-text``, ``sentencepiece``, ``huggingface``, ``megatron``, ``tiktoken``) and optionally a
+(``null-text``, ``sentencepiece``, ``huggingface``, ``megatron``, ``tiktoken``, ``byte-level``) and optionally a
 ``model_type`` (``default-text``, ``gpt``, ``mamba``, ``bert``, ``t5``). Nothing is downloaded.
 """
 

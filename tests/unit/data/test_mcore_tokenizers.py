@@ -125,7 +125,15 @@ def test_build_tokenizer_null_and_errors():
         build_tokenizer(SimpleNamespace(tokenizer_type="SFTTokenizer", tokenizer_model="x"))
 
 
-@pytest.mark.parametrize("library", ["byte-level", "sft", "multimodal", "null-multimodal", "bogus"])
+def test_byte_level():
+    tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "byte-level"}, special_tokens=["<a>", "<b>"])
+    assert (tok.vocab_size, tok.eod, tok.pad, tok.bos) == (514, 0, 1, -1)
+    assert tok.tokenize("h\u00e9llo") == [104, 195, 169, 108, 108, 111]
+    assert tok.detokenize([104, 105, 513, 32]) == "hi"  # special ids dropped, trailing space stripped
+    assert tok.unique_identifiers["special_tokens"] == "['<a>', '<b>']"
+
+
+@pytest.mark.parametrize("library", ["sft", "multimodal", "null-multimodal", "bogus"])
 def test_libraries_not_provided_are_named(library):
     with pytest.raises(ValueError, match=repr(library)):
         MegatronTokenizer.from_pretrained("some/path", metadata_path={"library": library})

@@ -31,12 +31,13 @@ OPTIONS: dict[str, dict[str, Any]] = {
                       "chat_template": ANY},
     "huggingface": {**_HF_OPTIONS, "vocab_file": (None,), "merges_file": (None,)},
     "megatron": {**_HF_OPTIONS, "vocab_file": ANY, "merges_file": ANY},
+    "byte-level": {"special_tokens": ANY, "vocab_size": ANY, "_eos_id": ANY, "_pad_id": ANY, "_bos_id": ANY,
+                   "chat_template": ANY},
     "tiktoken": {"pattern": ANY, "vocab_size": ANY, "num_special_tokens": ANY, "special_tokens": (None,),
                  "chat_template": ANY},
 }
 
 REFUSED_LIBRARIES = {
-    "byte-level": "Megatron-Core's byte-level tokenizer is not provided",
     "sft": "the SFT tokenizer (prompt formats) is not provided",
     "multimodal": "vision/multimodal tokenizers are not provided",
     "null-multimodal": "vision/multimodal tokenizers are not provided",
@@ -79,9 +80,16 @@ def _tiktoken(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
     return TikTokenizer(path, kw.get("pattern", "v2"), kw.get("vocab_size", 2**17), kw.get("num_special_tokens", 1000))
 
 
+def _byte_level(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
+    from megatron.core.tokenizer.byte_level import ByteLevelTokenizer
+
+    return ByteLevelTokenizer(kw.get("special_tokens"), kw.get("vocab_size", 512), kw.get("_eos_id", 0),
+                              kw.get("_pad_id", 1), kw.get("_bos_id"))
+
+
 BUILDERS: dict[str, Callable[[str | None, dict[str, Any]], MegatronTokenizer]] = {
     "null-text": _null, "sentencepiece": _sentencepiece, "huggingface": _huggingface, "megatron": _megatron,
-    "tiktoken": _tiktoken,
+    "tiktoken": _tiktoken, "byte-level": _byte_level,
 }
 
 
