@@ -61,7 +61,8 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10, tp:
             local_world = _env_int("LOCAL_WORLD_SIZE", default=0) or None
             _start_error_channel(world, rank, 60.0 * timeout_minutes, local_world)
     return device, initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             distributed_timeout_minutes=timeout_minutes)
+                                             distributed_timeout_minutes=timeout_minutes,
+                                             create_gloo_process_groups=False)  # the trainer uses none
 
 
 def _free_port() -> int:
