@@ -309,3 +309,20 @@ def test_verify_integrity(tmp_path):
     dist_checkpointing.save({"w": _whole("w", W.clone())}, d)  # a later save without a manifest removes it
     with pytest.raises(CheckpointingException, match="integrity.json is missing"):
         dist_checkpointing.load({"w": _whole("w", torch.zeros(4, 6))}, d, verify_integrity=True)
+
+
+def test_utils_split_and_rename():
+    from megatron.core.dist_checkpointing import utils
+
+    sd = {"w": _whole("decoder.w", W), "o": ShardedObject("decoder.o", 1), "n": LocalNonpersistentObject(2), "p": 3}
+    tensors, rest = utils.extract_sharded_tensors(sd)
+    assert set(tensors) == {"w"} and set(rest) == {"o", "n", "p"}
+    assert set(utils.extract_sharded_base(sd)[0]) == {"w", "o"}
+    assert set(utils.extract_nonpersistent(sd)[0]) == {"n"}
+    utils.replace_prefix_for_sharding(sd, "decoder.", "model.decoder.")
+    assert (sd["w"].key, sd["o"].key) == ("model.decoder.w", "model.decoder.o")
+    utils.apply_prefix_mapping(sd, {"model.decoder.w": "x.w", "nothing": "y"})
+    utils.add_prefix_for_sharding(sd, "top.")
+    assert (sd["w"].key, sd["o"].key) == ("top.x.w", "top.model.decoder.o")
+    with pytest.raises(ValueError, match="does not start with 'decoder.'"):
+        utils.replace_prefix_for_sharding(sd, "decoder.", "")
