@@ -11,8 +11,13 @@ import dataclasses
 from typing import Any
 
 
+class ConfigError(ValueError):
+    """A user's mistake in a config: the message names the parameter and a value that would be valid."""
+
+
 def doc(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = "", choices=None,
-        nargs: str | None = None, default_factory: Any = dataclasses.MISSING, metavar: str | None = None):
+        nargs: str | None = None, default_factory: Any = dataclasses.MISSING, metavar: str | None = None,
+        app_default: Any = dataclasses.MISSING):
     """A dataclass field with documentation and command-line metadata.
 
     Args:
@@ -22,11 +27,26 @@ def doc(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None 
             means the field is not a flag (it is derived from other flags or set in code).
         choices: the valid values, checked by the parser.
         nargs: argparse ``nargs`` for list-valued fields.
+        app_default: the training application's default when it differs from the library's
+            ``default`` (Megatron-LM's flag default versus Megatron-Core's field default); the
+            parser uses it when the flag is not given (:func:`flag_default`).
     """
     meta = {"help": help, "flag": flag, "choices": choices, "nargs": nargs, "metavar": metavar}
+    if app_default is not dataclasses.MISSING:
+        meta["app_default"] = app_default
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_default(f: dataclasses.Field) -> Any:
+    """The value a field takes in the training application when its flag is not given: its
+    ``app_default`` if it has one, else the dataclass default (``MISSING`` when it has none)."""
+    if "app_default" in f.metadata:
+        return f.metadata["app_default"]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 def check_choice(name: str, value: Any, valid) -> None:

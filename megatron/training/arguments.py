@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass
 
-from megatron.core.config_utils import doc
+from megatron.core.config_utils import doc, flag_default
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -144,7 +144,7 @@ def _flag_name(f: dataclasses.Field) -> str | None:
         return None
     if flag:
         return flag
-    if f.type in ("bool", bool) and f.default is True:
+    if f.type in ("bool", bool) and flag_default(f) is True:
         return "--no-" + f.name.replace("_", "-")
     return "--" + f.name.replace("_", "-")
 
@@ -171,10 +171,8 @@ def _defaults() -> dict:
         for f in dataclasses.fields(cls):
             if f.name in out:
                 continue  # a field of two configs (OptimizerConfig mirrors a few): the first section's
-            if f.default is not dataclasses.MISSING:
-                out[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                out[f.name] = f.default_factory()
+            if flag_default(f) is not dataclasses.MISSING:
+                out[f.name] = flag_default(f)
     return out
 
 
@@ -218,6 +216,13 @@ EPILOG = ("Every flag of Megatron-LM's pretrain_gpt.py is taken: the ones above 
           "docs/flags.md has all of it.")
 
 
+def _declared_order(cls) -> list[dataclasses.Field]:
+    """A config's fields with its own declarations first, in their order (a field redeclared over a
+    base class's, such as TransformerConfig's over ModelParallelConfig's, keeps its place here)."""
+    own = list(vars(cls).get("__annotations__", {}))
+    return sorted(dataclasses.fields(cls), key=lambda f: own.index(f.name) if f.name in own else len(own))
+
+
 def build_parser() -> Parser:
     """The full parser; ``--help`` groups flags by config and prints each field's documentation."""
     from megatron.training import megatron_flags
@@ -232,7 +237,7 @@ def build_parser() -> Parser:
         group = parser.add_argument_group(title)
         groups[title.split(" ")[0]] = group
         hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
+        for f in _declared_order(cls):
             flag = _flag_name(f)
             if flag is None:
                 continue
@@ -240,7 +245,7 @@ def build_parser() -> Parser:
             kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS,
                                 help=_help_with_default(f, switch).replace("%", "%%"))
             if switch:
-                kwargs["action"] = "store_false" if f.default is True else "store_true"
+                kwargs["action"] = "store_false" if flag_default(f) is True else "store_true"
             else:
                 convert = _base_type(hints[f.name])
                 choices = f.metadata.get("choices")
@@ -328,7 +333,8 @@ def _apply_aliases(ns: dict) -> None:
 
 def _build(cls, ns: dict, **derived):
     names = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in ns.items() if k in names}
+    values = {f.name: f.metadata["app_default"] for f in dataclasses.fields(cls) if "app_default" in f.metadata}
+    values.update({k: v for k, v in ns.items() if k in names})
     values.update({k: v for k, v in derived.items() if k in names})
     return cls(**values)
 

@@ -53,7 +53,8 @@ def dry_run(cfg, padded_vocab_size: int, log=print) -> None:
         num_layers_per_virtual_pipeline_stage=None, decoder_first_pipeline_num_layers=None,
         decoder_last_pipeline_num_layers=None, pipeline_model_parallel_layout=None,
         account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
-        microbatch_group_size_per_virtual_pipeline_stage=None))
+        microbatch_group_size_per_virtual_pipeline_stage=None, num_layers_in_first_pipeline_stage=None,
+        num_layers_in_last_pipeline_stage=None, microbatch_group_size_per_vp_stage=None))
     chunks = model_provider(whole, padded_vocab_size, ParallelState(grid=RankGrid(), rank=0), "meta")
     num_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     mem = estimate_memory_bytes(cfg, num_params, padded_vocab_size)

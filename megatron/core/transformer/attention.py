@@ -73,7 +73,7 @@ class DotProductAttention(nn.Module):
         super().__init__()
         self.dropout_p = config.attention_dropout
         self.rng_tracker = rng_tracker  # heads are split over tp: each rank draws its own mask
-        self.softmax_scale = None  # 1/sqrt(d), SDPA's default
+        self.softmax_scale = getattr(config, "softmax_scale", None)  # None: 1/sqrt(d), SDPA's default
 
     def forward(self, q, k, v, attention_mask=None):
         if self.rng_tracker is not None and self.training and self.dropout_p > 0:
@@ -87,7 +87,7 @@ class DotProductAttention(nn.Module):
         mask = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=attention_mask is None, enable_gqa=k.shape[1] != n_q,
+            is_causal=attention_mask is None, enable_gqa=k.shape[1] != n_q, scale=self.softmax_scale,
         )
         return out.permute(2, 0, 1, 3).reshape(s, b, n_q * d)
 

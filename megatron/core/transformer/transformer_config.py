@@ -1,14 +1,25 @@
-"""TransformerConfig: the shape and numerics of a GPT-style decoder, validated on construction."""
+"""TransformerConfig: the shape and numerics of a GPT-style decoder, validated on construction.
+
+It is Megatron-Core's ``TransformerConfig`` (a ``ModelParallelConfig``): every 0.19.2 field exists with
+Megatron-Core's default. The fields below are the ones this package implements, documented here and
+turned into the training application's flags; the rest (``mcore_config_fields``) are accepted without
+effect or refused as ``config_support`` says.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
-from megatron.core.config_utils import check_choice, check_positive, doc
+from megatron.core.config_utils import ConfigError, check_choice, check_positive, doc
+from megatron.core.model_parallel_config import check_refused
+from megatron.core.transformer import config_support
+from megatron.core.transformer.mcore_config_fields import MegatronCoreTransformerFields
 
 if TYPE_CHECKING:
     from megatron.core.pipeline_parallel.layout import PipelineLayout
@@ -19,8 +30,13 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
 
 @dataclass
-class TransformerConfig:
-    """Model shape and numerics. Field docs double as the ``--help`` text of the matching flags."""
+class TransformerConfig(MegatronCoreTransformerFields):
+    """Model shape and numerics. Field docs double as the ``--help`` text of the matching flags.
+
+    Megatron-Core's activation fields and this package's ``activation`` are one setting:
+    ``gated_linear_unit=True, activation_func=F.silu`` and ``activation="swiglu"`` (``--swiglu``) build
+    the same SwiGLU MLP and all three read so after construction; ``F.gelu`` without a GLU is "gelu".
+    """
 
     num_layers: int = doc(0, "Number of transformer layers.")
     hidden_size: int = doc(0, "Transformer hidden size h.")
@@ -44,7 +60,16 @@ class TransformerConfig:
     layernorm_zero_centered_gamma: bool = doc(
         False, "Megatron-Core's name of apply_layernorm_1p (either turns it on; both read True after "
         "construction).", flag=None)
-    activation: str = doc("gelu", "MLP activation; set to swiglu by --swiglu.", flag=None)
+    activation: str = doc(
+        "gelu", "MLP activation; set to swiglu by --swiglu. Kept in step with gated_linear_unit and "
+        "activation_func (Megatron-Core's fields).", flag=None)
+    gated_linear_unit: bool = doc(
+        False, "Megatron-Core's gated MLP (fc1 produces [gate; up]); with activation_func=F.silu it is SwiGLU. "
+        "Default ffn_hidden_size: 4h, as in Megatron-Core (the --swiglu flag's default is int(8h/3 / 64) * 64).",
+        flag=None)
+    activation_func: Callable = doc(
+        F.gelu, "Megatron-Core's MLP activation function: F.gelu (GELU) or, with gated_linear_unit, F.silu "
+        "(SwiGLU); others are refused.", flag=None)
     add_bias_linear: bool = doc(True, "Biases in all linear layers; turned off by --disable-bias-linear.", flag=None)
     bias_gelu_fusion: bool = doc(
         True, "GELU with biases (Megatron-LM's default bias-GELU fusion): the tanh approximation of GELU, "
@@ -118,10 +143,10 @@ class TransformerConfig:
         None, "Interleaved schedule: micro-batches run per chunk before switching chunks (G). Needs "
         "pp <= G <= micro-batches and micro-batches mod G either 0 or >= pp. Default: pp.")
     overlap_p2p_comm: bool = doc(
-        True, "Interleaved schedule: exchange activations while the round's backward runs and gradients "
+        False, "Interleaved schedule: exchange activations while the round's backward runs and gradients "
         "while the next round's forward runs, instead of waiting for each exchange before computing on. "
         "--no-overlap-p2p-communication waits (the order of messages is the same either way).",
-        flag="--no-overlap-p2p-communication")
+        flag="--no-overlap-p2p-communication", app_default=True)
     sequence_parallel: bool = doc(
         False, "With tensor parallelism, keep norms, dropout and residuals sharded along the sequence "
         "(all-gather / reduce-scatter around the tensor-parallel matmuls). Ignored when the TP size is 1."
@@ -138,10 +163,10 @@ class TransformerConfig:
         "data-parallel ranks) instead of averaging per-micro-batch means."
     )
     cross_entropy_loss_fusion: bool = doc(
-        True, "Compute the output layer and the cross entropy together in chunks of tokens, never holding "
+        False, "Compute the output layer and the cross entropy together in chunks of tokens, never holding "
         "the full [tokens, vocabulary] logits (the softmax stays fp32). Applies with tensor-parallel size 1; "
-        "with tp > 1 the vocab-parallel cross entropy is used. --no-cross-entropy-loss-fusion turns it off."
-    )
+        "with tp > 1 the vocab-parallel cross entropy is used. --no-cross-entropy-loss-fusion turns it off.",
+        app_default=True)
     fp8_format: str | None = doc(
         None, "Run the transformer layers' linears (QKV, proj, fc1, fc2; not the output layer or embedding) "
         "in FP8 with torch._scaled_mm: 'e4m3' everywhere, or 'hybrid' (e4m3 forward, e5m2 gradients). "
@@ -176,9 +201,12 @@ class TransformerConfig:
         "Only with --fp8-format.",
         choices=("scaled_mm", "torchao"))
     # Hooks the training application sets for the schedules (not flags).
-    grad_scale_func: object = doc(None, "Scales the loss before backward (fp16 loss scaling).", flag=None)
-    no_sync_func: object = doc(None, "Context manager that defers gradient reduction.", flag=None)
-    finalize_model_grads_func: object = doc(None, "Reduces gradients after the last backward.", flag=None)
+    grad_scale_func: Callable | None = doc(None, "Scales the loss before backward (fp16 loss scaling).", flag=None)
+    no_sync_func: Any = doc(None, "Context manager that defers gradient reduction (a list of them, one per model chunk, with virtual pipeline stages).", flag=None)
+    finalize_model_grads_func: Callable | None = doc(None, "Reduces gradients after the last backward.", flag=None)
+
+    # Fields with an app_default keep Megatron-Core's default in the library and Megatron-LM's flag
+    # default in the training application (config_utils.flag_default).
 
     @property
     def gelu_approximation(self) -> str:
@@ -198,6 +226,10 @@ class TransformerConfig:
             self.params_dtype = torch.float16
         elif self.bf16:
             self.params_dtype = torch.bfloat16
+        super().__post_init__()
+        check_refused(self, config_support.TC_REFUSED)
+        swiglu_flag_default_ffn = self._sync_activation()
+        self._sync_megatron_names()
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(
@@ -217,7 +249,7 @@ class TransformerConfig:
                 f"{self.num_attention_heads}; e.g. {hint}"
             )
         if self.ffn_hidden_size is None:
-            if self.activation == "swiglu":
+            if swiglu_flag_default_ffn:
                 self.ffn_hidden_size = int((8 * self.hidden_size / 3) / 64) * 64 or 64
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
@@ -234,6 +266,7 @@ class TransformerConfig:
                 "rotary channels; it must be even (e.g. --rotary-percent 1.0)"
             )
         check_positive("init_method_std", self.init_method_std)
+        config_support.derive_init_methods(self)
         check_positive("rotary_seq_len_interpolation_factor", self.rotary_seq_len_interpolation_factor,
                        allow_none=True)
         self.apply_layernorm_1p = self.layernorm_zero_centered_gamma = (
@@ -245,6 +278,47 @@ class TransformerConfig:
                 f"pipeline_dtype={self.params_dtype} or leave it unset")
         self._check_fp8()
         self._check_parallelism()
+
+    def _sync_activation(self) -> bool:
+        """Make ``activation`` and Megatron-Core's ``gated_linear_unit`` / ``activation_func`` agree.
+        True when SwiGLU was asked for by ``activation="swiglu"`` (``--swiglu``) alone, whose default
+        ffn_hidden_size is Megatron-LM's int(8h/3 / 64) * 64 (Megatron-Core's fields default to 4h)."""
+        if self.activation == "swiglu" and not self.gated_linear_unit and self.activation_func is F.gelu:
+            self.gated_linear_unit, self.activation_func = True, F.silu
+            return True
+        name = config_support.activation_name(self.gated_linear_unit, self.activation_func)
+        if self.activation == "swiglu" and name != "swiglu":
+            raise ConfigError(f"activation='swiglu' contradicts gated_linear_unit={self.gated_linear_unit} with "
+                              "activation_func=F.gelu; give gated_linear_unit=True, activation_func=F.silu")
+        self.activation = name
+        return False
+
+    def _sync_megatron_names(self) -> None:
+        """Megatron-Core's names of settings this package spells differently read the same value."""
+        for ours, theirs in (("fp8_format", "fp8"), ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage"),
+                             ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage"),
+                             ("microbatch_group_size_per_virtual_pipeline_stage", "microbatch_group_size_per_vp_stage")):
+            a, b = getattr(self, ours), getattr(self, theirs)
+            if a is not None and b is not None and a != b:
+                raise ConfigError(f"TransformerConfig.{ours}={a!r} contradicts {theirs}={b!r} (the same setting); "
+                                  "give one of them")
+            value = a if a is not None else b
+            setattr(self, ours, value)
+            setattr(self, theirs, value)
+        if self.apply_query_key_layer_scaling:
+            self.attention_softmax_in_fp32 = True
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ConfigError(f"TransformerConfig.transformer_impl={self.transformer_impl!r} is not supported here; "
+                              "use 'local' (or 'transformer_engine', which builds the same local layers)")
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]
+        if self.recompute_granularity == "selective":
+            if list(self.recompute_modules) != ["core_attn"]:
+                raise ConfigError(f"TransformerConfig.recompute_modules={self.recompute_modules!r} is not supported "
+                                  "here: selective recompute covers the core attention; use ['core_attn']")
+            if self.recompute_num_layers is not None:
+                raise ConfigError("recompute_num_layers must be None with recompute_granularity='selective' "
+                                  f"(got {self.recompute_num_layers}); it applies to 'full' recompute")
 
     def _check_fp8(self) -> None:
         if self.fp8_format is None:

@@ -119,7 +119,7 @@ class GPTModel(nn.Module):
 
         self.to_empty(device="cpu" if on_cpu_first else device)
         restore_recipes()
-        if device.type != "meta":
+        if device.type != "meta" and self.config.perform_initialization:
             self.init_weights(seed)
         if on_cpu_first:
             self.to(device)
