@@ -49,6 +49,7 @@ from megatron.core.parallel_state_api import (  # noqa: F401 - re-exported
     get_expert_tensor_parallel_rank,
     get_expert_tensor_parallel_world_size,
     get_global_memory_buffer,
+    get_hierarchical_context_parallel_groups,
     get_inter_distributed_optimizer_instance_group,
     get_intra_distributed_optimizer_instance_group,
     get_model_parallel_group,
@@ -86,6 +87,7 @@ from megatron.core.parallel_state_api import (  # noqa: F401 - re-exported
     set_tensor_model_parallel_world_size,
     set_virtual_pipeline_model_parallel_rank,
     set_virtual_pipeline_model_parallel_world_size,
+    update_pg_timeout,
 )
 from megatron.core.parallel_state_grid import (  # noqa: F401 - re-exported
     AXES,

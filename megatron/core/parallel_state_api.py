@@ -11,7 +11,10 @@ getters return (as Megatron's do), not the ParallelState our layers read.
 from __future__ import annotations
 
 import warnings
+from datetime import timedelta
 from typing import Any
+
+import torch.distributed as dist
 
 from megatron.core import parallel_state_init as _init
 from megatron.core.parallel_state_grid import ParallelState
@@ -89,6 +92,11 @@ def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[in
     state = _state()
     assert not check_initialized or "cp" in state.group_ranks, "context parallel group is not initialized"
     return state.group_ranks.get("cp")
+
+
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> Any:
+    """Not built (hierarchical context parallelism is refused): AssertionError, or None."""
+    return _group("hcp", check_initialized, "hierarchical context parallel")
 
 
 def get_embedding_group(check_initialized: bool = True) -> Any:
@@ -372,6 +380,18 @@ def get_all_ranks() -> str:
     ranks = [get_tensor_model_parallel_rank(), 0, get_data_parallel_rank(), get_context_parallel_rank(),
              get_pipeline_model_parallel_rank(), get_expert_model_parallel_rank()]
     return "_".join(str(r or 0) for r in ranks)
+
+
+def update_pg_timeout(timeout: timedelta, pg: Any = None) -> None:
+    """Set the collective timeout of ``pg``, or of the default group and every group of the default
+    ParallelState, after a barrier on it; nothing where this torch cannot change a timeout."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return
+    dist.barrier(pg)
+    groups = [pg] if pg is not None else [None, *{id(g): g for g in _state().groups.values() if g is not None}.values()]
+    for group in groups:
+        set_timeout(timeout, group)
 
 
 _MEMORY_BUFFER: Any = None

@@ -162,6 +162,7 @@ def test_getters_on_a_world_of_one() -> None:
     assert ps.get_virtual_pipeline_model_parallel_world_size() is None
     assert ps.get_tensor_model_parallel_src_rank() == ps.get_data_parallel_src_rank() == 0
     assert ps.get_inter_distributed_optimizer_instance_group(check_initialized=False) is None
+    assert ps.get_hierarchical_context_parallel_groups(check_initialized=False) is None
     with pytest.raises(AssertionError, match="inter distributed optimizer"):
         ps.get_inter_distributed_optimizer_instance_group()
     with pytest.raises(ValueError, match="with_context_parallel"):

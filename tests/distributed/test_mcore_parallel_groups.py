@@ -3,6 +3,8 @@ match Megatron's layout (RankGenerator), and the group objects really span those
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +12,7 @@ from harness import device, run_distributed
 
 from megatron.core import parallel_state as ps
 from megatron.core.hyper_comm_grid import HyperCommGrid
-from megatron.core.parallel_state import ParallelState, RankGenerator
+from megatron.core.parallel_state import ParallelState, RankGenerator, default_group_timeout
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 
@@ -91,6 +93,15 @@ def _hyper_comm_grid(rank: int) -> None:
         grid.create_pg("dp")
 
 
+def _update_timeout() -> None:
+    """update_pg_timeout sets every group's timeout (read where this torch exposes it)."""
+    ps.update_pg_timeout(timedelta(seconds=77))
+    if default_group_timeout() is not None:
+        for name in ("tp", "dp", "expt_dp"):
+            backend = ps.get_parallel_state().groups[name]._get_backend(device())  # private: this test only
+            assert backend.options._timeout == timedelta(seconds=77), name
+
+
 def _body(state: ParallelState) -> None:
     rank = dist.get_rank()
     assert ps.model_parallel_is_initialized() and ps.get_parallel_state() is state
@@ -98,6 +109,7 @@ def _body(state: ParallelState) -> None:
     _expert_ep2(rank)
     _order_tp_pp_dp(rank)
     _hyper_comm_grid(rank)
+    _update_timeout()
 
 
 def test_megatron_getters_return_the_right_groups() -> None:
