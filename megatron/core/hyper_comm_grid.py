@@ -9,7 +9,6 @@ are the grid's axes (``tp``, ``cp``, ``ep``, ``dp``, ``pp``), each at most once.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -89,7 +88,8 @@ class HyperCommGrid:
         _, key = self._key(dims)
         if key in self._pgs:
             raise KeyError(f"process group {dims} has already been created; get it with get_pg")
-        kwargs.setdefault("timeout", default_group_timeout() or timedelta(minutes=30))
+        if default_group_timeout() is not None:
+            kwargs.setdefault("timeout", default_group_timeout())
         rank = dist.get_rank()
         mine = None
         for ranks in self.get_rank_enum(dims):

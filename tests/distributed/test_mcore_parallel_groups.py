@@ -56,6 +56,9 @@ def _dense_tp2_pp2(rank: int) -> None:
 
 def _expert_ep2(rank: int) -> None:
     """tp1, ep2 on 4 ranks: dense dp 4; expert ep groups [0,1],[2,3], expert dp [0,2],[1,3]."""
+    ps.destroy_model_parallel()
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):  # never a lazy collective
+        ps.get_tensor_model_parallel_world_size()
     ps.initialize_model_parallel(expert_model_parallel_size=2, distributed_timeout_minutes=None)
     gen = RankGenerator(tp=1, ep=2, dp=2, pp=1, cp=1, order="tp-cp-ep-dp-pp")
     assert ps.get_data_parallel_world_size() == 4 and ps.get_data_parallel_rank() == rank
