@@ -244,11 +244,11 @@ class GPTDataset(MegatronDataset):
 
     def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
         S, extra = self.config.sequence_length, bool(self.config.add_extra_token_to_sequence)
-        if idx is None:  # Megatron's padding sample: no loss
+        if idx is None and len(self) == 0:  # a padding sample of an empty dataset: all padding
             text = torch.full((S + int(extra),), self._pad_token_id, dtype=torch.int64)
             lengths: list[int] = []
-        else:
-            raw, lengths = self._query(int(idx))
+        else:  # a padding sample (idx None) is sample 0 with no loss, as in Megatron
+            raw, lengths = self._query(0 if idx is None else int(idx))
             text = torch.from_numpy(raw)
         if extra:
             tokens, labels = text[:-1].contiguous(), text[1:].contiguous()

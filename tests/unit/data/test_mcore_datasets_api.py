@@ -228,3 +228,13 @@ def test_utils_names():
     assert normalize([1, 3]) == [0.25, 0.75]
     assert get_blend_from_list(["2", "a", "6", "b"]) == (["a", "b"], [2.0, 6.0])
     assert get_blend_from_list(None) is None
+
+
+def test_padding_sample_is_sample_zero_without_loss(null_tokenizer):
+    """ds[None] pads a batch: Megatron returns sample 0's tokens with a zero loss mask."""
+    cfg = GPTDatasetConfig(random_seed=0, sequence_length=16, tokenizer=null_tokenizer, **QUIET)
+    ds = MockGPTDataset(MockGPTDataset.build_low_level_dataset(None, cfg), None, np.arange(3, dtype=np.int32), 2,
+                        Split.train, cfg)
+    pad, first = ds[None], ds[0]
+    assert torch.equal(pad["tokens"], first["tokens"]) and torch.equal(pad["labels"], first["labels"])
+    assert not pad["loss_mask"].any() and first["loss_mask"].all()
