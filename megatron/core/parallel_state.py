@@ -99,6 +99,7 @@ from megatron.core.parallel_state_grid import (  # noqa: F401 - re-exported
     default_embedding_ranks,
     default_group_timeout,
     default_position_embedding_ranks,
+    generate_masked_orthogonal_rank_groups,
     make_expert_grid,
     make_grid,
     parse_order,

@@ -435,3 +435,16 @@ class RankGenerator:
         if gtp_remat_size != self.gtp_remat:
             raise ParallelLayoutError(f"gtp_remat_size {gtp_remat_size} != this generator's {self.gtp_remat}")
         return self.get_ranks("gtp_remat")
+
+
+def generate_masked_orthogonal_rank_groups(world_size: int, parallel_size: list[int],
+                                           mask: list[bool]) -> list[list[int]]:
+    """Megatron-Core's group enumeration over unnamed axes (fastest first): the groups spanning the
+    axes where ``mask`` is True. Up to five axes (they are laid on the grid's axes in order)."""
+    if len(parallel_size) != len(mask) or len(parallel_size) > len(AXES):
+        raise ParallelLayoutError(f"parallel_size {parallel_size} and mask {mask} must have the same length "
+                                  f"(at most {len(AXES)})")
+    sizes: dict[str, Any] = dict(zip(AXES, parallel_size))
+    grid = RankGrid(**sizes)
+    assert grid.world_size == world_size, f"world_size {world_size} != prod({parallel_size})"
+    return grid.groups("-".join(a for a, m in zip(AXES, mask) if m))

@@ -42,6 +42,9 @@ def test_masked_orthogonal_examples() -> None:
         [0, 4], [1, 5], [2, 6], [3, 7]]
     dp = RankGenerator(tp=2, ep=1, dp=3, pp=4, cp=1, order="tp-dp-pp").get_ranks("dp")
     assert dp[0] == [0, 2, 4] and dp[1] == [1, 3, 5] and dp[7] == [19, 21, 23] and len(dp) == 8
+    assert ps.generate_masked_orthogonal_rank_groups(24, [2, 3, 4], [False, True, False]) == dp
+    assert ps.generate_masked_orthogonal_rank_groups(8, [2, 2, 2], [False, False, True]) == [
+        [0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 def _reference_groups(sizes: dict[str, int], order: list[str], token: str) -> list[list[int]]:
