@@ -81,8 +81,10 @@ class ColumnParallelLinear(nn.Module):
         skip_weight_param_allocation: no weight of its own; ``forward`` takes ``weight`` (tied output layer).
         config / init_method / stride: Megatron-Core's form (module docstring); ``stride`` is
             ``partition_stride``. keep_master_weight_for_test, embedding_activation_buffer,
-            grad_output_buffer, is_expert, tp_comm_buffer_name, disable_grad_reduce and name are
-            accepted for its signature and have no effect.
+            grad_output_buffer, is_expert, tp_comm_buffer_name and name are accepted for its
+            signature and have no effect.
+        disable_grad_reduce: without sequence parallelism, the input's gradient is left as this
+            rank's partial sum (no all-reduce over tp); the caller reduces it.
     """
 
     def __init__(self, input_size: int, output_size: int, *, init_std: float | None = None, bias: bool = True,
@@ -101,6 +103,7 @@ class ColumnParallelLinear(nn.Module):
             init_std, partition_stride, device = form.init_std, stride, form.device
         assert init_std is not None
         self.input_size, self.output_size = input_size, output_size
+        self.disable_grad_reduce = disable_grad_reduce
         self.tp_group = tp_group
         self.tp_size = mappings.group_size(tp_group)
         self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
@@ -147,9 +150,12 @@ class ColumnParallelLinear(nn.Module):
 
     def input_collective(self, x: torch.Tensor) -> torch.Tensor:
         """The input as the local GEMM reads it: all-gathered along the sequence with sequence
-        parallelism, else as is (in both cases backward reduces its gradient over the tp group)."""
+        parallelism, else as is (in both cases backward reduces its gradient over the tp group,
+        unless ``disable_grad_reduce`` without sequence parallelism)."""
         if self.sequence_parallel:
             return mappings.gather_from_sp(x, self.tp_group)
+        if self.disable_grad_reduce:
+            return x
         return mappings.copy_to_tp(x, self.tp_group)
 
 

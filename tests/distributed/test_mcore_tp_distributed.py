@@ -152,6 +152,12 @@ def test_broadcast_data_and_layers_at_tp2(ps: ParallelState) -> None:
     out, bias = col(x.to(col.weight.device))
     assert bias is None and out.shape == (3, 2, 8)
     assert_close(out.cpu(), (x @ master.t()).cpu())
+    for disable, summed in ((False, True), (True, False)):
+        lin = tpl.ColumnParallelLinear(6, 8, config=config, init_method=init, bias=False, disable_grad_reduce=disable)
+        xi = x.clone().to(lin.weight.device).requires_grad_(True)
+        lin(xi)[0].sum().backward()
+        want = (master.sum(0) if summed else master.chunk(2, 0)[r].sum(0)).expand(3, 2, 6)
+        assert_close(xi.grad.cpu(), want)  # the input gradient all-reduced over tp, or this rank's part
     row = tpl.RowParallelLinear(8, 6, config=config, init_method=init, bias=True, input_is_parallel=False,
                                 skip_bias_add=False)
     master_row = init(torch.empty(6, 8))
