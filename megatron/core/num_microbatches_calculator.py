@@ -353,8 +353,8 @@ def build_num_microbatches_calculator(
     rank: int,
     rampup_batch_size: list[int] | None,
     global_batch_size: int | None,
-    micro_batch_size: int,
-    data_parallel_size: int,
+    micro_batch_size: int | None,
+    data_parallel_size: int | None,
     decrease_batch_size_if_needed: bool = False,
     step_batch_size_schedule: str | None = None,
     seq_length: int | None = None,
@@ -368,6 +368,10 @@ def build_num_microbatches_calculator(
     Raises:
         ValueError: both schedules given, a malformed one, or sizes that do not fit.
     """
+    for name, value in (("micro_batch_size", micro_batch_size), ("data_parallel_size", data_parallel_size)):
+        if value is None:
+            raise ValueError(f"{name} is required, e.g. {name}=1")
+    assert micro_batch_size is not None and data_parallel_size is not None
     if step_batch_size_schedule is not None:
         if rampup_batch_size is not None:
             raise ValueError("--step-batch-size-schedule and --rampup-batch-size are exclusive; give one")
@@ -406,15 +410,16 @@ def set_num_microbatches_calculator(calculator: NumMicroBatchesCalculator | None
 
 def init_num_microbatches_calculator(
     rank: int,
-    rampup_batch_size: list[int] | None,
-    global_batch_size: int | None,
-    micro_batch_size: int,
-    data_parallel_size: int,
+    rampup_batch_size: list[int] | None = None,
+    global_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    data_parallel_size: int | None = None,
     decrease_batch_size_if_needed: bool = False,
     step_batch_size_schedule: str | None = None,
     seq_length: int | None = None,
 ) -> None:
-    """Build the default calculator (arguments as :func:`build_num_microbatches_calculator`).
+    """Build the default calculator (arguments as :func:`build_num_microbatches_calculator`; the
+    defaults are Megatron-Core's, ``micro_batch_size`` and ``data_parallel_size`` must be given).
 
     Raises:
         AssertionError: one is already initialized (``destroy_num_microbatches_calculator`` first).
@@ -427,10 +432,10 @@ def init_num_microbatches_calculator(
 
 def reconfigure_num_microbatches_calculator(
     rank: int,
-    rampup_batch_size: list[int] | None,
-    global_batch_size: int | None,
-    micro_batch_size: int,
-    data_parallel_size: int,
+    rampup_batch_size: list[int] | None = None,
+    global_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    data_parallel_size: int | None = None,
     decrease_batch_size_if_needed: bool = False,
     step_batch_size_schedule: str | None = None,
     seq_length: int | None = None,

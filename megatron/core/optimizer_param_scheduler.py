@@ -160,16 +160,19 @@ class OptimizerParamScheduler:
             else:
                 group["max_lr"], group["min_lr"] = self.decoupled_lr, self._decoupled_floor()
 
-    def get_wd(self) -> float:
-        """The weight decay (before ``wd_mult``) at the current sample count."""
+    def get_wd(self, param_group: dict[str, Any] | None = None) -> float:
+        """The weight decay (before ``wd_mult``) at the current sample count; a ``param_group``'s own
+        ``start_wd``/``end_wd`` win, as in Megatron-Core."""
+        start = self.start_wd if param_group is None else param_group.get("start_wd", self.start_wd)
+        end = self.end_wd if param_group is None else param_group.get("end_wd", self.end_wd)
         if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
-            return self.end_wd
+            return end
         ratio = float(self.num_steps) / float(self.wd_incr_steps)
         if self.wd_incr_style == "linear":
             coeff = ratio
         else:  # cosine
             coeff = 0.5 * (math.cos(math.pi * (1.0 - ratio)) + 1.0)
-        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+        return start + coeff * (end - start)
 
     def get_lr(self, param_group: dict[str, Any]) -> float:
         """The LR (before ``lr_mult``) for ``param_group``; a group's ``max_lr``/``min_lr`` win."""
@@ -212,10 +215,9 @@ class OptimizerParamScheduler:
     def step(self, increment: int) -> None:
         """Advance by ``increment`` samples and set ``lr``/``weight_decay`` on every param group."""
         self.num_steps += increment
-        wd = self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
-            group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+            group["weight_decay"] = self.get_wd(group) * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule and the sample count."""

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed.param_owners import ParamBroadcast
+from megatron.core.optimizer.chained import ChainedOptimizer, DistributedOptimizer
 from megatron.core.optimizer.clip_grads import param_is_not_duplicate
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
@@ -20,7 +21,9 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.optimizer.sharded_state import PARAM_GROUP_NAMES
 
 __all__ = [
+    "ChainedOptimizer",
     "ConstantGradScaler",
+    "DistributedOptimizer",
     "DynamicGradScaler",
     "MegatronGradScaler",
     "MegatronOptimizer",
@@ -116,28 +119,51 @@ def _make_grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
 def get_megatron_optimizer(
     config: OptimizerConfig,
     model_chunks: list[torch.nn.Module],
+    config_overrides: dict | None = None,
+    use_gloo_process_groups: bool = True,
+    pg_collection: Any = None,
+    dump_param_to_param_group_map: str | None = None,
+    *,
     grad_stats_group: dist.ProcessGroup | None = None,
-    tp_rank: int = 0,
+    tp_rank: int | None = None,
     no_weight_decay_cond: NoWeightDecayCond | None = None,
 ) -> MegatronOptimizer:
-    """Build the optimizer for ``model_chunks`` (the model, or its virtual-pipeline chunks).
+    """Build the optimizer for ``model_chunks`` (the model, or its virtual-pipeline chunks), with
+    Megatron-Core's signature.
 
     bf16/fp16 params get fp32 main copies; fp32 params are updated in place. fp16 uses a dynamic
     loss scaler unless ``config.loss_scale`` fixes one (as in Megatron, an explicit
-    ``--loss-scale`` also applies with bf16); bf16 and fp32 otherwise run unscaled.
+    ``--loss-scale`` also applies with bf16); bf16 and fp32 otherwise run unscaled. A model whose
+    DDP wrapper shards the optimizer (``use_distributed_optimizer``) gets a
+    :class:`DistributedOptimizer`.
 
     Args:
         config: the optimizer settings.
         model_chunks: modules whose trainable params are optimized.
-        grad_stats_group: group over which grad norm, zero count and overflow flag are reduced
-            (the model-parallel group); None for no reduction (single process or pure DP).
-        tp_rank: tensor-parallel rank; TP-replicated params count in the grad norm only on rank 0.
-        no_weight_decay_cond: ``(name, param) -> bool``, True for params without weight decay;
+        config_overrides: Megatron-Core's per-parameter config overrides; only None (its standard
+            ones, which are this package's groups: no weight decay for biases and 1-D params,
+            ``decoupled_lr`` for the embedding and output layer) is built.
+        use_gloo_process_groups: accepted, no effect (no gloo side groups are made).
+        pg_collection: Megatron-Core's ``ProcessGroupCollection``; its ``mp`` group reduces the grad
+            statistics and its ``tp`` rank picks the duplicates. Default: the groups of
+            ``parallel_state.initialize_model_parallel`` when initialized, else none (one process).
+        dump_param_to_param_group_map: only None is built.
+        grad_stats_group: (ours) the group for grad norm, zero count and overflow flag; overrides
+            ``pg_collection``.
+        tp_rank: (ours) tensor-parallel rank; TP-replicated params count in the grad norm only on rank 0.
+        no_weight_decay_cond: (ours) ``(name, param) -> bool``, True for params without weight decay;
             default: biases and 1-D params.
 
     Raises:
-        ValueError: conflicting precision flags, or no trainable params.
+        ValueError: conflicting precision flags, no trainable params, or an option not built.
     """
+    if config_overrides:
+        raise ValueError("get_megatron_optimizer(config_overrides=...) is not supported: per-parameter overrides "
+                         "are not built; pass None (biases and 1-D params get no weight decay, "
+                         "OptimizerConfig.decoupled_lr sets the embedding's) or no_weight_decay_cond=")
+    if dump_param_to_param_group_map is not None:
+        raise ValueError("get_megatron_optimizer(dump_param_to_param_group_map=...) is not supported; pass None")
+    grad_stats_group, tp_rank = _stats_groups(grad_stats_group, tp_rank, pg_collection)
     if config.fp16 and config.bf16:
         raise ValueError("--fp16 and --bf16 are mutually exclusive; pass at most one")
     if config.loss_scale is not None and not (config.fp16 or config.bf16):
@@ -167,4 +193,22 @@ def get_megatron_optimizer(
     sync = ParamBroadcast(every, owners, dp_group, overlap=overlap)
     if overlap:
         sync.attach(model_chunks)
-    return MegatronOptimizer(config, owned, _make_grad_scaler(config), dist.group.WORLD, tp_rank, param_sync=sync)
+    return DistributedOptimizer(config, owned, _make_grad_scaler(config), dist.group.WORLD, tp_rank, param_sync=sync)
+
+
+def _stats_groups(group: dist.ProcessGroup | None, tp_rank: int | None,
+                  pg_collection: Any) -> tuple[dist.ProcessGroup | None, int]:
+    """(group reducing the grad statistics, tp rank): the given ones, else ``pg_collection``'s, else
+    the default parallel state's where one is initialized (a public entry point may read it)."""
+    if group is None and pg_collection is not None:
+        group = getattr(pg_collection, "mp", None)
+        tp = getattr(pg_collection, "tp", None)
+        if tp_rank is None and tp is not None and dist.is_initialized():
+            tp_rank = dist.get_rank(tp)
+    if group is None and pg_collection is None and tp_rank is None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            state = parallel_state.get_parallel_state()
+            group, tp_rank = state.mp_group, state.tp_rank
+    return group, tp_rank or 0

@@ -170,8 +170,9 @@ class MegatronOptimizer:
 
         Returns:
             ``(update_successful, grad_norm, num_zeros)``. On overflow (fp16) nothing is updated and
-            the result is ``(False, None, None)``. ``grad_norm`` is the global pre-clip L2 norm over
-            non-duplicate grads; ``num_zeros`` is None unless ``config.log_num_zeros_in_grad``.
+            the result is ``(False, None, None)``; a grad norm above ``config.grad_norm_skip_threshold``
+            updates nothing and returns ``(False, grad_norm, num_zeros)``. ``grad_norm`` is the global
+            pre-clip L2 norm over non-duplicate grads; ``num_zeros`` is None unless ``config.log_num_zeros_in_grad``.
         """
         self.finish_param_sync()  # no broadcast of the last step may still read or write a param
         # Low-precision gradients (DDP's aliased single gradients) stay as they are for the
@@ -195,6 +196,9 @@ class MegatronOptimizer:
             if found:
                 return False, None, None
         grad_norm = stats[1].sqrt()
+        if math.isfinite(self.config.grad_norm_skip_threshold) and present:
+            if math.sqrt(stats[1].item()) > self.config.grad_norm_skip_threshold:
+                return self._skipped(stats, sync)
         if self._one_pass_adamw:
             divisor = self._clip_divisor(grad_norm) if present else None
             adamw_step(self.optimizer, self._model_of_main, divisor,
@@ -209,6 +213,14 @@ class MegatronOptimizer:
             return True, grad_norm, num_zeros
         values = stats.tolist()
         return True, math.sqrt(values[1]), int(values[2]) if num_zeros is not None else None
+
+    def _skipped(self, stats: torch.Tensor, sync: bool) -> tuple[bool, Any, Any]:
+        """``step``'s result when the grad norm is above ``config.grad_norm_skip_threshold``: no update."""
+        zeros = self.config.log_num_zeros_in_grad
+        if not sync:
+            return False, stats[1].sqrt(), stats[2] if zeros else None
+        values = stats.tolist()
+        return False, math.sqrt(values[1]), int(values[2]) if zeros else None
 
     def finish_param_sync(self) -> None:
         """Wait for the last step's weight broadcasts still in flight (``--overlap-param-gather``):

@@ -32,6 +32,7 @@ from megatron.core.pipeline_parallel.schedules import (
     _model_config,
     _stage,
     backward_step,
+    check_schedule_options,
     deallocate_output_tensor,
     finalize,
     forward_step,
@@ -129,8 +130,10 @@ def forward_backward_pipelining_with_interleaving(
         *, forward_step_func: Callable, data_iterator: list | None, model: list, num_microbatches: int,
         seq_length: int | None = None, micro_batch_size: int | None = None, decoder_seq_length=None,
         forward_only: bool = False, collect_non_loss_data: bool = False, first_val_step=None,
-        adjust_tensor_shapes_fn=None, p2p_communicator: P2PCommunicator | None = None) -> list:
-    """Interleaved 1F1B over ``model`` (one chunk per virtual stage of this rank).
+        adjust_tensor_shapes_fn=None, p2p_communicator: P2PCommunicator | None = None, pg_collection=None,
+        force_all_reduce: bool | None = False) -> list:
+    """Interleaved 1F1B over ``model`` (one chunk per virtual stage of this rank). ``pg_collection``
+    has no effect (the model's ParallelState holds the groups); ``force_all_reduce`` must be False.
 
     ``data_iterator`` is a list with one entry per chunk (None where the chunk reads no data).
     Returns the per-micro-batch metrics on the last pipeline rank, an empty list elsewhere.
@@ -139,6 +142,7 @@ def forward_backward_pipelining_with_interleaving(
         ValueError: fewer than two chunks, or a micro-batch count the schedule cannot run
             (see ``check_interleaving``).
     """
+    check_schedule_options(force_all_reduce)
     if not isinstance(model, list) or len(model) < 2:
         raise ValueError("the interleaved schedule needs a list of >= 2 model chunks per rank")
     v = len(model)

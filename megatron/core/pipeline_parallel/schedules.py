@@ -192,9 +192,18 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
                                    num_microbatches: int, seq_length: int | None = None,
                                    micro_batch_size: int | None = None, decoder_seq_length=None,
                                    forward_only: bool = False, collect_non_loss_data: bool = False,
-                                   first_val_step=None, adjust_tensor_shapes_fn=None) -> list:
+                                   first_val_step=None, adjust_tensor_shapes_fn=None,
+                                   p2p_communicator: P2PCommunicator | None = None, pg_collection=None,
+                                   force_all_reduce: bool | None = False) -> list:
     """Gradient accumulation over ``num_microbatches``; gradient reduction is deferred (``no_sync``)
-    until the last micro-batch's backward, so overlapped reduction fires only then."""
+    until the last micro-batch's backward, so overlapped reduction fires only then.
+
+    Takes Megatron-Core's keyword arguments; ``seq_length``, ``micro_batch_size``,
+    ``decoder_seq_length``, ``first_val_step``, ``adjust_tensor_shapes_fn``, ``p2p_communicator`` and
+    ``pg_collection`` have no effect here (the model's ParallelState holds the groups), as
+    ``check_schedule_options`` says for all schedules.
+    """
+    check_schedule_options(force_all_reduce)
     model, data_iterator = _one_chunk(model, data_iterator,
                                       "virtual pipeline chunks need --pipeline-model-parallel-size > 1")
     config = _model_config(model)
@@ -221,12 +230,15 @@ def forward_backward_pipelining_without_interleaving(
         *, forward_step_func: Callable, data_iterator: Iterator | list | None, model, num_microbatches: int,
         seq_length: int | None = None, micro_batch_size: int | None = None, decoder_seq_length=None,
         forward_only: bool = False, collect_non_loss_data: bool = False, first_val_step=None,
-        adjust_tensor_shapes_fn=None, p2p_communicator: P2PCommunicator | None = None) -> list:
+        adjust_tensor_shapes_fn=None, p2p_communicator: P2PCommunicator | None = None, pg_collection=None,
+        force_all_reduce: bool | None = False) -> list:
     """1F1B: ``W = min(pp - rank - 1, M)`` warm-up forwards, ``M - W`` steady forward+backward pairs,
     ``W`` cool-down backwards. At most ``W + 1 <= pp - rank`` micro-batches' activations are live.
 
-    ``p2p_communicator`` replaces the one built from the model's pipeline group (tests).
+    ``p2p_communicator`` replaces the one built from the model's pipeline group (tests);
+    ``pg_collection`` has no effect (the model's ParallelState holds the groups).
     """
+    check_schedule_options(force_all_reduce)
     model, data_iterator = _one_chunk(model, data_iterator,
                                       "non-interleaved pipeline schedule expects one model chunk per rank")
     config = _model_config(model)
@@ -289,15 +301,33 @@ def forward_backward_pipelining_without_interleaving(
     return metrics if is_last else []
 
 
-def get_forward_backward_func(pp_size: int | None = None, vpp_size: int | None = None) -> Callable:
+def check_schedule_options(force_all_reduce: bool | None) -> None:
+    """Refuse the Megatron-Core schedule options that are not built (the others are taken as no-ops)."""
+    if force_all_reduce:
+        raise ValueError("force_all_reduce=True is not supported: gradients are reduced as the DDP config says; "
+                         "pass force_all_reduce=False")
+
+
+def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None,
+                              schedule_pg_collection=None, *, vpp_size: int | None = None) -> Callable:
     """The schedule for the layout: no pipelining (pp 1), 1F1B (pp > 1) or interleaved 1F1B (vpp > 1).
 
-    Without arguments the sizes come from the default parallel state (Megatron-Core's behaviour).
+    Megatron-Core's signature; ``vpp_size`` is our spelling of ``vp_size``. Without sizes they come
+    from the default parallel state (``initialize_model_parallel``'s pp and virtual stages), as in
+    Megatron-Core. ``schedule_pg_collection`` (multi-module pipelines) must be None.
     """
+    if schedule_pg_collection is not None:
+        raise ValueError("get_forward_backward_func(schedule_pg_collection=...) is not supported: multi-module "
+                         "pipelines are not built; pass None")
+    if vp_size is not None and vpp_size is not None and vp_size != vpp_size:
+        raise ValueError(f"vp_size={vp_size} and vpp_size={vpp_size} differ; pass one of them")
+    vpp_size = vp_size if vp_size is not None else vpp_size
     if pp_size is None:
-        from megatron.core.parallel_state import get_parallel_state
+        from megatron.core import parallel_state
 
-        pp_size = get_parallel_state().pp_size
+        pp_size = parallel_state.get_parallel_state().pp_size
+        if vpp_size is None:
+            vpp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if pp_size <= 1:
         if vpp_size is not None and vpp_size > 1:
             raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
