@@ -326,3 +326,15 @@ def test_utils_split_and_rename():
     assert (sd["w"].key, sd["o"].key) == ("top.x.w", "top.model.decoder.o")
     with pytest.raises(ValueError, match="does not start with 'decoder.'"):
         utils.replace_prefix_for_sharding(sd, "decoder.", "")
+
+
+def test_strategy_save_and_load_directly(tmp_path):
+    d = str(tmp_path)
+    TorchDistSaveShardedStrategy().save({"w": _whole("w", W.clone()), "it": 5}, d)
+    assert dist_checkpointing.check_is_distributed_checkpoint(d)
+    assert dist_checkpointing.load_common_state_dict(d) == {"it": 5}
+    target = _whole("w", torch.zeros(4, 6))
+    out = TorchDistLoadShardedStrategy().load({"w": target}, d)
+    assert torch.equal(out["w"], W)
+    meta = get_default_load_sharded_strategy(d).load_sharded_metadata(d)
+    assert meta["w"].data is None and meta["w"].global_shape == (4, 6) and meta["w"].dtype == torch.float32
