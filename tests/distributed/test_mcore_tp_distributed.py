@@ -82,6 +82,11 @@ def test_mappings_without_a_group_use_the_default_tp_group(ps: ParallelState) ->
     want = torch.tensor([0.0, 1.0, 10.0, 11.0] if r == 0 else [2.0, 3.0, 12.0, 13.0], device=device())
     assert_close(y.view(-1), want)
     assert_close(dx.view(-1), torch.tensor([1.0, 1.0, 2.0, 2.0], device=device()))
+    # sp2hp: tokens sharded -> hidden sharded (every rank's tokens, this rank's hidden block); hp2sp undoes it.
+    tokens = _full(9, 8, 6)  # [num_tokens, H]
+    hp = tpl.all_to_all_sp2hp(tokens.chunk(tp, 0)[r])
+    assert_close(hp, tokens.chunk(tp, -1)[r])
+    assert_close(tpl.all_to_all_hp2sp(hp), tokens.chunk(tp, 0)[r])
     # A replicated parameter is counted on tp rank 0 only; a tp shard everywhere.
     p = torch.nn.Parameter(torch.zeros(1))
     assert tpl.param_is_not_tensor_parallel_duplicate(p) == (r == 0)

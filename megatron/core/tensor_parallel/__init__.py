@@ -22,6 +22,8 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     all_to_all,
+    all_to_all_hp2sp,
+    all_to_all_sp2hp,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -61,6 +63,8 @@ __all__ = [
     "VocabUtility",
     "all_gather_last_dim_from_tensor_parallel_region",
     "all_to_all",
+    "all_to_all_hp2sp",
+    "all_to_all_sp2hp",
     "broadcast_data",
     "checkpoint",
     "copy_tensor_model_parallel_attributes",

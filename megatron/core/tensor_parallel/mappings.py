@@ -393,3 +393,29 @@ def all_to_all(group: ProcessGroup, input_: torch.Tensor, output_split_sizes_: l
     if group_size(group) == 1:
         return input_
     return _AllToAll.apply(group, input_, output_split_sizes_, input_split_sizes)
+
+
+def all_to_all_sp2hp(input_: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """``[num_tokens/tp, H]`` (tokens sharded) -> ``[num_tokens, H/tp]`` (hidden sharded) over ``group``
+    (default: the default tp group): rank ``r`` receives every rank's tokens, hidden block ``r``."""
+    group = default_tp_group(group)
+    n = group_size(group)
+    x = input_.reshape(-1, input_.shape[-1])
+    if n == 1:
+        return x
+    assert group is not None
+    _check_divisible(x, n, 1)
+    return all_to_all(group, torch.cat(x.split(x.shape[-1] // n, dim=1), dim=0))
+
+
+def all_to_all_hp2sp(input_: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """The inverse of :func:`all_to_all_sp2hp`: ``[num_tokens, H/tp]`` -> ``[num_tokens/tp, H]``."""
+    group = default_tp_group(group)
+    n = group_size(group)
+    x = input_.reshape(-1, input_.shape[-1])
+    if n == 1:
+        return x
+    assert group is not None
+    _check_divisible(x, n, 0)
+    exchanged = all_to_all(group, x)
+    return torch.cat(exchanged.split(exchanged.shape[0] // n, dim=0), dim=-1)
