@@ -238,3 +238,13 @@ def test_padding_sample_is_sample_zero_without_loss(null_tokenizer):
     pad, first = ds[None], ds[0]
     assert torch.equal(pad["tokens"], first["tokens"]) and torch.equal(pad["labels"], first["labels"])
     assert not pad["loss_mask"].any() and first["loss_mask"].all()
+
+
+def test_log_single_rank_is_importable_from_datasets_utils(caplog):
+    import logging
+
+    from megatron.core.datasets.utils import log_single_rank
+
+    with caplog.at_level(logging.INFO):
+        log_single_rank(logging.getLogger("t"), logging.INFO, "built")
+    assert "built" in caplog.text
