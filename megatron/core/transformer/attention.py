@@ -11,6 +11,8 @@ from torch import nn
 
 from megatron.core.tensor_parallel.mappings import group_size
 from megatron.core.tensor_parallel.random import checkpoint_with_rng
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.rope import apply_rotary
 from megatron.core.transformer.spec_utils import build_module
 
@@ -67,13 +69,23 @@ class DotProductAttention(nn.Module):
     ``n_kv`` (grouped-query attention); output ``[s, b, n_q * d]``. ``attention_mask`` is ``None``
     (causal, the fused kernels' fast path) or a boolean ``[b or 1, 1, s, s]`` where True = masked, applied
     as given (:func:`mask_for_attention` turns a causal mask into ``None``).
+
+    Megatron-Core's arguments: ``attn_mask_type`` ``AttnMaskType.no_mask`` makes a ``None`` mask mean
+    no masking (bidirectional); every other type keeps ``None`` = causal and applies a given mask as
+    is. ``attention_dropout`` and ``softmax_scale`` override the config's (default ``1/sqrt(d)``).
+    ``attention_type`` must be ``"self"``.
     """
 
-    def __init__(self, config, layer_number: int = 1, rng_tracker=None):
+    def __init__(self, config, layer_number: int = 1, attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 attention_type: str = "self", attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None, rng_tracker=None):
         super().__init__()
-        self.dropout_p = config.attention_dropout
+        if attention_type != "self":
+            raise ValueError(f"DotProductAttention attention_type={attention_type!r}: only 'self' attention is built")
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.rng_tracker = rng_tracker  # heads are split over tp: each rank draws its own mask
-        self.softmax_scale = getattr(config, "softmax_scale", None)  # None: 1/sqrt(d), SDPA's default
+        self.softmax_scale = getattr(config, "softmax_scale", None) if softmax_scale is None else softmax_scale
 
     def forward(self, q, k, v, attention_mask=None):
         if self.rng_tracker is not None and self.training and self.dropout_p > 0:
@@ -87,9 +99,18 @@ class DotProductAttention(nn.Module):
         mask = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=attention_mask is None, enable_gqa=k.shape[1] != n_q, scale=self.softmax_scale,
+            is_causal=attention_mask is None and self.attn_mask_type != AttnMaskType.no_mask,
+            enable_gqa=k.shape[1] != n_q, scale=self.softmax_scale,
         )
         return out.permute(2, 0, 1, 3).reshape(s, b, n_q * d)
+
+
+def _qk_norm(spec, config, head_dim: int) -> nn.Module | None:
+    """A query/key norm of ``head_dim`` channels, or None (see SelfAttention)."""
+    asked = config.qk_layernorm or bool(getattr(spec, "metainfo", {}).get("qk_layernorm"))
+    if spec is None or not asked or spec is IdentityOp:
+        return None
+    return build_module(spec, config, head_dim)
 
 
 class SelfAttention(nn.Module):
@@ -97,9 +118,15 @@ class SelfAttention(nn.Module):
 
     The fused QKV weight stacks, per query group, ``[n_h/n_g query heads, 1 key head, 1 value head]``
     of ``d`` rows each (Megatron's checkpoint layout); tp splits along query groups.
+
+    Query/key norms are built from ``submodules.q_layernorm`` / ``k_layernorm`` when
+    ``config.qk_layernorm`` is set or the spec asked for them (``get_gpt_layer_local_spec(
+    qk_layernorm=True)``); an ``IdentityOp`` there is no norm. ``attn_mask_type`` goes to the core
+    attention.
     """
 
-    def __init__(self, config, submodules: SelfAttentionSubmodules, layer_number: int = 1, tp_group=None,
+    def __init__(self, config, submodules: SelfAttentionSubmodules, layer_number: int = 1,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, tp_group=None,
                  sequence_parallel: bool = False, rng_tracker=None):
         super().__init__()
         tp = group_size(tp_group)
@@ -116,15 +143,16 @@ class SelfAttention(nn.Module):
             submodules.linear_qkv, config.hidden_size, (n_h + 2 * n_g) * d, init_std=config.init_method_std,
             bias=config.add_bias_linear or config.add_qkv_bias, **common,
         )
-        self.core_attention = build_module(submodules.core_attention, config, layer_number, rng_tracker=rng_tracker)
+        self.core_attention = build_module(submodules.core_attention, config, layer_number,
+                                           attn_mask_type=attn_mask_type, rng_tracker=rng_tracker)
         self.rng_tracker = rng_tracker
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.linear_proj = build_module(
             submodules.linear_proj, n_h * d, config.hidden_size, init_std=config.output_layer_init_std,
             bias=config.add_bias_linear, skip_bias_add=True, **common,
         )
-        self.q_layernorm = build_module(submodules.q_layernorm, config, d) if config.qk_layernorm else None
-        self.k_layernorm = build_module(submodules.k_layernorm, config, d) if config.qk_layernorm else None
+        self.q_layernorm = _qk_norm(submodules.q_layernorm, config, d)
+        self.k_layernorm = _qk_norm(submodules.k_layernorm, config, d)
 
     def forward(self, hidden: torch.Tensor, attention_mask=None, rotary=None):
         """``hidden`` ``[s, b, h]`` -> ``(output [s, b, h], bias or None)``."""

@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 from torch import nn
 
 from megatron.core.tensor_parallel.random import checkpoint_with_rng
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import build_module
+
+
+@dataclass
+class TransformerBlockSubmodules:
+    """Megatron-Core's block spec: one spec per layer and the final norm. The layers here share one
+    spec; ``layer_norm`` is accepted (the final norm is ``config.normalization``'s)."""
+
+    layer_specs: list[Any] = field(default_factory=list)
+    layer_norm: Any = None
+
+
+def _layer_spec(spec: Any) -> Any:
+    """The one layer spec of ``spec`` (a layer spec, or a block spec whose layers share one).
+
+    Raises:
+        ValueError: a block spec with no layers or with different specs per layer.
+    """
+    if not isinstance(spec, TransformerBlockSubmodules):
+        return spec
+    if not spec.layer_specs or any(s is not spec.layer_specs[0] for s in spec.layer_specs):
+        raise ValueError("TransformerBlockSubmodules.layer_specs must hold one spec shared by every layer here "
+                         "(layers that differ are not built); pass get_gpt_layer_local_spec()")
+    return spec.layer_specs[0]
 
 
 class TransformerBlock(nn.Module):
@@ -20,6 +46,7 @@ class TransformerBlock(nn.Module):
                  post_layer_norm: bool = True, tp_group=None, sequence_parallel: bool = False, rng_tracker=None):
         super().__init__()
         num_layers = config.num_layers if num_layers is None else num_layers
+        spec = _layer_spec(spec)
         self.layer_offset = layer_offset
         self.rng_tracker = rng_tracker
         self.recompute = (config.recompute_method, config.recompute_num_layers) \

@@ -474,3 +474,8 @@ def _divisor_near(n: int, target: int, multiple_of: int = 1) -> int:
     divisors = [d for d in range(1, n + 1) if n % d == 0]
     fitting = [d for d in divisors if d % multiple_of == 0] or divisors
     return min(fitting, key=lambda d: (abs(d - target), d))
+
+
+from megatron.core.transformer.mla_config import MLATransformerConfig  # noqa: E402  (derives from TransformerConfig)
+
+__all__ = ["TransformerConfig", "MLATransformerConfig"]

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.fusions.linear_cross_entropy import linear_cross_entropy
 from megatron.core.models.common.embeddings import LanguageModelEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.parallel_state import ParallelState, get_parallel_state
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.cross_entropy import sharded_cross_entropy
@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-class GPTModel(nn.Module):
+class GPTModel(LanguageModule):
     """A decoder-only language model with Megatron-Core's constructor and forward contract.
 
     Args:
@@ -42,7 +42,8 @@ class GPTModel(nn.Module):
         device: where parameters live; built on the meta device and materialised there (with
             ``config.use_cpu_initialization``: materialised and initialised on the CPU, then moved).
         seed: initialisation seed; default ``torch.initial_seed()``. Weights depend only on the seed
-            and each parameter's global name, never on the parallel layout.
+            and each parameter's global name, never on the parallel layout. With
+            ``config.perform_initialization=False`` they are left uninitialised (for a checkpoint load).
 
     Raises:
         ValueError: the config's parallel sizes disagree with the process groups', or do not split
@@ -57,8 +58,7 @@ class GPTModel(nn.Module):
                  parallel_output: bool = True, parallel_state: ParallelState | None = None,
                  num_layers: int | None = None, layer_offset: int = 0, sequence_parallel: bool | None = None,
                  device: torch.device | str | None = None, seed: int | None = None, vp_stage: int | None = None):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.pg = parallel_state if parallel_state is not None else get_parallel_state()
         config.check_parallel_sizes(self.pg.tp_size, self.pg.pp_size)
         if num_layers is None and self.pg.pp_size > 1:

@@ -1,0 +1,128 @@
+"""Megatron-Core's spec utilities and GPT layer specs (megatron.core.transformer.spec_utils,
+megatron.core.models.gpt.gpt_layer_specs)."""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.core.config_utils import ConfigError
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_local_submodules,
+    get_gpt_layer_with_transformer_engine_spec,
+    get_mlp_module_spec,
+)
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer import MegatronModule, ModuleSpec, TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import build_module, get_module, get_submodules, import_module
+
+
+class Scaled(nn.Module):
+    def __init__(self, width, scale=1.0, submodules=None):
+        super().__init__()
+        self.width, self.scale, self.submodules = width, scale, submodules
+
+
+def double(x):
+    return 2 * x
+
+
+def test_module_spec_builds_classes_tuples_and_keeps_functions():
+    spec = ModuleSpec(module=Scaled, params={"scale": 3.0}, submodules="subs")
+    built = build_module(spec, 8)
+    assert (built.width, built.scale, built.submodules) == (8, 3.0, "subs")
+    assert build_module(spec, 8, scale=5.0).scale == 5.0  # the caller's keyword wins
+    assert spec(4).width == 4  # ModuleSpec is callable
+    lazy = ModuleSpec(module=("torch.nn", "Linear"), params={"bias": False})
+    linear = build_module(lazy, 3, 2)
+    assert isinstance(linear, nn.Linear) and linear.bias is None
+    assert get_module(lazy) is nn.Linear and import_module(("torch.nn", "Linear")) is nn.Linear
+    assert import_module(("no_such_module_here", "X")) is None
+    # functions are returned unchanged, never called
+    assert build_module(double, 1, 2) is double
+    assert build_module(ModuleSpec(module=double), 1) is double
+    assert build_module(ModuleSpec(module=(__name__, "double"))) is double
+    assert build_module(None) is None
+    assert build_module(functools.partial(Scaled, scale=2.0), 6).scale == 2.0
+    with pytest.raises(TypeError, match="when instantiating Scaled"):
+        build_module(ModuleSpec(module=Scaled, params={"nope": 1}), 2)
+
+
+def test_get_submodules():
+    subs = MLPSubmodules()
+    assert get_submodules(ModuleSpec(module=MLP, submodules=subs)) is subs
+    assert get_submodules(functools.partial(MLP, submodules=subs)) is subs
+    with pytest.raises(ValueError, match="submodules"):
+        get_submodules(3)
+
+
+def test_transformer_package_exports_megatron_core_names():
+    from megatron.core.transformer.module import MegatronModule as M
+
+    assert MegatronModule is M and TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+
+
+def _cfg(**kw):
+    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                             attention_dropout=0.0, **kw)
+
+
+def test_local_spec_signature_refusals_and_attention_mask_type():
+    subs = get_gpt_layer_local_submodules()
+    assert subs.self_attention.params == {"attn_mask_type": AttnMaskType.causal}
+    for kw in (dict(num_experts=8), dict(multi_latent_attention=True), dict(qk_l2_norm=True),
+               dict(moe_grouped_gemm=True)):
+        name = next(iter(kw))
+        with pytest.raises(ConfigError, match=rf"get_gpt_layer_local_submodules\({name}=.*not supported here"):
+            get_gpt_layer_local_spec(**kw)
+    with pytest.raises(ConfigError, match="num_experts"):
+        get_mlp_module_spec(num_experts=4)
+    mlp = get_mlp_module_spec()  # use_te=True: the local MLP
+    assert mlp.module is MLP and get_submodules(mlp).linear_fc1 is not None
+    spec = get_gpt_layer_local_spec(fp8="e4m3", normalization="RMSNorm")
+    assert isinstance(get_gpt_layer_with_transformer_engine_spec(), ModuleSpec) and spec.module is not None
+
+
+def test_qk_layernorm_from_the_spec_or_the_config():
+    model = GPTModel(_cfg(), get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64, max_sequence_length=8)
+    assert model.decoder.layers[0].self_attention.q_layernorm is not None
+    plain = GPTModel(_cfg(), get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8)
+    assert plain.decoder.layers[0].self_attention.q_layernorm is None
+    by_config = GPTModel(_cfg(qk_layernorm=True), get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8)
+    assert by_config.decoder.layers[0].self_attention.k_layernorm is not None
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.q_layernorm = IdentityOp
+    spec.submodules.self_attention.submodules.k_layernorm = IdentityOp
+    none = GPTModel(_cfg(qk_layernorm=True), spec, vocab_size=64, max_sequence_length=8)
+    assert none.decoder.layers[0].self_attention.q_layernorm is None
+
+
+def test_decoder_block_spec_builds_the_same_model_as_the_layer_spec():
+    cfg = _cfg()
+    block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    assert len(block.layer_specs) == 2
+    ids = torch.randint(0, 64, (2, 8))
+    a = GPTModel(cfg, block, vocab_size=64, max_sequence_length=8, seed=2)
+    b = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8, seed=2)
+    torch.testing.assert_close(a(ids, None, None), b(ids, None, None), rtol=0, atol=0)
+
+
+def test_no_mask_attention_type_is_bidirectional():
+    from megatron.core.transformer.attention import DotProductAttention
+
+    q, k, v = (torch.randn(5, 1, 2, 4) for _ in range(3))
+    causal = DotProductAttention(_cfg()).eval()(q, k, v)
+    full = DotProductAttention(_cfg(), attn_mask_type=AttnMaskType.no_mask).eval()(q, k, v)
+    ref = torch.softmax(torch.einsum("sbnd,tbnd->bnst", q, k) / 2.0, -1)
+    expected = torch.einsum("bnst,tbnd->sbnd", ref, v).reshape(5, 1, 8)
+    torch.testing.assert_close(full, expected)
+    torch.testing.assert_close(causal[-1], full[-1])  # the last query sees every key either way
+    assert not torch.allclose(causal[0], full[0])
+    scaled = DotProductAttention(_cfg(), softmax_scale=0.1).eval()(q, k, v)
+    assert not torch.allclose(scaled, causal)
