@@ -271,12 +271,13 @@ def flag_list() -> list[str]:
                   if s.startswith("--") and s not in ("--help", "--help-megatron"))
 
 
-def parse_namespace(argv: list[str], parser: Parser | None = None,
-                    ignore_unknown: bool = False) -> tuple[dict, list[str]]:
+def parse_namespace(argv: list[str], parser: Parser | None = None, ignore_unknown: bool = False,
+                    foreign_given: list | None = None) -> tuple[dict, list[str]]:
     """(flag values by config field, notes on the accepted foreign flags). Every mistake of the
     command line (unknown flags, refused Megatron-LM flags, bad values and choices) is reported
     together: one line each, then exit code 2. ``parser`` defaults to ``build_parser()``;
-    ``ignore_unknown`` drops flags that neither it nor Megatron-LM knows (refused ones still stop)."""
+    ``ignore_unknown`` drops flags that neither it nor Megatron-LM knows (refused ones still stop);
+    ``foreign_given`` receives the accepted Megatron-LM flags that are not ours, as (entry, value)."""
     from megatron.training.megatron_flags import GIVEN, judge
 
     parser = parser or build_parser()
@@ -288,6 +289,8 @@ def parse_namespace(argv: list[str], parser: Parser | None = None,
         ns, extras, stop = argparse.Namespace(), [], str(e)
     values = vars(ns)
     given = values.pop(GIVEN, [])
+    if foreign_given is not None:
+        foreign_given.extend(given)
     notes, refusals = judge(given)
     known = [s for a in parser._actions for s in a.option_strings]
     mistakes = refusals + ([] if ignore_unknown else unknown(extras, known)) + parser.mistakes + ([stop] if stop else [])

@@ -103,11 +103,14 @@ def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args:
     parser = _arguments.build_parser()
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
-    values, notes = _arguments.parse_namespace(sys.argv[1:], parser=parser, ignore_unknown=ignore_unknown_args)
+    foreign: list = []
+    values, notes = _arguments.parse_namespace(sys.argv[1:], parser=parser, ignore_unknown=ignore_unknown_args,
+                                               foreign_given=foreign)
     merged = {**_dest_defaults(parser), **values}
     args = argparse.Namespace(**merged)
     for m in MIRRORS:
         setattr(args, m.megatron, m.to_megatron(merged.get(m.ours)))
+    _set_foreign(args, foreign)
     args.rank = int(os.environ.get("RANK", "0"))
     if values.get("world_size") is None:
         args.world_size = world_size_from_env()
@@ -115,6 +118,42 @@ def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args:
     setattr(args, GIVEN_DESTS, sorted(values))
     setattr(args, NOTES, notes)
     return args
+
+
+def _set_foreign(args: argparse.Namespace, given: list) -> None:
+    """Megatron-LM's dests of the flags that are not ours (``megatron_flag_dests``): its default, or
+    the value given (converted to the default's type; a switch stores the opposite of its default)."""
+    from megatron.training.megatron_flag_dests import default_of, dest_of
+    from megatron.training.megatron_flag_table import FOREIGN
+
+    for flag in FOREIGN:
+        dest = dest_of(flag)
+        if not hasattr(args, dest):
+            setattr(args, dest, default_of(dest))
+    ours = {m.megatron for m in MIRRORS} | set(_dest_defaults(_arguments.build_parser()))
+    for entry, value in given:
+        dest = dest_of(entry.flag)
+        if dest in ours:
+            continue
+        default = default_of(dest)
+        if entry.nargs == 0:
+            setattr(args, dest, not default if isinstance(default, bool) else True)
+        else:
+            setattr(args, dest, _convert(value, default))
+
+
+def _convert(value: Any, default: Any) -> Any:
+    """A given value as Megatron-LM's parser would type it, judged by the default's type."""
+    if isinstance(value, list):
+        sample = default[0] if isinstance(default, list) and default else None
+        return [_convert(v, sample) for v in value]
+    for typ in (int, float):
+        if isinstance(default, typ) and not isinstance(default, bool):
+            try:
+                return typ(value)
+            except (TypeError, ValueError):
+                return value
+    return value
 
 
 def _values_for_configs(args: argparse.Namespace) -> dict[str, Any]:

@@ -121,3 +121,17 @@ def test_global_vars_set_get():
     global_vars.set_args(ns)
     assert global_vars.get_args() is ns
     global_vars.unset_global_variables()
+
+
+def test_megatron_flags_that_are_not_ours_have_their_dests(argv):
+    argv(FULL)
+    args = parse_args()
+    # Megatron-LM's defaults, read by code written against its args (--num-experts is refused here).
+    assert args.num_experts is None and args.manual_gc is False and args.deprecated_use_mcore_models is False
+    assert args.manual_gc_interval == 0 and args.context_parallel_size == 1 and args.tp_comm_overlap_ag is True
+    argv(FULL + "--manual-gc --manual-gc-interval 5 --use-mcore-models --disable-tp-comm-overlap-ag "
+                "--context-parallel-size 1".split())
+    args = parse_args()
+    assert args.manual_gc is True and args.manual_gc_interval == 5 and args.deprecated_use_mcore_models is True
+    assert args.tp_comm_overlap_ag is False and args.context_parallel_size == 1
+    assert validate_args(args).data_parallel_size == 1
