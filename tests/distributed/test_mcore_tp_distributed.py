@@ -151,24 +151,25 @@ def test_broadcast_data_and_layers_at_tp2(ps: ParallelState) -> None:
         return torch.nn.init.normal_(wt, generator=torch.Generator().manual_seed(11))
 
     master = init(torch.empty(8, 6))  # what use_cpu_initialization builds before splitting
-    col = tpl.ColumnParallelLinear(6, 8, config=config, init_method=init, gather_output=True, bias=False)
+    col = tpl.ColumnParallelLinear(6, 8, config=config, init_method=init, gather_output=True, bias=False).to(device())
     assert col.weight.shape == (4, 6) and torch.equal(col.weight.detach().cpu(), master.chunk(2, 0)[r])
     x = _full(6, 3, 2, 6)
-    out, bias = col(x.to(col.weight.device))
+    out, bias = col(x)
     assert bias is None and out.shape == (3, 2, 8)
     assert_close(out.cpu(), (x @ master.t()).cpu())
     for disable, summed in ((False, True), (True, False)):
-        lin = tpl.ColumnParallelLinear(6, 8, config=config, init_method=init, bias=False, disable_grad_reduce=disable)
-        xi = x.clone().to(lin.weight.device).requires_grad_(True)
+        lin = tpl.ColumnParallelLinear(6, 8, config=config, init_method=init, bias=False,
+                                       disable_grad_reduce=disable).to(device())
+        xi = x.clone().requires_grad_(True)
         lin(xi)[0].sum().backward()
         want = (master.sum(0) if summed else master.chunk(2, 0)[r].sum(0)).expand(3, 2, 6)
         assert_close(xi.grad.cpu(), want)  # the input gradient all-reduced over tp, or this rank's part
     row = tpl.RowParallelLinear(8, 6, config=config, init_method=init, bias=True, input_is_parallel=False,
-                                skip_bias_add=False)
+                                skip_bias_add=False).to(device())
     master_row = init(torch.empty(6, 8))
     assert torch.equal(row.weight.detach().cpu(), master_row.chunk(2, 1)[r])
     y, _ = row(out)
-    assert_close(y.cpu(), (out.cpu() @ master_row.t()))
+    assert_close(y.cpu(), out.cpu() @ master_row.t())
     emb = tpl.VocabParallelEmbedding(10, 4, init_method=init, config=config)
     assert (emb.vocab_start_index, emb.vocab_end_index) == ((0, 5) if r == 0 else (5, 10))
     # The functional linear with sequence parallelism on the default group: gathers the sequence.

@@ -3,7 +3,7 @@
 The functions here take the group explicitly and are the identity when it has one rank (or is
 ``None``, no tensor parallelism); the library calls these. Megatron-Core's public names
 (``copy_to_tensor_model_parallel_region(input_, group=None)``, ...), where an omitted group means the
-default ParallelState's tp group, are in :mod:`megatron.core.tensor_parallel.tp_regions`. Shapes follow the
+default ParallelState's tp group, follow them at the end of this module. Shapes follow the
 sequence-first convention ``[s, b, h]``: "sequence" collectives act on dim 0, the others on the
 last dim. Slices are contiguous blocks in rank order: rank ``r`` of ``n`` holds block ``r``.
 
