@@ -229,7 +229,7 @@ def test_layers_in_megatrons_form() -> None:
     assert_close(out, x @ col.weight.t())
     row = tpl.RowParallelLinear(6, 4, config=_config(use_cpu_initialization=False), init_method=init, bias=True,
                                 input_is_parallel=True, skip_bias_add=False)
-    y, none = row(out)
+    y, none = row(out.to(row.weight.device))  # initialised on the GPU when there is one
     assert none is None and torch.all(row.weight == 0.5)
     emb = tpl.VocabParallelEmbedding(10, 4, init_method=init, config=_config())
     assert emb(torch.tensor([[1, 9]])).shape == (1, 2, 4)
