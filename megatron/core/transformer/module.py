@@ -58,7 +58,7 @@ class MegatronModule(nn.Module):
             return
         for module in self.modules():
             if hasattr(module, "is_first_microbatch"):
-                module.is_first_microbatch = True
+                module.is_first_microbatch = True  # type: ignore[assignment]
 
 
 def _convert(value: Any, fn) -> Any:

@@ -5,21 +5,30 @@ from __future__ import annotations
 import torch
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, rotary_dim: int, base: float,
-                   seq_len_interpolation_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for ``position_ids`` ``[b, s]``, each ``[s, b, 1, rotary_dim]`` in fp32.
+def inverse_frequencies(rotary_dim: int, base: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[rotary_dim / 2]`` fp32: channel pair ``i`` turns by ``base ** (-2i / rotary_dim)`` per position."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
-    Channel pair ``i`` of position ``p`` turns by ``p * base ** (-2i / rotary_dim)``. With
-    ``seq_len_interpolation_factor`` f (linear position interpolation) ``p`` becomes ``p * (1 / f)``,
-    computed in fp32 as Megatron-Core does.
-    """
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=position_ids.device)
-                               / rotary_dim))
-    positions = position_ids.t().float()  # [s, b]
+
+def rotary_angles(positions: torch.Tensor, inv_freq: torch.Tensor,
+                  seq_len_interpolation_factor: float | None = None) -> torch.Tensor:
+    """The rotation angles (Megatron-Core's ``freqs``) ``[*positions.shape, rotary_dim]`` in fp32 for
+    positions of any shape: ``p * inv_freq``, repeated for the two halves that rotate together.
+    With ``seq_len_interpolation_factor`` f (linear position interpolation) ``p`` becomes
+    ``p * (1 / f)``, computed in fp32 as Megatron-Core does."""
+    positions = positions.float()
     if seq_len_interpolation_factor is not None:
         positions = positions * (1.0 / seq_len_interpolation_factor)
-    freqs = positions.unsqueeze(-1) * inv_freq  # [s, b, rd/2]
-    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [s, b, 1, rd]
+    freqs = positions.unsqueeze(-1) * inv_freq
+    return torch.cat((freqs, freqs), dim=-1)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, rotary_dim: int, base: float,
+                   seq_len_interpolation_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for ``position_ids`` ``[b, s]``, each ``[s, b, 1, rotary_dim]`` in fp32
+    (:func:`rotary_angles` of the positions)."""
+    inv_freq = inverse_frequencies(rotary_dim, base, position_ids.device)
+    emb = rotary_angles(position_ids.t(), inv_freq, seq_len_interpolation_factor).unsqueeze(2)  # [s, b, 1, rd]
     return emb.cos(), emb.sin()
 
 

@@ -1,0 +1,108 @@
+"""Megatron-Core's module classes and rotary embeddings: MegatronModule, Float16Module,
+LanguageModule, RotaryEmbedding and apply_rotary_pos_emb."""
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.core.config_utils import ConfigError
+from megatron.core.models.common.embeddings import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.module import Float16Module, MegatronModule
+from megatron.core.transformer.rope import apply_rotary, rotary_cos_sin
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def _cfg(**kw):
+    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                             attention_dropout=0.0, **kw)
+
+
+def _model(cfg, **kw):
+    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8, seed=4, **kw)
+
+
+def test_gpt_model_is_a_megatron_language_module():
+    model = _model(_cfg())
+    assert isinstance(model, LanguageModule) and isinstance(model, MegatronModule)
+    assert model.config.hidden_size == 32 and LanguageModelEmbedding is type(model.embedding)
+    model.set_is_first_microbatch()
+    sd = MegatronModule.sharded_state_dict(model, prefix="m.")
+    assert "m.output_layer.weight" not in sd or sd["m.output_layer.weight"].key == "m.output_layer.weight"
+    assert sd["m.embedding.word_embeddings.weight"].global_shape == (64, 32)
+
+
+def test_compute_language_model_loss_takes_megatron_core_shapes():
+    model = _model(_cfg())
+    ids, labels = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    logits = model(ids, None, None)  # [b, s, V]
+    loss = model.compute_language_model_loss(labels, logits.transpose(0, 1))  # labels [b, s], logits [s, b, V]
+    assert loss.shape == (2, 8) and loss.dtype == torch.float32
+    expected = nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1), reduction="none")
+    torch.testing.assert_close(loss, expected.view(2, 8))
+    torch.testing.assert_close(loss, model(ids, None, None, labels=labels))
+
+
+class _Stage(nn.Module):
+    def __init__(self, pre_process=True, post_process=True):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.seen = None
+
+    def forward(self, x, ids):
+        self.seen = (x.dtype, ids.dtype)
+        return self.linear(x.to(self.linear.weight.dtype)), ids
+
+
+@pytest.mark.parametrize("dtype_flag,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_float16_module_casts_inputs_on_the_first_stage_and_outputs_on_the_last(dtype_flag, dtype):
+    cfg = _cfg(**{dtype_flag: True})
+    wrapped = Float16Module(cfg, _Stage())
+    assert wrapped.module.linear.weight.dtype == dtype and isinstance(wrapped, MegatronModule)
+    x, ids = torch.randn(2, 4), torch.arange(2)
+    out, out_ids = wrapped(x, ids)
+    assert wrapped.module.seen == (dtype, torch.int64) and out.dtype == torch.float32 and out_ids.dtype == torch.int64
+    assert wrapped(x, ids, fp32_output=False)[0].dtype == dtype
+    middle = Float16Module(cfg, _Stage(pre_process=False, post_process=False))
+    out, _ = middle(x, ids)
+    assert middle.module.seen[0] == torch.float32 and out.dtype == dtype
+    assert set(wrapped.state_dict()) == {"linear.weight", "linear.bias"}
+    with pytest.raises(ValueError, match="fp16=True or config.bf16=True"):
+        Float16Module(_cfg(), _Stage())
+
+
+def test_float16_module_runs_a_gpt_model():
+    cfg = _cfg(bf16=True)
+    model = Float16Module(cfg, _model(cfg))
+    logits = model(torch.randint(0, 64, (2, 8)), None, None)
+    assert logits.dtype == torch.float32 and logits.shape == (2, 8, 64)
+
+
+def test_rotary_embedding_and_apply_rotary_pos_emb_equal_our_rope():
+    cfg = _cfg()
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=0.5, rotary_base=500, seq_len_interpolation_factor=2.0)
+    freqs = rope(6, offset=3)
+    assert freqs.shape == (6, 1, 1, 4) and freqs.dtype == torch.float32
+    positions = torch.arange(3, 9).expand(2, 6)
+    cos, sin = rotary_cos_sin(positions, 4, 500, 2.0)
+    torch.testing.assert_close(freqs.cos().expand_as(cos), cos)
+    t = torch.randn(6, 2, 4, 8)
+    torch.testing.assert_close(apply_rotary_pos_emb(t, freqs, cfg), apply_rotary(t, cos, sin))
+    # channel pair i turns by position * base ** (-2i / d): check one value by hand
+    assert freqs[0, 0, 0, 1].item() == pytest.approx(3 / 2.0 * 500 ** (-2 / 4))
+    assert torch.equal(apply_rotary_pos_emb(t, freqs, cfg)[..., 4:], t[..., 4:])
+
+
+def test_rotary_refusals():
+    with pytest.raises(ConfigError, match="rotary_interleaved"):
+        RotaryEmbedding(8, 1.0, rotary_interleaved=True)
+    with pytest.raises(ConfigError, match="cu_seqlens"):
+        apply_rotary_pos_emb(torch.randn(2, 1, 1, 4), torch.zeros(2, 1, 1, 4), _cfg(), cu_seqlens=torch.tensor([0, 2]))
+    scaled = RotaryEmbedding(64, 1.0, rope_scaling=True, rotary_base=500000)
+    plain = RotaryEmbedding(64, 1.0, rotary_base=500000)
+    assert scaled.inv_freq[0] == plain.inv_freq[0] and scaled.inv_freq[-1] == pytest.approx(plain.inv_freq[-1] / 8)
