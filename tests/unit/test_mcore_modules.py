@@ -106,3 +106,14 @@ def test_rotary_refusals():
     scaled = RotaryEmbedding(64, 1.0, rope_scaling=True, rotary_base=500000)
     plain = RotaryEmbedding(64, 1.0, rotary_base=500000)
     assert scaled.inv_freq[0] == plain.inv_freq[0] and scaled.inv_freq[-1] == pytest.approx(plain.inv_freq[-1] / 8)
+
+
+def test_gpt_model_takes_megatron_core_arguments():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    model = _model(_cfg(), fp16_lm_cross_entropy=False, rope_scaling=False, scatter_embedding_sequence_parallel=True,
+                   mtp_block_spec=None, pg_collection=ProcessGroupCollection())
+    assert model.pg.tp_size == 1
+    for kw in (dict(fp16_lm_cross_entropy=True), dict(rope_scaling=True), dict(mtp_block_spec=object())):
+        with pytest.raises(ConfigError, match=rf"GPTModel\({next(iter(kw))}=.*not supported here"):
+            _model(_cfg(), **kw)

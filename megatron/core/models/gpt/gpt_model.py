@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.fusions.linear_cross_entropy import linear_cross_entropy
 from megatron.core.models.common.embeddings import LanguageModelEmbedding
@@ -41,6 +44,9 @@ class GPTModel(LanguageModule):
         sequence_parallel: overrides ``config.sequence_parallel`` when given (on only with tp > 1).
         device: where parameters live; built on the meta device and materialised there (with
             ``config.use_cpu_initialization``: materialised and initialised on the CPU, then moved).
+        fp16_lm_cross_entropy, rope_scaling, rope_scaling_factor, scatter_embedding_sequence_parallel,
+            mtp_block_spec, pg_collection: Megatron-Core's; accepted at their defaults (others refused,
+            naming the argument); ``pg_collection`` may be the default ParallelState's groups.
         seed: initialisation seed; default ``torch.initial_seed()``. Weights depend only on the seed
             and each parameter's global name, never on the parallel layout. With
             ``config.perform_initialization=False`` they are left uninitialised (for a checkpoint load).
@@ -57,9 +63,13 @@ class GPTModel(LanguageModule):
                  rotary_base: int | None = None, seq_len_interpolation_factor: float | None = None,
                  parallel_output: bool = True, parallel_state: ParallelState | None = None,
                  num_layers: int | None = None, layer_offset: int = 0, sequence_parallel: bool | None = None,
-                 device: torch.device | str | None = None, seed: int | None = None, vp_stage: int | None = None):
+                 device: torch.device | str | None = None, seed: int | None = None, vp_stage: int | None = None,
+                 fp16_lm_cross_entropy: bool = False, rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
+                 scatter_embedding_sequence_parallel: bool = True, mtp_block_spec: Any = None,
+                 pg_collection: Any = None):
         super().__init__(config)
-        self.pg = parallel_state if parallel_state is not None else get_parallel_state()
+        _refuse_unbuilt(fp16_lm_cross_entropy, rope_scaling, scatter_embedding_sequence_parallel, mtp_block_spec)
+        self.pg = _groups(parallel_state, pg_collection)
         config.check_parallel_sizes(self.pg.tp_size, self.pg.pp_size)
         if num_layers is None and self.pg.pp_size > 1:
             num_layers, layer_offset = _stage_layers(config, self.pg, vp_stage)
@@ -225,6 +235,40 @@ class GPTModel(LanguageModule):
                 shard.replica_id = (1, *rid) if isinstance(rid, tuple) else (1, rid)
             out[prefix + name] = shard
         return out
+
+
+def _refuse_unbuilt(fp16_lm_cross_entropy: bool, rope_scaling: bool, scatter_embedding_sequence_parallel: bool,
+                    mtp_block_spec: Any) -> None:
+    """Megatron-Core's GPTModel arguments that ask for what is not built here raise, naming them."""
+    for name, value, ok, hint in (
+            ("fp16_lm_cross_entropy", fp16_lm_cross_entropy, False, "the cross entropy is computed in fp32"),
+            ("rope_scaling", rope_scaling, False, "Llama 3 RoPE scaling is not built into GPTModel"),
+            ("scatter_embedding_sequence_parallel", scatter_embedding_sequence_parallel, True,
+             "with sequence parallelism the embedding output is always scattered"),
+            ("mtp_block_spec", mtp_block_spec, None, "multi-token prediction is not built")):
+        if value is not ok and value != ok:
+            raise ConfigError(f"GPTModel({name}={value!r}) is not supported here: {hint}; pass {ok!r}")
+
+
+def _groups(parallel_state: ParallelState | None, pg_collection: Any) -> ParallelState:
+    """The ParallelState to build on: ``parallel_state``, or Megatron-Core's ``pg_collection`` when it is
+    a ParallelState or holds the default ParallelState's tp / pp groups, else the default.
+
+    Raises:
+        ConfigError: a ``pg_collection`` of other groups (pass ``parallel_state=`` instead).
+    """
+    if parallel_state is not None:
+        return parallel_state
+    if isinstance(pg_collection, ParallelState):
+        return pg_collection
+    default = get_parallel_state()
+    if pg_collection is not None:
+        for name, group in (("tp", default.tp_group), ("pp", default.pp_group)):
+            given = getattr(pg_collection, name, None)
+            if given is not None and given is not group:
+                raise ConfigError(f"GPTModel(pg_collection=...) holds a {name} group other than parallel_state's; "
+                                  "pass parallel_state=<the ParallelState of those groups> instead")
+    return default
 
 
 def _stage_layers(config: TransformerConfig, pg: ParallelState, vp_stage: int | None) -> tuple[int, int]:
