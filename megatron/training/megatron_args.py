@@ -12,7 +12,9 @@ checks), so the two paths accept and refuse the same command lines.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -85,6 +87,12 @@ def _dest_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _our_defaults() -> dict[str, Any]:
+    """``_dest_defaults`` of our own parser, built once (read-only: copy before storing a value)."""
+    return _dest_defaults(_arguments.build_parser())
+
+
 def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args: bool = False) -> argparse.Namespace:
     """Parse ``sys.argv[1:]`` as Megatron-LM's ``parse_args`` does: no cross-flag checks, no derived values.
 
@@ -106,7 +114,7 @@ def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args:
     foreign: list = []
     values, notes = _arguments.parse_namespace(sys.argv[1:], parser=parser, ignore_unknown=ignore_unknown_args,
                                                foreign_given=foreign)
-    merged = {**_dest_defaults(parser), **values}
+    merged = {**copy.deepcopy(_dest_defaults(parser)), **values}
     args = argparse.Namespace(**merged)
     for m in MIRRORS:
         setattr(args, m.megatron, m.to_megatron(merged.get(m.ours)))
@@ -129,8 +137,8 @@ def _set_foreign(args: argparse.Namespace, given: list) -> None:
     for flag in FOREIGN:
         dest = dest_of(flag)
         if not hasattr(args, dest):
-            setattr(args, dest, default_of(dest))
-    ours = {m.megatron for m in MIRRORS} | set(_dest_defaults(_arguments.build_parser()))
+            setattr(args, dest, default_of(dest))  # default_of returns a fresh list
+    ours = {m.megatron for m in MIRRORS} | set(_our_defaults())
     for entry, value in given:
         dest = dest_of(entry.flag)
         if dest in ours:
@@ -159,8 +167,7 @@ def _convert(value: Any, default: Any) -> Any:
 def _values_for_configs(args: argparse.Namespace) -> dict[str, Any]:
     """Our dests' values as ``configs_from_namespace`` takes them: the ones given on the command line
     and any a caller changed on ``args`` since (including through a Megatron-LM name)."""
-    parser = _arguments.build_parser()
-    defaults = _dest_defaults(parser)
+    defaults = _our_defaults()
     given = set(getattr(args, GIVEN_DESTS, ()))
     values: dict[str, Any] = {}
     for dest, default in defaults.items():
@@ -180,7 +187,7 @@ def _values_for_configs(args: argparse.Namespace) -> dict[str, Any]:
 
 def _fill_derived(args: argparse.Namespace, cfg: _arguments.RunConfig, world_size: int) -> None:
     """Write the configs' resolved values back under their dests, and Megatron-LM's derived values."""
-    dests = set(_dest_defaults(_arguments.build_parser()))
+    dests = set(_our_defaults())
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         if not dataclasses.is_dataclass(section):
