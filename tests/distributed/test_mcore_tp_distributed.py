@@ -129,7 +129,7 @@ def test_seed_tracker_and_checkpoint_at_tp2(ps: ParallelState) -> None:
     assert all(isinstance(h, torch.Tensor) for h in received)  # the bool is never passed on
     masks = [torch.zeros(2, device=device()) for _ in range(2)]
     with tracker.fork():
-        mine = torch.rand(2, device=device())
+        mine = torch.rand(2, device=tracker.device).to(device())
     dist.all_gather(masks, mine, group=ps.tp_group)
     assert not torch.equal(masks[0], masks[1])  # model-parallel states differ across tp ranks
 

@@ -97,8 +97,11 @@ def test_model_parallel_cuda_manual_seed_fills_megatrons_states_on_the_cpu() -> 
             tpl.model_parallel_cuda_manual_seed(1, **{flag: True})
 
 
-def test_cuda_rng_states_tracker_on_the_cpu() -> None:
+def test_cuda_rng_states_tracker_forks_its_device() -> None:
+    """On a CPU-only machine the tracker's states are CPU states and fork swaps the CPU generator."""
     tracker = tpl.CudaRNGStatesTracker()
+    dev = tracker.device
+    assert dev.type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert not tracker.is_initialized()
     tracker.add("a", 11)
     assert tracker.is_initialized()
@@ -107,26 +110,26 @@ def test_cuda_rng_states_tracker_on_the_cpu() -> None:
     with pytest.raises(ValueError):
         tracker.add("a", 12)  # a name used twice
     torch.manual_seed(0)
-    expected_default = torch.rand(3)
+    expected_default = torch.rand(3, device=dev)
     torch.manual_seed(0)
     with tracker.fork("a"):
-        first = torch.rand(3)
-    assert torch.equal(first, torch.rand(3, generator=torch.Generator().manual_seed(11)))
-    assert torch.equal(torch.rand(3), expected_default)  # the CPU default stream continues as before
+        first = torch.rand(3, device=dev)
+    assert torch.equal(first, torch.rand(3, device=dev, generator=torch.Generator(dev).manual_seed(11)))
+    assert torch.equal(torch.rand(3, device=dev), expected_default)  # the default stream continues as before
     saved = tracker.get_states()
     with tracker.fork("a"):
-        second = torch.rand(3)
+        second = torch.rand(3, device=dev)
     tracker.set_states(saved)
     with tracker.fork("a"):
-        assert torch.equal(torch.rand(3), second)
+        assert torch.equal(torch.rand(3, device=dev), second)
     tracker.reset()
     assert tracker.get_states() == {} and not tracker.is_initialized()
     inference = tpl.CudaRNGStatesTracker(is_inference_rng_tracker=True)
     inference.add("model-parallel-rng", 3)
     torch.manual_seed(1)
     with inference.fork():
-        drawn = torch.rand(2)
-    assert torch.equal(drawn, torch.rand(2, generator=torch.Generator().manual_seed(1)))
+        drawn = torch.rand(2, device=dev)
+    assert torch.equal(drawn, torch.rand(2, device=dev, generator=torch.Generator(dev).manual_seed(1)))
     with pytest.raises(ValueError, match="use_cudagraphable_rng=False"):
         tpl.CudaRNGStatesTracker(use_cudagraphable_rng=True)
 
