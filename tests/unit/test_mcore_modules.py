@@ -117,3 +117,18 @@ def test_gpt_model_takes_megatron_core_arguments():
     for kw in (dict(fp16_lm_cross_entropy=True), dict(rope_scaling=True), dict(mtp_block_spec=object())):
         with pytest.raises(ConfigError, match=rf"GPTModel\({next(iter(kw))}=.*not supported here"):
             _model(_cfg(), **kw)
+
+
+def test_swiglu_model_loads_what_dist_checkpointing_returns(tmp_path):
+    """``model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), d))``, Megatron-Core's
+    pattern, with SwiGLU's stacked fc1 (stored as [2, F, h])."""
+    import torch.nn.functional as F
+
+    from megatron.core import dist_checkpointing
+
+    cfg = _cfg(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
+    model, fresh = _model(cfg), GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8, seed=9)
+    dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(tmp_path))
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(prefix=""), str(tmp_path)))
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -214,6 +214,20 @@ class GPTModel(LanguageModule):
         loss = sharded_cross_entropy(logits, labels.t(), self.pg.tp_group)  # [s, b]
         return loss.t().contiguous()
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, also taking the tensors ``dist_checkpointing.load`` returns for
+        this model's ``sharded_state_dict``: stacked weights (SwiGLU's fc1) come back in their
+        checkpoint view ``[2, F/tp, h]`` and are reshaped to the parameter's ``[2F/tp, h]``."""
+        params = dict(self.named_parameters())
+        fixed = {}
+        for name, value in state_dict.items():
+            param = params.get(name)
+            if (param is not None and torch.is_tensor(value) and getattr(param, "partition_stride", 1) > 1
+                    and value.shape != param.shape and value.numel() == param.numel()):
+                value = value.reshape(param.shape)
+            fixed[name] = value
+        return super().load_state_dict(fixed, strict=strict, assign=assign)
+
     # ----------------------------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         """Every tensor as a ``ShardedTensor`` with its global key, global shape and shard offset.
