@@ -163,3 +163,11 @@ def test_perform_initialization_false_skips_initialisation(monkeypatch):
     assert calls == []
     GPTModel(TransformerConfig(**SHAPE), get_gpt_layer_local_spec(), 128, 16, seed=1)
     assert calls == [1]
+
+
+def test_bias_activation_fusion_is_megatron_core_s_bias_gelu():
+    cfg = TransformerConfig(**SHAPE, bias_gelu_fusion=False, bias_activation_fusion=True)
+    assert cfg.gelu_approximation == "tanh"
+    assert TransformerConfig(**SHAPE, bias_gelu_fusion=False).gelu_approximation == "none"
+    with pytest.raises(ConfigError, match="bias_activation_fusion=True with a GELU MLP needs add_bias_linear=True"):
+        TransformerConfig(**SHAPE, bias_activation_fusion=True, add_bias_linear=False)

@@ -43,8 +43,6 @@ TC_NO_EFFECT: dict[str, str] = {
     "attention_softmax_in_fp32": "SDPA accumulates its softmax in fp32",
     "disable_bf16_reduced_precision_matmul": "the library leaves torch's global matmul settings alone; the training "
                                              "application's flag of this name sets it at start-up",
-    "bias_activation_fusion": "biased GELU MLPs compute the tanh GELU unless bias_gelu_fusion=False (see "
-                              "docs/library.md); SwiGLU is fused on CUDA by default",
     "activation_func_fp8_input_store": "FP8 SwiGLU stores what its kernels need",
     "distribute_saved_activations": "recomputed layers keep their whole input (a memory knob)",
     "mtp_loss_scaling_factor": _MTP, "mtp_use_repeated_layer": _MTP, "mtp_detach_heads": _MTP,
@@ -165,6 +163,10 @@ IMPLEMENTED: dict[str, str] = {
     "num_layers_in_last_pipeline_stage": "Megatron-Core's name of decoder_last_pipeline_num_layers",
     "microbatch_group_size_per_vp_stage": "Megatron-Core's name of microbatch_group_size_per_virtual_pipeline_stage",
     "softmax_scale": "the attention scale; None: 1/sqrt(kv_channels)",
+    "bias_activation_fusion": "True makes a biased GELU MLP compute the tanh GELU (Megatron-Core's bias-GELU "
+                              "kernel); it needs add_bias_linear with F.gelu. The library's TransformerConfig "
+                              "computes the tanh GELU already (bias_gelu_fusion=True); bias_gelu_fusion=False "
+                              "gives Megatron-Core's default exact GELU",
     "recompute_modules": "['core_attn'] (the default) is what selective recompute covers; others are refused",
     "init_method": "set to N(0, init_method_std^2) on construction; a user-given callable is refused",
     "output_layer_init_method": "set to N(0, (init_method_std / sqrt(2 num_layers))^2); a user-given callable "

@@ -211,8 +211,9 @@ class TransformerConfig(MegatronCoreTransformerFields):
     @property
     def gelu_approximation(self) -> str:
         """``F.gelu``'s ``approximate`` argument: ``"tanh"`` for a biased GELU MLP with the bias-GELU fusion
-        (Megatron-LM's default), else ``"none"`` (exact erf GELU)."""
-        return "tanh" if self.activation == "gelu" and self.add_bias_linear and self.bias_gelu_fusion else "none"
+        (Megatron-LM's default; Megatron-Core's ``bias_activation_fusion=True``), else ``"none"`` (exact erf GELU)."""
+        fused = self.bias_gelu_fusion or self.bias_activation_fusion
+        return "tanh" if self.activation == "gelu" and self.add_bias_linear and fused else "none"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -229,6 +230,9 @@ class TransformerConfig(MegatronCoreTransformerFields):
         super().__post_init__()
         check_refused(self, config_support.TC_REFUSED)
         swiglu_flag_default_ffn = self._sync_activation()
+        if self.bias_activation_fusion and self.activation == "gelu" and not self.add_bias_linear:
+            raise ConfigError("bias_activation_fusion=True with a GELU MLP needs add_bias_linear=True (it fuses the "
+                              "bias into the GELU); set bias_activation_fusion=False")
         self._sync_megatron_names()
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
