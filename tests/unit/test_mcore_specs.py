@@ -126,3 +126,35 @@ def test_no_mask_attention_type_is_bidirectional():
     assert not torch.allclose(causal[0], full[0])
     scaled = DotProductAttention(_cfg(), softmax_scale=0.1).eval()(q, k, v)
     assert not torch.allclose(scaled, causal)
+
+
+def test_megatron_core_style_hand_written_spec_builds():
+    """A spec written as Megatron-Core's local spec is (bda functions, keys map, IdentityOp cross attention)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import (
+        DotProductAttention,
+        SelfAttention,
+        SelfAttentionSubmodules,
+    )
+    from megatron.core.transformer.identity_op import IdentityFuncOp
+    from megatron.core.transformer.norms import Norm
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=Norm,
+        self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                  submodules=SelfAttentionSubmodules(
+                                      linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
+                                      linear_proj=RowParallelLinear, q_layernorm=IdentityOp, k_layernorm=IdentityOp)),
+        self_attn_bda=IdentityFuncOp, cross_attention=IdentityOp, pre_mlp_layernorm=Norm,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear)),
+        mlp_bda=IdentityFuncOp, sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv."}))
+    ids = torch.randint(0, 64, (2, 8))
+    a = GPTModel(_cfg(), spec, vocab_size=64, max_sequence_length=8, seed=2)
+    b = GPTModel(_cfg(), get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8, seed=2)
+    torch.testing.assert_close(a(ids, None, None), b(ids, None, None), rtol=0, atol=0)
+    layer = build_module(spec, _cfg(), layer_number=1, hidden_dropout=0.5)
+    assert layer.hidden_dropout == 0.5
+    with pytest.raises(ValueError, match="activation_func is not supported here"):
+        MLP(_cfg(), MLPSubmodules(ColumnParallelLinear, RowParallelLinear, activation_func=nn.GELU))

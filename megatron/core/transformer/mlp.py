@@ -20,8 +20,12 @@ from megatron.core.transformer.spec_utils import build_module
 
 @dataclass
 class MLPSubmodules:
+    """fc1 and fc2 (classes or specs); Megatron-Core's ``activation_func`` (a Transformer Engine
+    activation module) must stay None: the activation is the config's."""
+
     linear_fc1: object = None
     linear_fc2: object = None
+    activation_func: object = None
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
@@ -38,6 +42,9 @@ class MLP(nn.Module):
 
     def __init__(self, config, submodules: MLPSubmodules, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
+        if getattr(submodules, "activation_func", None) is not None:
+            raise ValueError("MLPSubmodules.activation_func is not supported here: the activation is "
+                             "TransformerConfig's (activation_func / gated_linear_unit); leave it None")
         gated = config.activation == "swiglu"
         approximate = config.gelu_approximation
         self.activation = swiglu if gated else functools.partial(F.gelu, approximate=approximate)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +14,20 @@ from megatron.core.transformer.spec_utils import build_module
 
 @dataclass
 class TransformerLayerSubmodules:
-    input_layernorm: object = None
-    self_attention: object = None
-    pre_mlp_layernorm: object = None
-    mlp: object = None
+    """The layer's submodules, with Megatron-Core's fields. The bias-dropout-adds (``*_bda``) are this
+    layer's own whatever the spec names; cross attention is not built (it must stay None or
+    IdentityOp); ``sharded_state_dict_keys_map`` is accepted (checkpoint keys are GPTModel's)."""
+
+    input_layernorm: Any = None
+    self_attention: Any = None
+    self_attn_bda: Any = None
+    pre_cross_attn_layernorm: Any = None
+    cross_attention: Any = None
+    cross_attn_bda: Any = None
+    pre_mlp_layernorm: Any = None
+    mlp: Any = None
+    mlp_bda: Any = None
+    sharded_state_dict_keys_map: dict[str, str] = field(default_factory=dict)
 
 
 def bias_dropout_add(out: torch.Tensor, bias, residual: torch.Tensor, p: float, training: bool,
@@ -34,11 +45,17 @@ def bias_dropout_add(out: torch.Tensor, bias, residual: torch.Tensor, p: float, 
 class TransformerLayer(nn.Module):
     """A decoder layer. ``layer_number`` is 1-based and global (pipeline stages offset it)."""
 
-    def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int = 1, tp_group=None,
-                 sequence_parallel: bool = False, rng_tracker=None):
+    def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int = 1,
+                 hidden_dropout: float | None = None, tp_group=None, sequence_parallel: bool = False,
+                 rng_tracker=None):
         super().__init__()
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        if getattr(submodules, "cross_attention", None) not in (None, IdentityOp):
+            raise ValueError("TransformerLayerSubmodules.cross_attention is not built here (decoder-only layers); "
+                             "leave it None or IdentityOp")
         self.layer_number = layer_number
-        self.hidden_dropout = config.hidden_dropout
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         self.dropout_tracker = rng_tracker if sequence_parallel else None
         sp = dict(sequence_parallel=sequence_parallel)
         self.input_layernorm = build_module(submodules.input_layernorm, config, config.hidden_size, **sp)
