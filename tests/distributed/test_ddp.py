@@ -24,7 +24,7 @@ VOCAB, SEQ, MBS, MICRO = 64, 16, 2, 2
 
 def _model(ps: ParallelState) -> GPTModel:
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
-                            attention_dropout=0.0)
+                            attention_dropout=0.0, share_embeddings_and_output_weights=True)
     return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
                     parallel_state=ps, device=device(), seed=7)
 
@@ -153,7 +153,7 @@ def test_distributed_optimizer_keeps_state_only_for_owned_params(ps: ParallelSta
 
 def _bf16_model(ps: ParallelState) -> GPTModel:
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
-                            attention_dropout=0.0, bf16=True)
+                            attention_dropout=0.0, bf16=True, share_embeddings_and_output_weights=True)
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
                      parallel_state=ps, device=device(), seed=7)
     model.unused = torch.nn.Parameter(torch.ones(5, device=device(), dtype=torch.bfloat16))

@@ -20,7 +20,7 @@ S, B, VOCAB = 16, 2, 100
 
 def _config(**kw) -> TransformerConfig:
     return TransformerConfig(num_layers=2, hidden_size=12, num_attention_heads=4, hidden_dropout=0.0,
-                             attention_dropout=0.0, **kw)
+                             attention_dropout=0.0, **{"share_embeddings_and_output_weights": True, **kw})
 
 
 def _build(cfg: TransformerConfig, **kw) -> GPTModel:

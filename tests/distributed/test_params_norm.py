@@ -17,7 +17,7 @@ from megatron.training.loop_utils import params_l2_norm
 
 
 def _model(ps: ParallelState, **stage) -> GPTModel:
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, share_embeddings_and_output_weights=True,
                             tensor_model_parallel_size=ps.tp_size, pipeline_model_parallel_size=ps.pp_size)
     return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16, parallel_state=ps,
                     device=device(), seed=3, **stage)

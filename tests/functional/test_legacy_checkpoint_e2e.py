@@ -27,7 +27,8 @@ def _legacy_copy(dcp_root, legacy_root, iteration: int) -> None:
     ckpt_dir = os.path.join(dcp_root, f"iter_{iteration:07d}")
     common = dist_checkpointing.load_common_state(ckpt_dir)
     a = common["args"]
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, bias_gelu_fusion=True,
+                            share_embeddings_and_output_weights=True)  # as the training application builds it
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=a["padded_vocab_size"],
                      max_sequence_length=a["max_position_embeddings"])
     dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)  # fills the model in place

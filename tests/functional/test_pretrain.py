@@ -167,7 +167,8 @@ def test_dry_run_reports_parameters_without_training(tmp_path, capsys):
 
     assert run(TINY + f"--train-iters 5 --dry-run --save {tmp_path}/ck".split()) == 0
     out = capsys.readouterr().out
-    real = GPTModel(TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4),
+    real = GPTModel(TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, bias_gelu_fusion=True,
+                                      share_embeddings_and_output_weights=True),
                     get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32)
     assert f"parameters: {sum(p.numel() for p in real.parameters()):,}" in out
     assert "total (estimate)" in out and "model FLOPs per step" in out

@@ -125,11 +125,15 @@ def test_model_args_mismatch_lists_each_flag(tmp_path):
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
 
+APP = dict(bias_gelu_fusion=True)  # the training application's default (Megatron-LM's bias-GELU fusion)
+
+
 @pytest.mark.parametrize("saved, kw, says", [
-    ({}, {}, "trained with the exact (erf) GELU (it predates the flag); this run computes Megatron-LM's tanh "
-             "approximation of GELU. To keep the checkpoint's, pass --no-bias-gelu-fusion"),
-    ({"config": {"model": {"bias_gelu_fusion": True}}}, {}, None),
-    ({"config": {"model": {"bias_gelu_fusion": False}}}, {}, "pass --no-bias-gelu-fusion"),
+    ({}, APP, "trained with the exact (erf) GELU (it predates the flag); this run computes Megatron-LM's tanh "
+              "approximation of GELU. To keep the checkpoint's, pass --no-bias-gelu-fusion"),
+    ({"config": {"model": {"bias_gelu_fusion": True}}}, APP, None),
+    ({"config": {"model": {"bias_gelu_fusion": False}}}, APP, "pass --no-bias-gelu-fusion"),
+    ({}, {}, None),  # the library's default is Megatron-Core's exact GELU, as the old checkpoints computed
     ({"config": {"model": {"bias_gelu_fusion": True}}}, dict(bias_gelu_fusion=False), "drop --no-bias-gelu-fusion"),
     ({"config": {"model": {"bias_gelu_fusion": False}}}, dict(bias_gelu_fusion=False), None),
     ({}, dict(activation="swiglu", add_bias_linear=False), None),  # SwiGLU: no GELU to change

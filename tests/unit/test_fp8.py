@@ -161,7 +161,8 @@ def test_fp8_linear_steps_without_host_sync(recipe):
 def tiny_config(**kw):
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, hidden_dropout=0.0,
                 attention_dropout=0.0, normalization="RMSNorm", activation="swiglu", ffn_hidden_size=128,
-                position_embedding_type="rope", add_bias_linear=False, bf16=True)
+                position_embedding_type="rope", add_bias_linear=False, bf16=True,
+                fp8_amax_history_len=1024, fp8_amax_compute_algo="max")  # the training application's defaults
     base.update(kw)
     return TransformerConfig(**base)
 

@@ -48,9 +48,10 @@ def test_forward_shapes_and_loss_matches_cross_entropy(variant):
 
 
 @pytest.mark.parametrize("kw, approximate", [
-    ({}, "tanh"),                                                       # Megatron-LM's default bias-GELU fusion
+    ({}, "none"),                                                       # Megatron-Core's default: exact GELU
+    (dict(bias_gelu_fusion=True), "tanh"),                              # Megatron-LM's default bias-GELU fusion
     (dict(bias_gelu_fusion=False), "none"),                              # --no-bias-gelu-fusion
-    (dict(add_bias_linear=False), "none"),                               # no bias: Megatron drops the fusion
+    (dict(bias_gelu_fusion=True, add_bias_linear=False), "none"),        # no bias: Megatron drops the fusion
 ])
 def test_gelu_follows_megatron(kw, approximate):
     """The MLP computes Megatron-LM's GELU: its tanh formula for a biased MLP with the bias-GELU fusion,
@@ -153,7 +154,7 @@ def test_sharded_state_dict_covers_state_dict():
     for key, sh in sd.items():
         assert sh.key == key and sh.global_shape == tuple(sh.data.shape) and sh.data.data_ptr() == \
             model.state_dict()[key].data_ptr()
-    tied = build(tiny()).sharded_state_dict()
+    tied = build(tiny(share_embeddings_and_output_weights=True)).sharded_state_dict()
     assert "output_layer.weight" not in tied
 
 

@@ -141,13 +141,26 @@ def test_library_defaults_are_megatron_core_s_and_the_app_keeps_megatron_lm_s():
     assert (lib.overlap_p2p_comm, lib.cross_entropy_loss_fusion) == (False, False)
     assert (app.overlap_p2p_comm, app.cross_entropy_loss_fusion, app.transformer_impl) == (True, True, "local")
     assert not _app_model(["--no-overlap-p2p-communication"]).overlap_p2p_comm
+    # GELU, tied embeddings and the FP8 amax history: Megatron-Core's in the library, Megatron-LM's flags' in the app.
+    assert (lib.gelu_approximation, lib.share_embeddings_and_output_weights) == ("none", False)
+    assert (lib.fp8_amax_history_len, lib.fp8_amax_compute_algo) == (1, "most_recent")
+    assert (app.gelu_approximation, app.share_embeddings_and_output_weights) == ("tanh", True)
+    assert (app.fp8_amax_history_len, app.fp8_amax_compute_algo) == (1024, "max")
+    model = GPTModel(lib, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=16)
+    assert not model.share_embeddings_and_output_weights and model.output_layer.weight is not None
+    mlp = model.decoder.layers[0].mlp
+    x = torch.randn(3, 1, 64) * 30  # large enough that the tanh approximation differs from erf's GELU
+    h = torch.nn.functional.linear(x, mlp.linear_fc1.weight, mlp.linear_fc1.bias)
+    want = torch.nn.functional.linear(F.gelu(h), mlp.linear_fc2.weight, mlp.linear_fc2.bias)
+    out, bias = mlp(x)
+    torch.testing.assert_close(out if bias is None else out + bias, want)
 
 
 def test_glu_silu_config_builds_the_swiglu_model_the_app_builds():
     lib = TransformerConfig(**SHAPE, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                             normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0)
     app = _app_model("--swiglu --disable-bias-linear --normalization RMSNorm --ffn-hidden-size 256 "
-                     "--hidden-dropout 0 --attention-dropout 0".split())
+                     "--hidden-dropout 0 --attention-dropout 0 --untie-embeddings-and-output-weights".split())
     models = [GPTModel(c, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=16, seed=5)
               for c in (lib, app)]
     fc1 = models[0].decoder.layers[0].mlp.linear_fc1.weight

@@ -164,9 +164,9 @@ IMPLEMENTED: dict[str, str] = {
     "microbatch_group_size_per_vp_stage": "Megatron-Core's name of microbatch_group_size_per_virtual_pipeline_stage",
     "softmax_scale": "the attention scale; None: 1/sqrt(kv_channels)",
     "bias_activation_fusion": "True makes a biased GELU MLP compute the tanh GELU (Megatron-Core's bias-GELU "
-                              "kernel); it needs add_bias_linear with F.gelu. The library's TransformerConfig "
-                              "computes the tanh GELU already (bias_gelu_fusion=True); bias_gelu_fusion=False "
-                              "gives Megatron-Core's default exact GELU",
+                              "kernel); it needs add_bias_linear with F.gelu. False (the default) computes the "
+                              "exact GELU, as Megatron-Core; our bias_gelu_fusion=True (the training "
+                              "application's default) is the same switch",
     "recompute_modules": "['core_attn'] (the default) is what selective recompute covers; others are refused",
     "init_method": "set to N(0, init_method_std^2) on construction; a user-given callable is refused",
     "output_layer_init_method": "set to N(0, (init_method_std / sqrt(2 num_layers))^2); a user-given callable "

@@ -72,10 +72,11 @@ class TransformerConfig(MegatronCoreTransformerFields):
         "(SwiGLU); others are refused.", flag=None)
     add_bias_linear: bool = doc(True, "Biases in all linear layers; turned off by --disable-bias-linear.", flag=None)
     bias_gelu_fusion: bool = doc(
-        True, "GELU with biases (Megatron-LM's default bias-GELU fusion): the tanh approximation of GELU, "
-        "0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), as Megatron-LM computes it. --no-bias-gelu-fusion computes "
-        "the exact erf GELU instead; models without biases (--disable-bias-linear) always do, as in Megatron-LM.",
-        flag="--no-bias-gelu-fusion")
+        False, "GELU with biases as Megatron-LM's bias-GELU fusion computes it (on by default in the training "
+        "application): the tanh approximation of GELU, 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))). "
+        "--no-bias-gelu-fusion computes the exact erf GELU instead; models without biases (--disable-bias-linear) "
+        "always do, as in Megatron-LM. Library default: off (exact GELU), as Megatron-Core's "
+        "bias_activation_fusion=False.", flag="--no-bias-gelu-fusion", app_default=True)
     add_qkv_bias: bool = doc(False, "Bias in the QKV projection even when --disable-bias-linear is given.")
     qk_layernorm: bool = doc(False, "Normalize queries and keys per head before attention (same norm type).")
     position_embedding_type: str = doc("learned_absolute", "Position embedding.", choices=POSITION_EMBEDDINGS)
@@ -91,8 +92,9 @@ class TransformerConfig(MegatronCoreTransformerFields):
         0.02, "Std of the normal init of weights; output projections (linear_proj, linear_fc2) use std/sqrt(2L)."
     )
     share_embeddings_and_output_weights: bool = doc(
-        True, "Tie the output layer to the word embedding; --untie-embeddings-and-output-weights turns it off.",
-        flag=None,
+        False, "Tie the output layer to the word embedding. GPTModel's argument of the same name overrides it. "
+        "Library default: untied, as Megatron-Core's GPTModel; the training application ties them unless "
+        "--untie-embeddings-and-output-weights is given, as Megatron-LM.", flag=None, app_default=True,
     )
     params_dtype: torch.dtype = doc(torch.float32, "Dtype of model parameters; bf16/fp16 from --bf16/--fp16.", flag=None)
     pipeline_dtype: torch.dtype | None = doc(
@@ -177,11 +179,12 @@ class TransformerConfig(MegatronCoreTransformerFields):
         "history of previous steps (see --fp8-amax-history-len). Only with --fp8-format.",
         choices=("tensorwise", "delayed"))
     fp8_amax_history_len: int = doc(
-        1024, "Delayed FP8 scaling: amax entries kept per tensor (one per forward or backward call). "
-        "Only with --fp8-format and --fp8-recipe delayed.")
+        1, "Delayed FP8 scaling: amax entries kept per tensor (one per forward or backward call). "
+        "Only with --fp8-format and --fp8-recipe delayed. Library default 1, as Megatron-Core.", app_default=1024)
     fp8_amax_compute_algo: str = doc(
-        "max", "Delayed FP8 scaling: the amax of a tensor is the 'max' over its history or the "
-        "'most_recent' entry. Only with --fp8-format and --fp8-recipe delayed.", choices=("max", "most_recent"))
+        "most_recent", "Delayed FP8 scaling: the amax of a tensor is the 'max' over its history or the "
+        "'most_recent' entry. Only with --fp8-format and --fp8-recipe delayed. Library default 'most_recent', "
+        "as Megatron-Core.", choices=("max", "most_recent"), app_default="max")
     tp_only_amax_red: bool = doc(
         False, "Delayed FP8 scaling: reduce each tensor's amax (max over the ranks, before it enters the history) "
         "over the tensor-parallel ranks only, instead of over the tensor-, context- and data-parallel ranks of "
