@@ -158,3 +158,38 @@ def test_megatron_core_style_hand_written_spec_builds():
     assert layer.hidden_dropout == 0.5
     with pytest.raises(ValueError, match="activation_func is not supported here"):
         MLP(_cfg(), MLPSubmodules(ColumnParallelLinear, RowParallelLinear, activation_func=nn.GELU))
+
+
+def test_a_spec_written_with_megatron_core_import_paths_builds_the_local_model():
+    """Megatron-Core's local layer spec written by hand, every name imported from the module Megatron-Core
+    keeps it in (dot_product_attention, torch_norm, fused_bias_dropout, ...), builds the model of
+    get_gpt_layer_local_spec; the named bias-dropout-add computes residual + dropout(x + bias)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention as DPA
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchNorm,
+        self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                                  submodules=SelfAttentionSubmodules(
+                                      linear_qkv=ColumnParallelLinear, core_attention=DPA,
+                                      linear_proj=RowParallelLinear, q_layernorm=IdentityOp, k_layernorm=IdentityOp)),
+        self_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=WrappedTorchNorm,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear)),
+        mlp_bda=get_bias_dropout_add))
+    ids = torch.randint(0, 64, (2, 8))
+    cfg = _cfg(normalization="RMSNorm")
+    a = GPTModel(cfg, spec, vocab_size=64, max_sequence_length=8, seed=4)
+    b = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8, seed=4)
+    torch.testing.assert_close(a(ids, None, None), b(ids, None, None), rtol=0, atol=0)
+
+    x, bias, residual = torch.randn(4, 3), torch.randn(3), torch.randn(4, 3)
+    for fused in (False, True):
+        torch.testing.assert_close(get_bias_dropout_add(False, fused)((x, bias), residual, 0.5), residual + x + bias)
+        torch.manual_seed(0)
+        dropped = get_bias_dropout_add(True, fused)((x, None), residual, 0.5) - residual
+        assert ((dropped == 0) | torch.isclose(dropped, 2 * x)).all() and (dropped == 0).any()
