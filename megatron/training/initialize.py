@@ -292,9 +292,10 @@ def _is_communication_error(error: BaseException) -> bool:
     raises a plain RuntimeError naming its transport, NCCL a DistBackendError)."""
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        s in text for s in ("gloo", "NCCL", "Connection reset", "Connection closed", "imed out"))
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(  # gloo's async work says "Application timeout caused pair closure"
+        s in text for s in ("gloo", "nccl", "connection reset", "connection closed", "timed out", "timeout",
+                            "pair closure"))
 
 
 def _print_error(message: str) -> None:

@@ -103,3 +103,19 @@ def test_a_timeout_below_one_minute_is_refused(capsys, minutes):
     err = capsys.readouterr().err
     assert err.count(ERROR) == 1 and "Traceback" not in err, err
     assert f"--distributed-timeout-minutes must be a whole number of minutes >= 1, got {minutes}" in err, err
+
+
+@pytest.mark.parametrize("text", [
+    "Application timeout caused pair closure",  # gloo's async work (a DDP bucket's handle.wait())
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234",
+    "Timed out waiting 60000ms for recv operation to complete",
+    "NCCL communicator was aborted on rank 0",
+])
+def test_the_errors_a_lost_peer_causes_are_communication_errors(text):
+    """Each of these, raised in a collective, makes the rank look for the lost peer instead of
+    printing the traceback (the stopped-rank test above ends in the first of them on some runs)."""
+    from megatron.training.initialize import _is_communication_error
+
+    assert _is_communication_error(RuntimeError(text))
+    assert not _is_communication_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not _is_communication_error(ValueError(text))
