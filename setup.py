@@ -18,7 +18,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest", "ruff", "mypy"],
+        "dev": ["pytest", "pytest-xdist", "ruff", "mypy"],
         "wandb": ["wandb"],
         "te": ["transformer-engine[pytorch]"],
         "torchao": ["torchao>=0.16"],  # --fp8-gemm-impl torchao
