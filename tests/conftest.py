@@ -18,3 +18,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture
 def repo_root() -> str:
     return ROOT
+
+
+@pytest.fixture
+def one_mib_disk(tmp_path, monkeypatch):
+    """A directory on a 1 MiB file system (tests/disk_faults.py)."""
+    from tests import disk_faults
+
+    yield from disk_faults.one_mib_disk(tmp_path, monkeypatch)

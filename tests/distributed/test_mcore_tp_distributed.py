@@ -13,17 +13,11 @@ from torch.testing import assert_close
 
 from megatron.core import tensor_parallel as tpl
 from megatron.core.parallel_state import ParallelState
+from tests.distributed.test_mappings import _run
 
 
 def _full(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device())
-
-
-def _run(fn, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x.clone().requires_grad_(True)
-    y = fn(x)
-    y.backward(grad)
-    return y.detach(), x.grad
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -4,8 +4,6 @@ not text, --load naming one checkpoint, a --save that cannot be written. Each us
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import math
 import os
 import re
@@ -18,6 +16,7 @@ from launch import ROOT, metrics
 
 from megatron.training import checkpointing
 from megatron.training.cli import run
+from tests.disk_faults import tmpfs
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
@@ -114,46 +113,6 @@ def test_a_state_holding_nan_is_not_saved_unless_the_check_is_off(tmp_path, caps
     assert f"warning: {other}/iter_0000002 holds NaN or Inf" in capsys.readouterr().out
 
 
-@contextlib.contextmanager
-def _tmpfs(path, options: str):
-    """Mount a tmpfs at ``path`` (root only); yields whether it is mounted."""
-    path.mkdir()
-    try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                                 capture_output=True).returncode == 0
-    except OSError:
-        mounted = False
-    try:
-        yield mounted
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(path)], check=True)
-
-
-@pytest.fixture
-def one_mib_disk(tmp_path, monkeypatch):
-    """A directory on a 1 MiB file system: a tmpfs where this process may mount one (root), otherwise
-    ENOSPC simulated in the checkpoint writer once 1 MiB has been written through it."""
-    from megatron.core.dist_checkpointing import torch_dist
-
-    with _tmpfs(tmp_path / "disk", "size=1m") as mounted:
-        if not mounted:
-            left = [1 << 20]
-            original = torch_dist._RecordingFileIO.write
-
-            def write(self, b):
-                size = memoryview(b).nbytes
-                if size > left[0]:
-                    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                    self.first_error = self.first_error or error
-                    raise error
-                left[0] -= size
-                return original(self, b)
-
-            monkeypatch.setattr(torch_dist._RecordingFileIO, "write", write)
-        yield tmp_path / "disk"
-
-
 def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, one_mib_disk, capsys):
     ck = one_mib_disk / "ck"  # one checkpoint of TINY takes 570 KB: the second does not fit
     argv = TINY + f"--train-iters 3 --save {ck} --save-interval 1 --metrics-file {tmp_path}/m.jsonl".split()
@@ -208,7 +167,7 @@ def test_save_that_cannot_be_written_fails_before_training(tmp_path, capsys):
     (tmp_path / "a_file").write_text("not a directory")
     assert run(TINY + f"--train-iters 3 --save {tmp_path}/a_file".split()) == 2
     assert f"--save {tmp_path}/a_file is a file, not a directory" in _one_error_line(capsys.readouterr().err)
-    with _tmpfs(tmp_path / "ro", "ro,size=64k") as mounted:
+    with tmpfs(tmp_path / "ro", "ro,size=64k") as mounted:
         if not mounted:
             if os.geteuid() == 0:
                 pytest.skip("root without the right to mount: no read-only directory to test with")

@@ -3,12 +3,10 @@ disk, damaged files, non-finite weights, another precision, a bad tracker, --loa
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import signal
 import socket
-import subprocess
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from megatron.core.dist_checkpointing import CheckpointReadError, CheckpointWrit
 from megatron.core.dist_checkpointing import torch_dist as dcp_backend
 from megatron.training import checkpoint_advice, checkpoint_dirs
 from megatron.training import checkpointing as ckpt
+from tests.disk_faults import tmpfs
 
 QUIET = {"log": lambda _: None}
 
@@ -177,43 +176,6 @@ def test_non_finite_state_is_recorded_refused_and_skipped(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # 3. a full disk: one line naming the directory and the OS error, the partial directory removed
 
-@contextlib.contextmanager
-def _tmpfs(path, options: str):
-    """Mount a tmpfs at ``path`` (root only); yields whether it is mounted."""
-    path.mkdir()
-    try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                                 capture_output=True).returncode == 0
-    except OSError:
-        mounted = False
-    try:
-        yield mounted
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(path)], check=True)
-
-
-@pytest.fixture
-def one_mib_disk(tmp_path, monkeypatch):
-    """A directory on a 1 MiB file system: a tmpfs where this process may mount one (root), otherwise
-    ENOSPC simulated in the checkpoint writer once 1 MiB has been written through it."""
-    with _tmpfs(tmp_path / "disk", "size=1m") as mounted:
-        if not mounted:
-            left = [1 << 20]
-            original = dcp_backend._RecordingFileIO.write
-
-            def write(self, b):
-                size = memoryview(b).nbytes
-                if size > left[0]:
-                    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                    self.first_error = self.first_error or error
-                    raise error
-                left[0] -= size
-                return original(self, b)
-
-            monkeypatch.setattr(dcp_backend._RecordingFileIO, "write", write)
-        yield tmp_path / "disk"
-
 
 def test_disk_full_is_one_line_and_leaves_the_previous_checkpoint(one_mib_disk):
     model = _model(width=18_000)  # 576 KB a checkpoint (weights and one moment): the second does not fit
@@ -344,7 +306,7 @@ def test_save_dir_checks(tmp_path):
 
 
 def test_save_dir_under_a_read_only_directory(tmp_path):
-    with _tmpfs(tmp_path / "ro", "ro,size=64k") as mounted:
+    with tmpfs(tmp_path / "ro", "ro,size=64k") as mounted:
         if not mounted:  # a directory without write permission is read-only to this process, unless root
             if os.geteuid() == 0:
                 pytest.skip("root without the right to mount: no read-only directory to test with")

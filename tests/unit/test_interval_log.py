@@ -25,11 +25,12 @@ class Writer:
         self.rows.append((iteration, scalars))
 
 
-def trainer():
+def trainer(train_iters: int = 10):
+    """The attributes of a Trainer that IntervalLog reads, writing to a Writer."""
     return SimpleNamespace(flops_per_step=1e12, world_size=1, global_batch_size=2, peak_tflops=None,
                            cfg=SimpleNamespace(training=SimpleNamespace(seq_length=8),
                                                logger=SimpleNamespace(log_params_norm=False)),
-                           state=SimpleNamespace(iteration=0, consumed_train_samples=0), train_iters=10,
+                           state=SimpleNamespace(iteration=0, consumed_train_samples=0), train_iters=train_iters,
                            writer=Writer(), device=torch.device("cpu"))
 
 

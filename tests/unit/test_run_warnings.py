@@ -1,40 +1,23 @@
 """Issue 23: what a run says about NaN losses, loss spikes and a validation that cannot run."""
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
-import torch
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron.training.cli import run
 from megatron.training.loop_utils import IntervalLog, average_losses
 from megatron.training.metrics import LossSpikeWatch
+from tests.unit.test_interval_log import Writer, trainer
 
 TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 --vocab-size 128 "
         "--num-workers 0 --log-interval 1").split()
 
 
-class Writer:
-    def __init__(self):
-        self.rows = []
-
-    def log_scalars(self, scalars, iteration, consumed):
-        self.rows.append((iteration, scalars))
-
-
-def trainer():
-    return SimpleNamespace(flops_per_step=1e12, world_size=1, global_batch_size=2, peak_tflops=None,
-                           cfg=SimpleNamespace(training=SimpleNamespace(seq_length=8),
-                                               logger=SimpleNamespace(log_params_norm=False)),
-                           state=SimpleNamespace(iteration=0, consumed_train_samples=0), train_iters=100,
-                           writer=Writer(), device=torch.device("cpu"))
-
-
 def log_lines(losses_per_line: list[list[float]]) -> Writer:
     """Each inner list is one log line's steps (the lm loss of each); returns what the writer got."""
-    tr = trainer()
+    tr = trainer(train_iters=100)
     log = IntervalLog(tr)
     for steps in losses_per_line:
         for loss in steps:
@@ -89,7 +72,7 @@ def test_no_spike_warning_on_noise_first_steps_small_losses_or_skipped_steps(cap
     log_lines([[10.8], [9800.0]])  # the first lines: nothing to compare with yet
     log_lines([[0.01], [0.01], [0.01], [0.01], [0.09]])  # 9x a memorised batch's loss, but 0.08 nats
     log_lines([[11.0], [7.0], [4.0], [2.5], [2.2], [2.4], [2.1]])  # an ordinary start
-    tr = trainer()
+    tr = trainer(train_iters=100)
     log = IntervalLog(tr)
     for it, (loss, ok) in enumerate([(5.5, True)] * 4 + [(9800.0, False)] * 3 + [(5.5, True)], start=1):
         tr.state.iteration = it  # fp16 overflow steps are skipped, their loss never shown
