@@ -185,8 +185,14 @@ class ErrorChannel:
             self.peers.mark("raising")
         except Exception:  # the store server is gone: nothing to learn from it
             pass
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        # Put the handler back only while no thread is on its way out: the watcher may have found
+        # the lost rank meanwhile and ignores SIGTERM until its os._exit (``stop`` holds the lock).
+        if previous is not None and self._lock.acquire(blocking=False):
+            try:
+                if not self.stopping:
+                    signal.signal(signal.SIGTERM, previous)
+            finally:
+                self._lock.release()
 
     def stop(self, message: str | None, code: int, loss: Loss | None = None) -> NoReturn:
         """Exit this process once every rank knows. ``message`` is this rank's own error (main

@@ -119,3 +119,38 @@ def test_the_errors_a_lost_peer_causes_are_communication_errors(text):
     assert _is_communication_error(RuntimeError(text))
     assert not _is_communication_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not _is_communication_error(ValueError(text))
+
+
+def test_a_survivor_that_is_leaving_keeps_ignoring_sigterm():
+    """The main thread looks for the lost rank while the watcher finds it and starts leaving: the
+    main thread must not put the SIGTERM handler back, or the launcher's SIGTERM ends the survivor
+    (exit -15) before its own exit code 4 (seen in a CI run of the kill -9 test above)."""
+    import threading
+
+    from megatron.training.initialize import ErrorChannel, _ignore_sigterm
+
+    class Store:
+        def check(self, keys):
+            return False
+
+    leaving = threading.Event()
+
+    class Peers:
+        def explain(self, failed):
+            def watcher():  # as ``stop``: the lock held until os._exit, SIGTERM ignored
+                channel._lock.acquire()
+                channel.stopping = True
+                _ignore_sigterm()
+                leaving.set()
+
+            threading.Thread(target=watcher, daemon=True).start()
+            assert leaving.wait(10)
+            return None
+
+    channel = ErrorChannel(Store(), 2, peers=Peers())
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        channel.explain(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
