@@ -8,11 +8,26 @@ and the field docs can never drift apart.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 
 class ConfigError(ValueError):
-    """A user's mistake in a config: the message names the parameter and a value that would be valid."""
+    """A user's mistake in a config: the message names the parameter and a value that would be valid.
+
+    In the library the message names each parameter as the config dataclass spells it
+    (``tensor_model_parallel_size``); ``params`` lists the names the message mentions, so that the
+    training application can rewrite them to its command-line flags
+    (``megatron.training.cli.flag_message``) while library users read the field names.
+
+    Args:
+        message: the one-line explanation: what is wrong and a value that would be valid.
+        params: the parameter names (config field names) the message mentions, in any order.
+    """
+
+    def __init__(self, message: str, *, params: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.params: tuple[str, ...] = tuple(params)
 
 
 def doc(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = "", choices=None,
