@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing import CheckpointError, ShardedTensor
 from megatron.core.dist_checkpointing.torch_dist import read_dcp_metadata
 from megatron.training.checkpoint_dirs import complete_iterations, iteration_dir, resolve, split_iteration_dir
 
@@ -26,7 +26,7 @@ def _intact(ckpt_dir: str) -> dict | None:
     try:
         common = dist_checkpointing.load_common_state(ckpt_dir)
         dist_checkpointing.check_files(ckpt_dir)
-    except ValueError:
+    except CheckpointError:
         return None
     return common
 
@@ -112,7 +112,7 @@ def check_optimizer_precision(ckpt_dir: str, model: list[ShardedTensor], optimiz
     another precision (an fp32 run keeps no fp32 main-parameter copies; a --bf16 run does).
 
     Raises:
-        ValueError: optimizer tensors are missing and the model weights were saved in another dtype.
+        CheckpointError: optimizer tensors are missing and the model weights were saved in another dtype.
     """
     saved_md = read_dcp_metadata(ckpt_dir).state_dict_metadata
     missing = [t.key for t in optimizer if t.key not in saved_md]
@@ -123,7 +123,7 @@ def check_optimizer_precision(ckpt_dir: str, model: list[ShardedTensor], optimiz
     current = _common_dtype(t.data.dtype for t in model)
     if saved is None or current is None or saved == current:
         return
-    raise ValueError(
+    raise CheckpointError(
         f"{ckpt_dir} was trained in {_precision(saved)} and this run trains in {_precision(current)}: its optimizer "
         f"state lacks the {len(missing)} tensors this precision keeps (e.g. {missing[0]}); resume "
         f"{_resume_with(saved, current)} to load it, or pass --no-load-optim to start the optimizer from the "

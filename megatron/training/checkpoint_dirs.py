@@ -15,6 +15,9 @@ and a save killed at any point (kill -9 included) leaves one behind:
 complete ``.replaced``); ``repair`` (one rank, before the others read) renames it back to
 ``iter_0000100``. A ``.saving`` directory never looks like a checkpoint to anything that reads
 ``iter_*`` names by the tracker; the next save of that iteration removes it.
+
+The tracker, ``<save>/latest_checkpointed_iteration.txt``, holds the integer iteration of the newest
+complete checkpoint (``read_tracker`` / ``write_tracker``; it is replaced atomically).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import re
 import shutil
 from collections.abc import Callable
 
-from megatron.core.dist_checkpointing import is_complete_checkpoint
+from megatron.core.config_utils import ConfigError
+from megatron.core.dist_checkpointing import CheckpointError, is_complete_checkpoint
 
 SAVING = ".saving"
 REPLACED = ".replaced"
@@ -35,6 +39,50 @@ _ITER_DIR = re.compile(r"iter_(\d{7,})")
 def iteration_dir(root: str, iteration: int) -> str:
     """``<root>/iter_{iteration:07d}``."""
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration named by ``<root>/latest_checkpointed_iteration.txt``, or None without one.
+
+    Raises:
+        CheckpointError: the tracker holds something other than an integer (``release`` is read only
+            for legacy ``torch`` checkpoints, by ``legacy_checkpoint``).
+    """
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{path} is not text (byte {raw[e.start]:#04x} at offset {e.start}); it must hold the iteration of a "
+            f"complete iter_XXXXXXX directory in {root}: rewrite it (e.g. echo 100 > {path}) or pass --ckpt-step N"
+        ) from None
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(
+            f"{path} holds {text!r}, not an iteration number; write the iteration of a complete "
+            f"iter_XXXXXXX directory in {root} into it (e.g. 100)"
+        ) from None
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Atomically point the tracker at ``iteration``: temp file, fsync, ``os.replace``, fsync dir."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    fsync_dir(root)
 
 
 def staging_dir(ckpt_dir: str) -> str:
@@ -170,23 +218,23 @@ def check_save_dir(path: str) -> None:
     """``--save``: a directory (or one that can be created) this process can write, not one checkpoint.
 
     Raises:
-        ValueError: naming the path and what is wrong with it.
+        ConfigError: naming the path and what is wrong with it.
     """
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--save {path} is a file, not a directory; pass a directory (it is created if missing)")
+        raise ConfigError(f"--save {path} is a file, not a directory; pass a directory (it is created if missing)")
     if os.path.isdir(path):
         if is_complete_checkpoint(path):
-            raise ValueError(f"--save {path} is one checkpoint (it holds metadata.json); pass the directory that "
+            raise ConfigError(f"--save {path} is one checkpoint (it holds metadata.json); pass the directory that "
                              f"holds the checkpoints, {os.path.dirname(os.path.normpath(path)) or '.'}")
         if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"--save {path} is not writable ({_why_not_writable(path)}); pass a directory you can "
+            raise ConfigError(f"--save {path} is not writable ({_why_not_writable(path)}); pass a directory you can "
                              "write")
         return
     ancestor = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
-        raise ValueError(f"--save {path} cannot be created: {ancestor} is a file, not a directory")
+        raise ConfigError(f"--save {path} cannot be created: {ancestor} is a file, not a directory")
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"--save {path} cannot be created: {ancestor} is not writable ({_why_not_writable(ancestor)}); "
+        raise ConfigError(f"--save {path} cannot be created: {ancestor} is not writable ({_why_not_writable(ancestor)}); "
                          "pass a directory you can write")

@@ -25,86 +25,45 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing import CheckpointReadError, CheckpointWriteError, ShardedObject
-from megatron.training import checkpoint_advice, checkpoint_dirs
+from megatron.core.config_utils import ConfigError
+from megatron.core.dist_checkpointing import (
+    CheckpointError,
+    CheckpointReadError,
+    CheckpointWriteError,
+    ShardedObject,
+)
+from megatron.core.dist_checkpointing.torch_dist import read_dcp_metadata
+from megatron.training import checkpoint_advice, checkpoint_dirs, legacy_checkpoint
 from megatron.training.checkpoint_advice import FINITE_KEY
+from megatron.training.checkpoint_common import (
+    RESET_ON_FINETUNE,
+    barrier,
+    check_model_args,
+    find_arg,
+    is_distributed,
+    quiet,
+    rank,
+)
+from megatron.training.checkpoint_dirs import TRACKER_FILENAME, read_tracker, write_tracker
 
-TRACKER_FILENAME = checkpoint_dirs.TRACKER_FILENAME
+__all__ = [
+    "TRACKER_FILENAME", "NonFiniteStateError", "check_model_args", "find_arg", "get_checkpoint_name",
+    "get_rng_state", "load_checkpoint", "read_tracker", "save_checkpoint", "set_rng_state", "write_tracker",
+]
+
 CKPT_FORMAT = "torch_dist"
 CONTENTS_KEY = "checkpoint_contents"
 _RESERVED_KEYS = ("model", "optimizer", "opt_param_scheduler", "rng_state", "fp8_state", CONTENTS_KEY, FINITE_KEY)
-_RESET_ON_FINETUNE = (
-    "iteration", "consumed_train_samples", "consumed_valid_samples", "num_floating_point_operations_so_far"
-)
 
 
 def get_checkpoint_name(root: str, iteration: int) -> str:
     """``<root>/iter_{iteration:07d}``."""
     return checkpoint_dirs.iteration_dir(root, iteration)
-
-
-def read_tracker(root: str) -> int | None:
-    """The iteration named by ``<root>/latest_checkpointed_iteration.txt``, or None without one.
-
-    Raises:
-        ValueError: the tracker holds something other than an integer (``release`` is read only for
-            legacy ``torch`` checkpoints, by ``legacy_checkpoint``).
-    """
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{path} is not text (byte {raw[e.start]:#04x} at offset {e.start}); it must hold the iteration of a "
-            f"complete iter_XXXXXXX directory in {root}: rewrite it (e.g. echo 100 > {path}) or pass --ckpt-step N"
-        ) from None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(
-            f"{path} holds {text!r}, not an iteration number; write the iteration of a complete "
-            f"iter_XXXXXXX directory in {root} into it (e.g. 100)"
-        ) from None
-
-
-_fsync_dir = checkpoint_dirs.fsync_dir
-
-
-def write_tracker(root: str, iteration: int) -> None:
-    """Atomically point the tracker at ``iteration``: temp file, fsync, ``os.replace``, fsync dir."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    _fsync_dir(root)
-
-
-def _is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _is_distributed() else 0
-
-
-def _barrier() -> None:
-    if _is_distributed():
-        dist.barrier()
 
 
 def _rng_object(parallel_state: Any, data: Any) -> ShardedObject:
@@ -113,7 +72,7 @@ def _rng_object(parallel_state: Any, data: Any) -> ShardedObject:
     Without a ``parallel_state`` every rank counts as a data-parallel rank (tp = pp = 1).
     """
     if parallel_state is None:
-        return ShardedObject("rng_state", data, replica_id=(_rank(), 0, 0), shard_key="tp_0_of_1.pp_0_of_1")
+        return ShardedObject("rng_state", data, replica_id=(rank(), 0, 0), shard_key="tp_0_of_1.pp_0_of_1")
     tp, tp_size = getattr(parallel_state, "tp_rank", 0), getattr(parallel_state, "tp_size", 1)
     pp, pp_size = getattr(parallel_state, "pp_rank", 0), getattr(parallel_state, "pp_size", 1)
     replica = tuple(int(getattr(parallel_state, f"{axis}_rank", 0)) for axis in ("dp", "cp", "ep"))
@@ -123,12 +82,7 @@ def _rng_object(parallel_state: Any, data: Any) -> ShardedObject:
 def get_rng_state(rng_state_fn: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Python, NumPy, torch CPU and CUDA generator states, plus ``rng_state_fn()`` under ``extra``."""
     state: dict[str, Any] = {"random": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
+    state["numpy"] = np.random.get_state()
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if rng_state_fn is not None:
@@ -141,8 +95,6 @@ def set_rng_state(state: dict[str, Any], rng_restore_fn: Callable[[Any], None] |
     random.setstate(state["random"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
-        import numpy as np
-
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -204,11 +156,11 @@ def save_checkpoint(
     if require_finite and not common[FINITE_KEY]:
         raise NonFiniteStateError(f"the model or optimizer state at iteration {iteration} holds NaN or Inf, so "
                                   f"{ckpt_dir} was not written")
-    is_rank0 = _rank() == 0
+    is_rank0 = rank() == 0
     if is_rank0:
         log(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in {CKPT_FORMAT} format")
         _prepare_save(save_dir, ckpt_dir, iteration, log)
-    _barrier()
+    barrier()
     staging = checkpoint_dirs.staging_dir(ckpt_dir)
     try:
         dist_checkpointing.save(state, staging, common_state=common)  # ends with metadata.json
@@ -220,7 +172,7 @@ def save_checkpoint(
     if is_rank0:
         _publish(save_dir, ckpt_dir, iteration)
         log(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
-    _barrier()
+    barrier()
 
 
 def _state_to_save(
@@ -258,7 +210,7 @@ def _prepare_save(save_dir: str, ckpt_dir: str, iteration: int, log: Callable[[s
 def _failed_save_reason(error: CheckpointWriteError, save_dir: str, iteration: int, staging: str) -> str:
     try:
         newest = read_tracker(save_dir)
-    except ValueError:
+    except CheckpointError:
         newest = None
     kept = (f"{TRACKER_FILENAME} still names iteration {newest}" if newest is not None
             else "no earlier checkpoint is named by a tracker")
@@ -276,49 +228,9 @@ def _publish(save_dir: str, ckpt_dir: str, iteration: int) -> None:
                                              "while renaming it into place or updating the tracker)") from None
 
 
-def find_arg(tree: Any, name: str) -> tuple[bool, Any]:
-    """Breadth-first search for key ``name`` in a nested dict of saved args."""
-    level = [tree]
-    while level:
-        nxt: list[Any] = []
-        for node in level:
-            if isinstance(node, dict):
-                if name in node:
-                    return True, node[name]
-                nxt.extend(node.values())
-        level = nxt
-    return False, None
-
-
-def check_model_args(
-    saved_args: Any, model_args_check: dict[str, Any], ckpt_dir: str, log: Callable[[str], None] = print
-) -> None:
-    """Compare ``{flag: current value}`` with the checkpoint's ``args``; flags are ``--num-layers`` style.
-
-    Raises:
-        ValueError: listing each flag whose checkpoint value differs from the current one.
-    """
-    mismatches, unrecorded = [], []
-    for flag, current in model_args_check.items():
-        found, saved = find_arg(saved_args, flag.lstrip("-").replace("-", "_"))
-        if not found:
-            unrecorded.append(flag)
-        elif (list(saved) if isinstance(saved, tuple) else saved) != (
-            list(current) if isinstance(current, tuple) else current
-        ):
-            mismatches.append(f"  {flag}: checkpoint {saved!r} vs current {current!r}")
-    if unrecorded:
-        log(f"note: {ckpt_dir} does not record {', '.join(unrecorded)}; not checked")
-    if mismatches:
-        raise ValueError(
-            f"checkpoint {ckpt_dir} was saved for a different model:\n" + "\n".join(mismatches)
-            + "\nset these flags to the checkpoint's values, or --load a checkpoint of this model"
-        )
-
-
 def _agreed_iteration(iteration: int | None) -> int | None:
     """The largest iteration any rank sees (ranks may lag on a slow shared file system)."""
-    if not _is_distributed():
+    if not is_distributed():
         return iteration
     seen: list[int | None] = [None] * dist.get_world_size()
     dist.all_gather_object(seen, iteration)
@@ -332,23 +244,23 @@ def _resolve_checkpoint(
     iteration = ckpt_step if ckpt_step is not None else _agreed_iteration(read_tracker(load_dir))
     if iteration is None:
         if exit_on_missing_checkpoint:
-            raise ValueError(
+            raise CheckpointError(
                 f"--load {load_dir}: no checkpoint found (no {TRACKER_FILENAME}) and "
                 "--exit-on-missing-checkpoint is set; check the path, or drop the flag to start from scratch"
             )
-        if _rank() == 0:
+        if rank() == 0:
             log(f"no checkpoint found in {load_dir} (no {TRACKER_FILENAME}): starting from scratch")
         return None
     name = get_checkpoint_name(load_dir, iteration)
-    if _rank() == 0:
+    if rank() == 0:
         checkpoint_dirs.repair(name, log)  # a save killed while replacing this checkpoint
-    _barrier()
+    barrier()
     ckpt_dir = checkpoint_dirs.resolve(name)
     source = f"--ckpt-step {ckpt_step}" if ckpt_step is not None else f"{TRACKER_FILENAME} in {load_dir}"
     try:
         dist_checkpointing.read_metadata_json(ckpt_dir)
-    except ValueError as e:
-        raise ValueError(
+    except CheckpointError as e:
+        raise CheckpointError(
             f"{e}. {source} names iteration {iteration}; write the iteration of a complete iter_XXXXXXX "
             f"directory (one with {dist_checkpointing.METADATA_FILE}) into {TRACKER_FILENAME}, or pass "
             "--ckpt-step N"
@@ -363,9 +275,9 @@ def _load_dir_and_step(load_dir: str, ckpt_step: int | None, log: Callable[[str]
     if iteration is None:
         return load_dir, ckpt_step
     if ckpt_step is not None and ckpt_step != iteration:
-        raise ValueError(f"--load {load_dir} is the checkpoint of iteration {iteration} but --ckpt-step {ckpt_step} "
+        raise ConfigError(f"--load {load_dir} is the checkpoint of iteration {iteration} but --ckpt-step {ckpt_step} "
                          f"asks for another: pass --load {parent} --ckpt-step {ckpt_step}, or drop --ckpt-step")
-    if _rank() == 0:
+    if rank() == 0:
         log(f"--load {load_dir} is the checkpoint of iteration {iteration}: loading it as --load {parent} "
             f"--ckpt-step {iteration}")
     return parent, iteration
@@ -406,15 +318,14 @@ def load_checkpoint(
         ``finetune``), or None when there is no checkpoint to resume from.
 
     Raises:
-        ValueError: no checkpoint with ``exit_on_missing_checkpoint``; the tracker or ``ckpt_step``
-            names a missing or incomplete checkpoint; ``model_args_check`` differs from the saved
-            args; the optimizer state was asked for but not saved, or saved for another precision;
-            missing keys or shape mismatch.
+        ConfigError: ``load_dir`` is one checkpoint and ``ckpt_step`` names another.
+        CheckpointError: no checkpoint with ``exit_on_missing_checkpoint``; the tracker or
+            ``ckpt_step`` names a missing or incomplete checkpoint; ``model_args_check`` differs from
+            the saved args; the optimizer state was asked for but not saved, or saved for another
+            precision; missing keys or shape mismatch.
         CheckpointReadError: a file of the checkpoint is missing, truncated or unreadable (named, with
             the ``--ckpt-step`` of another checkpoint to load).
     """
-    from megatron.training import legacy_checkpoint  # here, not at the top: it imports this module
-
     load_dir, ckpt_step = _load_dir_and_step(load_dir, ckpt_step, log)
     legacy = legacy_checkpoint.find_legacy_checkpoint(load_dir, ckpt_step)
     if legacy is not None:  # the format is told by the files, as Megatron's --auto-detect-ckpt-format
@@ -425,11 +336,11 @@ def load_checkpoint(
     if found is None:
         return None
     iteration, ckpt_dir = found
-    is_rank0 = _rank() == 0
+    is_rank0 = rank() == 0
     if is_rank0:
         log(f"loading checkpoint from {load_dir} at iteration {iteration}")
     restore_optim = optimizer is not None and load_optim and not finetune
-    say = log if is_rank0 else _quiet
+    say = log if is_rank0 else quiet
     try:
         common = _load_state(ckpt_dir, model_sharded_state_dict, optimizer if restore_optim else None,
                              opt_param_scheduler, model_args_check, say)
@@ -442,7 +353,7 @@ def load_checkpoint(
 
     extra = {k: v for k, v in common.items() if k not in _RESERVED_KEYS}
     if finetune:
-        extra.update({k: 0 for k in _RESET_ON_FINETUNE})
+        extra.update({k: 0 for k in RESET_ON_FINETUNE})
     if is_rank0:
         log(f"  successfully loaded checkpoint from {load_dir} at iteration {iteration}")
     return extra
@@ -461,7 +372,7 @@ def _load_state(ckpt_dir: str, model_sharded_state_dict: dict, optimizer: Any, o
     request: dict[str, Any] = {"model": model_sharded_state_dict}
     if optimizer is not None:
         if "optimizer" not in common.get(CONTENTS_KEY, list(_RESERVED_KEYS)):
-            raise ValueError(
+            raise CheckpointError(
                 f"{ckpt_dir} holds no optimizer state (saved with --no-save-optim); "
                 "resume with --no-load-optim or --finetune"
             )
@@ -475,10 +386,6 @@ def _load_state(ckpt_dir: str, model_sharded_state_dict: dict, optimizer: Any, o
         if opt_param_scheduler is not None and "opt_param_scheduler" in common:
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     return common
-
-
-def _quiet(_: str) -> None:
-    pass
 
 
 def _load_rng(
@@ -496,8 +403,6 @@ def _load_rng(
 def _load_fp8_state(ckpt_dir: str, fp8_state: dict, log: Callable[[str], None]) -> None:
     """Fill the FP8 amax histories in place from the checkpoint, where it holds every one of them with
     the same shape (same model, same --fp8-amax-history-len); otherwise say that they restart."""
-    from megatron.core.dist_checkpointing.torch_dist import read_dcp_metadata
-
     saved = read_dcp_metadata(ckpt_dir).state_dict_metadata
     ok = all(tuple(getattr(saved.get(t.key), "size", ())) == tuple(t.global_shape) for t in fp8_state.values())
     if not ok:

@@ -33,44 +33,21 @@ import os
 import re
 import types
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import ShardedTensor
-from megatron.training import checkpointing
+from megatron.core.dist_checkpointing import CheckpointError, CheckpointReadError
+from megatron.training.checkpoint_common import RESET_ON_FINETUNE, check_model_args, quiet, rank
+from megatron.training.checkpoint_dirs import TRACKER_FILENAME, iteration_dir
+from megatron.training.legacy_layout import collect_sources, fill, plan_fill, targets
 
 FILENAME = "model_optim_rng.pt"
 MIN_CHECKPOINT_VERSION = 2.0  # Megatron reorders the QKV of older files on load; we do not
 _RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3}){0,2}$")
-_LAYER = re.compile(r"^(?:decoder|language_model\.encoder)\.layers\.(\d+)\.(.+)$")
-
-# Inside a layer: (source prefix, our prefix). TE spec first, then TE's op fuser, then the legacy model.
-_LAYER_RENAMES = (
-    ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
-    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
-    ("mlp.0.", "pre_mlp_layernorm."),
-    ("mlp.1.basic_ops.0.", "mlp.linear_fc1."),
-    ("mlp.1.basic_ops.1.", "mlp.linear_fc1."),
-    ("mlp.3.basic_ops.0.", "mlp.linear_fc2."),
-    ("mlp.3.basic_ops.1.", "mlp.linear_fc2."),
-    ("input_norm.", "input_layernorm."),
-    ("post_attention_norm.", "pre_mlp_layernorm."),
-    ("post_attention_layernorm.", "pre_mlp_layernorm."),
-    ("self_attention.query_key_value.", "self_attention.linear_qkv."),
-    ("self_attention.dense.", "self_attention.linear_proj."),
-    ("mlp.dense_h_to_4h.", "mlp.linear_fc1."),
-    ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
-)
-_TOP_RENAMES = (
-    ("language_model.embedding.", "embedding."),
-    ("language_model.encoder.final_norm.", "decoder.final_layernorm."),
-    ("language_model.encoder.final_layernorm.", "decoder.final_layernorm."),
-    ("language_model.output_layer.", "output_layer."),
-)
 # Megatron-LM features that change what the weights mean: refused unless this build's shape check
 # (``model_args_for_check``) compares the flag, i.e. implements it.
 _UNSUPPORTED = (
@@ -99,7 +76,7 @@ def find_legacy_checkpoint(load_dir: str, ckpt_step: int | None = None) -> Legac
     if ckpt_step is not None:
         iteration = ckpt_step
     else:
-        tracker = os.path.join(load_dir, checkpointing.TRACKER_FILENAME)
+        tracker = os.path.join(load_dir, TRACKER_FILENAME)
         if not os.path.isfile(tracker):
             return None
         with open(tracker, errors="replace") as f:  # bytes that are not text: the torch_dist reader names them
@@ -108,7 +85,7 @@ def find_legacy_checkpoint(load_dir: str, ckpt_step: int | None = None) -> Legac
         if not release and not text.isdigit():
             return None  # the torch_dist reader names the bad tracker
         iteration = 0 if release else int(text)
-    path = os.path.join(load_dir, "release") if release else checkpointing.get_checkpoint_name(load_dir, iteration)
+    path = os.path.join(load_dir, "release") if release else iteration_dir(load_dir, iteration)
     if not os.path.isdir(path) or not any(_RANK_DIR.match(n) for n in os.listdir(path)):
         return None
     return LegacyCheckpoint(path, iteration, release)
@@ -140,15 +117,13 @@ class Unpickled:
 
 
 _REAL_CLASSES: dict[str, Any] = {"argparse.Namespace": argparse.Namespace, "types.SimpleNamespace": types.SimpleNamespace}
-_STAND_INS: dict[str, type] = {}
 
 
 def _allow(name: str) -> tuple[Any, str]:
+    """The class a checkpoint's global ``name`` unpickles as: itself if real, else a new stand-in."""
     if name in _REAL_CLASSES:
         return _REAL_CLASSES[name], name
-    if name not in _STAND_INS:
-        _STAND_INS[name] = type(name.rsplit(".", 1)[-1], (Unpickled,), {"qualname": name})
-    return _STAND_INS[name], name
+    return type(name.rsplit(".", 1)[-1], (Unpickled,), {"qualname": name}), name
 
 
 def read_rank_file(path: str) -> dict:
@@ -159,18 +134,19 @@ def read_rank_file(path: str) -> dict:
     inert :class:`Unpickled` record. torch still refuses the ``os``/``sys`` modules.
 
     Raises:
-        ValueError: the file is missing, not a ``torch.save`` zip archive, or cannot be unpickled.
+        CheckpointReadError: the file is missing, not a ``torch.save`` zip archive, or cannot be
+            unpickled; CheckpointError: it holds something other than Megatron's checkpoint dict.
     """
     if not zipfile.is_zipfile(path):
-        raise ValueError(f"{path} is missing or not a torch.save zip archive (saved by PyTorch < 1.6?)")
+        raise CheckpointReadError(f"{path} is missing or not a torch.save zip archive (saved by PyTorch < 1.6?)")
     allowed: list[Any] = [_allow(n) for n in torch.serialization.get_unsafe_globals_in_checkpoint(path)]
     try:
         with torch.serialization.safe_globals(allowed):
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # an unpickling error of a foreign file is the user's input, not our bug
-        raise ValueError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+        raise CheckpointReadError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(state, dict):
-        raise ValueError(f"{path} holds a {type(state).__name__}, not Megatron's checkpoint dict")
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not Megatron's checkpoint dict")
     return state
 
 
@@ -180,7 +156,7 @@ def _args_of(state: dict, path: str) -> dict:
         return vars(args)
     if isinstance(args, dict):
         return args
-    raise ValueError(f"{path} holds no readable 'args' (found {type(args).__name__}); it is not a checkpoint "
+    raise CheckpointError(f"{path} holds no readable 'args' (found {type(args).__name__}); it is not a checkpoint "
                      "written by Megatron-LM's pretrain_gpt.py")
 
 
@@ -221,14 +197,14 @@ def check_args(state: dict, path: str, model_args_check: dict | None, log: Calla
     a = _args_of(state, path)
     version = state.get("checkpoint_version", 0)
     if not isinstance(version, (int, float)) or version < MIN_CHECKPOINT_VERSION:
-        raise ValueError(f"{path} has checkpoint_version {version!r}; only version {MIN_CHECKPOINT_VERSION} or "
+        raise CheckpointError(f"{path} has checkpoint_version {version!r}; only version {MIN_CHECKPOINT_VERSION} or "
                          "newer is read (convert it with Megatron-LM's tools/checkpoint first)")
     for name, flag in _UNSUPPORTED:
         if flag not in (model_args_check or {}) and a.get(name) and (name != "expert_model_parallel_size" or a[name] > 1):
-            raise ValueError(f"{os.path.dirname(os.path.dirname(path))} was trained with {flag} {a[name]}, which "
+            raise CheckpointError(f"{os.path.dirname(os.path.dirname(path))} was trained with {flag} {a[name]}, which "
                              "this package does not implement; it cannot be loaded here")
     if model_args_check:
-        checkpointing.check_model_args(model_args(a), model_args_check, os.path.dirname(os.path.dirname(path)), log)
+        check_model_args(model_args(a), model_args_check, os.path.dirname(os.path.dirname(path)), log)
     return a
 
 
@@ -236,171 +212,21 @@ def rank_files(ckpt: LegacyCheckpoint, a: dict) -> dict[tuple[int, int], str]:
     """``{(tp, pp): file}`` for the saved layout (tensor / pipeline sizes from the args).
 
     Raises:
-        ValueError: a rank's file is missing, or the directory holds folders of another layout.
+        CheckpointError: a rank's file is missing, or the directory holds folders of another layout.
     """
     tp, pp = int(a.get("tensor_model_parallel_size") or 1), int(a.get("pipeline_model_parallel_size") or 1)
     names = {(t, p): f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp)}
     present = {n for n in os.listdir(ckpt.path) if _RANK_DIR.match(n)}
     stray = sorted(present - set(names.values()))
     if stray:
-        raise ValueError(f"{ckpt.path} holds {stray[0]}, which a tp {tp} x pp {pp} checkpoint (its args) does not "
+        raise CheckpointError(f"{ckpt.path} holds {stray[0]}, which a tp {tp} x pp {pp} checkpoint (its args) does not "
                          "write; expert-parallel checkpoints are not supported")
     paths = {key: os.path.join(ckpt.path, name, FILENAME) for key, name in names.items()}
     missing = [path for path in paths.values() if not os.path.isfile(path)]
     if missing:
-        raise ValueError(f"legacy checkpoint file {missing[0]} is missing (the checkpoint's args say tensor-parallel "
+        raise CheckpointError(f"legacy checkpoint file {missing[0]} is missing (the checkpoint's args say tensor-parallel "
                          f"size {tp}, pipeline size {pp}); copy the whole {os.path.basename(ckpt.path)} directory")
     return paths
-
-
-# -------------------------------------------------------------------------------------------------
-def our_name(key: str, tied: bool) -> tuple[int | None, str] | None:
-    """``(stage-local layer index or None, our name within the layer or the model)`` of a saved key;
-    None for keys that hold nothing of this model: TE's ``_extra_state``, old rotary ``inv_freq``
-    buffers and the last stage's copy of a tied output weight (the first stage's embedding is read)."""
-    if key.endswith(("._extra_state", ".inv_freq")) or key.startswith("word_embeddings_for_head."):
-        return None
-    m = _LAYER.match(key)
-    if m:
-        rest = "self_" + m.group(2) if m.group(2).startswith("attention.") else m.group(2)
-        for src, ours in _LAYER_RENAMES:
-            if rest.startswith(src):
-                rest = ours + rest[len(src):]
-                break
-        return int(m.group(1)), rest
-    for src, ours in _TOP_RENAMES:
-        if key.startswith(src):
-            key = ours + key[len(src):]
-            break
-    if tied and key == "output_layer.weight":
-        return None
-    return None, key
-
-
-def split_rule(name: str, swiglu: bool) -> tuple[int | None, int]:
-    """(tp split dim or None when replicated, stride) of one of our tensors, as Megatron shards it."""
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight") or name.endswith(
-            ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
-        return 0, 1
-    if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
-        return 0, 2 if swiglu else 1
-    if name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")):
-        return 1, 1
-    return None, 1
-
-
-def merge_shards(shards: list[torch.Tensor], dim: int | None, stride: int) -> torch.Tensor:
-    """The global tensor from the tp shards: concatenated along ``dim``; with ``stride`` sub-tensors
-    per shard (SwiGLU's ``[gate_r; up_r]``) the r-th pieces of all shards are concatenated first."""
-    if dim is None or len(shards) == 1:
-        return shards[0]
-    pieces = [s.chunk(stride, dim) for s in shards]
-    return torch.cat([torch.cat([p[j] for p in pieces], dim) for j in range(stride)], dim)
-
-
-def _chunks(state: dict, path: str) -> list[dict]:
-    if "model" in state:
-        return [state["model"]]
-    n = sum(1 for k in state if re.fullmatch(r"model\d+", k))
-    if n == 0:
-        raise ValueError(f"{path} holds no 'model' state; it is not a training checkpoint")
-    return [state[f"model{i}"] for i in range(n)]
-
-
-def _flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            yield from _flatten(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
-
-
-def _layer_offsets(chunks: dict[tuple[int, int], list[dict]], pp: int, tied: bool,
-                   problems: list[str]) -> dict[tuple[int, int], int]:
-    """Global index of each (pipeline rank, virtual stage)'s first layer: layers run in virtual-stage
-    order, stage v = chunk * pp + pipeline rank, each holding its own 0-based numbers."""
-    counts = {}
-    for p in range(pp):
-        for c, chunk in enumerate(chunks[(0, p)]):
-            local = {m[0] for k, _ in _flatten(chunk) if (m := our_name(k, tied)) and m[0] is not None}
-            if local != set(range(len(local))):
-                problems.append(f"pipeline rank {p}, virtual stage {c}: layer numbers {sorted(local)} are not 0..n-1")
-            counts[(p, c)] = len(local)
-    offsets, total = {}, 0
-    for c in range(len(chunks[(0, 0)])):
-        for p in range(pp):
-            offsets[(p, c)] = total
-            total += counts.get((p, c), 0)
-    return offsets
-
-
-def collect_sources(states: dict[tuple[int, int], dict], paths: dict[tuple[int, int], str], tied: bool
-                    ) -> tuple[dict[str, list[Any]], list[str]]:
-    """``{our global name: [tensor of tp rank 0, 1, ...]}`` over every file, plus the problems found."""
-    tp = 1 + max(t for t, _ in states)
-    pp = 1 + max(p for _, p in states)
-    chunks = {k: _chunks(s, paths[k]) for k, s in states.items()}
-    problems: list[str] = []
-    num_chunks = len(chunks[(0, 0)])
-    if any(len(c) != num_chunks for c in chunks.values()):
-        problems.append("the files hold different numbers of virtual stages (model0, model1, ...)")
-    offsets = _layer_offsets(chunks, pp, tied, problems)
-    sources: dict[str, list[Any]] = {}
-    for (t, p), stage_chunks in chunks.items():
-        for c, chunk in enumerate(stage_chunks[:num_chunks]):
-            for key, value in _flatten(chunk):
-                mapped = our_name(key, tied)
-                if mapped is None:
-                    continue
-                layer, rest = mapped
-                name = rest if layer is None else f"decoder.layers.{offsets[(p, c)] + layer}.{rest}"
-                slot = sources.setdefault(name, [None] * tp)
-                if slot[t] is not None or not isinstance(value, torch.Tensor):
-                    problems.append(f"{key} in {paths[(t, p)]}: " + (
-                        "a second copy" if slot[t] is not None else f"a {type(value).__name__}, not a tensor"))
-                else:
-                    slot[t] = value
-    return sources, problems
-
-
-def _targets(sharded: dict) -> list[ShardedTensor]:
-    out = []
-    for value in sharded.values():
-        if isinstance(value, dict):
-            out.extend(_targets(value))
-        else:
-            assert isinstance(value, ShardedTensor), f"model state holds a {type(value).__name__}"
-            out.append(value)
-    return out
-
-
-def plan_fill(targets: list[ShardedTensor], sources: dict[str, list[Any]], swiglu: bool
-              ) -> tuple[list[tuple[ShardedTensor, torch.Tensor]], list[str]]:
-    """Each target with the global tensor it is a slice of (shaped like ``global_shape``), plus the
-    targets that cannot be filled: absent from the checkpoint, or of another shape."""
-    pairs, problems = [], []
-    for st in targets:
-        shards = sources.get(st.key)
-        if shards is None or any(s is None for s in shards):
-            where = "the checkpoint" if shards is None else f"tp rank {shards.index(None)}'s file"
-            problems.append(f"{st.key}: not in {where}")
-            continue
-        full = merge_shards(shards, *split_rule(st.key, swiglu))
-        shape = tuple(st.global_shape)
-        flat = (shape[0] * shape[1], *shape[2:]) if len(shape) == full.dim() + 1 else shape  # [2, F, h] of SwiGLU
-        if tuple(full.shape) != flat:
-            problems.append(f"{st.key}: checkpoint shape {list(full.shape)} vs this model's {list(flat)}")
-            continue
-        pairs.append((st, full.reshape(shape)))
-    return pairs, problems
-
-
-@torch.no_grad()
-def fill(pairs: list[tuple[ShardedTensor, torch.Tensor]]) -> None:
-    """Copy each target's block of its global tensor into the target (a view of the parameter)."""
-    for st, full in pairs:
-        block = tuple(slice(o, o + n) for o, n in zip(st.global_offset, st.local_shape))
-        st.data.copy_(full[block])
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -417,7 +243,7 @@ def _first_file(ckpt: LegacyCheckpoint) -> str:
         path = os.path.join(ckpt.path, name, FILENAME)
         if os.path.isfile(path):
             return path
-    raise ValueError(f"legacy checkpoint file {os.path.join(ckpt.path, 'mp_rank_00', FILENAME)} (or mp_rank_00_000/) "
+    raise CheckpointError(f"legacy checkpoint file {os.path.join(ckpt.path, 'mp_rank_00', FILENAME)} (or mp_rank_00_000/) "
                      "is missing; copy the whole directory the saving run wrote")
 
 
@@ -425,20 +251,20 @@ def load_weights(ckpt: LegacyCheckpoint, first: tuple[str, dict], a: dict, model
     """Fill every tensor of ``model_sharded_state_dict`` (any current layout) from the files.
 
     Raises:
-        ValueError: on every rank alike, listing tensors missing, unexpected or of another shape.
+        CheckpointError: on every rank alike, listing tensors missing, unexpected or of another shape.
     """
     paths = rank_files(ckpt, a)
     states = {k: first[1] if p == first[0] else read_rank_file(p) for k, p in paths.items()}
     tied = not a.get("untie_embeddings_and_output_weights", False)
     sources, problems = collect_sources(states, paths, tied)
-    targets = _targets(model_sharded_state_dict)
-    pairs, unfit = plan_fill(targets, sources, bool(a.get("swiglu")))
-    wanted = set().union(*_gather({t.key for t in targets}))
+    wanted_targets = targets(model_sharded_state_dict)
+    pairs, unfit = plan_fill(wanted_targets, sources, bool(a.get("swiglu")))
+    wanted = set().union(*_gather({t.key for t in wanted_targets}))
     extra = [f"{k}: in the checkpoint but not in this model" for k in sorted(set(sources) - wanted)]
     found = sorted(set().union(*_gather(set(problems + unfit + extra))))
     if found:
         shown = "\n  ".join(found[:8]) + (f"\n  ... and {len(found) - 8} more" if len(found) > 8 else "")
-        raise ValueError(f"legacy checkpoint {ckpt.path} does not fit this model:\n  {shown}\n"
+        raise CheckpointError(f"legacy checkpoint {ckpt.path} does not fit this model:\n  {shown}\n"
                          "check the model flags (--swiglu, --disable-bias-linear, --qk-layernorm, ...) against the "
                          "saving run's")
     fill(pairs)
@@ -464,10 +290,10 @@ def load_legacy_checkpoint(
     checkpoint loads as with ``finetune``.
 
     Raises:
-        ValueError: a missing or unreadable file, another model's shape flags, a feature this package
+        CheckpointError: a missing or unreadable file, another model's shape flags, a feature this package
             lacks, tensors that do not fit, or no scheduler state when one is to be restored.
     """
-    say = log if checkpointing._rank() == 0 else checkpointing._quiet
+    say = log if rank() == 0 else quiet
     finetune = finetune or ckpt.release
     say(f"loading legacy torch checkpoint (Megatron-LM's --ckpt-format torch) from {ckpt.path}"
         + (" (release: weights only, starting at iteration 0)" if ckpt.release else ""))
@@ -483,7 +309,7 @@ def load_legacy_checkpoint(
     if opt_param_scheduler is not None and load_optim and not finetune:
         sched = first.get("opt_param_scheduler", first.get("lr_scheduler"))
         if not isinstance(sched, dict):
-            raise ValueError(f"{first_path} holds no LR-scheduler state (saved with --no-save-optim); resume with "
+            raise CheckpointError(f"{first_path} holds no LR-scheduler state (saved with --no-save-optim); resume with "
                              "--no-load-optim or --finetune")
         opt_param_scheduler.load_state_dict(dict(sched))
     if load_rng and not finetune:
@@ -497,6 +323,6 @@ def load_legacy_checkpoint(
              "num_floating_point_operations_so_far": int(first.get("num_floating_point_operations_so_far") or 0),
              "args": model_args(a), "checkpoint_version": first.get("checkpoint_version")}
     if finetune:
-        extra.update({k: 0 for k in checkpointing._RESET_ON_FINETUNE})
+        extra.update({k: 0 for k in RESET_ON_FINETUNE})
     say(f"  successfully loaded checkpoint from {ckpt.path} at iteration {extra['iteration']}")
     return extra
