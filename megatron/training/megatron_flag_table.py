@@ -1,8 +1,8 @@
 """Megatron-LM 0.19.2's training flags that are not fields of our configs, flag by flag.
 
-See ``megatron_flags`` for the four classes. Reasons are written once and shared by the flags they
-cover; in a flag list ``--flag=1`` marks a flag that takes one value (``=+``, ``=*``, ``=?``, ``=N``
-as argparse's nargs), a bare flag is a switch. The arities are Megatron-LM 0.19.2's, read from its
+See ``megatron_flags`` for the four classes; the reasons are in ``megatron_flag_reasons``, each
+shared by the flags it covers. In a flag list ``--flag=1`` marks a flag that takes one value
+(``=+``, ``=*``, ``=?``, ``=N`` as argparse's nargs), a bare flag is a switch. The arities are Megatron-LM 0.19.2's, read from its
 parser, so that a script's values are consumed exactly as Megatron-LM would consume them.
 """
 
@@ -10,205 +10,46 @@ from __future__ import annotations
 
 import textwrap
 
+from megatron.training import megatron_flag_reasons as why
 from megatron.training.megatron_flags import ALWAYS, NO_EFFECT, REFUSED, ForeignFlag, entries, index
 
-_MCORE = "the model is always this package's own Megatron-Core-style GPTModel"
-_FLASH = ("attention always runs through torch's scaled_dot_product_attention, which picks cuDNN's or "
-          "FlashAttention's fused kernel on the GPU")
-_SOFTMAX32 = 'the fused attention kernels accumulate the scores and softmax in fp32'
-_FUSED = ('there is no hand-written Megatron kernel to turn off here; torch.compile fuses each layer on the GPU '
-          '(--torch-compile off runs them unfused)')
-_WGRAD_ACC = 'weight gradients are always added into the main gradients (no APEX fusion to turn off)'
-_FP32_GRADS = 'main gradients are accumulated and reduced in fp32 unless --grad-reduce-in-bf16'
-_MEM_TB = 'GPU memory (allocated, peak allocated, peak reserved) is always written with the scalars'
-_PPL_TB = 'validation perplexity is always written with the scalars'
-_LOCAL_RANK = 'the local rank is read from LOCAL_RANK (torchrun) or SLURM_LOCALID (srun)'
-_DIST_CKPT = 'checkpoints are always distributed (torch.distributed.checkpoint); the format is --ckpt-format'
-_AUTO_FORMAT = ("the format of the checkpoint to load is always read from its files (torch_dist, or Megatron-LM's legacy "
-                'torch format)')
-_LOADER_SIGNALS = ('DataLoader workers always ignore the stop signals and the rank decides; with --exit-signal-handler it '
-                   'finishes the step and saves')
-_RESHARD = ('optimizer state is always stored per parameter in global coordinates, so it reshards across tensor, '
-            'pipeline and data parallelism')
-_MAIN_PARAMS = ("the fp32 main parameters are restored from the checkpoint's optimizer state, or from its weights when that"
-                ' is skipped')
-_NO_MSC = 'files are read from the local (or mounted) file system'
-_NO_GLOO = 'no gloo process groups are created beside NCCL on GPUs'
-_NO_TOK_CKPT = "the tokenizer always comes from this launch's flags, never from a checkpoint"
-_TOKENS_READY = ('pretraining reads token ids written by tools/preprocess_data.py; the tokenizer gives only the vocabulary '
-                 'size and the end-of-document id, so its encoding options change nothing')
-_GC = ("Python's garbage collector runs as usual; the training loop allocates no Python objects per step that "
-       'would make a collection costly')
-_EMPTY_CACHE = 'the CUDA caching allocator is never emptied during training (that only costs time)'
-_CKPT_PARALLEL = ('every rank writes and reads only its own shards through torch.distributed.checkpoint, already spread over '
-                  'all ranks')
-_STRICT_LOAD = ('loading is strict: a tensor the model needs and the checkpoint lacks is an error naming it, extra tensors '
-                'in the checkpoint are ignored')
-_LOGLEVEL = "the log lines are fixed; warnings come through Python's warnings module"
-_TIMERS = ('per-phase timers are not kept: the log line has the iteration time, and --profile --use-pytorch-profiler '
-           'breaks a step down')
-_TB_INTERVAL = 'scalars are written every --log-interval iterations'
-_CUDA_GRAPHS = ("CUDA graphs are not captured; the loop queues the next step before reading the last one, so the host's "
-                'launch time stays hidden')
-_TE_KNOB = 'a Transformer Engine setting; there is no Transformer Engine path (--transformer-impl local)'
-_TP_OVERLAP = ("Transformer Engine's overlap of tensor-parallel collectives with GEMMs is not used: there is no "
-               "Transformer Engine path, and PyTorch's micro-pipelined tensor parallelism measured slower "
-               '(docs/performance.md)')
-_FP8_PARAMS = ('FP8 here casts the bf16 weights in each forward (docs/fp8.md); parameters and their gathers stay bf16')
-_DDP_KNOB = 'gradient buckets are sized by --ddp-bucket-size and reduced as they fill'
-_PP_KNOB = ("the pipeline's sends and receives are torch.distributed's batched point-to-point operations, overlapped by"
-            ' the schedule (--no-overlap-p2p-communication)')
-_WGRAD_DEFER = 'weight gradients are computed in the backward pass where autograd schedules them'
-_NCCL = 'NCCL is used with its defaults; tune it through its environment variables (NCCL_*)'
-_FLIGHT = ("this package does not configure PyTorch's NCCL flight recorder; set TORCH_NCCL_TRACE_BUFFER_SIZE and "
-           'TORCH_FR_DUMP_TEMP_FILE in the environment for it')
-_OFFLOAD = ('activations are not offloaded to the CPU; --recompute-granularity full trades compute for activation '
-            'memory instead')
-_OPT_OFFLOAD_KNOB = 'tunes optimizer CPU offload, which is not built (--optimizer-cpu-offload is refused)'
-_ASYNC_KNOB = 'tunes --async-save, which is not built (checkpoints are written synchronously and atomically)'
-_LOCAL_CKPT_KNOB = ('tunes non-persistent local checkpoints, which are not built (--non-persistent-save-interval is refused)')
-_FSDP_KNOB = 'tunes FSDP, which is not built yet (--use-torch-fsdp2 and --use-megatron-fsdp are refused)'
-_DATA_KNOB = ('dataset indices are built once by global rank 0 and cached (--data-cache-path); loading a cache is already'
-              ' a memory map')
-_PAD_TOKENS = 'GPT samples here are never padded, so no pad token reaches the loss'
-_INIT = "weights are initialised from the seed and each parameter's global name, then overwritten by --load"
-_META_INIT = 'the model is always built on the meta device and then materialised on its device'
-_SYNC = 'the loop waits only for the step whose results it reads, so the host never runs far ahead'
-_SIGNAL_SHUTDOWN = ('without --exit-signal-handler a stop signal ends the run (the newest complete checkpoint stays the '
-                    'latest); --exit-signal-handler also saves first')
-_TIMEOUT = '--distributed-timeout-minutes applies from start to end'
-_CLONE = "an internal copy in Megatron's embedding that this package does not make"
-_RERUN = ('steps are never re-run: a NaN/Inf gradient norm stops the run before anything is saved '
-          '(--no-check-for-nan-in-loss-and-grad keeps going)')
-_TELEMETRY = "NVIDIA's internal telemetry (one-logger) is not used"
-_FT = ("NVIDIA's fault-tolerance and autoresume services are not used; a hung collective fails after "
-       '--distributed-timeout-minutes and --exit-signal-handler saves on SIGTERM')
-_INPROCESS_KNOB = 'tunes in-process restart, which is not built (--inprocess-restart is refused)'
-_STRAGGLER = ('no straggler detector runs; --profile --use-pytorch-profiler on --profile-ranks shows slow ranks')
-_NVTX = "no NVTX ranges are emitted; the PyTorch profiler's trace (--use-pytorch-profiler) names every op"
-_CONFIG_DUMP = "the run's whole configuration is printed at start and stored in every checkpoint"
-_EXPERIMENTAL = 'there are no experimental features to unlock'
-_ONNX = 'no ONNX export happens during pretraining'
-_EXPERTS_OFF = ('there are no expert layers (--num-experts is refused), so an expert parallel size changes nothing')
-_ENERGY = ("energy and nvidia-smi memory are not read; GPU memory from PyTorch's allocator is written with the scalars")
-_INFERENCE = ("an inference setting; pretrain_gpt.py runs no inference (Megatron-LM's pretrain_gpt.py ignores it too)")
-_RL = 'a reinforcement-learning setting, used only with --perform-rl-step (refused here)'
-_BERT_T5 = ("a setting of Megatron-LM's BERT, T5 and retrieval models; pretrain_gpt.py ignores it (in Megatron-LM too)")
-_VISION = "a setting of Megatron-LM's vision models; pretrain_gpt.py ignores it (in Megatron-LM too)"
-_OTHER_OPT = 'a setting of --optimizer muon or lion, which are not built (--optimizer takes adam or sgd)'
-_MAMBA_KNOB = 'a setting of Mamba layers, which exist only in hybrid models (refused here)'
-_MSC_KNOB = 'the Multi-Storage Client is not used; files are read from the local (or mounted) file system'
-_CP = ('context parallelism is not built yet; for long sequences use --sequence-parallel with '
-       '--tensor-model-parallel-size, or --recompute-granularity full')
-_MOE = 'mixture-of-experts layers are not built yet (dense models only)'
-_FSDP = ('FSDP is not built yet; --use-distributed-optimizer shards the optimizer state and fp32 main parameters '
-         'over the data-parallel ranks')
-_OPT_DTYPES = ('the optimizer keeps fp32 main parameters and Adam moments (main gradients fp32, or bf16 with '
-               '--grad-reduce-in-bf16); drop it, or pass fp32')
-_OPT_OFFLOAD = ('optimizer CPU offload is not built yet; --use-distributed-optimizer shards the optimizer state over the '
-                'data-parallel ranks')
-_ASYNC = ('asynchronous checkpoint saving is not built yet: checkpoints are written synchronously and atomically '
-          '(docs/checkpoints.md); drop it')
-_LOCAL_CKPT = 'non-persistent (local) checkpoints are not built; use --save-interval'
-_RETAIN = ('checkpoint retention is not built yet: every saved checkpoint is kept; delete old iter_* directories by '
-           'hand')
-_CKPT_ARGS = ('pass the model flags again: a checkpoint saved for a different model is refused at load with one line per '
-              'flag that differs')
-_CONVERT = ('checkpoints are not converted at load; a torch_dist checkpoint loads under any parallel layout as it is')
-_PRETRAINED = "to start from another run's weights use --load DIR --finetune (weights only, iteration 0)"
-_OVERRIDE_IT = ('the iteration and consumed samples always come from the checkpoint; --ckpt-step N loads another saved '
-                'iteration')
-_VERIFY = ('checkpoint hashing is not built; the tracker names only complete checkpoints (written last, atomically)')
-_TP_PP_DP = 'the rank grid is always ordered tp-cp-ep-dp-pp; drop it'
-_DP_RANDOM = 'weights are identical on every data-parallel rank (layout invariance); drop it'
-_DIST_OPT_INST = 'one distributed optimizer instance spans the data-parallel ranks; drop it'
-_FAKE_PG = 'use --dry-run to see parameters and memory without running on GPUs'
-_LAZY_MPU = ('pretrain_gpt.py always sets up its own process groups; from your own code, use the library '
-             '(megatron.core.parallel_state)')
-_NAN_CHECKS = ("Megatron-LM's loss-spike and large-gradient checks (re-running the step) are not built yet; a NaN/Inf "
-               'gradient norm stops the run (see --no-check-for-nan-in-loss-and-grad) and a logged loss far above its '
-               'recent median prints a one-line warning')
-_FAULTS = 'fault injection is not built'
-_HASH = ('weight-hash checks across replicas are not built; data-parallel replicas start from identical weights and '
-         'apply identical reduced gradients')
-_INPROCESS = ("in-process restart is not built; restart the job (torchrun --max-restarts, or Slurm's requeue) and it "
-              'resumes from --load')
-_DUMPS = 'dumping tensors, gradients or parameter maps is not built; use the library from your own code'
-_MEM_HISTORY = ('CUDA memory-history snapshots are not built; --profile --use-pytorch-profiler records a trace, and the '
-                'scalars hold allocated and peak memory')
-_CHAKRA = 'Chakra traces are not built; --use-pytorch-profiler writes a Chrome trace'
-_YAML = "give the flags on the command line (a shell array, as Megatron-LM's example scripts do)"
-_SPEC = ('custom layer specs are a library feature: build GPTModel with your spec in your own training loop '
-         '(examples/run_simple_mcore_train_loop.py)')
-_HYBRID = 'hybrid Mamba / linear-attention models are not built; pretrain_gpt.py trains attention-only GPTs'
-_MLA = 'multi-latent attention is not built; use --group-query-attention --num-query-groups N'
-_MTP = 'multi-token prediction is not built'
-_ROPE_VARIANTS = ('only plain RoPE is built (--position-embedding-type rope with --rotary-base, --rotary-percent and '
-                  '--rotary-seq-len-interpolation-factor)')
-_ATTN_VARIANTS = 'this attention variant is not built (standard causal softmax attention only)'
-_ACTIVATIONS = 'this activation is not built; use the default GELU or --swiglu'
-_ARCH = 'this architecture change is not built (pre-norm GPT blocks with the residual in the compute dtype)'
-_INIT_VARIANTS = ('weights are initialised normal(0, --init-method-std), output projections with std/sqrt(2 x layers); other '
-                  'initialisations are not built')
-_LOSS_PRECISION = 'the cross entropy is always computed in fp32'
-_WD_QK = 'weight decay never applies to norms or biases (1-D parameters), QK-norm included'
-_FP8_VARIANTS = ('this FP8 setting is not built: FP8 here is --fp8-format with --fp8-recipe tensorwise or delayed, weight '
-                 'gradients in FP8, margin 0 (docs/fp8.md)')
-_FP4 = 'FP4 is not built; FP8 (--fp8-format) is the lowest precision here'
-_DATA_VARIANTS = ('this dataset type is not built; pretrain_gpt.py reads .bin/.idx GPT data (--data-path) or --mock-data')
-_VALID_SETS = ('one validation set per run: --valid-data-path (or the --split share) evaluated for --eval-iters batches')
-_EVAL_BATCH = 'evaluation uses the training batch sizes; set how much it reads with --eval-iters'
-_SPECIAL_TOKENS = ('added special tokens would change the vocabulary; add them when training the tokenizer instead')
-_SAMPLE_RATE = 'sampling a fraction of the data is not built; use --data-path weights or --split'
-_SKIP_ITERS = 'skipping chosen iterations is not built'
-_RL_STEP = 'reinforcement learning is not built; pretrain_gpt.py pretrains'
-_DISTILL = 'knowledge distillation from saved logits is not built'
-_FREEZE = 'freezing layers is not built; pretrain_gpt.py trains every parameter'
-_DETERMINISTIC = 'deterministic GPU kernels are not selectable; on the CPU every run is bitwise repeatable'
-_BATCH_DECREASE = ('the global batch is never changed silently; pick one divisible by micro-batch x data-parallel size')
-_MLP_CHUNKS = ('chunking the MLP over the sequence is not built; use --recompute-granularity to save activation memory')
-_TP_SHARDS = 'only one tensor-parallel axis is built (--tensor-model-parallel-size)'
-_TEST_MODE = "Megatron-LM's own real-time test harness is not built"
-_SDPA = ("attention always runs through torch's scaled_dot_product_attention (cuDNN's fused "
-         "attention on Hopper)")
-
 _TABLE: list[ForeignFlag] = [
-    *entries(ALWAYS, _MCORE, '--use-mcore-models'),
-    *entries(ALWAYS, _FLASH, '--use-flash-attn --flash-attention-version=1'),
-    *entries(ALWAYS, _SOFTMAX32, '--attention-softmax-in-fp32 --apply-query-key-layer-scaling'),
-    *entries(ALWAYS, _FUSED, """
+    *entries(ALWAYS, why.MCORE, '--use-mcore-models'),
+    *entries(ALWAYS, why.FLASH, '--use-flash-attn --flash-attention-version=1'),
+    *entries(ALWAYS, why.SOFTMAX32, '--attention-softmax-in-fp32 --apply-query-key-layer-scaling'),
+    *entries(ALWAYS, why.FUSED, """
         --no-masked-softmax-fusion --no-bias-dropout-fusion --no-bias-swiglu-fusion --no-rope-fusion
         --disable-jit-fuser --no-persist-layer-norm --no-gradient-reduce-div-fusion --fused-residual-rmsnorm
     """),
-    *entries(ALWAYS, _WGRAD_ACC, '--no-gradient-accumulation-fusion'),
-    *entries(ALWAYS, _FP32_GRADS, """
+    *entries(ALWAYS, why.WGRAD_ACC, '--no-gradient-accumulation-fusion'),
+    *entries(ALWAYS, why.FP32_GRADS, """
         --accumulate-allreduce-grads-in-fp32 --ddp-reduce-scatter-with-fp32-accumulation
         --ddp-param-name-patterns-for-fp32-local-accumulation=+
     """),
-    *entries(ALWAYS, _MEM_TB, '--log-memory-to-tensorboard'),
-    *entries(ALWAYS, _PPL_TB, '--log-validation-ppl-to-tensorboard'),
-    *entries(ALWAYS, _LOCAL_RANK, '--local-rank=1'),
-    *entries(ALWAYS, _DIST_CKPT, '--use-dist-ckpt --dist-ckpt-format=1'),
-    *entries(ALWAYS, _AUTO_FORMAT, '--auto-detect-ckpt-format'),
-    *entries(ALWAYS, _LOADER_SIGNALS, '--exit-signal-handler-for-dataloader'),
-    *entries(ALWAYS, _RESHARD, '--dist-ckpt-optim-fully-reshardable'),
-    *entries(ALWAYS, _MAIN_PARAMS, '--load-main-params-from-ckpt'),
-    *entries(ALWAYS, _NO_MSC, '--disable-msc'),
-    *entries(ALWAYS, _NO_GLOO, '--disable-gloo-process-groups'),
-    *entries(ALWAYS, _NO_TOK_CKPT, """
+    *entries(ALWAYS, why.MEM_TB, '--log-memory-to-tensorboard'),
+    *entries(ALWAYS, why.PPL_TB, '--log-validation-ppl-to-tensorboard'),
+    *entries(ALWAYS, why.LOCAL_RANK, '--local-rank=1'),
+    *entries(ALWAYS, why.DIST_CKPT, '--use-dist-ckpt --dist-ckpt-format=1'),
+    *entries(ALWAYS, why.AUTO_FORMAT, '--auto-detect-ckpt-format'),
+    *entries(ALWAYS, why.LOADER_SIGNALS, '--exit-signal-handler-for-dataloader'),
+    *entries(ALWAYS, why.RESHARD, '--dist-ckpt-optim-fully-reshardable'),
+    *entries(ALWAYS, why.MAIN_PARAMS, '--load-main-params-from-ckpt'),
+    *entries(ALWAYS, why.NO_MSC, '--disable-msc'),
+    *entries(ALWAYS, why.NO_GLOO, '--disable-gloo-process-groups'),
+    *entries(ALWAYS, why.NO_TOK_CKPT, """
         --no-use-tokenizer-model-from-checkpoint-args --disable-use-tokenizer-model-from-checkpoint-args
     """),
-    *entries(ALWAYS, _TOKENS_READY, """
+    *entries(ALWAYS, why.TOKENS_READY, """
         --tokenizer-hf-no-use-fast --tokenizer-hf-no-include-special-tokens --tokenizer-sentencepiece-legacy
         --no-tokenizer-sentencepiece-ignore-extra-whitespaces
         --disable-tokenizer-sentencepiece-ignore-extra-whitespaces --trust-remote-code --chat-template=1
         --tokenizer-metadata=1
     """),
-    *entries(NO_EFFECT, _GC, """
+    *entries(NO_EFFECT, why.GC, """
         --manual-gc --manual-gc-interval=1 --no-manual-gc-eval --disable-manual-gc-eval
     """),
-    *entries(NO_EFFECT, _EMPTY_CACHE, '--empty-unused-memory-level=1'),
-    *entries(NO_EFFECT, _CKPT_PARALLEL, """
+    *entries(NO_EFFECT, why.EMPTY_CACHE, '--empty-unused-memory-level=1'),
+    *entries(NO_EFFECT, why.CKPT_PARALLEL, """
         --ckpt-fully-parallel-save --no-ckpt-fully-parallel-save --ckpt-fully-parallel-load
         --ckpt-fully-parallel-load-exchange-algo=1 --ckpt-fully-parallel-load-process-group=1
         --ckpt-fully-parallel-save-process-group=1 --ckpt-assume-constant-structure --dist-ckpt-workers=1
@@ -216,73 +57,73 @@ _TABLE: list[ForeignFlag] = [
         --no-ckpt-load-validate-sharding-integrity --dist-ckpt-save-pre-mcore-014 --no-stream-ckpt-dequant
         --disable-stream-ckpt-dequant
     """),
-    *entries(NO_EFFECT, _STRICT_LOAD, '--dist-ckpt-strictness=1'),
-    *entries(NO_EFFECT, _LOGLEVEL, '--logging-level=1'),
-    *entries(NO_EFFECT, _TIMERS, """
+    *entries(NO_EFFECT, why.STRICT_LOAD, '--dist-ckpt-strictness=1'),
+    *entries(NO_EFFECT, why.LOGLEVEL, '--logging-level=1'),
+    *entries(NO_EFFECT, why.TIMERS, """
         --timing-log-level=1 --timing-log-option=1 --log-timers-to-tensorboard
         --no-barrier-with-level-1-timing
     """),
-    *entries(NO_EFFECT, _TB_INTERVAL, '--tensorboard-log-interval=1 --tensorboard-queue-size=1'),
-    *entries(NO_EFFECT, _CUDA_GRAPHS, """
+    *entries(NO_EFFECT, why.TB_INTERVAL, '--tensorboard-log-interval=1 --tensorboard-queue-size=1'),
+    *entries(NO_EFFECT, why.CUDA_GRAPHS, """
         --cuda-graph-impl=1 --cuda-graph-modules=+ --cuda-graph-scope=+ --cuda-graph-warmup-steps=1
         --enable-cuda-graph --external-cuda-graph --optimizer-cuda-graph --te-rng-tracker
         --delay-offload-until-cuda-graph
     """),
-    *entries(NO_EFFECT, _TE_KNOB, """
+    *entries(NO_EFFECT, why.TE_KNOB, """
         --use-te-activation-func --use-transformer-engine-op-fuser --keep-fp8-transpose-cache
         --fp8-interval=1 --tp-comm-bootstrap-backend=1 --cross-entropy-fusion-impl=1
         --use-grouped-gemm-for-dense-mlp
     """),
-    *entries(NO_EFFECT, _TP_OVERLAP, """
+    *entries(NO_EFFECT, why.TP_OVERLAP, """
         --tp-comm-overlap --tp-comm-overlap-cfg=1 --tp-comm-overlap-rs-dgrad --disable-tp-comm-bulk-dgrad
         --disable-tp-comm-bulk-wgrad --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs
         --disable-tp-comm-split-ag --disable-tp-comm-split-rs --no-tp-comm-bulk-dgrad
         --no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag --no-tp-comm-overlap-rs --no-tp-comm-split-ag
         --no-tp-comm-split-rs
     """),
-    *entries(NO_EFFECT, _FP8_PARAMS, '--fp8-param-gather --reuse-grad-buf-for-mxfp8-param-ag'),
-    *entries(NO_EFFECT, _DDP_KNOB, """
+    *entries(NO_EFFECT, why.FP8_PARAMS, '--fp8-param-gather --reuse-grad-buf-for-mxfp8-param-ag'),
+    *entries(NO_EFFECT, why.DDP_KNOB, """
         --ddp-num-buckets=1 --ddp-pad-buckets-for-high-nccl-busbw --no-align-grad-reduce
         --disable-align-grad-reduce --no-align-param-gather --overlap-param-gather-with-optimizer-step
         --create-all-gather-group --suggested-communication-unit-size=1
     """),
-    *entries(NO_EFFECT, _PP_KNOB, """
+    *entries(NO_EFFECT, why.PP_KNOB, """
         --overlap-p2p-communication-warmup-flush --use-ring-exchange-p2p
         --pipeline-model-parallel-comm-backend=1
     """),
-    *entries(NO_EFFECT, _WGRAD_DEFER, """
+    *entries(NO_EFFECT, why.WGRAD_DEFER, """
         --defer-embedding-wgrad-compute --wgrad-deferral-limit=1 --delay-wgrad-compute
     """),
-    *entries(NO_EFFECT, _NCCL, """
+    *entries(NO_EFFECT, why.NCCL, """
         --nccl-communicator-config-path=1 --use-sharp --sharp-enabled-group=1
         --high-priority-stream-groups=+ --use-nccl-ub --symmetric-ar-type=1 --disable-symmetric-registration
     """),
-    *entries(NO_EFFECT, _FLIGHT, """
+    *entries(NO_EFFECT, why.FLIGHT, """
         --disable-flight-recorder-dump-on-timeout --disable-flight-recorder-extra-dump-on-exec
         --disable-flight-recorder-include-only-active --flight-recorder-dump-path=1
         --flight-recorder-include-stack-trace --flight-recorder-trace-buffer-size=1
         --no-flight-recorder-dump-on-timeout --no-flight-recorder-extra-dump-on-exec
         --no-flight-recorder-include-only-active
     """),
-    *entries(NO_EFFECT, _OFFLOAD, """
+    *entries(NO_EFFECT, why.OFFLOAD, """
         --cpu-offloading-num-layers=1 --cpu-offloading-retain-pinned-cpu-buffers
         --fine-grained-activation-offloading --offload-modules=+ --activation-offload-fraction=1
         --min-offloaded-tensor-size=1 --fine-grained-offloading-max-inflight-offloads=1
         --delta-offload-bytes-across-pp-ranks=1 --distribute-saved-activations
     """),
-    *entries(NO_EFFECT, _OPT_OFFLOAD_KNOB, """
+    *entries(NO_EFFECT, why.OPT_OFFLOAD_KNOB, """
         --optimizer-offload-fraction=1 --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d
         --no-pin-cpu-grads --no-pin-cpu-params
     """),
-    *entries(NO_EFFECT, _ASYNC_KNOB, """
+    *entries(NO_EFFECT, why.ASYNC_KNOB, """
         --async-strategy=1 --async-ckpt-cpu-priority=1 --async-ckpt-io-priority=1 --async-ckpt-use-cpu-shm
         --use-persistent-ckpt-worker
     """),
-    *entries(NO_EFFECT, _LOCAL_CKPT_KNOB, """
+    *entries(NO_EFFECT, why.LOCAL_CKPT_KNOB, """
         --non-persistent-ckpt-type=1 --non-persistent-global-ckpt-dir=1 --non-persistent-local-ckpt-algo=1
         --non-persistent-local-ckpt-dir=1 --replication --replication-factor=1 --replication-jump=1
     """),
-    *entries(NO_EFFECT, _FSDP_KNOB, """
+    *entries(NO_EFFECT, why.FSDP_KNOB, """
         --torch-fsdp2-no-reshard-after-forward --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail
         --fsdp-manual-registration --enable-full-sharding-in-hsdp --outer-dp-sharding-strategy=1
         --disable-strict-fsdp-dtensor-load --no-strict-fsdp-dtensor-load --no-use-layer-wise-param-layout
@@ -290,29 +131,29 @@ _TABLE: list[ForeignFlag] = [
         --megatron-fsdp-main-grads-dtype=1 --megatron-fsdp-main-params-dtype=1
         --megatron-fsdp-max-pool-double-buffer
     """),
-    *entries(NO_EFFECT, _DATA_KNOB, """
+    *entries(NO_EFFECT, why.DATA_KNOB, """
         --num-dataset-builder-threads=1 --dataloader-fast-cache-load --dataloader-defer-npy-index-mmap
         --per-dataset-sequences-path=1 --object-storage-cache-path=1
     """),
-    *entries(NO_EFFECT, _PAD_TOKENS, '--allow-ambiguous-pad-tokens --null-tokenizer-pad-id=1'),
-    *entries(NO_EFFECT, _INIT, '--no-initialization'),
-    *entries(ALWAYS, _META_INIT, '--init-model-with-meta-device'),
-    *entries(NO_EFFECT, _SYNC, '--train-sync-interval=1'),
-    *entries(NO_EFFECT, _SIGNAL_SHUTDOWN, '--exit-signal-handler-for-training'),
-    *entries(NO_EFFECT, _TIMEOUT, '--distributed-timeout-seconds-after-init=1'),
-    *entries(NO_EFFECT, _CLONE, """
+    *entries(NO_EFFECT, why.PAD_TOKENS, '--allow-ambiguous-pad-tokens --null-tokenizer-pad-id=1'),
+    *entries(NO_EFFECT, why.INIT, '--no-initialization'),
+    *entries(ALWAYS, why.META_INIT, '--init-model-with-meta-device'),
+    *entries(NO_EFFECT, why.SYNC, '--train-sync-interval=1'),
+    *entries(NO_EFFECT, why.SIGNAL_SHUTDOWN, '--exit-signal-handler-for-training'),
+    *entries(NO_EFFECT, why.TIMEOUT, '--distributed-timeout-seconds-after-init=1'),
+    *entries(NO_EFFECT, why.CLONE, """
         --no-clone-scatter-output-in-embedding --disable-clone-scatter-output-in-embedding
     """),
-    *entries(NO_EFFECT, _RERUN, '--rerun-mode=1 --result-rejected-tracker-filename=1'),
-    *entries(NO_EFFECT, _TELEMETRY, """
+    *entries(NO_EFFECT, why.RERUN, '--rerun-mode=1 --result-rejected-tracker-filename=1'),
+    *entries(NO_EFFECT, why.TELEMETRY, """
         --one-logger-async --one-logger-project=1 --one-logger-run-name=1 --no-one-logger
         --app-tag-run-name=1 --app-tag-run-version=1
     """),
-    *entries(NO_EFFECT, _FT, """
+    *entries(NO_EFFECT, why.FT, """
         --enable-ft-package --calc-ft-timeouts --ft-num-warmup-iters=1 --adlr-autoresume
         --adlr-autoresume-interval=1
     """),
-    *entries(NO_EFFECT, _INPROCESS_KNOB, """
+    *entries(NO_EFFECT, why.INPROCESS_KNOB, """
         --inprocess-active-world-size=1 --inprocess-barrier-timeout=1 --inprocess-completion-timeout=1
         --inprocess-empty-cuda-cache --inprocess-granularity=1 --inprocess-hard-timeout=1
         --inprocess-heartbeat-interval=1 --inprocess-heartbeat-timeout=1 --inprocess-last-call-wait=1
@@ -320,19 +161,19 @@ _TABLE: list[ForeignFlag] = [
         --inprocess-monitor-thread-interval=1 --inprocess-progress-watchdog-interval=1
         --inprocess-soft-timeout=1 --inprocess-termination-grace-time=1
     """),
-    *entries(NO_EFFECT, _STRAGGLER, """
+    *entries(NO_EFFECT, why.STRAGGLER, """
         --log-straggler --disable-straggler-on-startup --straggler-ctrlr-port=1 --straggler-minmax-count=1
         --gpu-sniff-test-interval=1 --run-workload-inspector-server
     """),
-    *entries(NO_EFFECT, _NVTX, '--nvtx-ranges --record-shapes'),
-    *entries(NO_EFFECT, _CONFIG_DUMP, '--config-logger-dir=1'),
-    *entries(NO_EFFECT, _EXPERIMENTAL, '--enable-experimental'),
-    *entries(NO_EFFECT, _ONNX, '--onnx-safe=1'),
-    *entries(NO_EFFECT, _EXPERTS_OFF, """
+    *entries(NO_EFFECT, why.NVTX, '--nvtx-ranges --record-shapes'),
+    *entries(NO_EFFECT, why.CONFIG_DUMP, '--config-logger-dir=1'),
+    *entries(NO_EFFECT, why.EXPERIMENTAL, '--enable-experimental'),
+    *entries(NO_EFFECT, why.ONNX, '--onnx-safe=1'),
+    *entries(NO_EFFECT, why.EXPERTS_OFF, """
         --expert-tensor-parallel-size=1 --expert-tensor-parallel-num-weight-shards=1
     """),
-    *entries(NO_EFFECT, _ENERGY, '--log-energy --log-device-memory-used --log-memory-interval=1'),
-    *entries(NO_EFFECT, _INFERENCE, """
+    *entries(NO_EFFECT, why.ENERGY, '--log-energy --log-device-memory-used --log-memory-interval=1'),
+    *entries(NO_EFFECT, why.INFERENCE, """
         --inference-batch-times-seqlen-threshold=1 --inference-coordinator-port=1
         --inference-cuda-graph-all-prefills --inference-cuda-graph-max-tokens=1
         --inference-cuda-graph-scope=1 --inference-disable-ep-consensus
@@ -366,7 +207,7 @@ _TABLE: list[ForeignFlag] = [
         --mamba-inference-conv-states-dtype=1 --mamba-inference-ssm-states-dtype=1
         --use-same-sampling-seed-across-dp-ranks
     """),
-    *entries(NO_EFFECT, _RL, """
+    *entries(NO_EFFECT, why.RL, """
         --no-rl-inference-logprobs-is-correction --no-rl-offload-inference-model-weights-when-idle
         --no-rl-partial-rollouts --no-rl-persist-cuda-graphs --no-rl-skip-bos-token
         --no-rl-training-cuda-graphs --no-rl-use-sequence-packing --no-rl-verify-model-weights-swap
@@ -385,7 +226,7 @@ _TABLE: list[ForeignFlag] = [
         --grpo-group-size=1 --grpo-iterations=1 --grpo-kl-beta=1 --grpo-prompts-per-step=1
         --langrl-env-config=1 --refit-method=1
     """),
-    *entries(NO_EFFECT, _BERT_T5, """
+    *entries(NO_EFFECT, why.BERT_T5, """
         --mask-prob=1 --short-seq-prob=1 --bert-embedder-type=1 --bert-load=1 --bert-no-binary-head
         --biencoder-projection-dim=1 --biencoder-shared-query-context-model --ict-head-size=1 --ict-load=1
         --retriever-report-topk-accuracies=+ --retriever-score-scaling --block-data-path=1
@@ -394,7 +235,7 @@ _TABLE: list[ForeignFlag] = [
         --encoder-num-layers=1 --encoder-seq-length=1 --decoder-num-layers=1 --decoder-seq-length=1
         --vocab-extra-ids=1 --relative-attention-num-buckets=1 --relative-attention-max-distance=1
     """),
-    *entries(NO_EFFECT, _VISION, """
+    *entries(NO_EFFECT, why.VISION, """
         --dino-bottleneck-size=1 --dino-freeze-last-layer=1 --dino-head-hidden-size=1
         --dino-local-crops-number=1 --dino-local-img-size=1 --dino-norm-last-layer --dino-teacher-temp=1
         --dino-warmup-teacher-temp=1 --dino-warmup-teacher-temp-epochs=1 --img-h=1 --img-w=1 --patch-dim=1
@@ -402,21 +243,21 @@ _TABLE: list[ForeignFlag] = [
         --mask-factor=1 --swin-backbone-type=1 --vision-backbone-type=1 --vision-pretraining
         --vision-pretraining-type=1 --iter-per-epoch=1 --no-data-sharding --head-lr-mult=1
     """),
-    *entries(NO_EFFECT, _OTHER_OPT, """
+    *entries(NO_EFFECT, why.OTHER_OPT, """
         --muon-coefficient-type=1 --muon-extra-scale-factor=1 --muon-fp32-matmul-prec=1 --muon-momentum=1
         --muon-nesterov --muon-no-split-qkv --muon-num-ns-steps=1 --muon-scalar-optimizer=1
         --muon-scale-mode=1 --muon-tp-mode=1 --lion-beta1=1 --lion-beta2=1
     """),
-    *entries(NO_EFFECT, _MAMBA_KNOB, """
+    *entries(NO_EFFECT, why.MAMBA_KNOB, """
         --mamba-head-dim=1 --mamba-num-groups=1 --mamba-num-heads=1 --mamba-state-dim=1
         --mamba-training-ssm-states-dtype=1 --disable-mamba-mem-eff-path
     """),
-    *entries(NO_EFFECT, _MSC_KNOB, '--enable-msc'),
-    *entries(REFUSED, _CP, """
+    *entries(NO_EFFECT, why.MSC_KNOB, '--enable-msc'),
+    *entries(REFUSED, why.CP, """
         --cp-comm-type=+ --hierarchical-context-parallel-sizes=+ --hybrid-context-parallel
         --max-seqlen-per-dp-cp-rank=1
     """),
-    *entries(REFUSED, _MOE, """
+    *entries(REFUSED, why.MOE, """
         --num-experts=1 --moe-apply-probs-on-input --moe-aux-loss-coeff=+ --moe-deepep-num-sms=1
         --moe-enable-deepep --moe-enable-routing-replay --moe-expert-capacity-factor=1
         --moe-expert-rank-capacity-factor=1 --moe-ffn-hidden-size=1 --moe-flex-dispatcher-backend=1
@@ -443,44 +284,44 @@ _TABLE: list[ForeignFlag] = [
         --overlap-dispatch-backward-with-experts-wgrad --high-priority-a2a-comm-stream
         --use-grouped-gemm-for-shared-expert --use-fused-weighted-squared-relu
     """),
-    *entries(REFUSED, _FSDP, '--use-torch-fsdp2 --use-megatron-fsdp --data-parallel-sharding-strategy=1'),
-    *entries(REFUSED, _OPT_DTYPES, '--use-precision-aware-optimizer'),
-    *entries(REFUSED, _OPT_OFFLOAD, '--optimizer-cpu-offload'),
-    *entries(REFUSED, _ASYNC, '--async-save'),
-    *entries(REFUSED, _LOCAL_CKPT, '--non-persistent-save-interval=1'),
-    *entries(REFUSED, _RETAIN, '--save-retain-interval=1'),
-    *entries(REFUSED, _CKPT_ARGS, '--use-checkpoint-args --use-mp-args-from-checkpoint-args'),
-    *entries(REFUSED, _CONVERT, """
+    *entries(REFUSED, why.FSDP, '--use-torch-fsdp2 --use-megatron-fsdp --data-parallel-sharding-strategy=1'),
+    *entries(REFUSED, why.OPT_DTYPES, '--use-precision-aware-optimizer'),
+    *entries(REFUSED, why.OPT_OFFLOAD, '--optimizer-cpu-offload'),
+    *entries(REFUSED, why.ASYNC, '--async-save'),
+    *entries(REFUSED, why.LOCAL_CKPT, '--non-persistent-save-interval=1'),
+    *entries(REFUSED, why.RETAIN, '--save-retain-interval=1'),
+    *entries(REFUSED, why.CKPT_ARGS, '--use-checkpoint-args --use-mp-args-from-checkpoint-args'),
+    *entries(REFUSED, why.CONVERT, """
         --ckpt-convert-format=1 --ckpt-convert-save=1 --ckpt-convert-update-legacy-dist-opt-format
     """),
-    *entries(REFUSED, _PRETRAINED, '--pretrained-checkpoint=1'),
-    *entries(REFUSED, _OVERRIDE_IT, '--override-ckpt-iteration=1'),
-    *entries(REFUSED, _VERIFY, '--verify-integrity'),
-    *entries(REFUSED, _TP_PP_DP, '--use-tp-pp-dp-mapping'),
-    *entries(REFUSED, _DP_RANDOM, '--data-parallel-random-init'),
-    *entries(REFUSED, _DIST_OPT_INST, '--num-distributed-optimizer-instances=1'),
-    *entries(REFUSED, _FAKE_PG, '--fake-process-group'),
-    *entries(REFUSED, _LAZY_MPU, '--lazy-mpu-init'),
-    *entries(REFUSED, _NAN_CHECKS, '--check-for-spiky-loss --check-for-large-grads'),
-    *entries(REFUSED, _FAULTS, """
+    *entries(REFUSED, why.PRETRAINED, '--pretrained-checkpoint=1'),
+    *entries(REFUSED, why.OVERRIDE_IT, '--override-ckpt-iteration=1'),
+    *entries(REFUSED, why.VERIFY, '--verify-integrity'),
+    *entries(REFUSED, why.TP_PP_DP, '--use-tp-pp-dp-mapping'),
+    *entries(REFUSED, why.DP_RANDOM, '--data-parallel-random-init'),
+    *entries(REFUSED, why.DIST_OPT_INST, '--num-distributed-optimizer-instances=1'),
+    *entries(REFUSED, why.FAKE_PG, '--fake-process-group'),
+    *entries(REFUSED, why.LAZY_MPU, '--lazy-mpu-init'),
+    *entries(REFUSED, why.NAN_CHECKS, '--check-for-spiky-loss --check-for-large-grads'),
+    *entries(REFUSED, why.FAULTS, """
         --fault-injector-delay-start-iteration=1 --fault-injector-fault-delay=1
         --fault-injector-fault-probabilities=1 --fault-injector-fault-types=1
         --fault-injector-mtti-seconds=1 --fault-injector-num-ranks=1 --fault-injector-offset-seconds=1
         --fault-injector-ranks=1 --fault-injector-seed=1 --error-injection-rate=1 --error-injection-type=1
     """),
-    *entries(REFUSED, _HASH, '--check-weight-hash-across-dp-replicas-interval=1'),
-    *entries(REFUSED, _INPROCESS, '--inprocess-restart'),
-    *entries(REFUSED, _DUMPS, """
+    *entries(REFUSED, why.HASH, '--check-weight-hash-across-dp-replicas-interval=1'),
+    *entries(REFUSED, why.INPROCESS, '--inprocess-restart'),
+    *entries(REFUSED, why.DUMPS, """
         --save-activations-interval=1 --save-dgrads-interval=1 --save-params-interval=1
         --save-wgrads-interval=1 --save-tokens-per-expert-interval=1 --dump-param-to-param-group-map=1
     """),
-    *entries(REFUSED, _MEM_HISTORY, '--record-memory-history --memory-snapshot-path=1'),
-    *entries(REFUSED, _CHAKRA, '--pytorch-profiler-collect-chakra'),
-    *entries(REFUSED, _YAML, '--yaml-cfg=1'),
-    *entries(REFUSED, _SPEC, """
+    *entries(REFUSED, why.MEM_HISTORY, '--record-memory-history --memory-snapshot-path=1'),
+    *entries(REFUSED, why.CHAKRA, '--pytorch-profiler-collect-chakra'),
+    *entries(REFUSED, why.YAML, '--yaml-cfg=1'),
+    *entries(REFUSED, why.SPEC, """
         --spec=* --heterogeneous-layers-config-encoded-json=1 --heterogeneous-layers-config-path=1
     """),
-    *entries(REFUSED, _HYBRID, """
+    *entries(REFUSED, why.HYBRID, """
         --is-hybrid-model --hybrid-layer-pattern=1 --hybrid-override-pattern=1
         --experimental-attention-variant=1 --linear-attention-freq=1 --linear-conv-kernel-dim=1
         --linear-key-head-dim=1 --linear-num-key-heads=1 --linear-num-value-heads=1
@@ -491,64 +332,64 @@ _TABLE: list[ForeignFlag] = [
         --dsa-indexer-use-sparse-loss --dsa-kernel-backend=1 --no-dsa-indexer-rotate-activation
         --no-dsa-indexer-scoring-relu
     """),
-    *entries(REFUSED, _MLA, """
+    *entries(REFUSED, why.MLA, """
         --multi-latent-attention --q-lora-rank=1 --kv-lora-rank=1 --qk-head-dim=1 --qk-pos-emb-head-dim=1
         --v-head-dim=1 --mla-down-proj-fusion --mscale=1 --mscale-all-dim=1
     """),
-    *entries(REFUSED, _MTP, """
+    *entries(REFUSED, why.MTP, """
         --mtp-detach-heads --mtp-hybrid-override-pattern=1 --mtp-loss-scaling-factor=1 --mtp-num-layers=1
         --mtp-standalone --mtp-use-repeated-layer
     """),
-    *entries(REFUSED, _ROPE_VARIANTS, """
+    *entries(REFUSED, why.ROPE_VARIANTS, """
         --use-rope-scaling --rope-scaling-factor=1 --rope-type=1 --rotary-interleaved
         --rotary-scaling-factor=1 --mrope-section=+ --no-rope-freq=1 --no-yarn-correction-range-round-to-int
         --yarn-beta-fast=1 --yarn-beta-slow=1 --yarn-correction-range-round-to-int
         --yarn-original-max-position-embeddings=1
     """),
-    *entries(REFUSED, _ATTN_VARIANTS, """
+    *entries(REFUSED, why.ATTN_VARIANTS, """
         --attention-output-gate --softmax-type=1 --window-size=1 --window-attn-skip-freq=1 --qk-l2-norm
         --qk-clip --qk-clip-alpha=1 --qk-clip-threshold=1 --log-max-attention-logit --use-kitchen-attention
         --kitchen-attention-backend=1 --dataloader-inter-document-masking
     """),
-    *entries(REFUSED, _ACTIVATIONS, """
+    *entries(REFUSED, why.ACTIVATIONS, """
         --squared-relu --openai-gelu --quick-geglu --glu-linear-offset=1 --activation-func-clamp-value=1
     """),
-    *entries(REFUSED, _ARCH, '--apply-residual-connection-post-layernorm --fp32-residual-connection'),
-    *entries(REFUSED, _INIT_VARIANTS, """
+    *entries(REFUSED, why.ARCH, '--apply-residual-connection-post-layernorm --fp32-residual-connection'),
+    *entries(REFUSED, why.INIT_VARIANTS, """
         --init-method-xavier-uniform --embedding-init-method-std=1 --use-mup --mup-attn-scale-power=1
         --mup-base-head-dim=1 --mup-base-hidden-size=1 --mup-embedding-mult=1 --mup-output-mult=1
         --mup-width-mult=1
     """),
-    *entries(REFUSED, _LOSS_PRECISION, '--fp16-lm-cross-entropy'),
-    *entries(REFUSED, _WD_QK, '--apply-wd-to-qk-layernorm --no-weight-decay-cond-type=1'),
-    *entries(REFUSED, _FP8_VARIANTS, """
+    *entries(REFUSED, why.LOSS_PRECISION, '--fp16-lm-cross-entropy'),
+    *entries(REFUSED, why.WD_QK, '--apply-wd-to-qk-layernorm --no-weight-decay-cond-type=1'),
+    *entries(REFUSED, why.FP8_VARIANTS, """
         --fp8-margin=1 --no-fp8-wgrad --disable-fp8-wgrad --fp8-output-proj --fp8-quantizer-factory=1
         --te-precision-config-file=1
     """),
-    *entries(REFUSED, _FP4, '--fp4-format=1 --fp4-param-gather --fp4-quantizer-factory=1 --fp4-recipe=1'),
-    *entries(REFUSED, _DATA_VARIANTS, """
+    *entries(REFUSED, why.FP4, '--fp4-format=1 --fp4-param-gather --fp4-quantizer-factory=1 --fp4-recipe=1'),
+    *entries(REFUSED, why.DATA_VARIANTS, """
         --sft --sft-tokenizer-prompt-format=1 --fim-data --fim-eod-token=1 --fim-fragment-rate=1
         --fim-middle-token=1 --fim-no-prefix=1 --fim-pad-token=1 --fim-prefix-token=1 --fim-rate=1
         --fim-split-sample=1 --fim-spm-rate=1 --fim-suffix-token=1 --phase-transition-iterations=1
     """),
-    *entries(REFUSED, _VALID_SETS, '--multiple-validation-sets --validation-set-names=+ --full-validation'),
-    *entries(REFUSED, _EVAL_BATCH, '--eval-micro-batch-size=1 --eval-global-batch-size=1'),
-    *entries(REFUSED, _SPECIAL_TOKENS, '--tokenizer-special-tokens=+'),
-    *entries(REFUSED, _SAMPLE_RATE, '--sample-rate=1'),
-    *entries(REFUSED, _SKIP_ITERS, '--iterations-to-skip=+'),
-    *entries(REFUSED, _RL_STEP, '--perform-rl-step'),
-    *entries(REFUSED, _DISTILL, """
+    *entries(REFUSED, why.VALID_SETS, '--multiple-validation-sets --validation-set-names=+ --full-validation'),
+    *entries(REFUSED, why.EVAL_BATCH, '--eval-micro-batch-size=1 --eval-global-batch-size=1'),
+    *entries(REFUSED, why.SPECIAL_TOKENS, '--tokenizer-special-tokens=+'),
+    *entries(REFUSED, why.SAMPLE_RATE, '--sample-rate=1'),
+    *entries(REFUSED, why.SKIP_ITERS, '--iterations-to-skip=+'),
+    *entries(REFUSED, why.RL_STEP, '--perform-rl-step'),
+    *entries(REFUSED, why.DISTILL, """
         --logits-load-decode-threads=1 --logits-load-dir=1 --logits-load-ignore-errors
         --logits-load-kd-loss-alpha=1 --logits-load-msc-prefetch-depth=1 --logits-load-prefetch-factor=1
         --logits-save-dir=1 --logits-save-dtype=1 --logits-save-top-k=1 --logits-save-top-p=1
         --logits-save-top-p-min-k=1
     """),
-    *entries(REFUSED, _FREEZE, '--freeze-all-layers'),
-    *entries(REFUSED, _DETERMINISTIC, '--deterministic-mode --batch-invariant-mode'),
-    *entries(REFUSED, _BATCH_DECREASE, '--decrease-batch-size-if-needed'),
-    *entries(REFUSED, _MLP_CHUNKS, '--mlp-chunks-for-training=1'),
-    *entries(REFUSED, _TP_SHARDS, '--tensor-parallel-num-weight-shards=1'),
-    *entries(REFUSED, _TEST_MODE, '--test-mode'),
+    *entries(REFUSED, why.FREEZE, '--freeze-all-layers'),
+    *entries(REFUSED, why.DETERMINISTIC, '--deterministic-mode --batch-invariant-mode'),
+    *entries(REFUSED, why.BATCH_DECREASE, '--decrease-batch-size-if-needed'),
+    *entries(REFUSED, why.MLP_CHUNKS, '--mlp-chunks-for-training=1'),
+    *entries(REFUSED, why.TP_SHARDS, '--tensor-parallel-num-weight-shards=1'),
+    *entries(REFUSED, why.TEST_MODE, '--test-mode'),
     ForeignFlag("--checkpoint-activations", REFUSED, "Megatron-LM removed it; use --recompute-granularity full"),
     ForeignFlag("--batch-size", REFUSED, "Megatron-LM removed it; use --micro-batch-size", None),
     ForeignFlag("--warmup", REFUSED, "Megatron-LM removed it; use --lr-warmup-fraction, --lr-warmup-iters or "
@@ -556,11 +397,11 @@ _TABLE: list[ForeignFlag] = [
     ForeignFlag("--model-parallel-size", REFUSED, "Megatron-LM removed it; use --tensor-model-parallel-size", None),
     # Accepted at the values that ask for what this package does, refused at any other.
     ForeignFlag("--context-parallel-size", ALWAYS, "the run has no context parallelism (size 1)", None,
-                accepted=("1",), otherwise=_CP + "; pass --context-parallel-size 1 or drop it"),
+                accepted=("1",), otherwise=why.CP + "; pass --context-parallel-size 1 or drop it"),
     ForeignFlag("--expert-model-parallel-size", ALWAYS, "the run has no expert parallelism (size 1)", None,
-                accepted=("1",), otherwise=_MOE + "; pass --expert-model-parallel-size 1 or drop it"),
-    ForeignFlag("--attention-backend", ALWAYS, _SDPA, None, accepted=("auto", "flash", "fused"),
-                otherwise=_SDPA + "; pass auto or drop it"),
+                accepted=("1",), otherwise=why.MOE + "; pass --expert-model-parallel-size 1 or drop it"),
+    ForeignFlag("--attention-backend", ALWAYS, why.SDPA, None, accepted=("auto", "flash", "fused"),
+                otherwise=why.SDPA + "; pass auto or drop it"),
     ForeignFlag("--main-grads-dtype", ALWAYS, "main gradients are fp32 unless --grad-reduce-in-bf16", None,
                 accepted=("fp32",), otherwise="main gradients are fp32 (bf16 with --grad-reduce-in-bf16); pass fp32 "
                 "or drop it"),
@@ -576,7 +417,7 @@ _TABLE: list[ForeignFlag] = [
 FOREIGN: dict[str, ForeignFlag] = index(_TABLE)
 
 # Families refused as a whole, for flags of newer Megatron-LM releases that the table does not list.
-_REFUSED_PREFIXES = {"--moe-": _MOE}
+_REFUSED_PREFIXES = {"--moe-": why.MOE}
 
 
 def refusal_for_unlisted(flag: str) -> str | None:
@@ -596,8 +437,8 @@ def describe() -> str:
         for e in FOREIGN.values():
             if e.kind == kind:
                 by_reason.setdefault(e.why, []).append(e.flag + (f" (at {', '.join(e.accepted)})" if e.accepted else ""))
-        for why, flags in by_reason.items():
+        for reason, flags in by_reason.items():
             lines += textwrap.wrap(" ".join(flags), 100, initial_indent="  ", subsequent_indent="  ",
                                    break_on_hyphens=False)
-            lines += textwrap.wrap(why, 100, initial_indent="      ", subsequent_indent="      ")
+            lines += textwrap.wrap(reason, 100, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)
