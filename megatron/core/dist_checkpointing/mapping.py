@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+from megatron.core.dist_checkpointing.errors import CheckpointError
 
 StateDict = dict[str, Any]
 CommonStateDict = dict[str, Any]
@@ -187,10 +189,10 @@ class ShardedTensor(ShardedBase):
             self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
 
     def validate(self) -> None:
-        """Raises ValueError if the block does not lie inside the global shape."""
+        """Raises CheckpointError if the block does not lie inside the global shape."""
         for ax, (off, loc, glob) in enumerate(zip(self.global_offset, self.block_shape, self.global_shape)):
             if off < 0 or off + loc > glob:
-                raise ValueError(f"{self.key}: shard [{off}, {off + loc}) exceeds global size {glob} on axis {ax}")
+                raise CheckpointError(f"{self.key}: shard [{off}, {off + loc}) exceeds global size {glob} on axis {ax}")
 
     @classmethod
     def from_rank_offsets(
@@ -209,10 +211,11 @@ class ShardedTensor(ShardedBase):
         constructor (e.g. ``allow_shape_mismatch``).
 
         Raises:
-            ValueError: ``flattened_range`` given. CheckpointingException: an invalid triple.
+            ConfigError: ``flattened_range`` given. CheckpointingException: an invalid triple.
         """
         if flattened_range is not None:
-            raise ValueError(f"ShardedTensor {key}: flattened_range is not supported (from_rank_offsets)")
+            raise ConfigError(f"ShardedTensor {key}: flattened_range is not supported (from_rank_offsets); pass None",
+                              params=("flattened_range",))
         ndim = data.dim() + prepend_axis_num
         global_shape = [1] * prepend_axis_num + list(data.shape)
         global_offset, fragments = [0] * ndim, [1] * ndim
@@ -367,7 +370,7 @@ def apply_factory_merges(x1: Any, x2: Any, key: tuple = ()) -> Any:
     it; in place, returns ``x1``.
 
     Raises:
-        ValueError: the nestings differ (naming the key path).
+        CheckpointError: the nestings differ (naming the key path).
     """
     if isinstance(x2, ShardedTensorFactory):
         return x2.merge_fn(x1)
@@ -375,13 +378,13 @@ def apply_factory_merges(x1: Any, x2: Any, key: tuple = ()) -> Any:
         for k, v2 in x2.items():
             if isinstance(x1, dict) and k not in x1 or isinstance(x1, list) and not (
                     isinstance(k, int) and 0 <= k < len(x1)):
-                raise ValueError(f"apply_factory_merges: key {k!r} at {key} is not in the loaded state dict")
+                raise CheckpointError(f"apply_factory_merges: key {k!r} at {key} is not in the loaded state dict")
             x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
         return x1
     if isinstance(x1, list) and isinstance(x2, list):
         if len(x1) != len(x2):
-            raise ValueError(f"apply_factory_merges: lists of lengths {len(x1)} and {len(x2)} at {key}")
+            raise CheckpointError(f"apply_factory_merges: lists of lengths {len(x1)} and {len(x2)} at {key}")
         for i, v2 in enumerate(x2):
             x1[i] = apply_factory_merges(x1[i], v2, key + (i,))
         return x1
-    raise ValueError(f"apply_factory_merges: cannot merge {type(x1).__name__} with {type(x2).__name__} at {key}")
+    raise CheckpointError(f"apply_factory_merges: cannot merge {type(x1).__name__} with {type(x2).__name__} at {key}")

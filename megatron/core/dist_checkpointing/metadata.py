@@ -7,6 +7,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.dist_checkpointing.files import COMMON_STATE_KEY, load_common_state, read_metadata_json
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, StateDict
 from megatron.core.dist_checkpointing.torch_dist import read_dcp_metadata
@@ -74,10 +75,11 @@ def load_content_metadata(
     state dict that ``load`` / ``load_common_state_dict`` already returned.
 
     Raises:
-        ValueError: neither ``checkpoint_dir`` nor ``preloaded_state_dict`` given.
+        ConfigError: neither ``checkpoint_dir`` nor ``preloaded_state_dict`` given.
     """
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
-            raise ValueError("load_content_metadata: give checkpoint_dir or preloaded_state_dict")
+            raise ConfigError("load_content_metadata: give checkpoint_dir or preloaded_state_dict",
+                              params=("checkpoint_dir", "preloaded_state_dict"))
         preloaded_state_dict = load_common_state_dict(checkpoint_dir)
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from enum import Enum
 
+from megatron.core.config_utils import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -56,7 +58,7 @@ def parse_strict_flag(strict: str | bool | StrictHandling) -> StrictHandling:
     ``ASSUME_OK_UNEXPECTED`` and False ``LOG_UNEXPECTED`` (as Megatron-Core's ``load`` documents).
 
     Raises:
-        ValueError: any other value, naming ``strict`` and the valid strings.
+        ConfigError: any other value, naming ``strict`` and the valid strings.
     """
     if isinstance(strict, StrictHandling):
         return strict
@@ -66,7 +68,8 @@ def parse_strict_flag(strict: str | bool | StrictHandling) -> StrictHandling:
         return StrictHandling(strict)
     except (ValueError, TypeError):
         valid = ", ".join(repr(m.value) for m in StrictHandling)
-        raise ValueError(f"strict={strict!r} is not a strict handling mode; use one of {valid}") from None
+        raise ConfigError(f"strict={strict!r} is not a strict handling mode; use one of {valid}",
+                          params=("strict",)) from None
 
 
 def wants_missing(strict: StrictHandling) -> bool:

@@ -10,23 +10,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, StateDict
+from megatron.core.dist_checkpointing.metadata import (
+    load_sharded_metadata,
+    load_tensors_metadata,
+    tensors_metadata,
+)
+from megatron.core.dist_checkpointing.sharded_io import read_sharded, write_sharded
 
 BACKEND = "torch_dist"
 
 
 def _check_backend(backend: str, version: int) -> None:
     if backend != BACKEND:
-        raise ValueError(f"backend={backend!r}: only the {BACKEND!r} checkpoint backend is implemented; use {BACKEND!r}")
+        raise ConfigError(f"backend={backend!r}: only the {BACKEND!r} checkpoint backend is implemented; "
+                          f"use {BACKEND!r}", params=("backend",))
     if version != 1:
-        raise ValueError(f"version={version}: the {BACKEND!r} backend has version 1 only; use version=1")
+        raise ConfigError(f"version={version}: the {BACKEND!r} backend has version 1 only; use version=1",
+                          params=("version",))
 
 
 class TorchDistSaveShardedStrategy:
     """Saves sharded tensors and objects with PyTorch DCP (``backend`` ``torch_dist``, ``version`` 1).
 
     Raises:
-        ValueError: another backend or version.
+        ConfigError: another backend or version.
     """
 
     def __init__(
@@ -53,14 +62,12 @@ class TorchDistSaveShardedStrategy:
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
         """``dist_checkpointing.save(sharded_state_dict, checkpoint_dir, sharded_strategy=self)``: a
         complete checkpoint (common values and ``metadata.json`` included)."""
-        from megatron.core.dist_checkpointing.serialization import save
-
-        save(sharded_state_dict, str(checkpoint_dir), sharded_strategy=self)
+        write_sharded(sharded_state_dict, str(checkpoint_dir))
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path,
                    async_strategy: str = "nvrx") -> Any:
         """Refused: asynchronous saving is not implemented (use ``save``)."""
-        raise ValueError("async_save: asynchronous checkpoint saving is not implemented; call save() instead")
+        raise ConfigError("async_save: asynchronous checkpoint saving is not implemented; call save() instead")
 
 
 class TorchDistLoadShardedStrategy:
@@ -78,18 +85,12 @@ class TorchDistLoadShardedStrategy:
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path,
              async_strategy: str = "mcore") -> StateDict:
         """``dist_checkpointing.load(sharded_state_dict, checkpoint_dir, sharded_strategy=self)``."""
-        from megatron.core.dist_checkpointing.serialization import load
-
-        return load(sharded_state_dict, str(checkpoint_dir), sharded_strategy=self)
+        return read_sharded(sharded_state_dict, str(checkpoint_dir))
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path, metadata: Any = None) -> dict:
-        from megatron.core.dist_checkpointing.metadata import load_tensors_metadata, tensors_metadata
-
         return tensors_metadata(metadata) if metadata is not None else load_tensors_metadata(str(checkpoint_dir))
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> dict:
-        from megatron.core.dist_checkpointing.metadata import load_sharded_metadata
-
         return load_sharded_metadata(str(checkpoint_dir))
 
 
@@ -97,7 +98,7 @@ def get_default_save_sharded_strategy(backend: str = BACKEND, version: int = 1) 
     """The save strategy of ``backend`` (only ``torch_dist``).
 
     Raises:
-        ValueError: another backend or version.
+        ConfigError: another backend or version.
     """
     return TorchDistSaveShardedStrategy(backend=backend, version=version)
 
