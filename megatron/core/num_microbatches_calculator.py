@@ -26,6 +26,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 
+from megatron.core.runtime import get_runtime
+
 logger = logging.getLogger(__name__)
 
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
@@ -394,18 +396,16 @@ def build_num_microbatches_calculator(
 
 
 # ---------------------------------------------------------------------- the default instance
-_GLOBAL_NUM_MICROBATCHES_CALCULATOR: NumMicroBatchesCalculator | None = None
-
-
 def _default() -> NumMicroBatchesCalculator:
-    assert _GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None, "call init_num_microbatches_calculator first"
-    return _GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    calculator = get_runtime().num_microbatches_calculator
+    assert calculator is not None, "call init_num_microbatches_calculator first"
+    return calculator
 
 
 def set_num_microbatches_calculator(calculator: NumMicroBatchesCalculator | None) -> None:
-    """Record ``calculator`` as the default instance (the trainer records the one it holds)."""
-    global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
-    _GLOBAL_NUM_MICROBATCHES_CALCULATOR = calculator
+    """Record ``calculator`` as the default instance (the trainer records the one it holds) in the
+    runtime state (:class:`megatron.core.runtime.Runtime`)."""
+    get_runtime().num_microbatches_calculator = calculator
 
 
 def init_num_microbatches_calculator(
@@ -424,7 +424,7 @@ def init_num_microbatches_calculator(
     Raises:
         AssertionError: one is already initialized (``destroy_num_microbatches_calculator`` first).
     """
-    assert _GLOBAL_NUM_MICROBATCHES_CALCULATOR is None, "num microbatches calculator is already initialized"
+    assert get_runtime().num_microbatches_calculator is None, "num microbatches calculator is already initialized"
     reconfigure_num_microbatches_calculator(rank, rampup_batch_size, global_batch_size, micro_batch_size,
                                             data_parallel_size, decrease_batch_size_if_needed,
                                             step_batch_size_schedule, seq_length)

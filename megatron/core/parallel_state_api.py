@@ -16,14 +16,19 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron.core import parallel_state_init as _init
+from megatron.core.config_utils import ConfigError
 from megatron.core.parallel_state_grid import ParallelState
-
-_OVR = _init._OVERRIDES
+from megatron.core.parallel_state_init import initialized_state
+from megatron.core.runtime import GlobalMemoryBuffer, get_runtime
 
 
 def _state() -> ParallelState:
-    return _init.initialized_state()
+    return initialized_state()
+
+
+def _ovr() -> dict[str, Any]:
+    """The values Megatron's setters recorded for the current layout."""
+    return get_runtime().layout.overrides
 
 
 def _group(name: str, check_initialized: bool = True, what: str = "") -> Any:
@@ -50,8 +55,9 @@ def _rank(name: str) -> int:
 
 def _dp_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
     if partial_data_parallel and not with_context_parallel:
-        raise ValueError("partial_data_parallel=True needs with_context_parallel=True (the optimizer's partial "
-                         "data-parallel groups include context parallelism)")
+        raise ConfigError("partial_data_parallel=True needs with_context_parallel=True (the optimizer's partial "
+                          "data-parallel groups include context parallelism)",
+                          params=("partial_data_parallel", "with_context_parallel"))
     return "dp_cp" if with_context_parallel else "dp"
 
 
@@ -163,55 +169,55 @@ def get_inter_distributed_optimizer_instance_group(check_initialized: bool = Tru
 
 # --- sizes and ranks ----------------------------------------------------------------------------
 def get_tensor_model_parallel_world_size() -> int:
-    return _OVR.get("tp_size") or _size("tp")
+    return _ovr().get("tp_size") or _size("tp")
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return _OVR["tp_rank"] if _OVR.get("tp_rank") is not None else _rank("tp")
+    return _ovr()["tp_rank"] if _ovr().get("tp_rank") is not None else _rank("tp")
 
 
 def set_tensor_model_parallel_world_size(world_size: int | None) -> None:
-    _OVR["tp_size"] = world_size
+    _ovr()["tp_size"] = world_size
 
 
 def set_tensor_model_parallel_rank(rank: int | None) -> None:
-    _OVR["tp_rank"] = rank
+    _ovr()["tp_rank"] = rank
 
 
 def get_pipeline_model_parallel_world_size() -> int:
-    return _OVR.get("pp_size") or _size("pp")
+    return _ovr().get("pp_size") or _size("pp")
 
 
 def get_pipeline_model_parallel_rank() -> int:
-    return _OVR["pp_rank"] if _OVR.get("pp_rank") is not None else _rank("pp")
+    return _ovr()["pp_rank"] if _ovr().get("pp_rank") is not None else _rank("pp")
 
 
 def set_pipeline_model_parallel_world_size(world_size: int | None) -> None:
-    _OVR["pp_size"] = world_size
+    _ovr()["pp_size"] = world_size
 
 
 def set_pipeline_model_parallel_rank(rank: int | None) -> None:
-    _OVR["pp_rank"] = rank
+    _ovr()["pp_rank"] = rank
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
     """The virtual stages per pipeline rank given to initialize_model_parallel, or None."""
-    return _OVR.get("vpp_size")
+    return _ovr().get("vpp_size")
 
 
 def set_virtual_pipeline_model_parallel_world_size(world_size: int | None) -> None:
-    _OVR["vpp_size"] = world_size
+    _ovr()["vpp_size"] = world_size
 
 
 def get_virtual_pipeline_model_parallel_rank() -> int | None:
-    return _OVR.get("vpp_rank")
+    return _ovr().get("vpp_rank")
 
 
 def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
     """Deprecated in Megatron-Core (pass ``vp_stage`` instead); warns as it does."""
     warnings.warn("set_virtual_pipeline_model_parallel_rank is deprecated: pass vp_stage to "
                   "is_pipeline_first_stage / is_pipeline_last_stage", DeprecationWarning, stacklevel=2)
-    _OVR["vpp_rank"] = rank
+    _ovr()["vpp_rank"] = rank
 
 
 def get_data_parallel_world_size(with_context_parallel: bool = False, with_gtp_remat: bool = True,
@@ -221,13 +227,13 @@ def get_data_parallel_world_size(with_context_parallel: bool = False, with_gtp_r
 
 def get_data_parallel_rank(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                            partial_data_parallel: bool = False) -> int:
-    if _OVR.get("dp_rank") is not None:
-        return _OVR["dp_rank"]
+    if _ovr().get("dp_rank") is not None:
+        return _ovr()["dp_rank"]
     return _rank(_dp_name(with_context_parallel, partial_data_parallel))
 
 
 def set_data_parallel_rank(rank: int | None) -> None:
-    _OVR["dp_rank"] = rank
+    _ovr()["dp_rank"] = rank
 
 
 def get_context_parallel_world_size() -> int:
@@ -247,35 +253,35 @@ def get_tensor_and_context_parallel_rank() -> int:
 
 
 def get_expert_model_parallel_world_size() -> int:
-    return _OVR.get("ep_size") or _size("ep")
+    return _ovr().get("ep_size") or _size("ep")
 
 
 def get_expert_model_parallel_rank() -> int:
-    return _OVR["ep_rank"] if _OVR.get("ep_rank") is not None else _rank("ep")
+    return _ovr()["ep_rank"] if _ovr().get("ep_rank") is not None else _rank("ep")
 
 
 def set_expert_model_parallel_world_size(world_size: int | None) -> None:
-    _OVR["ep_size"] = world_size
+    _ovr()["ep_size"] = world_size
 
 
 def set_expert_model_parallel_rank(rank: int | None) -> None:
-    _OVR["ep_rank"] = rank
+    _ovr()["ep_rank"] = rank
 
 
 def get_expert_tensor_parallel_world_size() -> int:
-    return _OVR.get("expt_tp_size") or _size("expt_tp")
+    return _ovr().get("expt_tp_size") or _size("expt_tp")
 
 
 def get_expert_tensor_parallel_rank() -> int:
-    return _OVR["expt_tp_rank"] if _OVR.get("expt_tp_rank") is not None else _rank("expt_tp")
+    return _ovr()["expt_tp_rank"] if _ovr().get("expt_tp_rank") is not None else _rank("expt_tp")
 
 
 def set_expert_tensor_parallel_world_size(world_size: int | None) -> None:
-    _OVR["expt_tp_size"] = world_size
+    _ovr()["expt_tp_size"] = world_size
 
 
 def set_expert_tensor_parallel_rank(rank: int | None) -> None:
-    _OVR["expt_tp_rank"] = rank
+    _ovr()["expt_tp_rank"] = rank
 
 
 def get_expert_tensor_and_model_parallel_world_size() -> int:
@@ -300,7 +306,8 @@ def _check_vp_stage(ignore_virtual: bool, vp_stage: int | None) -> bool:
     if ignore_virtual or get_virtual_pipeline_model_parallel_world_size() is None:
         return False
     if vp_stage is None:
-        raise ValueError("vp_stage must be passed when virtual pipelining is on (ignore_virtual=False)")
+        raise ConfigError("vp_stage must be passed when virtual pipelining is on (ignore_virtual=False)",
+                          params=("vp_stage",))
     return True
 
 
@@ -314,7 +321,7 @@ def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """This rank runs the last pipeline stage (and, unless ``ignore_virtual``, the last virtual one)."""
     vpp = get_virtual_pipeline_model_parallel_world_size()
-    if _check_vp_stage(ignore_virtual, vp_stage) and vp_stage != vpp - 1:
+    if _check_vp_stage(ignore_virtual, vp_stage) and vpp is not None and vp_stage != vpp - 1:
         return False
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
@@ -394,19 +401,14 @@ def update_pg_timeout(timeout: timedelta, pg: Any = None) -> None:
         set_timeout(timeout, group)
 
 
-_MEMORY_BUFFER: Any = None
-
-
-def get_global_memory_buffer() -> Any:
-    """A :class:`megatron.core.utils.GlobalMemoryBuffer` shared by the process (made on first use)."""
-    global _MEMORY_BUFFER
-    if _MEMORY_BUFFER is None:
-        from megatron.core.utils import GlobalMemoryBuffer
-
-        _MEMORY_BUFFER = GlobalMemoryBuffer()
-    return _MEMORY_BUFFER
+def get_global_memory_buffer() -> GlobalMemoryBuffer:
+    """A :class:`megatron.core.runtime.GlobalMemoryBuffer` shared by the process until
+    ``destroy_model_parallel`` or :func:`destroy_global_memory_buffer` (made on first use)."""
+    layout = get_runtime().layout
+    if layout.memory_buffer is None:
+        layout.memory_buffer = GlobalMemoryBuffer()
+    return layout.memory_buffer
 
 
 def destroy_global_memory_buffer() -> None:
-    global _MEMORY_BUFFER
-    _MEMORY_BUFFER = None
+    get_runtime().layout.memory_buffer = None

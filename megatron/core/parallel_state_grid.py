@@ -23,12 +23,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from megatron.core.config_utils import ConfigError
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
+# The parameter (initialize_model_parallel's, the config field's) that sets each axis's size.
+SIZE_PARAMS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+               "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
 
 
-class ParallelLayoutError(ValueError, RuntimeError):
-    """A layout that cannot be built. A ValueError (a user error, naming the parameter) that is
+class ParallelLayoutError(ConfigError, RuntimeError):
+    """A layout that cannot be built. A ConfigError (a user error, naming the parameter) that is
     also the RuntimeError Megatron-Core raises for the same mistakes."""
 
 
@@ -42,7 +48,7 @@ def parse_order(order: str | Sequence[str]) -> tuple[str, ...]:
     if unknown or len(set(tokens)) != len(tokens):
         raise ParallelLayoutError(
             f"order {order!r} is not valid: use each of {'-'.join(AXES)} at most once, separated by '-' "
-            f"(e.g. 'tp-cp-ep-dp-pp' or 'tp-cp-ep-pp-dp')")
+            f"(e.g. 'tp-cp-ep-dp-pp' or 'tp-cp-ep-pp-dp')", params=("order",))
     return tuple(tokens) + tuple(a for a in AXES if a not in tokens)
 
 
@@ -62,7 +68,7 @@ class RankGrid:
 
     def __post_init__(self) -> None:
         if sorted(self.order) != sorted(AXES):
-            raise ParallelLayoutError(f"order {self.order} must list each of {AXES} once")
+            raise ParallelLayoutError(f"order {self.order} must list each of {AXES} once", params=("order",))
 
     @property
     def world_size(self) -> int:
@@ -73,7 +79,7 @@ class RankGrid:
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank`` along every axis."""
-        out = {}
+        out: dict[str, int] = {}
         for axis in self.order:
             size = getattr(self, axis)
             out[axis] = rank % size
@@ -98,7 +104,7 @@ class RankGrid:
             if a not in AXES:
                 raise ValueError(f"unknown parallel axis {a!r}; valid axes are {AXES}")
         fixed = [a for a in self.order if a not in varying]
-        result = []
+        result: list[list[int]] = []
         slow_first = list(reversed(fixed))
         for fixed_vals in itertools.product(*(range(getattr(self, a)) for a in slow_first)):
             base = dict(zip(slow_first, fixed_vals))
@@ -115,14 +121,16 @@ def make_grid(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 
               order: str | Sequence[str] = AXES) -> RankGrid:
     """Derive the data-parallel degree; raise one error naming every degree when they do not divide."""
     model = tp * pp * cp * ep
-    for name, value in (("tensor", tp), ("pipeline", pp), ("context", cp), ("expert", ep)):
+    sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
+    for axis, value in sizes.items():
         if value < 1:
-            raise ParallelLayoutError(f"--{name}-model-parallel-size must be >= 1, got {value}")
+            raise ParallelLayoutError(f"{SIZE_PARAMS[axis]} must be >= 1 (e.g. 1), got {value}",
+                                      params=(SIZE_PARAMS[axis],))
     if world_size % model != 0:
+        product = " x ".join(f"{SIZE_PARAMS[axis]} ({value})" for axis, value in sizes.items())
         raise ParallelLayoutError(
-            f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x context ({cp}) "
-            f"x expert ({ep}) = {model}; choose degrees whose product divides {world_size}"
-        )
+            f"world size {world_size} is not divisible by {product} = {model}; choose sizes whose product "
+            f"divides {world_size}", params=tuple(SIZE_PARAMS[axis] for axis in sizes))
     return RankGrid(tp=tp, cp=cp, ep=ep, dp=world_size // model, pp=pp, order=parse_order(order))
 
 
@@ -131,12 +139,13 @@ def make_expert_grid(world_size: int, etp: int, ep: int, pp: int, order: str | S
     x pipeline, in the dense grid's order (``cp`` is 1)."""
     for name, value in (("expert_tensor_parallel_size", etp), ("expert_model_parallel_size", ep)):
         if value < 1:
-            raise ParallelLayoutError(f"{name} must be >= 1, got {value}")
+            raise ParallelLayoutError(f"{name} must be >= 1 (e.g. 1), got {value}", params=(name,))
     if world_size % (etp * ep * pp) != 0:
         raise ParallelLayoutError(
             f"world size {world_size} is not divisible by expert_tensor_parallel_size ({etp}) x "
-            f"expert_model_parallel_size ({ep}) x pipeline ({pp}) = {etp * ep * pp}; choose sizes whose "
-            f"product divides {world_size}")
+            f"expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp}) = {etp * ep * pp}; "
+            f"choose sizes whose product divides {world_size}",
+            params=("expert_tensor_parallel_size", "expert_model_parallel_size", "pipeline_model_parallel_size"))
     return RankGrid(tp=etp, cp=1, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, order=parse_order(order))
 
 
@@ -183,19 +192,19 @@ class ParallelState:
 
     grid: RankGrid
     rank: int
-    groups: dict[str, object] = field(default_factory=dict)
+    groups: dict[str, ProcessGroup | None] = field(default_factory=dict)
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
     # Named RNG states (megatron.core.tensor_parallel.random.RNGStatesTracker) for dropout inside
     # tensor-parallel regions; set by whoever seeds the run. None: dropout uses the default RNG.
     rng_tracker: Any = None
-    expert_grid: RankGrid | None = None
+    expert_grid: RankGrid = None  # type: ignore[assignment]  # None: derived in __post_init__
 
     def __post_init__(self) -> None:
         if self.expert_grid is None:
             self.expert_grid = _derived_expert_grid(self.grid)
 
     def size(self, axis: str) -> int:
-        return getattr(self.grid, axis) if axis != "ep" else self.expert_grid.ep
+        return int(getattr(self.grid, axis)) if axis != "ep" else self.expert_grid.ep
 
     def axis_rank(self, axis: str) -> int:
         """This rank's coordinate along ``axis`` (``ep``: in the expert grid)."""
@@ -260,27 +269,27 @@ class ParallelState:
         return self.expert_grid.coords(self.rank)["dp"]
 
     @property
-    def tp_group(self):
+    def tp_group(self) -> ProcessGroup | None:
         return self.groups.get("tp")
 
     @property
-    def pp_group(self):
+    def pp_group(self) -> ProcessGroup | None:
         return self.groups.get("pp")
 
     @property
-    def dp_group(self):
+    def dp_group(self) -> ProcessGroup | None:
         return self.groups.get("dp")
 
     @property
-    def dp_cp_group(self):
+    def dp_cp_group(self) -> ProcessGroup | None:
         return self.groups.get("dp_cp")
 
     @property
-    def mp_group(self):
+    def mp_group(self) -> ProcessGroup | None:
         return self.groups.get("mp")
 
     @property
-    def embedding_group(self):
+    def embedding_group(self) -> ProcessGroup | None:
         return self.groups.get("embedding")
 
     def is_pipeline_first_stage(self) -> bool:
@@ -358,9 +367,9 @@ def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                               position_embedding_ranks or default_position_embedding_ranks)
     assert named["pp"] == expert_grid.groups("pp"), "dense and expert pipelines must coincide"
     state = ParallelState(grid=grid, rank=rank, expert_grid=expert_grid)
-    created: dict[tuple[tuple[int, ...], str | None], object] = {}
+    created: dict[tuple[tuple[int, ...], str | None], ProcessGroup | None] = {}
 
-    def group_of(ranks: list[int], backend: str | None = None) -> object:
+    def group_of(ranks: list[int], backend: str | None = None) -> ProcessGroup | None:
         key = (tuple(ranks), backend)
         if key not in created:
             created[key] = dist.new_group(ranks, timeout=timeout, backend=backend) if initialized else None

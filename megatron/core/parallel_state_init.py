@@ -1,9 +1,10 @@
 """The default ParallelState: ``initialize_model_parallel`` (Megatron-Core's signature) records it,
 ``destroy_model_parallel`` drops it. Only public entry points read it (``get_parallel_state``).
 
-Besides the default instance this module holds the values Megatron-Core's setters override
-(``set_tensor_model_parallel_world_size`` and the like) and the virtual-pipeline rank and size;
-they are read by the Megatron-named getters of ``parallel_state_api`` only, never by our layers.
+The default instance, the values Megatron-Core's setters override (``set_tensor_model_parallel_world_size``
+and the like) and the virtual-pipeline rank and size live in the runtime's layout state
+(:class:`megatron.core.runtime.LayoutState`); the overrides are read by the Megatron-named getters of
+``parallel_state_api`` only, never by our layers. ``destroy_model_parallel`` starts a new layout state.
 """
 
 from __future__ import annotations
@@ -14,13 +15,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.parallel_state_grid import ParallelLayoutError, ParallelState, build_parallel_state
-
-_DEFAULT: ParallelState | None = None
-_INITIALIZED = False
-# Values set through Megatron's setters ("tp_size", "tp_rank", "pp_size", ...), and the
-# virtual-pipeline "vpp_rank" / "vpp_size"; cleared by destroy_model_parallel.
-_OVERRIDES: dict[str, Any] = {}
+from megatron.core.runtime import get_runtime
 
 
 def _refusals(
@@ -28,32 +25,38 @@ def _refusals(
     hybrid_context_parallel: bool, gtp_remat_size: int, expert_gtp_remat_size: int,
     num_distributed_optimizer_instances: int, sharp_enabled_group: str | None, rank_offset: int,
     local_world_size: int | None,
-) -> list[str]:
-    """One line per argument asking for something this package does not build."""
-    out = []
+) -> list[tuple[str, str]]:
+    """(parameter, explanation) for each argument asking for something this package does not build."""
+    out: list[tuple[str, str]] = []
     if pipeline_model_parallel_comm_backend not in (None, "nccl"):
-        out.append(f"pipeline_model_parallel_comm_backend={pipeline_model_parallel_comm_backend!r}: pipeline "
-                   "transfers use the default backend; pass None")
+        out.append(("pipeline_model_parallel_comm_backend",
+                    f"pipeline_model_parallel_comm_backend={pipeline_model_parallel_comm_backend!r}: pipeline "
+                    "transfers use the default backend; pass None"))
     if hierarchical_context_parallel_sizes:
-        out.append("hierarchical_context_parallel_sizes: hierarchical context parallelism is not built; pass None")
+        out.append(("hierarchical_context_parallel_sizes", "hierarchical_context_parallel_sizes: hierarchical "
+                    "context parallelism is not built; pass None"))
     if hybrid_context_parallel:
-        out.append("hybrid_context_parallel=True: hybrid data x context parallel groups are not built; pass False")
+        out.append(("hybrid_context_parallel", "hybrid_context_parallel=True: hybrid data x context parallel "
+                    "groups are not built; pass False"))
     for name, value in (("gtp_remat_size", gtp_remat_size), ("expert_gtp_remat_size", expert_gtp_remat_size)):
         if value != 1:
-            out.append(f"{name}={value}: weight rematerialisation (GTP) is not built; pass 1")
+            out.append((name, f"{name}={value}: weight rematerialisation (GTP) is not built; pass 1"))
     if num_distributed_optimizer_instances != 1:
-        out.append(f"num_distributed_optimizer_instances={num_distributed_optimizer_instances}: partial "
-                   "distributed-optimizer instances are not built; pass 1")
+        out.append(("num_distributed_optimizer_instances",
+                    f"num_distributed_optimizer_instances={num_distributed_optimizer_instances}: partial "
+                    "distributed-optimizer instances are not built; pass 1"))
     if sharp_enabled_group is not None and not use_sharp:
-        out.append(f"sharp_enabled_group={sharp_enabled_group!r} is only valid with use_sharp=True; pass None")
+        out.append(("sharp_enabled_group", f"sharp_enabled_group={sharp_enabled_group!r} is only valid with "
+                    "use_sharp=True; pass None"))
     elif sharp_enabled_group not in (None, "dp"):
-        out.append(f"sharp_enabled_group={sharp_enabled_group!r}: choose 'dp' (dp_replica needs "
-                   "num_distributed_optimizer_instances > 1)")
+        out.append(("sharp_enabled_group", f"sharp_enabled_group={sharp_enabled_group!r}: choose 'dp' "
+                    "(dp_replica needs num_distributed_optimizer_instances > 1)"))
     if rank_offset != 0:
-        out.append(f"rank_offset={rank_offset}: the grid spans the whole world here; pass 0")
+        out.append(("rank_offset", f"rank_offset={rank_offset}: the grid spans the whole world here; pass 0"))
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if local_world_size is not None and local_world_size != world:
-        out.append(f"local_world_size={local_world_size}: the grid spans the whole world ({world}); pass None")
+        out.append(("local_world_size", f"local_world_size={local_world_size}: the grid spans the whole world "
+                    f"({world}); pass None"))
     return out
 
 
@@ -98,7 +101,7 @@ def initialize_model_parallel(
     Returns the recorded ParallelState (Megatron-Core returns None).
 
     Raises:
-        ValueError: one error listing every argument that asks for something not built here
+        ConfigError: one error listing every argument that asks for something not built here
             (hierarchical or hybrid context parallelism, GTP, several distributed-optimizer
             instances, a UCC pipeline backend, a grid not spanning the world), a layout that
             does not divide the world, an invalid order, or virtual pipelining with pp == 1 (the
@@ -109,13 +112,16 @@ def initialize_model_parallel(
                         hybrid_context_parallel, gtp_remat_size, expert_gtp_remat_size,
                         num_distributed_optimizer_instances, sharp_enabled_group, rank_offset, local_world_size)
     if refused:
-        raise ValueError("initialize_model_parallel: " + "; ".join(refused))
+        raise ConfigError("initialize_model_parallel: " + "; ".join(line for _, line in refused),
+                          params=tuple(name for name, _ in refused))
     if virtual_pipeline_model_parallel_size is not None and pipeline_model_parallel_size <= 1:
         raise ParallelLayoutError(
             f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size} needs "
-            f"pipeline_model_parallel_size > 1 (got {pipeline_model_parallel_size}); pass None")
+            f"pipeline_model_parallel_size > 1 (got {pipeline_model_parallel_size}); pass None",
+            params=("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size"))
     if distributed_timeout_minutes is not None and distributed_timeout_minutes <= 0:
-        raise ValueError(f"distributed_timeout_minutes must be > 0, got {distributed_timeout_minutes}")
+        raise ConfigError(f"distributed_timeout_minutes must be > 0 (e.g. 30), got {distributed_timeout_minutes}",
+                          params=("distributed_timeout_minutes",))
     state = build_parallel_state(
         tp=tensor_model_parallel_size,
         pp=pipeline_model_parallel_size,
@@ -128,28 +134,28 @@ def initialize_model_parallel(
         position_embedding_ranks=get_position_embedding_ranks,
         gloo_groups=create_gloo_process_groups,
     )
-    global _DEFAULT, _INITIALIZED
-    _OVERRIDES.clear()
+    layout = get_runtime().layout
+    layout.overrides.clear()
     if virtual_pipeline_model_parallel_size is not None:
-        _OVERRIDES.update(vpp_rank=0, vpp_size=virtual_pipeline_model_parallel_size)
-    _DEFAULT, _INITIALIZED = state, True
+        layout.overrides.update(vpp_rank=0, vpp_size=virtual_pipeline_model_parallel_size)
+    layout.parallel_state, layout.initialized = state, True
     return state
 
 
 def get_parallel_state() -> ParallelState:
     """The default instance; builds a trivial one-rank state when none was initialised (that state
     does not count as initialised for ``model_parallel_is_initialized``)."""
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = build_parallel_state()
-    return _DEFAULT
+    layout = get_runtime().layout
+    if layout.parallel_state is None:
+        layout.parallel_state = build_parallel_state()
+    return layout.parallel_state
 
 
 def initialized_state() -> ParallelState:
     """The default instance for Megatron's getters: the recorded one, or a one-rank state where the
     world has one rank. In a larger world before ``initialize_model_parallel`` this is an error
     (building groups lazily there would be a collective only one caller enters)."""
-    if not _INITIALIZED and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if not get_runtime().layout.initialized and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError("the model-parallel groups are not initialized: call "
                            "parallel_state.initialize_model_parallel(...) on every rank first")
     return get_parallel_state()
@@ -157,22 +163,22 @@ def initialized_state() -> ParallelState:
 
 def model_parallel_is_initialized() -> bool:
     """True after ``initialize_model_parallel`` and until ``destroy_model_parallel``."""
-    return _INITIALIZED
+    return get_runtime().layout.initialized
 
 
 def is_initialized() -> bool:
     """Megatron-Core's other spelling of :func:`model_parallel_is_initialized`."""
-    return _INITIALIZED
+    return get_runtime().layout.initialized
 
 
 def destroy_model_parallel() -> None:
-    """Forget the default instance, the setters' overrides and the virtual-pipeline state.
+    """Forget the layout: the default instance, the setters' overrides, the virtual-pipeline state,
+    the RNG tracker not yet bound to a state, the warmed-up pipeline groups and the global memory
+    buffer (a new :class:`megatron.core.runtime.LayoutState`).
 
     The groups themselves stay valid for whoever holds them; ``dist.destroy_process_group`` ends them.
     """
-    global _DEFAULT, _INITIALIZED
-    _DEFAULT, _INITIALIZED = None, False
-    _OVERRIDES.clear()
+    get_runtime().reset_layout()
 
 
 def create_group(ranks: list[int] | None = None, timeout: timedelta | None = None, backend: str | None = None,

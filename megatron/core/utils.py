@@ -13,21 +13,27 @@ import functools
 import inspect
 import logging
 import math
-import operator
 import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.logging_utils import log_single_rank
+from megatron.core.runtime import GlobalMemoryBuffer, get_runtime
+from megatron.core.transformer.module import Float16Module
 
 try:
     from packaging.version import Version
 except ImportError:  # torch vendors the same module
     from torch._vendor.packaging.version import Version  # type: ignore[no-redef,assignment]
 
-_te_version: Version | None = None
+# Megatron-Core's names here, defined with the runtime state and with the data pipeline's logging.
+__all__ = ["GlobalMemoryBuffer", "log_single_rank"]
 
 
 # --- versions -----------------------------------------------------------------------------------
@@ -42,16 +48,17 @@ def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
 
 
 def get_te_version() -> Version:
-    """Transformer Engine's version; ``0.0.0`` when it is not installed (as Megatron-Core reports)."""
-    global _te_version
-    if _te_version is None:
+    """Transformer Engine's version; ``0.0.0`` when it is not installed (as Megatron-Core reports).
+    Probed once per process (the runtime state keeps it)."""
+    runtime = get_runtime()
+    if runtime.te_version is None:
         try:
             import transformer_engine as te  # type: ignore[import-not-found]
 
-            _te_version = Version(str(getattr(te, "__version__", "0.0.0")))
+            runtime.te_version = Version(str(getattr(te, "__version__", "0.0.0")))
         except ImportError:
-            _te_version = Version("0.0.0")
-    return _te_version
+            runtime.te_version = Version("0.0.0")
+    return runtime.te_version
 
 
 def is_te_min_version(version: str, check_equality: bool = True) -> bool:
@@ -89,8 +96,6 @@ def get_tensor_model_parallel_group_if_none(tp_group: Any, is_expert: bool = Fal
     None when torch.distributed is not initialised; ``tp_group`` unchanged before
     ``initialize_model_parallel``. Falling back warns (DeprecationWarning, rank 0), as in Megatron-Core.
     """
-    from megatron.core import parallel_state
-
     if not (dist.is_available() and dist.is_initialized()):
         return None
     if not parallel_state.is_initialized() or tp_group is not None:
@@ -155,22 +160,9 @@ def get_model_config(model: Any) -> Any:
     return get_attr_wrapped_model(model, "config", allow_none=False)
 
 
-def _wrapper_classes() -> tuple[type, ...]:
-    from megatron.core.distributed import DistributedDataParallel
-
-    classes: list[type] = [DistributedDataParallel]
-    try:
-        from megatron.core.transformer.module import Float16Module  # type: ignore[attr-defined]
-
-        classes.append(Float16Module)
-    except ImportError:
-        pass
-    return tuple(classes)
-
-
 def unwrap_model(model: Any, module_instances: Any = None) -> Any:
     """The model inside DDP / Float16Module wrappers (or ``module_instances``); a list maps to a list."""
-    wrappers: Any = _wrapper_classes() if module_instances is None else module_instances
+    wrappers: Any = (DistributedDataParallel, Float16Module) if module_instances is None else module_instances
     models: list[Any] = model if isinstance(model, list) else [model]
     out = []
     for m in models:
@@ -188,25 +180,6 @@ def is_submodule(module: torch.nn.Module, parent_module: torch.nn.Module, strict
 
 
 # --- tensors ------------------------------------------------------------------------------------
-class GlobalMemoryBuffer:
-    """Reusable flat buffers by ``(name, dtype)`` (callers must not use one name concurrently)."""
-
-    def __init__(self) -> None:
-        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-    def get_tensor(self, tensor_shape: Any, dtype: torch.dtype, name: str,
-                   mem_alloc_context: Callable | None = None) -> torch.Tensor:
-        """A view of shape ``tensor_shape`` into the buffer (grown when too small), on the current
-        CUDA device or else the CPU."""
-        needed = functools.reduce(operator.mul, tensor_shape, 1)
-        key = (name, dtype)
-        if key not in self.buffer or self.buffer[key].numel() < needed:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-            with (mem_alloc_context or nullcontext)():
-                self.buffer[key] = torch.empty(needed, dtype=dtype, device=device, requires_grad=False)
-        return self.buffer[key][0:needed].view(*tensor_shape)
-
-
 class WrappedTensor:
     """Holds a tensor so that the callee can drop the last reference: :meth:`unwrap` once."""
 
@@ -263,8 +236,6 @@ def safely_set_viewless_tensor_data(tensor: torch.Tensor, new_data_tensor: torch
 
 def to_local_if_dtensor(tensor: Any) -> Any:
     """The local shard of a DTensor; any other tensor unchanged."""
-    from torch.distributed.tensor import DTensor
-
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -287,13 +258,6 @@ def mup_scaled_init_method_normal(sigma: float, num_layers: int, width_mult: flo
 
 
 # --- logging ------------------------------------------------------------------------------------
-def log_single_rank(logger: logging.Logger, *args: Any, rank: int = 0, **kwargs: Any) -> None:
-    """``logger.log(*args, **kwargs)`` on global rank ``rank`` only (every process when
-    torch.distributed is not initialised counts as rank 0)."""
-    if (dist.get_rank() if dist.is_available() and dist.is_initialized() else 0) == rank:
-        logger.log(*args, **kwargs)
-
-
 def log_on_each_pipeline_stage(logger: logging.Logger, *args: Any, tp_group: Any = None, dp_cp_group: Any = None,
                                **kwargs: Any) -> None:
     """Log on tensor-parallel rank 0 and data x context rank 0 of each pipeline stage.
@@ -303,8 +267,6 @@ def log_on_each_pipeline_stage(logger: logging.Logger, *args: Any, tp_group: Any
     if (tp_group is None) != (dp_cp_group is None):
         raise ValueError("tp_group and dp_cp_group must be provided or not provided together")
     if tp_group is None:
-        from megatron.core import parallel_state
-
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dp_cp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     else:
@@ -314,23 +276,20 @@ def log_on_each_pipeline_stage(logger: logging.Logger, *args: Any, tp_group: Any
 
 
 # --- NVTX ---------------------------------------------------------------------------------------
-_nvtx_enabled = False
-
-
 def configure_nvtx_profiling(enabled: bool) -> None:
-    """Turn the NVTX ranges of :func:`nvtx_range_push` / :func:`nvtx_range_pop` on or off."""
-    global _nvtx_enabled
-    _nvtx_enabled = enabled
+    """Turn the NVTX ranges of :func:`nvtx_range_push` / :func:`nvtx_range_pop` on or off (for the
+    process: the runtime state keeps the setting)."""
+    get_runtime().nvtx_enabled = enabled
 
 
 def nvtx_range_push(msg: str | None = None, suffix: str | None = None) -> None:
     """Open an NVTX range (when enabled and CUDA is present; otherwise nothing)."""
-    if _nvtx_enabled and torch.cuda.is_available():
+    if get_runtime().nvtx_enabled and torch.cuda.is_available():
         torch.cuda.nvtx.range_push(f"{msg or ''}{'.' + suffix if suffix else ''}")
 
 
 def nvtx_range_pop(msg: str | None = None, suffix: str | None = None) -> None:
-    if _nvtx_enabled and torch.cuda.is_available():
+    if get_runtime().nvtx_enabled and torch.cuda.is_available():
         torch.cuda.nvtx.range_pop()
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -15,7 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
+from megatron.training.global_vars import app_state
 from megatron.training.peers import LOST_RANK_CODE, Loss, PeerWatch, kill_stopped, wait_reaped
 
 
@@ -42,7 +46,8 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10, tp:
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
     if backend == "nccl" and not use_cuda:
-        raise ValueError("--distributed-backend nccl needs CUDA GPUs; use gloo (or auto) on the CPU")
+        raise ConfigError("distributed_backend 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on the CPU",
+                          params=("distributed_backend",))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -52,8 +57,8 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10, tp:
         elif world == 1:
             init_method = f"tcp://127.0.0.1:{_free_port()}"  # plain `python pretrain_gpt.py`
         else:
-            raise ValueError(f"{world} processes but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun, "
-                             "or export MASTER_ADDR=<first node> MASTER_PORT=29500 in the srun script")
+            raise ConfigError(f"{world} processes but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun, "
+                              "or export MASTER_ADDR=<first node> MASTER_PORT=29500 in the srun script")
         dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=timeout_minutes),
                                 device_id=device if backend == "nccl" else None)
@@ -66,8 +71,6 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10, tp:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -84,10 +87,11 @@ def set_random_seeds(seed: int, pp_rank: int = 0) -> None:
 
 
 def destroy() -> None:
-    global _channel
-    if _channel is not None:
-        _channel.close()
-        _channel = None
+    """Close this rank's error channel, forget the parallel layout, end the process group."""
+    state = app_state()
+    if state.channel is not None:
+        state.channel.close()
+        state.channel = None
     destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -259,14 +263,9 @@ def _ignore_sigterm() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return
-    import ctypes
-
     setsig = ctypes.pythonapi.PyOS_setsig  # CPython's C API: sigaction from any thread
     setsig.argtypes, setsig.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
     setsig(signal.SIGTERM, signal.SIG_IGN.value)
-
-
-_channel: ErrorChannel | None = None
 
 
 def wait_if_leaving() -> None:
@@ -275,22 +274,24 @@ def wait_if_leaving() -> None:
     and a peer that left closes its connections): wait for the exit instead of reporting it. When
     the exception is a collective that failed with a lost rank, report that rank and leave
     (``ErrorChannel.explain``). Otherwise return: the exception keeps its traceback."""
-    if _channel is None:
+    channel = app_state().channel
+    if channel is None:
         return
-    if not _channel.stopping:
+    if not channel.stopping:
         error = sys.exc_info()[1]
         if error is not None:
-            _channel.explain(error)
-    if _channel.stopping:
-        with _channel._lock:  # held until os._exit
+            channel.explain(error)
+    if channel.stopping:
+        with channel._lock:  # held until os._exit
             pass
 
 
 def note_iteration(iteration: int) -> None:
     """The last iteration the training loop finished, for this rank's heartbeat (a plain attribute
     store: nothing waits for the device)."""
-    if _channel is not None and _channel.peers is not None:
-        _channel.peers.iteration = iteration
+    channel = app_state().channel
+    if channel is not None and channel.peers is not None:
+        channel.peers.iteration = iteration
 
 
 def _is_communication_error(error: BaseException) -> bool:
@@ -323,12 +324,12 @@ def _channel_prefix() -> str:
 
 
 def _start_error_channel(world: int, rank: int, timeout_s: float, local_world: int | None) -> None:
-    global _channel
     store = _store_client(_channel_prefix())
     peers = PeerWatch(store, rank, world, timeout_s, local_world)
     peers.register()
-    _channel = ErrorChannel(store, world, peers)
-    _channel.watch()
+    channel = ErrorChannel(store, world, peers)
+    app_state().channel = channel
+    channel.watch()
 
 
 def stop_job(message: str, code: int) -> int:
@@ -339,8 +340,9 @@ def stop_job(message: str, code: int) -> int:
     the process groups exist, the ranks meet in torchrun's store (every rank raises the same error
     from the same flags); without torchrun, rank 0 alone prints.
     """
-    if _channel is not None:
-        _channel.stop(message, code)
+    channel = app_state().channel
+    if channel is not None:
+        channel.stop(message, code)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     if world > 1 and not dist.is_initialized() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

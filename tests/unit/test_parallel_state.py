@@ -72,7 +72,8 @@ def test_error_names_every_degree() -> None:
     with pytest.raises(ValueError) as err:
         make_grid(12, tp=4, pp=2, cp=1, ep=1)
     msg = str(err.value)
-    for needle in ("12", "tensor (4)", "pipeline (2)", "context (1)", "expert (1)", "= 8"):
+    for needle in ("12", "tensor_model_parallel_size (4)", "pipeline_model_parallel_size (2)",
+                   "context_parallel_size (1)", "expert_model_parallel_size (1)", "= 8"):
         assert needle in msg, msg
 
 

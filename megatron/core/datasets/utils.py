@@ -11,7 +11,8 @@ from enum import Enum
 
 import numpy as np
 
-from megatron.core.utils import log_single_rank as log_single_rank  # Megatron-Core's datasets.utils has it
+# Megatron-Core's datasets.utils has it.
+from megatron.core.logging_utils import log_single_rank as log_single_rank
 
 
 class Split(Enum):

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from megatron.core.tensor_parallel.mappings import default_tp_group, group_size
-from megatron.core.tensor_parallel.random import checkpoint_with_rng
 from megatron.core.tensor_parallel.rng_api import (
+    RngSnapshot,
     callable_name,
     capture_rng,
     detached_like,
@@ -23,6 +24,7 @@ from megatron.core.tensor_parallel.rng_api import (
     grads_of,
     replaying_rng,
 )
+from megatron.core.tensor_parallel.rng_states import RNGStatesTracker, checkpoint_with_rng
 from megatron.core.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 
 
@@ -32,7 +34,8 @@ class _DistributedCheckpoint(torch.autograd.Function):
     recompute with a graph, backpropagate."""
 
     @staticmethod
-    def forward(ctx, run_function, tracker, group, *args):
+    def forward(ctx: Any, run_function: Callable[..., Any], tracker: RNGStatesTracker, group: ProcessGroup | None,
+                *args: Any) -> Any:
         ctx.run_function, ctx.tracker, ctx.group = run_function, tracker, group
         ctx.rng = capture_rng(tracker)
         outputs = run_function(*args)
@@ -45,7 +48,7 @@ class _DistributedCheckpoint(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         shard, *rest = ctx.saved_tensors
         tensors = iter([gather_split_1d_tensor(shard, ctx.group).view(ctx.first_shape), *rest])
         args = tuple(next(tensors) if c is None else c for c in ctx.constants)
@@ -89,14 +92,14 @@ class _WithoutOutput(torch.autograd.Function):
     made by its hook, are backpropagated."""
 
     @staticmethod
-    def forward(ctx, run_function, owner, *args):
+    def forward(ctx: Any, run_function: Callable[..., Any], owner: CheckpointWithoutOutput, *args: Any) -> Any:
         ctx.constants = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*detached_like(tuple(a for a in args if isinstance(a, torch.Tensor))))
         owner.ctx = ctx
         return run_function(*args)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         if getattr(ctx, "outputs", None) is None:
             raise RuntimeError("CheckpointWithoutOutput: the outputs were not recomputed before their gradient "
                                "was needed; call discard_output_and_register_recompute(hook_tensor) with a "
@@ -121,12 +124,14 @@ class CheckpointWithoutOutput:
         fp8: accepted for Megatron-Core's signature; no FP8 recompute context here.
     """
 
-    def __init__(self, fp8: bool = False):
+    def __init__(self, fp8: bool = False) -> None:
         self.fp8 = fp8
         self.run_function: Callable[..., Any] | None = None
         self.ctx: Any = None
         self.outputs: tuple[torch.Tensor, ...] | None = None
         self._sizes: list[int] = []
+        self._tracker: RNGStatesTracker | None = None
+        self._rng: RngSnapshot | None = None
 
     def checkpoint(self, run_function: Callable[..., Any], *args: Any) -> Any:
         """``run_function(*args)``, its graph not kept; the outputs as the function returns them."""
@@ -151,6 +156,7 @@ class CheckpointWithoutOutput:
         if self.ctx is None or self.outputs is None or self.run_function is None:
             return  # already recomputed
         ctx = self.ctx
+        assert self._rng is not None and self._tracker is not None, "set by checkpoint()"
         saved = iter(ctx.saved_tensors)
         args = tuple(next(saved) if c is None else c for c in ctx.constants)
         inputs = detached_like(args)

@@ -1,30 +1,32 @@
-"""Megatron-Core's RNG and recompute entry points, as adapters over :mod:`random`'s tracker.
+"""Megatron-Core's RNG and recompute entry points, as adapters over :mod:`rng_states`'s tracker.
 
 Megatron-Core keeps one module-global tracker; here the tracker lives on the default ParallelState
 (``rng_tracker``), where models built from the default state find it. Before
-``initialize_model_parallel`` a tracker not yet bound to a state is handed out, and the next
-``model_parallel_cuda_manual_seed`` fills and binds that same object.
+``initialize_model_parallel`` a tracker not yet bound to a state is handed out (the runtime's
+``layout.unbound_rng_tracker``), and the next ``model_parallel_cuda_manual_seed`` fills and binds
+that same object. ``destroy_model_parallel`` forgets an unbound tracker with the rest of the layout.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.tensor_parallel.random import (
+from megatron.core.config_utils import ConfigError
+from megatron.core.parallel_state_grid import ParallelState
+from megatron.core.parallel_state_init import get_parallel_state, model_parallel_is_initialized
+from megatron.core.runtime import get_runtime
+from megatron.core.tensor_parallel.rng_states import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
     model_parallel_seed,
 )
-
-if TYPE_CHECKING:
-    from megatron.core.parallel_state import ParallelState
 
 
 def _dropout_device() -> torch.device:
@@ -36,8 +38,8 @@ def _dropout_device() -> torch.device:
 def _refuse(**flags: bool) -> None:
     for name, value in flags.items():
         if value:
-            raise ValueError(f"{name}=True needs a tracker this package does not have (Transformer Engine / "
-                             f"CUDA graphs); call it with {name}=False")
+            raise ConfigError(f"{name}=True needs a tracker this package does not have (Transformer Engine / "
+                              f"CUDA graphs); call it with {name}=False", params=(name,))
 
 
 class CudaRNGStatesTracker(RNGStatesTracker):
@@ -53,7 +55,7 @@ class CudaRNGStatesTracker(RNGStatesTracker):
         ValueError: ``use_cudagraphable_rng`` is True.
     """
 
-    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False):
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False) -> None:
         _refuse(use_cudagraphable_rng=use_cudagraphable_rng)
         super().__init__(_dropout_device())
         self.use_cudagraphable_rng = False
@@ -73,9 +75,6 @@ class CudaRNGStatesTracker(RNGStatesTracker):
         return super().fork(name)
 
 
-_UNBOUND: CudaRNGStatesTracker | None = None  # handed out before any ParallelState holds a tracker
-
-
 def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
                          use_cudagraphable_rng: bool = False) -> RNGStatesTracker:
     """The tracker ``model_parallel_cuda_manual_seed`` filled: the default ParallelState's
@@ -83,20 +82,18 @@ def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker
     every call, the one the next seeding fills).
 
     Raises:
-        ValueError: ``use_te_rng_tracker`` or ``use_cudagraphable_rng`` is True.
+        ConfigError: ``use_te_rng_tracker`` or ``use_cudagraphable_rng`` is True.
     """
-    global _UNBOUND
     _refuse(use_te_rng_tracker=use_te_rng_tracker, use_cudagraphable_rng=use_cudagraphable_rng)
-    from megatron.core import parallel_state
-
     one_rank = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
-    if parallel_state.model_parallel_is_initialized() or one_rank:
-        bound = parallel_state.get_parallel_state().rng_tracker
+    if model_parallel_is_initialized() or one_rank:
+        bound: RNGStatesTracker | None = get_parallel_state().rng_tracker
         if bound is not None:
             return bound
-    if _UNBOUND is None:
-        _UNBOUND = CudaRNGStatesTracker(is_inference_rng_tracker=inference_rng_tracker)
-    return _UNBOUND
+    layout = get_runtime().layout
+    if layout.unbound_rng_tracker is None:
+        layout.unbound_rng_tracker = CudaRNGStatesTracker(is_inference_rng_tracker=inference_rng_tracker)
+    return layout.unbound_rng_tracker
 
 
 def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
@@ -125,19 +122,19 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inf
         The filled tracker (Megatron-Core returns None).
 
     Raises:
-        ValueError: ``te_rng_tracker`` or ``use_cudagraphable_rng`` is True.
+        ConfigError: ``te_rng_tracker`` or ``use_cudagraphable_rng`` is True.
     """
-    global _UNBOUND
     _refuse(te_rng_tracker=te_rng_tracker, use_cudagraphable_rng=use_cudagraphable_rng)
     if parallel_state is None:
-        from megatron.core.parallel_state import get_parallel_state
-
         parallel_state = get_parallel_state()
+    layout = get_runtime().layout
     tracker: RNGStatesTracker | None = None if force_reset_rng else parallel_state.rng_tracker
     if not isinstance(tracker, CudaRNGStatesTracker):
-        reuse = _UNBOUND is not None and not force_reset_rng
-        tracker = _UNBOUND if reuse else CudaRNGStatesTracker(is_inference_rng_tracker=inference_rng_tracker)
-    _UNBOUND = None
+        unbound = None if force_reset_rng else layout.unbound_rng_tracker
+        if unbound is None:
+            unbound = CudaRNGStatesTracker(is_inference_rng_tracker=inference_rng_tracker)
+        tracker = unbound
+    layout.unbound_rng_tracker = None
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
     else:
