@@ -6,7 +6,9 @@ from functools import partial
 
 import torch
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.execution_plan import ExecutionPlan
+from megatron.core.fusions.fp8 import AmaxReducer
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_plan_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.data import broadcast_batch
 from megatron.core.tokenizer import build_tokenizer, vocab_size_with_padding
@@ -29,19 +31,24 @@ def tokenizer_provider(cfg, pg):
                                               pg.tp_size, log=print_rank_0)
 
 
-def model_provider(cfg, padded_vocab_size: int, pg, device) -> list[GPTModel]:
-    """This rank's model chunks: one per virtual pipeline stage (one without interleaving).
+def model_provider(cfg, padded_vocab_size: int, pg, device, plan: ExecutionPlan | None = None,
+                   amax_reducer: AmaxReducer | None = None) -> list[GPTModel]:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving), built
+    with ``plan``'s implementations (default: ``ExecutionPlan.plain``, the torch code).
 
     Chunk ``c`` of pipeline rank ``r`` builds the layers of virtual stage ``c * pp + r``; the first
     virtual stage owns the embedding (``pre_process``), the last the output layer and loss.
+    ``amax_reducer``: delayed FP8 scaling's amax reduction, owned by the trainer.
     """
     m = cfg.model
+    plan = ExecutionPlan.plain(m, pg.tp_size) if plan is None else plan
+    spec = get_gpt_decoder_block_plan_spec(plan, amax_reducer)
     vpp = m.virtual_pipeline_model_parallel_size or 1
     layout = m.pipeline_layout(pg.pp_size, vpp)
     chunks = []
     for c in range(vpp):
         chunks.append(GPTModel(
-            config=m, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded_vocab_size,
+            config=m, transformer_layer_spec=spec, vocab_size=padded_vocab_size, execution_plan=plan,
             max_sequence_length=cfg.training.max_position_embeddings, parallel_state=pg, device=device,
             seed=cfg.training.seed, sequence_parallel=m.sequence_parallel,
             pre_process=pg.pp_rank == 0 and c == 0, post_process=pg.pp_rank == pg.pp_size - 1 and c == vpp - 1,

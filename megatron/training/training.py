@@ -13,17 +13,20 @@ import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.distributed.finalize_model_grads import sync_shared_embedding
+from megatron.core.fusions.fp8 import Fp8Gemm, fp8_sharded_state_dict, fp8_state_loaded
 from megatron.core.num_microbatches_calculator import set_num_microbatches_calculator
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_seed
 from megatron.training import checkpointing
 from megatron.training.arguments import RunConfig, format_arguments
+from megatron.training.execution_setup import amax_reducer, compile_model, resolve_plan
 from megatron.training.flops import num_floating_point_operations, peak_tflops, shape_from_config
 from megatron.training.initialize import initialize_distributed, note_iteration, set_random_seeds
 from megatron.training.loop_utils import (
     DistributedSignalHandler,
     InFlightStep,
+    IntervalLog,
     build_batch_calculator,
     build_scheduler,
     gelu_change_note,
@@ -35,7 +38,7 @@ from megatron.training.loop_utils import (
     train_iters_of,
 )
 from megatron.training.metrics import MetricsWriter, format_validation
-from megatron.training.profiling import OPTIMIZER_RANGE
+from megatron.training.profiling import OPTIMIZER_RANGE, StepProfiler
 from megatron.training.validation import batch_schedule_flag, check_batch_schedule
 
 
@@ -75,13 +78,19 @@ class Trainer:
         if self.pg.pp_size > 1:
             print_rank_0(cfg.model.pipeline_layout().table())
         self.tokenizer, self.padded_vocab_size = providers.tokenizer(cfg, self.pg)
-        chunks = providers.model(cfg, self.padded_vocab_size, self.pg, self.device)
+        # Every implementation choice, once, before the model: the layers are built from it.
+        self.plan = resolve_plan(cfg, self.device, self.pg.tp_size)
+        self.amax_reducer = amax_reducer(self.plan, self.pg, cfg.model.tp_only_amax_red)
+        chunks = providers.model(cfg, self.padded_vocab_size, self.pg, self.device, plan=self.plan,
+                                 amax_reducer=self.amax_reducer)
         chunks = chunks if isinstance(chunks, list) else [chunks]
         num_params = sum(p.numel() for c in chunks for p in c.parameters())
         if self.pg.dp_rank == 0:  # one line per (tp, pp) rank, as Megatron prints it
             print(f" > number of parameters on (tensor, pipeline) model parallel rank "
                   f"({self.pg.tp_rank}, {self.pg.pp_rank}): {num_params}", flush=True)
-        self._setup_kernels(chunks)
+        compile_model(self.plan, chunks)
+        fp8_linears = sum(isinstance(m, Fp8Gemm) for c in chunks for m in c.modules())
+        print_rank_0("\n".join(self.plan.report_lines(cfg.optimizer, fp8_linears)))
         # One DDP wrapper (gradient buffer) per model chunk, as Megatron-Core does for virtual stages.
         self.model = [DistributedDataParallel(cfg.model, cfg.ddp, c, self.pg) for c in chunks]
         cfg.model.finalize_model_grads_func = finalize_model_grads
@@ -120,33 +129,6 @@ class Trainer:
             (getattr(signal, t.exit_signal), signal.SIGINT)) if t.exit_signal_handler else None
 
     # ----------------------------------------------------------------------------------------------
-    def _setup_kernels(self, chunks: list) -> None:
-        """Apply ``--torch-compile`` to the transformer layers and print which kernels the run uses."""
-        from megatron.core.fusions.compile import compile_layers, set_compile_enabled
-        from megatron.core.fusions.fp8 import apply_fp8
-        from megatron.core.fusions.kernels import kernel_report
-        from megatron.core.transformer.transformer_layer import TransformerLayer
-
-        mode, cuda = self.cfg.impl.torch_compile, self.device.type == "cuda"
-        if not cuda:
-            reason = "CPU run"
-        elif mode == "off":
-            reason = "--torch-compile off"
-        else:
-            reason = ""
-        # Before compiling, so that the FP8 GEMMs are inside the layers' graphs; raises on a non-Hopper device.
-        amax_ranks = "tp" if self.cfg.model.tp_only_amax_red else "tp_dp_cp"
-        amax_group = self.pg.groups.get(amax_ranks) if len(self.pg.group_ranks.get(amax_ranks, [])) > 1 else None
-        fp8_linears = apply_fp8(chunks, self.cfg.model, self.device, amax_group)
-        set_compile_enabled(cuda and mode != "off")
-        compiled = compile_layers(chunks, TransformerLayer) if not reason else 0
-        fused_ce = any(getattr(c, "fused_cross_entropy", False) for c in chunks)
-        if not any(getattr(c, "post_process", False) for c in chunks):
-            fused_ce = self.cfg.model.cross_entropy_loss_fusion and self.pg.tp_size == 1
-        lines = kernel_report(self.cfg.model, self.device, self.pg.tp_size, compiled, reason, fused_ce,
-                              fp8_linears=fp8_linears, optimizer_config=self.cfg.optimizer)
-        print_rank_0("\n".join(lines))
-
     def _writer_kwargs(self) -> dict:
         lg, ck = self.cfg.logger, self.cfg.checkpoint
         metrics_file = lg.metrics_file
@@ -176,8 +158,6 @@ class Trainer:
         note = gelu_change_note(extra.get("args", {}), self.cfg.model)
         if note:
             print_rank_0(note)
-        from megatron.core.fusions.fp8 import fp8_state_loaded
-
         fp8_state_loaded(self.model)
         sync_shared_embedding(self.model)  # the checkpoint holds the first stage's embedding only
         if ck.finetune or not ck.load_optim:
@@ -219,8 +199,6 @@ class Trainer:
 
     def fp8_sharded_state_dict(self) -> dict:
         """Delayed FP8 scaling's amax histories (empty without FP8)."""
-        from megatron.core.fusions.fp8 import fp8_sharded_state_dict
-
         return fp8_sharded_state_dict(self.model, self.pg.tp_rank, self.pg.dp_rank)
 
     def save(self) -> None:
@@ -428,9 +406,6 @@ class Trainer:
         """The loop. Step k+1 is queued on the GPU before step k's loss and grad norm are read, so the
         GPU never waits for the host between steps (no sync inside a step, one event wait per step).
         Evaluation, saving and exits happen between steps with nothing queued behind them."""
-        from megatron.training.loop_utils import IntervalLog
-        from megatron.training.profiling import StepProfiler
-
         ck, lg = self.cfg.checkpoint, self.cfg.logger
         interval = IntervalLog(self)
         profiler = StepProfiler(lg, dist.get_rank(), self.device, lg.tensorboard_dir or ck.save)

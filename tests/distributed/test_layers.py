@@ -189,7 +189,7 @@ def test_column_parallel_strided_and_tied_weight(ps: ParallelState, tp: int) -> 
 
 @distributed_test(world_size=2, tp=2)
 def test_indivisible_sizes_name_the_flag(ps: ParallelState) -> None:
-    with pytest.raises(ValueError, match="output size \\(3\\) is not divisible by --tensor-model-parallel-size 2"):
+    with pytest.raises(ValueError, match="output size \\(3\\) is not divisible by tensor_model_parallel_size 2"):
         ColumnParallelLinear(4, 3, init_std=0.1, tp_group=ps.tp_group)
     with pytest.raises(ValueError, match="input size"):
         RowParallelLinear(3, 4, init_std=0.1, tp_group=ps.tp_group)

@@ -1,10 +1,21 @@
-"""The start-up report of which kernels a run uses, and why a faster one is not in use."""
+"""The start-up report of which kernels a run uses, and why a faster one is not in use.
+
+:func:`kernel_report` prints an :class:`~megatron.core.execution_plan.ExecutionPlan`, the object the
+layers were built from: it never decides anything itself. :func:`sdpa_backend` is the probe the plan
+records for attention.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
+if TYPE_CHECKING:  # the plan imports this module for its report
+    from megatron.core.execution_plan import ExecutionPlan
+
 _SDPA_NAMES = {0: "math (unfused)", 1: "flash", 2: "memory-efficient", 3: "cuDNN fused attention"}
+_SHORT = {"linear_qkv": "QKV", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
 
 
 def sdpa_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int,
@@ -25,57 +36,85 @@ def sdpa_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_k
     return f"SDPA -> {_SDPA_NAMES.get(idx, f'backend {idx}')}"
 
 
-def kernel_report(config, device: torch.device, tp_size: int, compiled_layers: int, compile_reason: str,
-                  fused_cross_entropy: bool, fp8_linears: int | None = None,
-                  optimizer_config=None) -> list[str]:
-    """Lines for the ``> kernels`` block printed at start-up; ``fp8_linears`` is what
-    ``fusions.fp8.apply_fp8`` returned (None: not counted)."""
-    dtype = config.params_dtype
-    attn = sdpa_backend(device, dtype, config.num_attention_heads // tp_size,
-                        max(1, config.num_query_groups // tp_size), config.kv_channels)
-    if device.type != "cuda":
+def kernel_report(plan: ExecutionPlan, optimizer_config: Any = None, fp8_linears: int | None = None) -> list[str]:
+    """Lines for the ``> kernels`` block printed at start-up: ``plan`` in words. ``fp8_linears``: the
+    FP8 GEMMs the plan's layer specs built on this rank (None: not counted)."""
+    cuda = plan.device_type == "cuda"
+    attn = plan.attention_kernel
+    if not cuda:
         attn += " (the CPU kernel of that name; cuDNN fused attention needs a CUDA device)"
-    from megatron.core.fusions import triton_kernels
-    from megatron.core.fusions.fp8 import fp8_emulated
-
-    have_triton = device.type == "cuda" and triton_kernels.triton is not None
-    act = "SwiGLU" if config.activation == "swiglu" else {
-        "tanh": "GELU (tanh approximation: Megatron-LM's bias-GELU; --no-bias-gelu-fusion for exact erf)",
-        "none": "GELU (exact erf)"}[config.gelu_approximation]
-    if compiled_layers:
-        layers = f"torch.compile of each TransformerLayer ({compiled_layers} layers, one shared graph): " \
-                 f"norms, RoPE, {act} and residual adds fused by Inductor"
-    else:
-        layers = f"eager (not compiled: {compile_reason}); norms via F.{'rms_norm' if config.normalization == 'RMSNorm' else 'layer_norm'}, " \
-                 f"RoPE and {act} unfused"
-    if config.activation == "swiglu" and have_triton:
-        layers += "; SwiGLU backward: Triton kernel"
-    elif config.activation == "swiglu" and device.type == "cuda":
-        layers += "; SwiGLU backward: Inductor/ATen (Triton not importable)"
-    if fused_cross_entropy:
-        ce = "fused output layer + cross entropy, chunked over tokens (no full logits)"
-        if have_triton:
-            ce += ", loss/gradient pass one Triton kernel per chunk"
-        elif device.type == "cuda":
-            ce += ", softmax/grad steps compiled (Triton not importable)"
-    elif tp_size > 1:
-        ce = "vocab-parallel cross entropy over tp-sharded logits (fused path covers tp=1 only)"
-    else:
-        ce = "unfused (full fp32 logits): --no-cross-entropy-loss-fusion was given"
-    opt = optimizer_line(optimizer_config, device)
     return [
         " > kernels:",
         f"   attention: {attn}",
-        f"   layers: {layers}",
-        f"   cross entropy: {ce}",
-        f"   optimizer: {opt}",
-        f"   recompute: {recompute_line(config)}",
-        f"   FP8: {fp8_line(config, dtype, fp8_linears, have_triton, emulated=fp8_emulated(device))}",
+        f"   layers: {layers_line(plan)}",
+        f"   cross entropy: {cross_entropy_line(plan)}",
+        f"   optimizer: {optimizer_line(optimizer_config, plan.device_type)}",
+        f"   recompute: {recompute_line(plan.config)}",
+        f"   FP8: {fp8_line(plan, fp8_linears)}",
+        f"   Triton: {triton_line(plan)}",
         "   Transformer Engine: not used (--transformer-impl local; no TE path is shipped)",
     ]
 
 
-def recompute_line(config) -> str:
+def _activation(plan: ExecutionPlan) -> str:
+    config = plan.config
+    if config.activation == "swiglu":
+        return "SwiGLU"
+    return {"tanh": "GELU (tanh approximation: Megatron-LM's bias-GELU; --no-bias-gelu-fusion for exact erf)",
+            "none": "GELU (exact erf)"}[config.gelu_approximation]
+
+
+def layers_line(plan: ExecutionPlan) -> str:
+    """Compiled or eager layers, and the SwiGLU implementation."""
+    act = _activation(plan)
+    if plan.compile_layers:
+        line = (f"torch.compile of each TransformerLayer (one shared graph): norms, RoPE, {act} and residual "
+                "adds fused by Inductor")
+    else:
+        norm = "rms_norm" if plan.config.normalization == "RMSNorm" else "layer_norm"
+        line = f"eager (not compiled: {plan.compile_reason}); norms via F.{norm}, RoPE and {act} unfused"
+    if plan.config.activation != "swiglu":
+        return line
+    if plan.swiglu == "triton":
+        return line + "; SwiGLU backward: Triton kernel"
+    if plan.device_type == "cuda":
+        return line + f"; SwiGLU backward: Inductor/ATen (Triton kernel swiglu: {plan.triton_reason('swiglu')})"
+    return line
+
+
+def cross_entropy_line(plan: ExecutionPlan) -> str:
+    """The output layer + loss path."""
+    fused = "fused output layer + cross entropy, chunked over tokens (no full logits)"
+    path = plan.cross_entropy
+    if path == "fused_triton":
+        return fused + ", loss/gradient pass one Triton kernel per chunk"
+    why = plan.triton_reason("cross_entropy")
+    if path == "fused_compiled":
+        return fused + f", softmax/grad steps compiled (Triton kernel cross_entropy: {why})"
+    if path == "fused_eager":
+        return fused + (f", softmax/grad steps eager (Triton kernel cross_entropy: {why})"
+                        if plan.device_type == "cuda" else "")
+    if path == "vocab_parallel":
+        return "vocab-parallel cross entropy over tp-sharded logits (fused path covers tp=1 only)"
+    return "unfused (full fp32 logits): --no-cross-entropy-loss-fusion was given"
+
+
+def triton_line(plan: ExecutionPlan) -> str:
+    """Which Triton kernels passed their self-check on this device, and why the others do not run."""
+    passed = [k for k, why in plan.triton_checks if why is None]
+    reasons: dict[str, list[str]] = {}
+    for k, why in plan.triton_checks:
+        if why is not None:
+            reasons.setdefault(why, []).append(k)
+    parts = []
+    if passed:
+        parts.append(f"{', '.join(passed)} passed the self-check and run")
+    if reasons:
+        parts.append("not used: " + "; ".join(f"{', '.join(ks)} ({why})" for why, ks in reasons.items()))
+    return "; ".join(parts) or "no kernels"
+
+
+def recompute_line(config: Any) -> str:
     """What activation recompute does, and when it will not pay."""
     g = getattr(config, "recompute_granularity", None)
     if g == "full":
@@ -83,46 +122,51 @@ def recompute_line(config) -> str:
                 "each layer's forward replayed in backward")
     if g == "selective":
         return ("selective (core attention only). The fused attention kernel keeps no [s, s] score matrix, so "
-                "this saves little memory (none measured on llama-3b, docs/performance.md); "
+                "this saves little memory (docs/performance.md, recompute); "
                 "--recompute-granularity full is what frees activation memory")
     return "off (--recompute-granularity selective|full)"
 
 
-def optimizer_line(optimizer_config, device: torch.device) -> str:
+def optimizer_line(optimizer_config: Any, device_type: str) -> str:
     """Which optimizer kernels the step uses."""
-    where = "compiled on CUDA" if device.type == "cuda" else "eager on the CPU"
+    where = "compiled on CUDA" if device_type == "cuda" else "eager on the CPU"
     if optimizer_config is None or (optimizer_config.optimizer == "adam" and optimizer_config.use_fused_adam):
         return ("AdamW, one pass per tensor: clipping, fp32 main param and moments, and the model-precision "
                 f"copy ({where}); no host sync in the step")
-    kernel = "fused" if device.type == "cuda" and optimizer_config.use_fused_adam else "foreach"
+    kernel = "fused" if device_type == "cuda" and optimizer_config.use_fused_adam else "foreach"
     return f"torch.optim.{'SGD' if optimizer_config.optimizer == 'sgd' else 'AdamW'} {kernel} over fp32 main params"
 
 
-def fp8_line(config, dtype: torch.dtype, fp8_linears: int | None, have_triton: bool = True,
-             emulated: bool = False) -> str:
-    """Whether the tensor-parallel linears run in FP8, with which recipe, and who quantises
-    (``emulated``: a CPU run under ``MEGATRON_FP8_EMULATE=1``, for tests)."""
-    from megatron.core.fusions.fp8 import Fp8Recipe, swiglu_mlp_fusable
-
-    recipe = Fp8Recipe.from_config(config)
-    gemms = str(dtype).replace("torch.", "")
-    if recipe is None:
+def fp8_line(plan: ExecutionPlan, fp8_linears: int | None = None) -> str:
+    """Whether the tensor-parallel linears run in FP8, with which recipe, where, and who quantises
+    (``fp8_linears``: how many FP8 GEMMs were built on this rank, None: not counted)."""
+    config, fp8 = plan.config, plan.fp8
+    gemms = str(config.params_dtype).replace("torch.", "")
+    if fp8 is None:
         return f"off (no --fp8-format; GEMMs in {gemms})"
-    where = "QKV, proj, fc1, fc2" if fp8_linears is None else f"{fp8_linears} QKV/proj/fc1/fc2 linears"
-    if getattr(config, "first_last_layers_bf16", False):
+    recipe = fp8.recipe
+    names = "/".join(_SHORT[n] for n in fp8.linears) or "no"
+    count = f"{fp8_linears} " if fp8_linears is not None else ""
+    where = f"{count}{names} linears of {len(fp8.layers)} of the {config.num_layers} transformer layers"
+    if len(fp8.layers) < config.num_layers:
         where += (f" (the first {config.num_layers_at_start_in_bf16} and last {config.num_layers_at_end_in_bf16} "
                   "transformer layers in bf16: --first-last-layers-bf16)")
-    if emulated:
-        return (f"emulated on the CPU ({recipe.describe()}; MEGATRON_FP8_EMULATE=1, for tests only): fp32 GEMMs on "
-                f"the dequantised fp8 values for {where}")
+    if fp8.unaligned:
+        where += f"; in bf16 (a weight dim not a multiple of 16): {', '.join(fp8.unaligned)}"
+    kernels = plan.kernels
     if recipe.gemm_impl == "torchao":
         quant = "torchao's casts"
-    elif have_triton:
+    elif kernels.uses("fp8_cast"):
         quant = "Triton cast-transpose kernels (one pass per tensor for the three GEMMs' layouts)"
-        if swiglu_mlp_fusable(config):
-            quant += ("; in the SwiGLU MLPs, SwiGLU's output and its gradient are quantised inside SwiGLU's own "
-                      "passes (fc1 -> SwiGLU -> fc2 one FP8 block)")
     else:
-        quant = "torch code (Triton not importable: slower casts and transposes)"
+        quant = f"torch code (Triton kernel fp8_cast: {plan.triton_reason('fp8_cast')})"
+    if fp8.swiglu_block:
+        how = ("Triton kernels" if kernels.uses("swiglu_fp8")
+               else f"torch code (Triton kernel swiglu_fp8: {plan.triton_reason('swiglu_fp8')})")
+        quant += (f"; in the SwiGLU MLPs, SwiGLU's output and its gradient are quantised inside SwiGLU's own "
+                  f"passes by {how} (fc1 -> SwiGLU -> fc2 one FP8 block)")
+    if fp8.emulated:
+        return (f"emulated on the CPU ({recipe.describe()}; MEGATRON_FP8_EMULATE=1, for tests only): fp32 GEMMs on "
+                f"the dequantised fp8 values for {where}, quantised by {quant}")
     return (f"on, {recipe.describe()}: {recipe.gemm_name} for {where}, quantised by {quant}; output layer, "
             f"embedding and attention in {gemms}. Its loss against bf16's and its speed: docs/performance.md")

@@ -6,9 +6,10 @@ row-parallel linear holds columns ``[r*in/tp, (r+1)*in/tp)`` (``partition_dim`` 
 ``(output, bias)`` as Megatron-Core does: ``bias`` is ``None`` unless ``skip_bias_add`` asks the
 caller to fuse the bias into a later op.
 
-FP8: ``megatron.core.fusions.fp8.apply_fp8`` may give a column/row-parallel linear an ``fp8``
-submodule (scaling state only); its GEMM then runs in FP8 on the same local shards, between the
-same collectives. Weights, checkpoints and the tp/sp semantics are unchanged.
+The local GEMM is chosen at construction: ``F.linear``, or with ``fp8_gemm`` (a builder the layer
+spec passes, ``execution_plan.Fp8GemmBuilder``) an FP8 GEMM held as the ``fp8`` submodule (scaling
+state only) that runs on the same local shards, between the same collectives. Weights, checkpoints
+and the tp/sp semantics are the same either way.
 
 Two constructor forms. The library's: ``init_std=`` with ``tp_group`` (None: no tensor
 parallelism), ``sequence_parallel`` and ``params_dtype`` given, parameters on the CPU, values set
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.init import set_init_attrs, tag_param
 from megatron.core.tensor_parallel.layer_api import (
@@ -48,12 +50,31 @@ __all__ = [
 ]
 
 InitMethod = Callable[[torch.Tensor], Any]
+# ``(x [..., in], weight [out, in], bias [out] or None) -> [..., out]``: the local GEMM.
+Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# Builds an FP8 GEMM module for a linear whose parameters live on the given device.
+GemmBuilder = Callable[[torch.device], nn.Module]
 
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d != 0:
-        raise ValueError(f"{what} ({n}) is not divisible by --tensor-model-parallel-size {d}")
+        raise ConfigError(f"{what} ({n}) is not divisible by tensor_model_parallel_size {d}",
+                          params=("tensor_model_parallel_size",))
     return n // d
+
+
+def _local_gemm(fp8: nn.Module | None) -> Gemm:
+    """The GEMM ``forward`` calls: ``F.linear``, or the FP8 module's ``__call__``."""
+    return F.linear if fp8 is None else fp8.__call__
+
+
+def _build_fp8(builder: GemmBuilder | None, weight: torch.Tensor | None) -> nn.Module | None:
+    """The FP8 GEMM module of a linear (None: the GEMM runs in the weight's dtype). The layer spec
+    passes a builder only for weights whose dims FP8 can take (multiples of 16)."""
+    if builder is None or weight is None:
+        return None
+    assert weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0, f"FP8 GEMM for a {list(weight.shape)} weight"
+    return builder(weight.device)
 
 
 def _megatron_form(cls: str, init_std: float | None, config: Any, init_method: InitMethod | None,
@@ -94,7 +115,8 @@ class ColumnParallelLinear(nn.Module):
                  config: Any = None, init_method: InitMethod | None = None, stride: int = 1,
                  keep_master_weight_for_test: bool = False, embedding_activation_buffer: list | None = None,
                  grad_output_buffer: list | None = None, is_expert: bool = False,
-                 tp_comm_buffer_name: str | None = None, disable_grad_reduce: bool = False, name: str | None = None):
+                 tp_comm_buffer_name: str | None = None, disable_grad_reduce: bool = False, name: str | None = None,
+                 fp8_gemm: GemmBuilder | None = None) -> None:
         super().__init__()
         form = _megatron_form("ColumnParallelLinear", init_std, config, init_method, tp_group)
         device = torch.device("cpu")
@@ -126,7 +148,8 @@ class ColumnParallelLinear(nn.Module):
             set_init_attrs(self.bias, partition_dim=0, partition_size=self.tp_size, partition_stride=partition_stride)
         else:
             self.bias = None
-        self.fp8: nn.Module | None = None  # set by fusions.fp8.apply_fp8: the GEMM runs in FP8
+        self.fp8 = _build_fp8(fp8_gemm, self.weight)
+        self._gemm = _local_gemm(self.fp8)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -143,7 +166,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs forward(x, weight=...)")
         x = self.input_collective(x)
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, weight, bias) if self.fp8 is None else self.fp8(x, weight, bias)
+        out = self._gemm(x, weight, bias)
         if self.gather_output if runtime_gather_output is None else runtime_gather_output:
             out = mappings.gather_from_tp(out, self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)
@@ -174,7 +197,8 @@ class RowParallelLinear(nn.Module):
                  tp_group: ProcessGroup | None = None, sequence_parallel: bool = False, skip_bias_add: bool = False,
                  params_dtype: torch.dtype = torch.float32, config: Any = None, init_method: InitMethod | None = None,
                  input_is_parallel: bool = True, stride: int = 1, keep_master_weight_for_test: bool = False,
-                 is_expert: bool = False, tp_comm_buffer_name: str | None = None, name: str | None = None):
+                 is_expert: bool = False, tp_comm_buffer_name: str | None = None, name: str | None = None,
+                 fp8_gemm: GemmBuilder | None = None) -> None:
         super().__init__()
         form = _megatron_form("RowParallelLinear", init_std, config, init_method, tp_group)
         device = torch.device("cpu")
@@ -204,7 +228,8 @@ class RowParallelLinear(nn.Module):
             tag_param(self.bias, sequence_parallel=self.sequence_parallel)
         else:
             self.bias = None
-        self.fp8: nn.Module | None = None  # set by fusions.fp8.apply_fp8: the GEMM runs in FP8
+        self.fp8 = _build_fp8(fp8_gemm, self.weight)
+        self._gemm = _local_gemm(self.fp8)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, in/tp]`` -> ``([s, b, out], bias)`` (``[s/tp, b, out]`` with sequence parallelism).
@@ -214,7 +239,7 @@ class RowParallelLinear(nn.Module):
         """
         if not self.input_is_parallel:
             x = mappings.scatter_to_tp(x, self.tp_group)
-        out = self.output_collective(F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight, None))
+        out = self.output_collective(self._gemm(x, self.weight, None))
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
@@ -240,7 +265,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float | None = None,
                  tp_group: ProcessGroup | None = None, params_dtype: torch.dtype = torch.float32,
-                 reduce_scatter_embeddings: bool = False, config: Any = None, init_method: InitMethod | None = None):
+                 reduce_scatter_embeddings: bool = False, config: Any = None,
+                 init_method: InitMethod | None = None) -> None:
         super().__init__()
         form = _megatron_form("VocabParallelEmbedding", init_std, config, init_method, tp_group)
         device = torch.device("cpu")

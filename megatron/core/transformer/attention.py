@@ -4,26 +4,34 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core.tensor_parallel.mappings import group_size
+from megatron.core.config_utils import ConfigError
+from megatron.core.tensor_parallel.mappings import ProcessGroup, group_size
 from megatron.core.tensor_parallel.random import checkpoint_with_rng
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.rope import apply_rotary
 from megatron.core.transformer.spec_utils import build_module
 
+Rotary = tuple[torch.Tensor, torch.Tensor] | None
+
 
 @dataclass
 class SelfAttentionSubmodules:
-    linear_qkv: object = None
-    core_attention: object = None
-    linear_proj: object = None
-    q_layernorm: object = None
-    k_layernorm: object = None
+    """The attention's submodules (classes or specs): the QKV and output projections, the core
+    attention (``DotProductAttention``: SDPA; a context-parallel attention plugs in here) and the
+    optional query/key norms."""
+
+    linear_qkv: Any = None
+    core_attention: Any = None
+    linear_proj: Any = None
+    q_layernorm: Any = None
+    k_layernorm: Any = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -76,24 +84,29 @@ class DotProductAttention(nn.Module):
     ``attention_type`` must be ``"self"``.
     """
 
-    def __init__(self, config, layer_number: int = 1, attn_mask_type: AttnMaskType = AttnMaskType.causal,
+    def __init__(self, config: Any, layer_number: int = 1, attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  attention_type: str = "self", attention_dropout: float | None = None,
-                 softmax_scale: float | None = None, cp_comm_type: str | None = None, rng_tracker=None):
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None,
+                 rng_tracker: Any = None) -> None:
         super().__init__()
         if attention_type != "self":
-            raise ValueError(f"DotProductAttention attention_type={attention_type!r}: only 'self' attention is built")
+            raise ConfigError(f"DotProductAttention attention_type={attention_type!r}: only 'self' attention is "
+                              "built; use 'self'", params=("attention_type",))
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.rng_tracker = rng_tracker  # heads are split over tp: each rank draws its own mask
         self.softmax_scale = getattr(config, "softmax_scale", None) if softmax_scale is None else softmax_scale
 
-    def forward(self, q, k, v, attention_mask=None):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``q`` ``[s, b, n_q, d]``, ``k`` / ``v`` ``[s, b, n_kv, d]`` -> ``[s, b, n_q * d]``."""
         if self.rng_tracker is not None and self.training and self.dropout_p > 0:
             with self.rng_tracker.fork():
                 return self._attend(q, k, v, attention_mask)
         return self._attend(q, k, v, attention_mask)
 
-    def _attend(self, q, k, v, attention_mask):
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attention_mask: torch.Tensor | None) -> torch.Tensor:
         s, b, n_q, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         mask = None if attention_mask is None else ~attention_mask
@@ -105,12 +118,13 @@ class DotProductAttention(nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, n_q * d)
 
 
-def _qk_norm(spec, config, head_dim: int) -> nn.Module | None:
+def _qk_norm(spec: Any, config: Any, head_dim: int) -> nn.Module | None:
     """A query/key norm of ``head_dim`` channels, or None (see SelfAttention)."""
     asked = config.qk_layernorm or bool(getattr(spec, "metainfo", {}).get("qk_layernorm"))
     if spec is None or not asked or spec is IdentityOp:
         return None
-    return build_module(spec, config, head_dim)
+    norm: nn.Module = build_module(spec, config, head_dim)
+    return norm
 
 
 class SelfAttention(nn.Module):
@@ -125,15 +139,16 @@ class SelfAttention(nn.Module):
     attention.
     """
 
-    def __init__(self, config, submodules: SelfAttentionSubmodules, layer_number: int = 1,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, tp_group=None,
-                 sequence_parallel: bool = False, rng_tracker=None):
+    def __init__(self, config: Any, submodules: SelfAttentionSubmodules, layer_number: int = 1,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, tp_group: ProcessGroup | None = None,
+                 sequence_parallel: bool = False, rng_tracker: Any = None) -> None:
         super().__init__()
         tp = group_size(tp_group)
         n_h, n_g, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
-        for what, n in (("--num-attention-heads", n_h), ("--num-query-groups", n_g)):
+        for what, n in (("num_attention_heads", n_h), ("num_query_groups", n_g)):
             if n % tp != 0:
-                raise ValueError(f"{what} {n} is not divisible by --tensor-model-parallel-size {tp}")
+                raise ConfigError(f"{what} {n} is not divisible by tensor_model_parallel_size {tp}",
+                                  params=(what, "tensor_model_parallel_size"))
         self.heads_per_group = n_h // n_g
         self.num_groups_local = n_g // tp
         self.head_dim = d
@@ -154,7 +169,8 @@ class SelfAttention(nn.Module):
         self.q_layernorm = _qk_norm(submodules.q_layernorm, config, d)
         self.k_layernorm = _qk_norm(submodules.k_layernorm, config, d)
 
-    def forward(self, hidden: torch.Tensor, attention_mask=None, rotary=None):
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                rotary: Rotary = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``hidden`` ``[s, b, h]`` -> ``(output [s, b, h], bias or None)``."""
         qkv, _ = self.linear_qkv(hidden)
         s, b = qkv.shape[:2]
@@ -162,7 +178,7 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)  # [s, b, n_q, d]
         k = qkv[:, :, :, self.heads_per_group]  # [s, b, n_kv, d]
         v = qkv[:, :, :, self.heads_per_group + 1]
-        if self.q_layernorm is not None:
+        if self.q_layernorm is not None and self.k_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             cos, sin = rotary
@@ -171,4 +187,5 @@ class SelfAttention(nn.Module):
             context = checkpoint_with_rng(self.core_attention, q, k, v, attention_mask, tracker=self.rng_tracker)
         else:
             context = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(context)
+        out: tuple[torch.Tensor, torch.Tensor | None] = self.linear_proj(context)
+        return out

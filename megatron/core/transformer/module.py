@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,14 +62,14 @@ class MegatronModule(nn.Module):
                 module.is_first_microbatch = True  # type: ignore[assignment]
 
 
-def _convert(value: Any, fn) -> Any:
+def _convert(value: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(value, (tuple, list)):
         converted = [_convert(v, fn) for v in value]
         return tuple(converted) if isinstance(value, tuple) else converted
     return fn(value)
 
 
-def fp32_to_float16(value: Any, float16_convertor) -> Any:
+def fp32_to_float16(value: Any, float16_convertor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` (a tensor, or tuples / lists of them) with every fp32 tensor converted by
     ``float16_convertor``; other values (integer tensors, None) unchanged."""
     return _convert(value, lambda t: float16_convertor(t) if torch.is_tensor(t) and t.dtype == torch.float32 else t)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,13 +20,15 @@ class Norm(nn.Module):
     group (they see only this rank's sequence shard).
     """
 
-    def __init__(self, config, hidden_size: int, eps: float | None = None, sequence_parallel: bool = False):
+    def __init__(self, config: Any, hidden_size: int, eps: float | None = None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.kind = config.normalization
         self.eps = config.layernorm_epsilon if eps is None else eps
         self.hidden_size = hidden_size
         self.zero_centered_gamma = config.apply_layernorm_1p
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=config.params_dtype))
+        self.bias: nn.Parameter | None
         set_init_attrs(self.weight, value=0.0 if self.zero_centered_gamma else 1.0)
         tag_param(self.weight, sequence_parallel=sequence_parallel)
         if self.kind == "LayerNorm":
@@ -44,5 +48,5 @@ class Norm(nn.Module):
         return F.rms_norm(x, (self.hidden_size,), self.scale(), self.eps)
 
 
-def build_norm(config, hidden_size: int, sequence_parallel: bool = False) -> Norm:
+def build_norm(config: Any, hidden_size: int, sequence_parallel: bool = False) -> Norm:
     return Norm(config, hidden_size, sequence_parallel=sequence_parallel)

@@ -2,38 +2,49 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from megatron.core.config_utils import ConfigError
+from megatron.core.tensor_parallel.mappings import ProcessGroup
 from megatron.core.tensor_parallel.random import checkpoint_with_rng
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import build_module
 
+Rotary = tuple[torch.Tensor, torch.Tensor] | None
+
 
 @dataclass
 class TransformerBlockSubmodules:
-    """Megatron-Core's block spec: one spec per layer and the final norm. The layers here share one
-    spec; ``layer_norm`` is accepted (the final norm is ``config.normalization``'s)."""
+    """Megatron-Core's block spec: one spec per layer and the final norm. ``layer_specs`` holds a
+    spec for every layer of the model (index ``layer_number - 1``) or for the layers of this
+    pipeline stage only; ``layer_norm`` is accepted (the final norm is ``config.normalization``'s)."""
 
     layer_specs: list[Any] = field(default_factory=list)
     layer_norm: Any = None
 
 
-def _layer_spec(spec: Any) -> Any:
-    """The one layer spec of ``spec`` (a layer spec, or a block spec whose layers share one).
+def _layer_specs(spec: Any, num_layers: int, layer_offset: int, total_layers: int) -> list[Any]:
+    """The spec of each layer ``layer_offset + 1 .. layer_offset + num_layers`` of ``spec`` (one layer
+    spec shared by all, or a block spec of every layer of the model or of this stage's layers).
 
     Raises:
-        ValueError: a block spec with no layers or with different specs per layer.
+        ConfigError: a block spec whose number of layer specs is neither.
     """
     if not isinstance(spec, TransformerBlockSubmodules):
-        return spec
-    if not spec.layer_specs or any(s is not spec.layer_specs[0] for s in spec.layer_specs):
-        raise ValueError("TransformerBlockSubmodules.layer_specs must hold one spec shared by every layer here "
-                         "(layers that differ are not built); pass get_gpt_layer_local_spec()")
-    return spec.layer_specs[0]
+        return [spec] * num_layers
+    specs = spec.layer_specs
+    if len(specs) == total_layers:
+        return list(specs[layer_offset:layer_offset + num_layers])
+    if len(specs) == num_layers:
+        return list(specs)
+    raise ConfigError(f"TransformerBlockSubmodules.layer_specs holds {len(specs)} specs; give one per layer of the "
+                      f"model (num_layers {total_layers}) or of this pipeline stage ({num_layers})",
+                      params=("num_layers",))
 
 
 class TransformerBlock(nn.Module):
@@ -42,29 +53,30 @@ class TransformerBlock(nn.Module):
     ``layers[i]`` is stored under its local index; ``sharded_state_dict`` maps it to the global one.
     """
 
-    def __init__(self, config, spec, num_layers: int | None = None, layer_offset: int = 0,
-                 post_layer_norm: bool = True, tp_group=None, sequence_parallel: bool = False, rng_tracker=None):
+    def __init__(self, config: Any, spec: Any, num_layers: int | None = None, layer_offset: int = 0,
+                 post_layer_norm: bool = True, tp_group: ProcessGroup | None = None, sequence_parallel: bool = False,
+                 rng_tracker: Any = None) -> None:
         super().__init__()
         num_layers = config.num_layers if num_layers is None else num_layers
-        spec = _layer_spec(spec)
+        specs = _layer_specs(spec, num_layers, layer_offset, config.num_layers)
         self.layer_offset = layer_offset
         self.rng_tracker = rng_tracker
         self.recompute = (config.recompute_method, config.recompute_num_layers) \
             if config.recompute_granularity == "full" else None
         self.layers = nn.ModuleList(
-            build_module(spec, config, layer_number=layer_offset + i + 1, tp_group=tp_group,
+            build_module(layer_spec, config, layer_number=layer_offset + i + 1, tp_group=tp_group,
                          sequence_parallel=sequence_parallel, rng_tracker=rng_tracker)
-            for i in range(num_layers)
+            for i, layer_spec in enumerate(specs)
         )
         self.final_layernorm = (
             build_norm(config, config.hidden_size, sequence_parallel=sequence_parallel) if post_layer_norm else None
         )
         # Called with each layer just before it runs, outside the layer (so outside a compiled layer's
         # graph): the distributed optimizer's overlapped weight broadcast waits here.
-        self.before_layer: list = []
+        self.before_layer: list[Callable[[nn.Module], None]] = []
 
-    def _run(self, start: int, end: int):
-        def run_layers(hidden, attention_mask, rotary):
+    def _run(self, start: int, end: int) -> Callable[[torch.Tensor, torch.Tensor | None, Rotary], torch.Tensor]:
+        def run_layers(hidden: torch.Tensor, attention_mask: torch.Tensor | None, rotary: Rotary) -> torch.Tensor:
             for layer in self.layers[start:end]:
                 for fn in self.before_layer:
                     fn(layer)
@@ -73,7 +85,8 @@ class TransformerBlock(nn.Module):
 
         return run_layers
 
-    def forward(self, hidden: torch.Tensor, attention_mask=None, rotary=None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                rotary: Rotary = None) -> torch.Tensor:
         n = len(self.layers)
         if self.recompute is None or not self.training:
             hidden = self._run(0, n)(hidden, attention_mask, rotary)

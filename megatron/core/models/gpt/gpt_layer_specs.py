@@ -6,6 +6,12 @@ MLP. Which norm (``config.normalization``) and which activation (``config.activa
 config's, as with Megatron-Core's local modules; ``use_te=True`` / ``use_transformer_engine=True``
 build the local layer too (Transformer Engine is not used here: the same function, this package's
 kernels). What is not built (experts, multi-latent attention, QK L2 norm, Kitchen) is refused.
+
+:func:`get_gpt_layer_plan_spec` and :func:`get_gpt_decoder_block_plan_spec` build the same layer with
+the implementations an ``ExecutionPlan`` chose: each linear's GEMM (``fp8_gemm``), the activation
+(``MLPSubmodules.activation_func``) and the MLP class (:class:`~megatron.core.transformer.mlp.
+Fp8SwigluMLP` for the FP8 SwiGLU block). This is where a new variant (an expert MLP, context-parallel
+attention) enters: a class in a slot, chosen from the plan.
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 from megatron.core.config_utils import ConfigError
+from megatron.core.execution_plan import ExecutionPlan, Fp8GemmBuilder
+from megatron.core.fusions.fp8 import AmaxReducer
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLP, Fp8SwigluMLP, MLPSubmodules, swiglu_triton_backward
 from megatron.core.transformer.norms import Norm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -130,3 +138,45 @@ def get_gpt_decoder_block_spec(config: Any, use_transformer_engine: bool, normal
                                      qk_layernorm=getattr(config, "qk_layernorm", False),
                                      normalization=normalization, qk_l2_norm=qk_l2_norm)
     return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=Norm)
+
+
+def _linear(cls: type, name: str, layer_number: int, plan: ExecutionPlan, builder: Fp8GemmBuilder | None) -> Any:
+    """``cls``, or its spec with the FP8 GEMM builder where the plan runs ``name`` of this layer in FP8."""
+    if builder is None or plan.fp8 is None or not plan.fp8.runs(layer_number, name):
+        return cls
+    return ModuleSpec(module=cls, params={"fp8_gemm": builder})
+
+
+def get_gpt_layer_plan_spec(plan: ExecutionPlan, layer_number: int,
+                            amax_reducer: AmaxReducer | None = None) -> ModuleSpec:
+    """The local decoder layer (:func:`get_gpt_layer_local_spec`) of global 1-based ``layer_number``
+    with ``plan``'s implementations. ``amax_reducer``: delayed FP8 scaling's amax reduction across
+    ranks (the trainer's; None: each rank keeps its own amaxes)."""
+    builder = plan.fp8_gemm_builder(amax_reducer)
+    submodules = get_gpt_layer_local_submodules()
+    attn = submodules.self_attention.submodules
+    attn.linear_qkv = _linear(ColumnParallelLinear, "linear_qkv", layer_number, plan, builder)
+    attn.linear_proj = _linear(RowParallelLinear, "linear_proj", layer_number, plan, builder)
+    swiglu = plan.config.activation == "swiglu"
+    activation = swiglu_triton_backward if swiglu and plan.swiglu == "triton" else None
+    block = plan.fp8 is not None and plan.fp8.swiglu_block and layer_number in plan.fp8.layers
+    submodules.mlp = ModuleSpec(module=Fp8SwigluMLP if block else MLP, submodules=MLPSubmodules(
+        linear_fc1=_linear(ColumnParallelLinear, "linear_fc1", layer_number, plan, builder),
+        linear_fc2=_linear(RowParallelLinear, "linear_fc2", layer_number, plan, builder),
+        activation_func=activation))
+    return ModuleSpec(module=TransformerLayer, submodules=submodules)
+
+
+def get_gpt_decoder_block_plan_spec(plan: ExecutionPlan,
+                                    amax_reducer: AmaxReducer | None = None) -> TransformerBlockSubmodules:
+    """One :func:`get_gpt_layer_plan_spec` per layer of the model (``plan.config.num_layers``; layers
+    the plan treats alike share one spec) and the final norm; GPTModel builds its stage's layers."""
+    fp8_layers = plan.fp8.layers if plan.fp8 is not None else frozenset()
+    shared: dict[bool, ModuleSpec] = {}
+    specs = []
+    for number in range(1, plan.config.num_layers + 1):
+        in_fp8 = number in fp8_layers
+        if in_fp8 not in shared:
+            shared[in_fp8] = get_gpt_layer_plan_spec(plan, number, amax_reducer)
+        specs.append(shared[in_fp8])
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=Norm)

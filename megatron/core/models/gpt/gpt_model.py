@@ -8,12 +8,13 @@ import torch
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.fusions.linear_cross_entropy import linear_cross_entropy
+from megatron.core.execution_plan import ExecutionPlan
+from megatron.core.fusions.fp8 import Fp8Gemm
 from megatron.core.models.common.embeddings import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.models.gpt.output_loss import output_loss
 from megatron.core.parallel_state import ParallelState, get_parallel_state
 from megatron.core.tensor_parallel import mappings
-from megatron.core.tensor_parallel.cross_entropy import sharded_cross_entropy
 from megatron.core.tensor_parallel.init import init_param_, tag_param
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.attention import mask_for_attention
@@ -47,6 +48,10 @@ class GPTModel(LanguageModule):
         fp16_lm_cross_entropy, rope_scaling, rope_scaling_factor, scatter_embedding_sequence_parallel,
             mtp_block_spec, pg_collection: Megatron-Core's; accepted at their defaults (others refused,
             naming the argument); ``pg_collection`` may be the default ParallelState's groups.
+        execution_plan: the run's implementation choices (``execution_plan.resolve``); this model
+            takes its output layer + loss path from it (the layers take theirs from the spec, e.g.
+            ``get_gpt_decoder_block_plan_spec(plan)``). Default ``ExecutionPlan.plain(config)``:
+            the torch code, the cross entropy fused where ``config.cross_entropy_loss_fusion`` asks.
         seed: initialisation seed; default ``torch.initial_seed()``. Weights depend only on the seed
             and each parameter's global name, never on the parallel layout. With
             ``config.perform_initialization=False`` they are left uninitialised (for a checkpoint load).
@@ -66,11 +71,16 @@ class GPTModel(LanguageModule):
                  device: torch.device | str | None = None, seed: int | None = None, vp_stage: int | None = None,
                  fp16_lm_cross_entropy: bool = False, rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
                  scatter_embedding_sequence_parallel: bool = True, mtp_block_spec: Any = None,
-                 pg_collection: Any = None):
+                 pg_collection: Any = None, execution_plan: ExecutionPlan | None = None):
         super().__init__(config)
         _refuse_unbuilt(fp16_lm_cross_entropy, rope_scaling, scatter_embedding_sequence_parallel, mtp_block_spec)
         self.pg = _groups(parallel_state, pg_collection)
         config.check_parallel_sizes(self.pg.tp_size, self.pg.pp_size)
+        plan = ExecutionPlan.plain(config, self.pg.tp_size) if execution_plan is None else execution_plan
+        if plan.tp_size != self.pg.tp_size:
+            raise ConfigError(f"the execution plan was resolved for tensor_model_parallel_size {plan.tp_size}, the "
+                              f"model is built on process groups of size {self.pg.tp_size}; resolve it for those",
+                              params=("tensor_model_parallel_size",))
         if num_layers is None and self.pg.pp_size > 1:
             num_layers, layer_offset = _stage_layers(config, self.pg, vp_stage)
         tp_group = self.pg.tp_group
@@ -108,9 +118,8 @@ class GPTModel(LanguageModule):
                 )
         self._materialize(torch.device(device or "cpu"), torch.initial_seed() if seed is None else seed)
         self.input_tensor: torch.Tensor | None = None
-        # The fused output layer + cross entropy covers one tp rank with a bias-free output layer.
-        self.fused_cross_entropy = (post_process and config.cross_entropy_loss_fusion and self.pg.tp_size == 1
-                                    and self.output_layer.bias is None)
+        self.fused_cross_entropy = post_process and plan.fused_cross_entropy
+        self.output_loss = output_loss(plan, tp_group)
         if post_process and not pre_process and self.share_embeddings_and_output_weights:
             # The last stage's copy of the tied word embedding: its gradient is summed with the first
             # stage's over the embedding group (finalize_model_grads); it is left out of the grad norm.
@@ -129,6 +138,11 @@ class GPTModel(LanguageModule):
 
         self.to_empty(device="cpu" if on_cpu_first else device)
         restore_recipes()
+        with torch.no_grad():
+            for module in self.modules():  # FP8 scaling state starts empty (to_empty left it undefined)
+                if isinstance(module, Fp8Gemm) and device.type != "meta":
+                    module.amax_history.zero_()
+                    module.initialized.zero_()
         if device.type != "meta" and self.config.perform_initialization:
             self.init_weights(seed)
         if on_cpu_first:
@@ -201,18 +215,12 @@ class GPTModel(LanguageModule):
         if not self.post_process:
             return hidden
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        if labels is not None and self.fused_cross_entropy:
-            # One rank holds the whole vocabulary: output layer + loss in token chunks, no full logits.
-            w = weight if weight is not None else self.output_layer.weight
-            weights = None if loss_mask is None else loss_mask.t()
-            return linear_cross_entropy(hidden, w, labels.t(), loss_weights=weights).t().contiguous()  # [b, s]
+        if labels is not None:
+            return self.output_loss(hidden, self.output_layer, weight, labels, loss_mask)  # [b, s]
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V/tp]
-        if labels is None:
-            if not self.parallel_output:
-                logits = mappings.gather_from_tp(logits, self.pg.tp_group)
-            return logits.transpose(0, 1).contiguous()
-        loss = sharded_cross_entropy(logits, labels.t(), self.pg.tp_group)  # [s, b]
-        return loss.t().contiguous()
+        if not self.parallel_output:
+            logits = mappings.gather_from_tp(logits, self.pg.tp_group)
+        return logits.transpose(0, 1).contiguous()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, also taking the tensors ``dist_checkpointing.load`` returns for
