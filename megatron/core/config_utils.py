@@ -64,15 +64,17 @@ def flag_default(f: dataclasses.Field) -> Any:
     return f.default
 
 
-def check_choice(name: str, value: Any, valid) -> None:
-    """Raise a ValueError naming the flag and the valid values."""
+def check_choice(name: str, value: Any, valid: Sequence[Any]) -> None:
+    """Raise a ``ConfigError`` naming the field ``name`` and the valid values unless ``value`` is one."""
     if value not in valid:
-        raise ValueError(f"--{name.replace('_', '-')} {value!r} is not valid; choose one of {list(valid)}")
+        raise ConfigError(f"{name} {value!r} is not valid; choose one of {list(valid)}", params=(name,))
 
 
 def check_positive(name: str, value: float | int | None, allow_none: bool = False, allow_zero: bool = False) -> None:
+    """Raise a ``ConfigError`` naming the field ``name`` unless ``value`` is > 0 (>= 0 with
+    ``allow_zero``; None passes with ``allow_none``)."""
     if value is None and allow_none:
         return
     if value is None or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"--{name.replace('_', '-')} must be {bound}, got {value}")
+        raise ConfigError(f"{name} must be {bound}, got {value}", params=(name,))

@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass
 
-from megatron.core.config_utils import doc, flag_default
+from megatron.core.config_utils import ConfigError, flag_default
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -29,25 +29,12 @@ from megatron.training.config import (
     TokenizerConfig,
     TrainingConfig,
 )
+from megatron.training.config_sections import SECTIONS, ModelImplConfig, flag_name
 from megatron.training.flag_parsing import Parser, ParseStop, Value, attach_negative_values, unknown
-
-
-@dataclass
-class ModelImplConfig:
-    """Implementation choices that are not part of the model's mathematics."""
-
-    transformer_impl: str = doc("local", "Layer implementation. Only 'local' (this package's own modules "
-                                "and SDPA attention) is supported; a Transformer Engine path is not shipped.",
-                                choices=("local", "transformer_engine"))
-    torch_compile: str = doc(
-        "auto", "torch.compile each transformer layer (and the fused cross entropy's elementwise steps). "
-        "'auto' and 'on': compiled on CUDA, at any tensor-parallel size; 'off': eager everywhere. "
-        "Has no effect on CPU. Compilation adds about a minute at start-up.",
-        choices=("auto", "on", "off"))
-    disable_bf16_reduced_precision_matmul: bool = doc(
-        False, "Make cuBLAS accumulate bf16 GEMMs without reduced-precision reductions "
-        "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False); slower, closer to fp32. "
-        "Set once at start-up; no effect on the CPU.")
+from megatron.training.megatron_flag_table import FOREIGN, describe
+from megatron.training.megatron_flags import GIVEN, judge, register
+from megatron.training.user_errors import USER_ERRORS, name_flags
+from megatron.training.validation import validate_run_config
 
 
 @dataclass
@@ -86,20 +73,6 @@ def _plain(v):
     return str(v)
 
 
-# (section title, config class) in --help order.
-SECTIONS: tuple[tuple[str, type], ...] = (
-    ("model", TransformerConfig),
-    ("implementation", ModelImplConfig),
-    ("data-parallel gradient reduction", DistributedDataParallelConfig),
-    ("training", TrainingConfig),
-    ("learning-rate and weight-decay schedule", SchedulerConfig),
-    ("optimizer and mixed precision", OptimizerConfig),
-    ("data", DataConfig),
-    ("tokenizer", TokenizerConfig),
-    ("checkpointing", CheckpointConfig),
-    ("logging and evaluation", LoggerConfig),
-)
-
 # Further Megatron-LM spellings of a field's flag (the same argparse action): flag -> field.
 SPELLINGS: dict[str, str] = {
     "--override-opt_param-scheduler": "override_opt_param_scheduler",
@@ -136,17 +109,6 @@ ALIASES: dict[str, tuple[str, dict]] = {
 
 # Fields without a usable default: the run stops with "--flag is required" when one is missing.
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "micro_batch_size", "seq_length")
-
-
-def _flag_name(f: dataclasses.Field) -> str | None:
-    flag = f.metadata.get("flag", "")
-    if flag is None:
-        return None
-    if flag:
-        return flag
-    if f.type in ("bool", bool) and flag_default(f) is True:
-        return "--no-" + f.name.replace("_", "-")
-    return "--" + f.name.replace("_", "-")
 
 
 def _base_type(annotation) -> type:
@@ -203,8 +165,6 @@ class _HelpMegatron(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from megatron.training.megatron_flag_table import describe
-
         print(describe(), flush=True)
         parser.exit(0)
 
@@ -225,9 +185,6 @@ def _declared_order(cls) -> list[dataclasses.Field]:
 
 def build_parser() -> Parser:
     """The full parser; ``--help`` groups flags by config and prints each field's documentation."""
-    from megatron.training import megatron_flags
-    from megatron.training.megatron_flag_table import FOREIGN
-
     parser = Parser(prog="pretrain_gpt.py", allow_abbrev=False, usage=USAGE, epilog=EPILOG,
                      description="Pretrain a GPT model. Flags are spelled as in Megatron-LM.")
     parser.add_argument("--help-megatron", action=_HelpMegatron,
@@ -238,7 +195,7 @@ def build_parser() -> Parser:
         groups[title.split(" ")[0]] = group
         hints = typing.get_type_hints(cls)
         for f in _declared_order(cls):
-            flag = _flag_name(f)
+            flag = flag_name(f)
             if flag is None:
                 continue
             switch = hints[f.name] is bool
@@ -257,15 +214,13 @@ def build_parser() -> Parser:
             group.add_argument(flag, *[s for s, name in SPELLINGS.items() if name == f.name], **kwargs)
     for flag, (section, kwargs) in ALIASES.items():
         groups[section].add_argument(flag, default=False, **{**kwargs, "help": kwargs["help"] + " [default: off]"})
-    megatron_flags.register(parser, FOREIGN)
+    register(parser, FOREIGN)
     return parser
 
 
 def flag_list() -> list[str]:
     """Every flag the parser implements (not the foreign ones it only notes or refuses), sorted;
     pinned by a snapshot test."""
-    from megatron.training.megatron_flags import GIVEN
-
     parser = build_parser()
     return sorted(s for a in parser._actions if a.dest != GIVEN for s in a.option_strings
                   if s.startswith("--") and s not in ("--help", "--help-megatron"))
@@ -278,8 +233,6 @@ def parse_namespace(argv: list[str], parser: Parser | None = None, ignore_unknow
     together: one line each, then exit code 2. ``parser`` defaults to ``build_parser()``;
     ``ignore_unknown`` drops flags that neither it nor Megatron-LM knows (refused ones still stop);
     ``foreign_given`` receives the accepted Megatron-LM flags that are not ours, as (entry, value)."""
-    from megatron.training.megatron_flags import GIVEN, judge
-
     parser = parser or build_parser()
     arity = {s: a.nargs for a in parser._actions for s in a.option_strings}
     stop = None
@@ -300,14 +253,14 @@ def parse_namespace(argv: list[str], parser: Parser | None = None, ignore_unknow
         parser.exit(2, f"{parser.prog}: error: {len(mistakes)} problems with the flags (see --help; "
                     "--help-megatron lists the Megatron-LM flags refused here):\n  " + "\n  ".join(mistakes) + "\n")
     if values.get("grad_reduce_in_bf16") and any(e.flag == "--accumulate-allreduce-grads-in-fp32" for e, _ in given):
-        raise ValueError("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16; keep one of them")
+        raise ConfigError("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16; keep one of them")
     return values, notes
 
 
 def _apply_aliases(ns: dict) -> None:
     if ns.pop("use_rotary_position_embeddings", False):
         if ns.get("position_embedding_type", "rope") != "rope":
-            raise ValueError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
+            raise ConfigError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
                              f"{ns['position_embedding_type']}; keep one of them")
         ns["position_embedding_type"] = "rope"
     if ns.pop("no_position_embedding", False) and ns.get("position_embedding_type", "learned_absolute") == "learned_absolute":
@@ -319,19 +272,19 @@ def _apply_aliases(ns: dict) -> None:
     if ns.pop("untie_embeddings_and_output_weights", False):
         ns["share_embeddings_and_output_weights"] = False
     if ns.pop("cross_entropy_loss_fusion_on", False) and ns.get("cross_entropy_loss_fusion") is False:
-        raise ValueError("--cross-entropy-loss-fusion contradicts --no-cross-entropy-loss-fusion; keep one of them")
+        raise ConfigError("--cross-entropy-loss-fusion contradicts --no-cross-entropy-loss-fusion; keep one of them")
     if ns.pop("recompute_activations", False):
         ns.setdefault("recompute_granularity", "selective")
     if ns.pop("grad_reduce_in_bf16", False):
         if not ns.get("bf16"):
-            raise ValueError("--grad-reduce-in-bf16 needs --bf16 (the gradients are in the parameters' dtype); "
+            raise ConfigError("--grad-reduce-in-bf16 needs --bf16 (the gradients are in the parameters' dtype); "
                              "add --bf16 or drop --grad-reduce-in-bf16")
         ns["grad_reduce_in_fp32"] = False
     gqa = ns.pop("group_query_attention", False)
     if not gqa and ns.get("num_query_groups") is not None:
-        raise ValueError("--num-query-groups only takes effect with --group-query-attention; add that flag")
+        raise ConfigError("--num-query-groups only takes effect with --group-query-attention; add that flag")
     if gqa and ns.get("num_query_groups") is None:
-        raise ValueError("--group-query-attention needs --num-query-groups N (N divides --num-attention-heads)")
+        raise ConfigError("--group-query-attention needs --num-query-groups N (N divides --num-attention-heads)")
 
 
 def _build(cls, ns: dict, **derived):
@@ -348,7 +301,7 @@ def configs_from_namespace(ns: dict) -> RunConfig:
     _apply_aliases(ns)
     for required in REQUIRED:
         if ns.get(required) is None:
-            raise ValueError(f"--{required.replace('_', '-')} is required")
+            raise ConfigError(f"--{required.replace('_', '-')} is required")
     model = _build(TransformerConfig, ns)
     optimizer = _build(OptimizerConfig, ns, fp16=model.fp16, bf16=model.bf16)
     return RunConfig(
@@ -370,16 +323,22 @@ def configs_from_namespace(ns: dict) -> RunConfig:
 
 def run_config_from_values(values: dict, notes: list[str], world_size: int | None = None) -> RunConfig:
     """Build and validate the run's configs from flag values by field (``parse_namespace``'s), for
-    ``world_size`` processes (default: ``--world-size``, else the launcher's)."""
-    from megatron.training.validation import validate_run_config
+    ``world_size`` processes (default: ``--world-size``, else the launcher's).
 
-    cfg = configs_from_namespace(values)
-    notes = list(notes)
-    if cfg.model.sequence_parallel and cfg.model.tensor_model_parallel_size == 1:
-        cfg.model.sequence_parallel = False  # as Megatron-LM does
-        notes.append("note: --sequence-parallel is off: it needs --tensor-model-parallel-size > 1")
-    cfg.notes = notes
-    validate_run_config(cfg, world_size)
+    Raises:
+        ConfigError: naming the flags (the library's parameter names rewritten, ``user_errors``).
+    """
+    try:
+        cfg = configs_from_namespace(values)
+        notes = list(notes)
+        if cfg.model.sequence_parallel and cfg.model.tensor_model_parallel_size == 1:
+            cfg.model.sequence_parallel = False  # as Megatron-LM does
+            notes.append("note: --sequence-parallel is off: it needs --tensor-model-parallel-size > 1")
+        cfg.notes = notes
+        validate_run_config(cfg, world_size)
+    except USER_ERRORS as e:
+        name_flags(e)
+        raise
     return cfg
 
 

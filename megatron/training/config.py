@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from megatron.core.config_utils import check_choice, check_positive, doc
+from megatron.core.config_utils import ConfigError, check_choice, check_positive, doc
 from megatron.core.tokenizer import TOKENIZER_TYPES
 
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGXCPU")
@@ -77,13 +77,13 @@ class TrainingConfig:
         check_positive("global_batch_size", self.global_batch_size, allow_none=True)
         check_positive("seq_length", self.seq_length)
         if (self.train_iters is None) == (self.train_samples is None):
-            raise ValueError("give exactly one of --train-iters or --train-samples (e.g. --train-iters 1000)")
+            raise ConfigError("give exactly one of --train-iters or --train-samples (e.g. --train-iters 1000)")
         check_positive("train_iters", self.train_iters, allow_none=True, allow_zero=True)
         check_positive("train_samples", self.train_samples, allow_none=True, allow_zero=True)
         check_positive("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
         check_positive("world_size", self.world_size, allow_none=True)
         if self.distributed_timeout_minutes < 1:  # an int of minutes, as in Megatron-LM
-            raise ValueError(f"--distributed-timeout-minutes must be a whole number of minutes >= 1, got "
+            raise ConfigError(f"--distributed-timeout-minutes must be a whole number of minutes >= 1, got "
                              f"{self.distributed_timeout_minutes} (e.g. --distributed-timeout-minutes 10, the default)")
         self._check_batch_schedule()
         if self.max_position_embeddings is None:
@@ -94,17 +94,17 @@ class TrainingConfig:
         with the world size (validation.check_batch_sizes)."""
         ramp, steps = self.rampup_batch_size, self.step_batch_size_schedule
         if ramp is not None and steps is not None:
-            raise ValueError("--rampup-batch-size and --step-batch-size-schedule are exclusive; give one")
+            raise ConfigError("--rampup-batch-size and --step-batch-size-schedule are exclusive; give one")
         if ramp is not None:
             if len(ramp) != 3:
-                raise ValueError(f"--rampup-batch-size takes 3 values <start> <increment> <ramp-up samples>, got "
+                raise ConfigError(f"--rampup-batch-size takes 3 values <start> <increment> <ramp-up samples>, got "
                                  f"{len(ramp)} (e.g. --rampup-batch-size 16 16 5859375)")
         if steps is not None:
             from megatron.core.num_microbatches_calculator import parse_step_batch_size_schedule
 
             final = parse_step_batch_size_schedule(steps, self.seq_length)[-1][1]
             if self.global_batch_size is not None and self.global_batch_size != final:
-                raise ValueError(f"--global-batch-size {self.global_batch_size} differs from the last batch size of "
+                raise ConfigError(f"--global-batch-size {self.global_batch_size} differs from the last batch size of "
                                  f"--step-batch-size-schedule ({final}); drop --global-batch-size or set it to {final}")
             self.global_batch_size = final
 
@@ -132,11 +132,11 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         check_choice("lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
         if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction <= 1.0:
-            raise ValueError(f"--lr-warmup-fraction must be in [0, 1], got {self.lr_warmup_fraction}")
+            raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got {self.lr_warmup_fraction}")
         if self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples):
-            raise ValueError("--lr-warmup-fraction cannot be combined with --lr-warmup-iters/--lr-warmup-samples")
+            raise ConfigError("--lr-warmup-fraction cannot be combined with --lr-warmup-iters/--lr-warmup-samples")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ValueError(
+            raise ConfigError(
                 "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive; give one"
             )
 
@@ -178,25 +178,25 @@ class DataConfig:
         self._read_data_args()
         given = [n for n in ("mock_data", "data_path", "train_data_path") if getattr(self, n)]
         if len(given) > 1:
-            raise ValueError(f"give only one data source, got {', '.join('--' + g.replace('_', '-') for g in given)}")
+            raise ConfigError(f"give only one data source, got {', '.join('--' + g.replace('_', '-') for g in given)}")
         check_positive("num_workers", self.num_workers, allow_zero=True)
 
     def _read_data_args(self) -> None:
         """Fill the blends from --data-args-path / --per-split-data-args-path (Megatron-LM's files)."""
         if self.data_args_path is not None:
             if self.data_path:
-                raise ValueError("give --data-path or --data-args-path, not both")
+                raise ConfigError("give --data-path or --data-args-path, not both")
             self.data_path = _read_text(self.data_args_path, "--data-args-path").split()
         if self.per_split_data_args_path is not None:
             if self.train_data_path or self.valid_data_path or self.test_data_path:
-                raise ValueError("give --train/valid/test-data-path or --per-split-data-args-path, not both")
+                raise ConfigError("give --train/valid/test-data-path or --per-split-data-args-path, not both")
             flag = "--per-split-data-args-path"
             try:
                 splits = json.loads(_read_text(self.per_split_data_args_path, flag))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{flag} {self.per_split_data_args_path}: not JSON ({e})") from None
+                raise ConfigError(f"{flag} {self.per_split_data_args_path}: not JSON ({e})") from None
             if not isinstance(splits, dict) or "train" not in splits:
-                raise ValueError(f"{flag} {self.per_split_data_args_path}: give an object with a 'train' key "
+                raise ConfigError(f"{flag} {self.per_split_data_args_path}: give an object with a 'train' key "
                                  "(and 'valid', 'test'), e.g. {\"train\": \"0.7 a 0.3 b\", \"valid\": \"c\"}")
             for name in ("train", "valid", "test"):
                 value = splits.get(name)
@@ -209,7 +209,7 @@ def _read_text(path: str, flag: str) -> str:
         with open(path) as f:
             return f.read()
     except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+        raise ConfigError(f"{flag} {path}: cannot read it ({e.strerror})") from None
 
 
 @dataclass
@@ -255,7 +255,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         check_positive("save_interval", self.save_interval, allow_none=True)
         if self.ckpt_format == "torch" and self.save:
-            raise ValueError("--ckpt-format torch with --save: saves are written as torch_dist only; drop "
+            raise ConfigError("--ckpt-format torch with --save: saves are written as torch_dist only; drop "
                              "--ckpt-format torch (a legacy --load directory is detected from its files)")
 
 
@@ -310,5 +310,5 @@ class LoggerConfig:
         check_positive("eval_iters", self.eval_iters, allow_zero=True)
         check_positive("profile_step_start", self.profile_step_start)
         if self.profile and self.profile_step_end <= self.profile_step_start:
-            raise ValueError(f"--profile-step-end ({self.profile_step_end}) must be greater than --profile-step-start "
+            raise ConfigError(f"--profile-step-end ({self.profile_step_end}) must be greater than --profile-step-start "
                              f"({self.profile_step_start}), e.g. --profile-step-end {self.profile_step_start + 2}")

@@ -8,6 +8,8 @@ import re
 
 import torch
 
+from megatron.core.config_utils import ConfigError
+
 
 def world_size_from_env() -> int:
     """The launcher's world size (torchrun / SLURM), known before any process group exists."""
@@ -25,7 +27,7 @@ def planned_world_size(cfg) -> int:
     if given is None:
         return launcher
     if not cfg.training.dry_run and given != launcher:
-        raise ValueError(f"--world-size {given} differs from the {launcher} process(es) this run was launched with; "
+        raise ConfigError(f"--world-size {given} differs from the {launcher} process(es) this run was launched with; "
                          f"drop --world-size (it plans --dry-run runs) or launch {given} processes")
     return given
 
@@ -34,14 +36,14 @@ def check_batch_sizes(cfg, world_size: int) -> None:
     t = cfg.training
     tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
     if world_size % (tp * pp) != 0:
-        raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                          f"--pipeline-model-parallel-size {pp}; use sizes whose product divides {world_size}")
     dp = world_size // (tp * pp)
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
         good = max(1, round(t.global_batch_size / (t.micro_batch_size * dp))) * t.micro_batch_size * dp
-        raise ValueError(
+        raise ConfigError(
             f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
             f"{t.micro_batch_size} x data-parallel size {dp}; use e.g. --global-batch-size {good}"
         )
@@ -73,7 +75,7 @@ def check_batch_schedule(cfg, dp: int, consumed_samples: int) -> None:
     unit = t.micro_batch_size * dp
     for size in build_batch_calculator(cfg, dp).batch_sizes_from(consumed_samples):
         if size % unit:
-            raise ValueError(
+            raise ConfigError(
                 f"{batch_schedule_flag(cfg)}: global batch size {size} is not divisible by --micro-batch-size "
                 f"{t.micro_batch_size} x data-parallel size {dp}; use batch sizes (a ramp's start and increment) "
                 f"that are multiples of {unit}")
@@ -94,10 +96,10 @@ def check_training_length(cfg, world_size: int) -> None:
                 if t.skip_train else
                 "; to evaluate a checkpoint without training, keep the run's length and add --skip-train --load DIR")
     if t.train_iters is not None:
-        raise ValueError(f"--train-iters {t.train_iters} trains nothing; give 1 or more (e.g. --train-iters 1000)"
+        raise ConfigError(f"--train-iters {t.train_iters} trains nothing; give 1 or more (e.g. --train-iters 1000)"
                          + evaluate)
     first = batches.running_batch_size(batches.global_batch_size_at(0))
-    raise ValueError(f"--train-samples {t.train_samples} is less than the first step's global batch of {first} samples "
+    raise ConfigError(f"--train-samples {t.train_samples} is less than the first step's global batch of {first} samples "
                      f"and trains nothing; give --train-samples {first} or more" + evaluate)
 
 
@@ -108,10 +110,10 @@ def check_pipeline(cfg, world_size: int) -> None:
     if pp == 1:
         return
     if d.reset_attention_mask:
-        raise ValueError("--reset-attention-mask is not supported with --pipeline-model-parallel-size > 1 "
+        raise ConfigError("--reset-attention-mask is not supported with --pipeline-model-parallel-size > 1 "
                          "(later stages never see the batch); drop it or use --pipeline-model-parallel-size 1")
     if d.reset_position_ids and m.position_embedding_type == "rope":
-        raise ValueError("--reset-position-ids with --position-embedding-type rope is not supported with "
+        raise ConfigError("--reset-position-ids with --position-embedding-type rope is not supported with "
                          "--pipeline-model-parallel-size > 1 (later stages rotate by positions 0..s-1)")
     if m.virtual_pipeline_model_parallel_size:
         from megatron.core.pipeline_parallel.interleaved import check_interleaving
@@ -126,10 +128,10 @@ def check_pipeline(cfg, world_size: int) -> None:
 def check_sequence(cfg) -> None:
     t, m = cfg.training, cfg.model
     if m.sequence_parallel and t.seq_length % m.tensor_model_parallel_size != 0:
-        raise ValueError(f"--sequence-parallel needs --seq-length ({t.seq_length}) divisible by "
+        raise ConfigError(f"--sequence-parallel needs --seq-length ({t.seq_length}) divisible by "
                          f"--tensor-model-parallel-size {m.tensor_model_parallel_size}")
     if m.position_embedding_type == "learned_absolute" and t.seq_length > t.max_position_embeddings:
-        raise ValueError(
+        raise ConfigError(
             f"--seq-length {t.seq_length} exceeds --max-position-embeddings {t.max_position_embeddings}; "
             f"set --max-position-embeddings {t.seq_length} or more"
         )
@@ -140,30 +142,30 @@ def check_schedule_units(cfg) -> None:
     if t.train_iters is not None:
         for name in ("lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples"):
             if getattr(s, name):
-                raise ValueError(f"--{name.replace('_', '-')} needs --train-samples; with --train-iters use "
+                raise ConfigError(f"--{name.replace('_', '-')} needs --train-samples; with --train-iters use "
                                  f"--{name.replace('_samples', '_iters').replace('_', '-')}")
     else:
         for name in ("lr_warmup_iters", "lr_decay_iters", "lr_wsd_decay_iters"):
             if getattr(s, name):
-                raise ValueError(f"--{name.replace('_', '-')} needs --train-iters; with --train-samples use "
+                raise ConfigError(f"--{name.replace('_', '-')} needs --train-iters; with --train-samples use "
                                  f"--{name.replace('_iters', '_samples').replace('_', '-')}")
     if s.lr_decay_style == "WSD" and not (s.lr_wsd_decay_iters or s.lr_wsd_decay_samples):
-        raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+        raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
 
 
 def check_optimizer(cfg) -> None:
     o = cfg.optimizer
     if o.lr is None:
-        raise ValueError("--lr is required (e.g. --lr 3e-4)")
+        raise ConfigError("--lr is required (e.g. --lr 3e-4)")
     if o.min_lr > o.lr:
-        raise ValueError(f"--min-lr {o.min_lr} is larger than --lr {o.lr}; use a value <= {o.lr}")
+        raise ConfigError(f"--min-lr {o.min_lr} is larger than --lr {o.lr}; use a value <= {o.lr}")
     if o.decoupled_min_lr is not None and o.decoupled_lr is None:
-        raise ValueError("--decoupled-min-lr only applies with --decoupled-lr; add --decoupled-lr or drop it")
+        raise ConfigError("--decoupled-min-lr only applies with --decoupled-lr; add --decoupled-lr or drop it")
     if o.loss_scale is not None and not cfg.model.fp16:
-        raise ValueError("--loss-scale only applies with --fp16; drop it (bf16 and fp32 need no loss scaling)")
+        raise ConfigError("--loss-scale only applies with --fp16; drop it (bf16 and fp32 need no loss scaling)")
     d = cfg.ddp
     if d.overlap_param_gather and not (d.use_distributed_optimizer and d.overlap_grad_reduce):
-        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce; "
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce; "
                          "add both or drop --overlap-param-gather")
 
 
@@ -176,7 +178,7 @@ def check_split(cfg) -> None:
     if split is None:
         return
     if re.search(r"(?:^|[^.0-9])-\s*[.0-9]", split):
-        raise ValueError(f"--split {split}: a share is negative; give non-negative proportions of train, validation "
+        raise ConfigError(f"--split {split}: a share is negative; give non-negative proportions of train, validation "
                          "and test, e.g. --split 969,30,1")
     parse_and_normalize_split(split)  # raises naming --split
 
@@ -184,7 +186,7 @@ def check_split(cfg) -> None:
 def check_data_and_tokenizer(cfg) -> None:
     d, tok = cfg.data, cfg.tokenizer
     if not (d.mock_data or d.data_path or d.train_data_path):
-        raise ValueError("no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
+        raise ConfigError("no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
     if tok.tokenizer_type is None:
         if tok.vocab_file and tok.merge_file:  # Megatron-LM's gpt3 example passes these two and no type
             tok.tokenizer_type = "GPT2BPETokenizer"
@@ -193,19 +195,19 @@ def check_data_and_tokenizer(cfg) -> None:
         elif d.mock_data and tok.vocab_size:
             tok.tokenizer_type = "NullTokenizer"
         else:
-            raise ValueError("--tokenizer-type is required (e.g. GPT2BPETokenizer, or NullTokenizer with --mock-data)")
+            raise ConfigError("--tokenizer-type is required (e.g. GPT2BPETokenizer, or NullTokenizer with --mock-data)")
     if tok.tokenizer_type == "NullTokenizer" and not tok.vocab_size:
-        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size N (e.g. --vocab-size 32000)")
+        raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size N (e.g. --vocab-size 32000)")
 
 
 def check_checkpointing(cfg) -> None:
     c = cfg.checkpoint
     if c.save_interval is not None and not c.save:
-        raise ValueError("--save-interval needs --save DIR")
+        raise ConfigError("--save-interval needs --save DIR")
     if cfg.training.exit_signal_handler and not c.save:
-        raise ValueError("--exit-signal-handler saves before exiting and needs --save DIR")
+        raise ConfigError("--exit-signal-handler saves before exiting and needs --save DIR")
     if cfg.logger.log_progress and not c.save:
-        raise ValueError("--log-progress writes <save>/progress.txt and needs --save DIR")
+        raise ConfigError("--log-progress writes <save>/progress.txt and needs --save DIR")
     if c.save:  # before any training: a first save that cannot be written would end the run
         from megatron.training.checkpoint_dirs import check_save_dir
 
@@ -214,7 +216,7 @@ def check_checkpointing(cfg) -> None:
 
 def check_implementation(cfg) -> None:
     if cfg.impl.transformer_impl == "transformer_engine":
-        raise ValueError(
+        raise ConfigError(
             "--transformer-impl transformer_engine is not supported by this build; use --transformer-impl local "
             "(the default)"
         )
@@ -233,16 +235,16 @@ def check_fp8(cfg) -> None:
         for flag, value in (("--num-layers-at-start-in-bf16", m.num_layers_at_start_in_bf16),
                             ("--num-layers-at-end-in-bf16", m.num_layers_at_end_in_bf16)):
             if value < 0:
-                raise ValueError(f"{flag} {value}: give a count of transformer layers from 0 (e.g. 1)")
+                raise ConfigError(f"{flag} {value}: give a count of transformer layers from 0 (e.g. 1)")
         if m.num_layers_at_start_in_bf16 + m.num_layers_at_end_in_bf16 >= m.num_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"--first-last-layers-bf16 with --num-layers-at-start-in-bf16 {m.num_layers_at_start_in_bf16} and "
                 f"--num-layers-at-end-in-bf16 {m.num_layers_at_end_in_bf16} keeps all {m.num_layers} layers in bf16; "
                 f"keep fewer (together at most {m.num_layers - 1}), or drop --fp8-format")
     if m.fp8_format is None or cfg.training.dry_run:
         return
     if not torch.cuda.is_available() and not fp8_emulated(torch.device("cpu")):
-        raise ValueError(f"--fp8-format {m.fp8_format} needs an H100/H200-class GPU (Hopper, compute capability "
+        raise ConfigError(f"--fp8-format {m.fp8_format} needs an H100/H200-class GPU (Hopper, compute capability "
                          "9.0 or newer) and this machine has no CUDA device; drop --fp8-format to train in bf16")
 
 
@@ -251,7 +253,7 @@ def check_logging(cfg) -> None:
         try:
             import wandb  # noqa: F401
         except ImportError as e:
-            raise ValueError("--wandb-project needs the wandb package: pip install wandb") from e
+            raise ConfigError("--wandb-project needs the wandb package: pip install wandb") from e
 
 
 # Checks that need the world size come first; the rest read the configs only.

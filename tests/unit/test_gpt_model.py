@@ -167,13 +167,13 @@ def test_megatron_core_example_shapes():
     assert model(ids, pos, None, labels=ids).shape == (2, 64)
 
 
-def test_config_errors_name_the_flag():
-    with pytest.raises(ValueError, match="--num-attention-heads 5 does not divide --hidden-size 32"):
+def test_config_errors_name_the_parameter():
+    with pytest.raises(ValueError, match="num_attention_heads 5 does not divide hidden_size 32"):
         tiny(num_attention_heads=5)
-    with pytest.raises(ValueError, match="--num-query-groups 3"):
+    with pytest.raises(ValueError, match="num_query_groups 3"):
         tiny(num_query_groups=3)
-    with pytest.raises(ValueError, match="--fp16 and --bf16"):
+    with pytest.raises(ValueError, match="fp16 and bf16"):
         tiny(fp16=True, bf16=True)
-    with pytest.raises(ValueError, match="--normalization"):
+    with pytest.raises(ValueError, match="normalization 'BatchNorm' is not valid"):
         tiny(normalization="BatchNorm")
     assert tiny(activation="swiglu", hidden_size=96, num_attention_heads=4).ffn_hidden_size == 256

@@ -86,7 +86,7 @@ def test_a_performance_knob_without_effect_is_accepted(field, value):
 
 
 def test_post_init_checks_of_megatron_core():
-    with pytest.raises(ValueError, match="num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"):
+    with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by tensor_model_parallel_size 3"):
         TransformerConfig(**SHAPE, tensor_model_parallel_size=3)
     cfg = TransformerConfig(**SHAPE, apply_query_key_layer_scaling=True, attention_softmax_in_fp32=False)
     assert cfg.attention_softmax_in_fp32

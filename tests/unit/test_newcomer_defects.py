@@ -78,7 +78,7 @@ def test_no_triton_warnings_when_triton_is_not_installed(tmp_path):
 def test_query_group_hint_satisfies_the_tensor_parallel_rule_too():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    with pytest.raises(ValueError, match="must divide --num-attention-heads 32; e.g. 8") as e:
+    with pytest.raises(ValueError, match="must divide num_attention_heads 32; e.g. 8") as e:
         TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=32, num_query_groups=3,
                           tensor_model_parallel_size=8)
     hint = int(str(e.value).rsplit(" ", 1)[1])

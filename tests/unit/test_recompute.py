@@ -40,7 +40,7 @@ def test_recompute_is_bitwise_identical(variant):
 
 
 def test_recompute_flags_are_checked():
-    with pytest.raises(ValueError, match="--recompute-method uniform"):
+    with pytest.raises(ValueError, match="recompute_method uniform"):
         TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, recompute_granularity="full")
-    with pytest.raises(ValueError, match="--recompute-granularity full"):
+    with pytest.raises(ValueError, match="recompute_granularity full"):
         TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, recompute_method="block")

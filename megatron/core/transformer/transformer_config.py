@@ -11,18 +11,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.config_utils import ConfigError, check_choice, check_positive, doc
+from megatron.core.fusions.fp8 import GEMM_IMPLS, torchao_error
 from megatron.core.model_parallel_config import check_refused
+from megatron.core.pipeline_parallel.layout import PipelineLayout, build_pipeline_layout, parse_layout
 from megatron.core.transformer import config_support
 from megatron.core.transformer.mcore_config_fields import MegatronCoreTransformerFields
-
-if TYPE_CHECKING:
-    from megatron.core.pipeline_parallel.layout import PipelineLayout
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
@@ -225,7 +224,8 @@ class TransformerConfig(MegatronCoreTransformerFields):
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
         if self.fp16 and self.bf16:
-            raise ValueError("--fp16 and --bf16 cannot be used together; pick one (bf16 is preferred on Ampere+)")
+            raise ConfigError("fp16 and bf16 cannot be used together; pick one (bf16 is preferred on Ampere+)",
+                              params=("fp16", "bf16"))
         if self.fp16:
             self.params_dtype = torch.float16
         elif self.bf16:
@@ -239,11 +239,11 @@ class TransformerConfig(MegatronCoreTransformerFields):
         self._sync_megatron_names()
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
-                raise ValueError(
-                    f"--num-attention-heads {self.num_attention_heads} does not divide --hidden-size "
+                raise ConfigError(
+                    f"num_attention_heads {self.num_attention_heads} does not divide hidden_size "
                     f"{self.hidden_size}; use a head count that divides it (e.g. "
-                    f"{_divisor_near(self.hidden_size, self.num_attention_heads)}) or set --kv-channels"
-                )
+                    f"{_divisor_near(self.hidden_size, self.num_attention_heads)}) or set kv_channels",
+                    params=("num_attention_heads", "hidden_size", "kv_channels"))
             self.kv_channels = self.hidden_size // self.num_attention_heads
         check_positive("kv_channels", self.kv_channels)
         if self.num_query_groups is None:
@@ -251,10 +251,9 @@ class TransformerConfig(MegatronCoreTransformerFields):
         check_positive("num_query_groups", self.num_query_groups)
         if self.num_attention_heads % self.num_query_groups != 0:
             hint = _divisor_near(self.num_attention_heads, self.num_query_groups, self.tensor_model_parallel_size)
-            raise ValueError(
-                f"--num-query-groups {self.num_query_groups} must divide --num-attention-heads "
-                f"{self.num_attention_heads}; e.g. {hint}"
-            )
+            raise ConfigError(
+                f"num_query_groups {self.num_query_groups} must divide num_attention_heads "
+                f"{self.num_attention_heads}; e.g. {hint}", params=("num_query_groups", "num_attention_heads"))
         if self.ffn_hidden_size is None:
             if swiglu_flag_default_ffn:
                 self.ffn_hidden_size = int((8 * self.hidden_size / 3) / 64) * 64 or 64
@@ -264,14 +263,14 @@ class TransformerConfig(MegatronCoreTransformerFields):
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
-                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {p}")
+                raise ConfigError(f"{name} must be in [0, 1), got {p}", params=(name,))
         if not 0.0 < self.rotary_percent <= 1.0:
-            raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
+            raise ConfigError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}",
+                              params=("rotary_percent",))
         if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
-            raise ValueError(
-                f"--rotary-percent {self.rotary_percent} x --kv-channels {self.kv_channels} = {self.rotary_dim} "
-                "rotary channels; it must be even (e.g. --rotary-percent 1.0)"
-            )
+            raise ConfigError(
+                f"rotary_percent {self.rotary_percent} x kv_channels {self.kv_channels} = {self.rotary_dim} "
+                "rotary channels; it must be even (e.g. rotary_percent 1.0)", params=("rotary_percent", "kv_channels"))
         check_positive("init_method_std", self.init_method_std)
         config_support.derive_init_methods(self)
         check_positive("rotary_seq_len_interpolation_factor", self.rotary_seq_len_interpolation_factor,
@@ -279,10 +278,10 @@ class TransformerConfig(MegatronCoreTransformerFields):
         self.apply_layernorm_1p = self.layernorm_zero_centered_gamma = (
             self.apply_layernorm_1p or self.layernorm_zero_centered_gamma)
         if self.pipeline_dtype is not None and self.pipeline_dtype != self.params_dtype:
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline_dtype {self.pipeline_dtype} differs from the parameter dtype {self.params_dtype}: "
                 "activations travel between pipeline stages in the parameter dtype here; pass "
-                f"pipeline_dtype={self.params_dtype} or leave it unset")
+                f"pipeline_dtype={self.params_dtype} or leave it unset", params=("pipeline_dtype",))
         self._check_fp8()
         self._check_parallelism()
 
@@ -296,7 +295,8 @@ class TransformerConfig(MegatronCoreTransformerFields):
         name = config_support.activation_name(self.gated_linear_unit, self.activation_func)
         if self.activation == "swiglu" and name != "swiglu":
             raise ConfigError(f"activation='swiglu' contradicts gated_linear_unit={self.gated_linear_unit} with "
-                              "activation_func=F.gelu; give gated_linear_unit=True, activation_func=F.silu")
+                              "activation_func=F.gelu; give gated_linear_unit=True, activation_func=F.silu",
+                              params=("activation", "gated_linear_unit", "activation_func"))
         self.activation = name
         return False
 
@@ -308,7 +308,7 @@ class TransformerConfig(MegatronCoreTransformerFields):
             a, b = getattr(self, ours), getattr(self, theirs)
             if a is not None and b is not None and a != b:
                 raise ConfigError(f"TransformerConfig.{ours}={a!r} contradicts {theirs}={b!r} (the same setting); "
-                                  "give one of them")
+                                  "give one of them", params=(ours, theirs))
             value = a if a is not None else b
             setattr(self, ours, value)
             setattr(self, theirs, value)
@@ -316,16 +316,19 @@ class TransformerConfig(MegatronCoreTransformerFields):
             self.attention_softmax_in_fp32 = True
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ConfigError(f"TransformerConfig.transformer_impl={self.transformer_impl!r} is not supported here; "
-                              "use 'local' (or 'transformer_engine', which builds the same local layers)")
+                              "use 'local' (or 'transformer_engine', which builds the same local layers)",
+                              params=("transformer_impl",))
         if self.recompute_modules is None:
             self.recompute_modules = ["core_attn"]
         if self.recompute_granularity == "selective":
             if list(self.recompute_modules) != ["core_attn"]:
                 raise ConfigError(f"TransformerConfig.recompute_modules={self.recompute_modules!r} is not supported "
-                                  "here: selective recompute covers the core attention; use ['core_attn']")
+                                  "here: selective recompute covers the core attention; use ['core_attn']",
+                                  params=("recompute_modules",))
             if self.recompute_num_layers is not None:
                 raise ConfigError("recompute_num_layers must be None with recompute_granularity='selective' "
-                                  f"(got {self.recompute_num_layers}); it applies to 'full' recompute")
+                                  f"(got {self.recompute_num_layers}); it applies to 'full' recompute",
+                                  params=("recompute_num_layers", "recompute_granularity"))
 
     def _check_fp8(self) -> None:
         if self.fp8_format is None:
@@ -334,27 +337,28 @@ class TransformerConfig(MegatronCoreTransformerFields):
         check_choice("fp8_recipe", self.fp8_recipe, ("tensorwise", "delayed"))
         check_choice("fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("max", "most_recent"))
         check_positive("fp8_amax_history_len", self.fp8_amax_history_len)
-        from megatron.core.fusions.fp8 import GEMM_IMPLS, torchao_error
-
         check_choice("fp8_gemm_impl", self.fp8_gemm_impl, GEMM_IMPLS)
         if self.fp8_gemm_impl == "torchao":
             if self.fp8_recipe != "tensorwise":
-                raise ValueError(f"--fp8-gemm-impl torchao runs the tensorwise recipe only, not --fp8-recipe "
-                                 f"{self.fp8_recipe}; add --fp8-recipe tensorwise or use --fp8-gemm-impl scaled_mm")
+                raise ConfigError(f"fp8_gemm_impl torchao runs the tensorwise recipe only, not fp8_recipe "
+                                  f"{self.fp8_recipe}; set fp8_recipe tensorwise or use fp8_gemm_impl scaled_mm",
+                                  params=("fp8_gemm_impl", "fp8_recipe"))
             error = torchao_error()
             if error:
-                raise ValueError(error)
+                raise ConfigError(error, params=("fp8_gemm_impl",))
         if not self.bf16:
-            raise ValueError(f"--fp8-format {self.fp8_format} needs --bf16 (FP8 GEMMs take bf16 activations and "
-                             "weights); add --bf16")
+            raise ConfigError(f"fp8_format {self.fp8_format} needs bf16=True (FP8 GEMMs take bf16 activations and "
+                              "weights); set bf16=True", params=("fp8_format", "bf16"))
 
     def _check_tp_divides(self, tp: int) -> None:
         """Heads, query groups and FFN channels split evenly over ``tp`` ranks."""
-        for flag, value in (("--num-attention-heads", self.num_attention_heads),
-                            ("--num-query-groups", self.num_query_groups), ("--ffn-hidden-size", self.ffn_hidden_size)):
+        for name, value in (("num_attention_heads", self.num_attention_heads),
+                            ("num_query_groups", self.num_query_groups), ("ffn_hidden_size", self.ffn_hidden_size)):
+            assert value is not None, name  # filled in by __post_init__
             if value % tp != 0:
-                raise ValueError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}; "
-                                 f"use a tensor-parallel size that divides it (e.g. {_divisor_near(value, tp)})")
+                raise ConfigError(f"{name} {value} is not divisible by tensor_model_parallel_size {tp}; "
+                                  f"use a tensor-parallel size that divides it (e.g. {_divisor_near(value, tp)})",
+                                  params=(name, "tensor_model_parallel_size"))
 
     def check_parallel_sizes(self, tp_size: int, pp_size: int) -> None:
         """Check this config against the process groups a model is built on (``tp_size`` x ``pp_size``).
@@ -363,19 +367,17 @@ class TransformerConfig(MegatronCoreTransformerFields):
         follows them, any other value must equal theirs. The split rules are checked for the groups' sizes.
 
         Raises:
-            ValueError: a size that disagrees with the groups (naming both), or a tp size of the groups
+            ConfigError: a size that disagrees with the groups (naming both), or a tp size of the groups
                 that does not divide the heads, query groups or FFN channels.
         """
-        for flag, name, given, actual in (
-                ("--tensor-model-parallel-size", "tensor_model_parallel_size", self.tensor_model_parallel_size, tp_size),
-                ("--pipeline-model-parallel-size", "pipeline_model_parallel_size", self.pipeline_model_parallel_size,
-                 pp_size)):
+        for name, given, actual in (("tensor_model_parallel_size", self.tensor_model_parallel_size, tp_size),
+                                    ("pipeline_model_parallel_size", self.pipeline_model_parallel_size, pp_size)):
             if given not in (1, actual):
                 follow = "" if actual == 1 else " or leave it at 1 to follow the groups"
-                raise ValueError(
-                    f"TransformerConfig.{name} ({flag}) is {given} but the model is built on process groups of "
+                raise ConfigError(
+                    f"TransformerConfig.{name} is {given} but the model is built on process groups of "
                     f"size {actual} (initialize_model_parallel / the ParallelState passed in); set it to "
-                    f"{actual}{follow}")
+                    f"{actual}{follow}", params=(name,))
         self._check_tp_divides(tp_size)
 
     def _check_parallelism(self) -> None:
@@ -386,10 +388,12 @@ class TransformerConfig(MegatronCoreTransformerFields):
         self._check_pipeline()
         if self.recompute_granularity == "full":
             if self.recompute_method is None or not self.recompute_num_layers:
-                raise ValueError("--recompute-granularity full needs --recompute-method uniform|block and "
-                                 "--recompute-num-layers N (e.g. --recompute-method uniform --recompute-num-layers 1)")
+                raise ConfigError("recompute_granularity full needs recompute_method uniform|block and "
+                                  "recompute_num_layers N (e.g. recompute_method uniform recompute_num_layers 1)",
+                                  params=("recompute_granularity", "recompute_method", "recompute_num_layers"))
         elif self.recompute_method is not None:
-            raise ValueError("--recompute-method only applies with --recompute-granularity full")
+            raise ConfigError("recompute_method only applies with recompute_granularity full",
+                              params=("recompute_method", "recompute_granularity"))
         check_positive("layernorm_epsilon", self.layernorm_epsilon)
 
     def _check_pipeline(self) -> None:
@@ -400,24 +404,29 @@ class TransformerConfig(MegatronCoreTransformerFields):
         per_stage = self.num_layers_per_virtual_pipeline_stage
         if per_stage is not None:
             if self.virtual_pipeline_model_parallel_size is not None:
-                raise ValueError("give --num-layers-per-virtual-pipeline-stage or "
-                                 "--virtual-pipeline-model-parallel-size, not both")
+                raise ConfigError("give num_layers_per_virtual_pipeline_stage or "
+                                  "virtual_pipeline_model_parallel_size, not both",
+                                  params=("num_layers_per_virtual_pipeline_stage", "virtual_pipeline_model_parallel_size"))
             check_positive("num_layers_per_virtual_pipeline_stage", per_stage)
             # The embedding / loss count as layers here when the --account-for-* flags say so (Megatron).
             counted = (self.num_layers + int(self.account_for_embedding_in_pipeline_split)
                        + int(self.account_for_loss_in_pipeline_split))
-            what = "--num-layers" if counted == self.num_layers else "--num-layers + the layers counted by --account-for-*"
+            what = ("num_layers" if counted == self.num_layers
+                    else "num_layers + the layers counted by account_for_embedding/loss_in_pipeline_split")
+            names = ("num_layers_per_virtual_pipeline_stage", "num_layers", "pipeline_model_parallel_size",
+                     "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                     "decoder_last_pipeline_num_layers")
             if counted % pp != 0:
-                raise ValueError(
-                    f"--num-layers-per-virtual-pipeline-stage needs {what} ({counted}) divisible by "
-                    f"--pipeline-model-parallel-size ({pp}); for an uneven split use "
-                    "--virtual-pipeline-model-parallel-size with --decoder-first-pipeline-num-layers / "
-                    "--decoder-last-pipeline-num-layers")
+                raise ConfigError(
+                    f"num_layers_per_virtual_pipeline_stage needs {what} ({counted}) divisible by "
+                    f"pipeline_model_parallel_size ({pp}); for an uneven split use "
+                    "virtual_pipeline_model_parallel_size with decoder_first_pipeline_num_layers / "
+                    "decoder_last_pipeline_num_layers", params=names)
             if (counted // pp) % per_stage != 0:
-                raise ValueError(
-                    f"--num-layers-per-virtual-pipeline-stage {per_stage} does not divide the "
-                    f"{what} {counted} / --pipeline-model-parallel-size {pp} layers per stage; "
-                    f"use a divisor of {counted // pp}")
+                raise ConfigError(
+                    f"num_layers_per_virtual_pipeline_stage {per_stage} does not divide the "
+                    f"{what} {counted} / pipeline_model_parallel_size {pp} layers per stage; "
+                    f"use a divisor of {counted // pp}", params=names)
             self.virtual_pipeline_model_parallel_size = counted // pp // per_stage
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
@@ -425,8 +434,10 @@ class TransformerConfig(MegatronCoreTransformerFields):
             if vpp == 1:
                 self.virtual_pipeline_model_parallel_size = vpp = None
             elif pp == 1:
-                raise ValueError("virtual pipeline stages (--virtual-pipeline-model-parallel-size / "
-                                 "--num-layers-per-virtual-pipeline-stage) need --pipeline-model-parallel-size > 1")
+                raise ConfigError("virtual pipeline stages (virtual_pipeline_model_parallel_size / "
+                                  "num_layers_per_virtual_pipeline_stage) need pipeline_model_parallel_size > 1",
+                                  params=("virtual_pipeline_model_parallel_size",
+                                          "num_layers_per_virtual_pipeline_stage", "pipeline_model_parallel_size"))
         if self.microbatch_group_size_per_virtual_pipeline_stage is not None:
             check_positive("microbatch_group_size_per_virtual_pipeline_stage",
                            self.microbatch_group_size_per_virtual_pipeline_stage)
@@ -434,8 +445,6 @@ class TransformerConfig(MegatronCoreTransformerFields):
 
     def pipeline_layout(self, pp: int | None = None, vpp: int | None = None) -> PipelineLayout:
         """Layer counts per virtual stage for ``pp`` ranks x ``vpp`` chunks (default: this config's)."""
-        from megatron.core.pipeline_parallel.layout import build_pipeline_layout
-
         return build_pipeline_layout(
             self.num_layers, self.pipeline_model_parallel_size if pp is None else pp,
             self.virtual_pipeline_model_parallel_size if vpp is None else vpp,
@@ -444,28 +453,29 @@ class TransformerConfig(MegatronCoreTransformerFields):
             self.account_for_loss_in_pipeline_split)
 
     def _apply_layout_string(self, pp: int) -> None:
-        """``--pipeline-model-parallel-layout``: checked, and its virtual stages per rank set."""
-        from megatron.core.pipeline_parallel.layout import LAYOUT_FLAG, parse_layout
-
+        """``pipeline_model_parallel_layout``: checked, and its virtual stages per rank set."""
         if pp == 1:
-            raise ValueError(f"{LAYOUT_FLAG} needs --pipeline-model-parallel-size > 1")
+            raise ConfigError("pipeline_model_parallel_layout needs pipeline_model_parallel_size > 1",
+                              params=("pipeline_model_parallel_layout", "pipeline_model_parallel_size"))
         layout = parse_layout(self.pipeline_model_parallel_layout, self.num_layers, pp)  # type: ignore[arg-type]
         vpp = layout.vpp if layout.vpp > 1 else None
-        given = [flag for flag, value in (
-            ("--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage),
-            ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
-            ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers),
-            ("--account-for-embedding-in-pipeline-split", self.account_for_embedding_in_pipeline_split or None),
-            ("--account-for-loss-in-pipeline-split", self.account_for_loss_in_pipeline_split or None)) if value is not None]
+        given = [name for name, value in (
+            ("num_layers_per_virtual_pipeline_stage", self.num_layers_per_virtual_pipeline_stage),
+            ("decoder_first_pipeline_num_layers", self.decoder_first_pipeline_num_layers),
+            ("decoder_last_pipeline_num_layers", self.decoder_last_pipeline_num_layers),
+            ("account_for_embedding_in_pipeline_split", self.account_for_embedding_in_pipeline_split or None),
+            ("account_for_loss_in_pipeline_split", self.account_for_loss_in_pipeline_split or None)) if value is not None]
         if self.virtual_pipeline_model_parallel_size not in (None, 1, vpp):
-            given.append("--virtual-pipeline-model-parallel-size")
+            given.append("virtual_pipeline_model_parallel_size")
         if given:
-            raise ValueError(f"{LAYOUT_FLAG} sets the whole split; drop {', '.join(given)}")
+            raise ConfigError(f"pipeline_model_parallel_layout sets the whole split; drop {', '.join(given)}",
+                              params=("pipeline_model_parallel_layout", *given))
         self.virtual_pipeline_model_parallel_size = vpp
 
     @property
     def rotary_dim(self) -> int:
         """Channels per head rotated by RoPE."""
+        assert self.kv_channels is not None  # filled in by __post_init__
         return int(self.kv_channels * self.rotary_percent)
 
     @property

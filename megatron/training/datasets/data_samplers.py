@@ -19,13 +19,16 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from megatron.core.config_utils import ConfigError
+from megatron.core.datasets.errors import DataError
+
 
 def _check_common(total_samples: int, consumed_samples: int, micro_batch_size: int,
                   data_parallel_rank: int, data_parallel_size: int) -> None:
     if total_samples <= 0:
-        raise ValueError(f"the dataset is empty (no samples); check --data-path/--split, got {total_samples}")
+        raise DataError(f"the dataset is empty (no samples); check --data-path/--split, got {total_samples}")
     if micro_batch_size <= 0:
-        raise ValueError(f"--micro-batch-size must be > 0, got {micro_batch_size}")
+        raise ConfigError(f"--micro-batch-size must be > 0, got {micro_batch_size}")
     if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
         raise ValueError(f"data-parallel rank {data_parallel_rank} is outside [0, {data_parallel_size})")
     if consumed_samples < 0:
@@ -47,7 +50,7 @@ class MegatronPretrainingSampler:
                  data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True) -> None:
         _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
         if consumed_samples >= total_samples:
-            raise ValueError(f"consumed samples {consumed_samples} >= dataset size {total_samples}; "
+            raise DataError(f"consumed samples {consumed_samples} >= dataset size {total_samples}; "
                              "the run has used all its data (raise --train-samples/--train-iters)")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
@@ -91,7 +94,7 @@ class MegatronPretrainingRandomSampler:
         self.seed = seed
         self.active_total = total_samples - total_samples % self.chunk
         if self.active_total == 0:
-            raise ValueError(f"dataset of {total_samples} samples is smaller than one global micro-batch of {self.chunk}")
+            raise DataError(f"dataset of {total_samples} samples is smaller than one global micro-batch of {self.chunk}")
 
     def __len__(self) -> int:
         return self.total_samples
@@ -134,7 +137,7 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
     if dataset is None:
         return None
     if num_workers < 0:
-        raise ValueError(f"--num-workers must be >= 0, got {num_workers}")
+        raise ConfigError(f"--num-workers must be >= 0, got {num_workers}")
     if dataloader_type == "single":
         sampler: Any = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                                   data_parallel_rank, data_parallel_size, drop_last)
@@ -142,7 +145,7 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
         sampler = MegatronPretrainingRandomSampler(len(dataset), consumed_samples, micro_batch_size,
                                                    data_parallel_rank, data_parallel_size, seed)
     else:
-        raise ValueError(f"--dataloader-type {dataloader_type!r} is not valid; choose one of ['single', 'cyclic']")
+        raise ConfigError(f"--dataloader-type {dataloader_type!r} is not valid; choose one of ['single', 'cyclic']")
     if num_workers > 0:
         _reap_workers_at_exit()
     return _PretrainingDataLoader(

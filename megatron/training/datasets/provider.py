@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.errors import DataError
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset, index_cache_dir
 from megatron.core.datasets.indexed_dataset import IndexedDataset, data_file_path, index_file_path
 from megatron.core.datasets.integrity import dataset_stats
@@ -24,12 +26,12 @@ def _check_prefixes(blend: tuple[list[str], list[float] | None] | None, flag: st
             try:
                 open(path, "rb").close()
             except OSError as exc:
-                raise ValueError(f"{flag}: cannot read {path!r} ({exc.strerror}); give the prefix without "
+                raise DataError(f"{flag}: cannot read {path!r} ({exc.strerror}); give the prefix without "
                                  ".bin/.idx, as written by tools/preprocess_data.py") from None
         try:
             IndexedDataset(prefix, mmap=mmap)
         except ValueError as exc:
-            raise ValueError(f"{flag}: {exc}") from None
+            raise DataError(f"{flag}: {exc}") from None
 
 
 def is_dataset_built_on_rank(parallel_state: Any | None) -> bool:
@@ -52,9 +54,9 @@ def core_gpt_dataset_config(data_cfg: Any, tokenizer: Any, seq_length: int, seed
                  for s in ("train", "valid", "test")]
     has_per_split = any(b is not None for b in per_split)
     if not data_cfg.mock_data and blend is None and not has_per_split:
-        raise ValueError("no training data: give --data-path (or --train-data-path ...) or --mock-data")
+        raise ConfigError("no training data: give --data-path (or --train-data-path ...) or --mock-data")
     if data_cfg.mock_data and (blend is not None or has_per_split):
-        raise ValueError("--mock-data cannot be combined with --data-path or --train/valid/test-data-path")
+        raise ConfigError("--mock-data cannot be combined with --data-path or --train/valid/test-data-path")
     mmap = getattr(data_cfg, "mmap_bin_files", True)
     split = data_cfg.split
     if blend is not None:
@@ -125,15 +127,15 @@ def check_token_ids(flag: str, prefix: str, token_range: tuple[int | None, int |
     where = f"{flag}: {data_file_path(prefix)!r} holds token id"
     fix = "Train with the tokenizer the data was made with, or preprocess the data again with this one"
     if lo < 0:
-        raise ValueError(f"{where} {lo}, a negative id that no tokenizer produces (the data is corrupt); {fix}")
+        raise DataError(f"{where} {lo}, a negative id that no tokenizer produces (the data is corrupt); {fix}")
     if hi < min(vocab, rows):
         return
     if hi < vocab:  # an explicit --padded-vocab-size below the tokenizer's vocabulary
-        raise ValueError(f"{where} {hi}, beyond the model's embedding of {rows} rows (--padded-vocab-size {rows}) "
+        raise DataError(f"{where} {hi}, beyond the model's embedding of {rows} rows (--padded-vocab-size {rows}) "
                          f"though inside the vocabulary of {describe_tokenizer(tokenizer)}; give a larger --padded-vocab-size")
     effect = (f"index past the model's embedding of {rows} rows" if hi >= rows
               else f"train padding row {hi} of the model's embedding of {rows} rows")
-    raise ValueError(f"{where} {hi}, outside the vocabulary of {describe_tokenizer(tokenizer)}; it would {effect}. {fix}")
+    raise DataError(f"{where} {hi}, outside the vocabulary of {describe_tokenizer(tokenizer)}; it would {effect}. {fix}")
 
 
 def check_data(config: GPTDatasetConfig, padded_vocab_size: int | None = None,
@@ -153,7 +155,7 @@ def check_data(config: GPTDatasetConfig, padded_vocab_size: int | None = None,
             stats = dataset_stats(IndexedDataset(prefix, mmap=config.mmap_bin_files), cache_dir,
                                   config.cache_wait_timeout_s, log)
         except ValueError as exc:
-            raise ValueError(f"{flag}: {exc}") from None
+            raise DataError(f"{flag}: {exc}") from None
         check_token_ids(flag, prefix, (stats["token_id_min"], stats["token_id_max"]), config.tokenizer,
                         padded_vocab_size)
 
