@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.distributed.param_owners import assign_owners
 
 
@@ -22,5 +23,7 @@ def test_balanced_deterministic_and_pinned():
 
 
 def test_too_few_params_names_the_flag():
-    with pytest.raises(ValueError, match="--use-distributed-optimizer needs at least one parameter"):
+    # The library names the parameter; the application rewrites it to --use-distributed-optimizer.
+    with pytest.raises(ConfigError, match="use_distributed_optimizer needs at least one parameter") as e:
         assign_owners(_params(4, 4), 4)
+    assert e.value.params == ("use_distributed_optimizer",)

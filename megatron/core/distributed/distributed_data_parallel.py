@@ -15,8 +15,7 @@ bucket dtype: the optimizer reads the gradient in fp32, which is exact (a bf16 v
 without rounding). With data-parallel reduction it holds where the parameter's dtype is the bucket's
 (``--grad-reduce-in-bf16`` with bf16 params, or fp32 params): a bucket whose gradients are all
 aliased is reduced tensor by tensor, in place, instead of being copied into contiguous storage first
-(on llama-3b, dp4: 6 ms a step of copying 6.4 GB; docs/performance.md, twelfth pass). A second
-micro-batch's gradient moves the first into the bucket's storage and accumulates there, so gradient
+(what the copy costs: docs/performance.md, "Weak scaling, llama-3b"). A second micro-batch's gradient moves the first into the bucket's storage and accumulates there, so gradient
 accumulation still sums in the bucket's dtype and the bucket is reduced as one tensor.
 
 Parameters are laid out in reverse registration order (roughly the order backward produces their
@@ -25,12 +24,17 @@ during the backward of the last micro-batch (outside ``no_sync``) a bucket's asy
 all-reduce starts as soon as its last gradient has been accumulated, overlapping communication
 with the rest of backward; ``finish_grad_sync`` waits for them (and reduces any bucket whose
 parameters got no gradient). Without overlap, everything is reduced in ``finish_grad_sync``.
+
+Process groups: the constructor takes a ``ParallelState`` (``parallel_state=``); only when none is
+given does it read the default one that ``initialize_model_parallel`` recorded (DDP is a
+Megatron-Core entry point). Nothing below the constructor reads the default.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +44,9 @@ from megatron.core.distributed.distributed_data_parallel_config import Distribut
 from megatron.core.distributed.param_owners import assign_owners
 from megatron.core.fusions.compile import maybe_compiled
 from megatron.core.parallel_state import ParallelState, get_parallel_state
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def _add_into(acc: torch.Tensor, grad: torch.Tensor) -> None:
@@ -51,8 +58,8 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 # Compiled on CUDA: one vectorised kernel for the fp32 += bf16 accumulation and the bf16 -> fp32
-# first-gradient copy (eager mixed-dtype kernels run well below the copy bandwidth on an H200: the
-# add at about 1/2.5, the copy at about half, 11.5 ms per step for llama-3b's 3 B gradients).
+# first-gradient copy, whose eager mixed-dtype kernels run below the copy bandwidth (docs/performance.md,
+# "Two H200s: llama-3b (jobs 2-5)").
 _accumulate = maybe_compiled(_add_into, dynamic=True)
 _copy = maybe_compiled(_copy_into, dynamic=True)
 
@@ -158,8 +165,8 @@ class _Bucket:
 class DistributedDataParallel(nn.Module):
     """Wraps ``module``; ``forward`` is the module's. Megatron-Core's constructor signature."""
 
-    def __init__(self, config, ddp_config: DistributedDataParallelConfig, module: nn.Module,
-                 parallel_state: ParallelState | None = None):
+    def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig, module: nn.Module,
+                 parallel_state: ParallelState | None = None) -> None:
         super().__init__()
         self.config = config
         self.ddp_config = ddp_config
@@ -170,12 +177,16 @@ class DistributedDataParallel(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else (params[0].dtype if params else torch.float32)
+        # The word embedding / output-layer weight this chunk ties to another pipeline stage's copy
+        # (None when the model does not tie them); finalize_model_grads sums its gradient over both.
+        tied_weight = getattr(module, "shared_embedding_or_output_weight", None)
+        share = bool(getattr(module, "share_embeddings_and_output_weights", False))
+        self.tied_weight: torch.Tensor | None = tied_weight() if share and callable(tied_weight) else None
         aliasable: frozenset[int] = frozenset()
         if ddp_config.alias_single_gradients:
             # Gradients summed across ranks after backward (finalize_model_grads) need the storage;
             # reduced over DP, a gradient must already be in the dtype it is reduced in.
-            tied = module.shared_embedding_or_output_weight() if (  # type: ignore[operator]
-                self.pg.pp_size > 1 and getattr(module, "share_embeddings_and_output_weights", False)) else None
+            tied = self.tied_weight if self.pg.pp_size > 1 else None
             aliasable = frozenset(id(p) for p in params
                                   if not getattr(p, "sequence_parallel", False) and p is not tied
                                   and (self.dp_size == 1 or p.dtype == grad_dtype))
@@ -184,13 +195,13 @@ class DistributedDataParallel(nn.Module):
         # --use-distributed-optimizer: each parameter's gradient is reduced to its owner only.
         self.param_owner: dict[int, int] | None = None
         if ddp_config.use_distributed_optimizer and self.dp_size > 1:
-            tied = []
-            if getattr(module, "share_embeddings_and_output_weights", False):
-                tied = [module.shared_embedding_or_output_weight()]  # type: ignore[operator]
-            self.param_owner = assign_owners(params, self.dp_size, pinned=tuple(t for t in tied if t is not None))
-            self._owner_global_rank = [dist.get_global_rank(self.dp_group, r) for r in range(self.dp_size)]
+            dp_group = self.dp_group
+            assert dp_group is not None, "a data-parallel size > 1 has a data-parallel group"
+            pinned = (self.tied_weight,) if self.tied_weight is not None else ()
+            self.param_owner = assign_owners(params, self.dp_size, pinned=pinned)
+            self._owner_global_rank = [dist.get_global_rank(dp_group, r) for r in range(self.dp_size)]
         # NCCL averages inside the collective (ncclAvg pre-multiplies each contribution by 1/DP): no
-        # separate pass over the buffer, which on llama-3b's 12 GB of fp32 gradients costs ~7 ms per step.
+        # separate pass over the gradient buffer.
         self._avg_in_nccl = self.dp_size > 1 and dist.get_backend(self.dp_group) == "nccl"
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self._sync_enabled = True
@@ -229,12 +240,13 @@ class DistributedDataParallel(nn.Module):
         """All gradients as one flat tensor (a copy), in bucket order; allocates missing buckets."""
         return torch.cat([b.materialize() for b in self.buckets])
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket = self._bucket_of[id(param)]
+        assert param.grad is not None  # a post-accumulate-grad hook runs once the gradient is there
         bucket.accumulate(param, param.grad)
         param.grad = None
         if not (self._sync_enabled and self.ddp_config.overlap_grad_reduce and self.dp_size > 1):
@@ -243,12 +255,12 @@ class DistributedDataParallel(nn.Module):
         if len(bucket.ready) == len(bucket.params) and bucket.handle is None:
             self._start_reduce(bucket, async_op=True)
 
-    def _average_op(self, view: torch.Tensor):
+    def _average_op(self, view: torch.Tensor) -> dist.ReduceOp.RedOpType:
         """The reduce op that averages ``view`` over DP (pre-scaling it here where the backend cannot).
 
         NCCL's own average, not torch's ``_make_nccl_premul_sum``: for bf16 buffers torch 2.11 hands
         NCCL the factor as a 4-byte float where NCCL reads 2 bytes, so 1/2 arrives as 0 and every
-        gradient as zero (pytorch/pytorch#190745; caught by the bf16-reduction test on two H200s).
+        gradient as zero (pytorch/pytorch#190745; tests/distributed/test_ddp.py's bf16 reduction on NCCL).
         """
         if self._avg_in_nccl:
             return dist.ReduceOp.AVG
@@ -275,7 +287,7 @@ class DistributedDataParallel(nn.Module):
         bucket.handle = [dist.all_reduce(t, op=op, group=self.dp_group, async_op=async_op) for t in tensors]
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Defer gradient reduction (all micro-batches but the last)."""
         self._sync_enabled = False
         try:
@@ -318,11 +330,11 @@ class DistributedDataParallel(nn.Module):
                 bucket.materialize().mul_(factor)
 
     # Checkpointing and attribute access go to the wrapped module.
-    def sharded_state_dict(self, prefix: str = "", *args, **kwargs) -> dict:
+    def sharded_state_dict(self, prefix: str = "", *args: Any, **kwargs: Any) -> dict:
         return self.module.sharded_state_dict(prefix, *args, **kwargs)  # type: ignore[operator]
 
-    def state_dict(self, *args, **kwargs):
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, *args, **kwargs):
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.load_state_dict(*args, **kwargs)

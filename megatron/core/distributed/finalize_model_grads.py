@@ -5,14 +5,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 
-def _allreduce_sequence_parallel_grads(model_chunks: list) -> None:
+
+def _allreduce_sequence_parallel_grads(model_chunks: list[DistributedDataParallel]) -> None:
     """Params replicated across tp that saw only this rank's sequence shard (norms, row-parallel
     biases under sequence parallelism) hold partial gradients: sum them over the tp group."""
     pg = model_chunks[0].pg
     if pg.tp_size == 1:
         return
-    grads = [p.main_grad for chunk in model_chunks for p in chunk.module.parameters()
+    grads = [p.main_grad for chunk in model_chunks for p in chunk.module.parameters()  # type: ignore[attr-defined]
              if getattr(p, "sequence_parallel", False) and p.requires_grad]
     if not grads:
         return
@@ -24,13 +26,7 @@ def _allreduce_sequence_parallel_grads(model_chunks: list) -> None:
         offset += g.numel()
 
 
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
-def _allreduce_embedding_grads(model_chunks: list) -> None:
+def _allreduce_embedding_grads(model_chunks: list[DistributedDataParallel]) -> None:
     """Tied word embeddings across pipeline stages: the first stage's ``embedding.word_embeddings``
     and the last stage's output-layer copy receive different partial gradients; sum them over the
     embedding group (first and last stage of this pipeline) so both copies take the same step."""
@@ -38,36 +34,35 @@ def _allreduce_embedding_grads(model_chunks: list) -> None:
     if pg.pp_size == 1 or pg.embedding_group is None:
         return
     if pg.pp_rank == 0:
-        model = _unwrap(model_chunks[0])
+        weight = model_chunks[0].tied_weight
     elif pg.pp_rank == pg.pp_size - 1:
-        model = _unwrap(model_chunks[-1])
+        weight = model_chunks[-1].tied_weight
     else:
         return
-    if not getattr(model, "share_embeddings_and_output_weights", False):
-        return
-    weight = model.shared_embedding_or_output_weight()
     if weight is None or not weight.requires_grad:
         return
-    grad = weight.main_grad if hasattr(weight, "main_grad") else weight.grad
+    grad = getattr(weight, "main_grad", None)
+    if grad is None:
+        grad = weight.grad
+    assert grad is not None, "finish_grad_sync gives every trainable parameter a main_grad"
     dist.all_reduce(grad, group=pg.embedding_group)
 
 
-def sync_shared_embedding(model_chunks: list) -> None:
+def sync_shared_embedding(model_chunks: list[DistributedDataParallel]) -> None:
     """Copy the first stage's word embedding into the last stage's tied output-layer copy (after
     loading a checkpoint, which stores only the first stage's tensor). Collective over the embedding
     group; a no-op without pipeline parallelism or without tied embeddings."""
-    pg = _unwrap(model_chunks[0]).pg
+    pg = model_chunks[0].pg
     if pg.pp_size == 1 or pg.embedding_group is None or pg.pp_rank not in (0, pg.pp_size - 1):
         return
-    model = _unwrap(model_chunks[0] if pg.pp_rank == 0 else model_chunks[-1])
-    if not getattr(model, "share_embeddings_and_output_weights", False):
+    weight = (model_chunks[0] if pg.pp_rank == 0 else model_chunks[-1]).tied_weight
+    if weight is None:
         return
-    weight = model.shared_embedding_or_output_weight()
     with torch.no_grad():
         dist.broadcast(weight.data, src=pg.group_ranks["embedding"][0], group=pg.embedding_group)
 
 
-def _last_stage_token_count(model_chunks: list, num_tokens: torch.Tensor) -> torch.Tensor:
+def _last_stage_token_count(model_chunks: list[DistributedDataParallel], num_tokens: torch.Tensor) -> torch.Tensor:
     """With pipelining only the last stage computed the loss: broadcast its token count."""
     pg = model_chunks[0].pg
     num_tokens = num_tokens.detach().clone().float()
@@ -76,7 +71,7 @@ def _last_stage_token_count(model_chunks: list, num_tokens: torch.Tensor) -> tor
     return num_tokens
 
 
-def finalize_model_grads(model_chunks: list, num_tokens: torch.Tensor | None = None) -> None:
+def finalize_model_grads(model_chunks: list[DistributedDataParallel], num_tokens: torch.Tensor | None = None) -> None:
     """Megatron's order:
     1. data-parallel reduction of every chunk's gradient buffer;
     2. tensor-parallel sum of sequence-parallel parameters' gradients;

@@ -15,21 +15,26 @@ pipeline stages agree on who holds the full gradient they exchange.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.config_utils import ConfigError
 
-def assign_owners(params: list[nn.Parameter], dp_size: int, pinned: tuple = ()) -> dict[int, int]:
+
+def assign_owners(params: list[nn.Parameter], dp_size: int, pinned: tuple[torch.Tensor, ...] = ()) -> dict[int, int]:
     """``id(param) -> owning data-parallel rank`` for ``params`` (in a rank-independent order);
     the ``pinned`` params (tied word embeddings) go to rank 0.
 
     Raises:
-        ValueError: fewer parameters than data-parallel ranks (a rank would own nothing).
+        ConfigError: fewer parameters than data-parallel ranks (a rank would own nothing).
     """
     if len(params) < dp_size:
-        raise ValueError(f"--use-distributed-optimizer needs at least one parameter per data-parallel rank: "
-                         f"{len(params)} parameters for {dp_size} ranks; drop the flag for so small a model")
+        raise ConfigError(f"use_distributed_optimizer needs at least one parameter per data-parallel rank: "
+                          f"{len(params)} parameters for {dp_size} ranks; set use_distributed_optimizer=False "
+                          "for so small a model", params=("use_distributed_optimizer",))
     load = [0] * dp_size
     owners: dict[int, int] = {}
     pinned_ids = {id(p) for p in pinned}
@@ -57,32 +62,34 @@ class ParamBroadcast:
     (checkpoint saving, the next optimizer step) calls :meth:`wait_all` first.
     """
 
-    def __init__(self, params: list[nn.Parameter], owners: dict[int, int], dp_group, overlap: bool = False):
+    def __init__(self, params: list[nn.Parameter], owners: dict[int, int], dp_group: dist.ProcessGroup,
+                 overlap: bool = False) -> None:
         self.params, self.owners, self.dp_group, self.overlap = params, owners, dp_group, overlap
         self.src = {r: dist.get_global_rank(dp_group, r) for r in set(owners.values())}
-        self.pending: dict[int, object] = {}  # id(param) -> its broadcast's work handle
+        self.pending: dict[int, dist.Work] = {}  # id(param) -> its broadcast's work handle
 
     @torch.no_grad()
     def __call__(self) -> None:
         self.wait_all()
         for p in self.params:
-            self.pending[id(p)] = dist.broadcast(p.data, src=self.src[self.owners[id(p)]], group=self.dp_group,
-                                                 async_op=True)
+            work = dist.broadcast(p.data, src=self.src[self.owners[id(p)]], group=self.dp_group, async_op=True)
+            assert work is not None  # async_op=True returns the work handle
+            self.pending[id(p)] = work
         if not self.overlap:
             self.wait_all()
 
-    def wait_for(self, params) -> None:
+    def wait_for(self, params: Iterable[nn.Parameter]) -> None:
         """Wait for the broadcasts of ``params`` still in flight (none: nothing to do)."""
         if not self.pending:
             return
         for p in params:
             handle = self.pending.pop(id(p), None)
             if handle is not None:
-                handle.wait()  # type: ignore[attr-defined]
+                handle.wait()
 
     def wait_all(self) -> None:
         for handle in self.pending.values():
-            handle.wait()  # type: ignore[attr-defined]
+            handle.wait()
         self.pending.clear()
 
     def attach(self, chunks: list[nn.Module]) -> None:
@@ -91,7 +98,7 @@ class ParamBroadcast:
         inside: set[int] = set()
         for chunk in chunks:
             for module in chunk.modules():
-                hooks: list | None = getattr(module, "before_layer", None)
+                hooks: list[Callable[[nn.Module], None]] | None = getattr(module, "before_layer", None)
                 if hooks is not None:
                     hooks.append(lambda layer: self.wait_for(layer.parameters()))
                     layers: nn.Module = module.layers  # type: ignore[assignment]

@@ -12,6 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
+from megatron.core.config_utils import ConfigError
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.distributed.param_owners import ParamBroadcast
 from megatron.core.optimizer.chained import ChainedOptimizer, DistributedOptimizer
 from megatron.core.optimizer.clip_grads import param_is_not_duplicate
@@ -155,24 +158,28 @@ def get_megatron_optimizer(
             default: biases and 1-D params.
 
     Raises:
-        ValueError: conflicting precision flags, no trainable params, or an option not built.
+        ConfigError: conflicting precision settings, no trainable params, or an option not built.
     """
     if config_overrides:
-        raise ValueError("get_megatron_optimizer(config_overrides=...) is not supported: per-parameter overrides "
-                         "are not built; pass None (biases and 1-D params get no weight decay, "
-                         "OptimizerConfig.decoupled_lr sets the embedding's) or no_weight_decay_cond=")
+        raise ConfigError("get_megatron_optimizer(config_overrides=...) is not supported: per-parameter overrides "
+                          "are not built; pass None (biases and 1-D params get no weight decay, "
+                          "OptimizerConfig.decoupled_lr sets the embedding's) or no_weight_decay_cond=",
+                          params=("config_overrides",))
     if dump_param_to_param_group_map is not None:
-        raise ValueError("get_megatron_optimizer(dump_param_to_param_group_map=...) is not supported; pass None")
+        raise ConfigError("get_megatron_optimizer(dump_param_to_param_group_map=...) is not supported; pass None",
+                          params=("dump_param_to_param_group_map",))
     grad_stats_group, tp_rank = _stats_groups(grad_stats_group, tp_rank, pg_collection)
     if config.fp16 and config.bf16:
-        raise ValueError("--fp16 and --bf16 are mutually exclusive; pass at most one")
+        raise ConfigError("fp16 and bf16 are mutually exclusive; set at most one", params=("fp16", "bf16"))
     if config.loss_scale is not None and not (config.fp16 or config.bf16):
-        raise ValueError("--loss-scale has no effect without --fp16 or --bf16; drop it or pick a precision")
+        raise ConfigError("loss_scale has no effect without fp16 or bf16; set loss_scale=None or pick a precision",
+                          params=("loss_scale", "fp16", "bf16"))
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     groups = get_param_groups(model_chunks, config, no_weight_decay_cond)
     if not groups:
-        raise ValueError("the model has no trainable parameters (requires_grad=True) to optimize")
+        raise ConfigError("model_chunks have no trainable parameters (requires_grad=True) to optimize",
+                          params=("model_chunks",))
     owners: dict[int, int] = {}
     for chunk in model_chunks:
         owners.update(getattr(chunk, "param_owner", None) or {})
@@ -182,7 +189,9 @@ def get_megatron_optimizer(
     # Every group is kept (maybe empty) so that all ranks describe the same groups in checkpoints;
     # grad statistics then sum over every rank (each owned param counted once, on its owner).
     ddp = model_chunks[0]
-    dp_rank, dp_group = ddp.pg.dp_rank, ddp.dp_group  # type: ignore[union-attr]
+    assert isinstance(ddp, DistributedDataParallel), "only DDP chunks have a param_owner"
+    dp_rank, dp_group = ddp.pg.dp_rank, ddp.dp_group
+    assert dp_group is not None, "a distributed optimizer spans a data-parallel group"
     # Broadcast in the order the forward pass uses the params (registration order), so that with
     # --overlap-param-gather the first layers' weights arrive first.
     in_groups = {id(p) for g in groups for p in g["params"]}
@@ -206,8 +215,6 @@ def _stats_groups(group: dist.ProcessGroup | None, tp_rank: int | None,
         if tp_rank is None and tp is not None and dist.is_initialized():
             tp_rank = dist.get_rank(tp)
     if group is None and pg_collection is None and tp_rank is None:
-        from megatron.core import parallel_state
-
         if parallel_state.model_parallel_is_initialized():
             state = parallel_state.get_parallel_state()
             group, tp_rank = state.mp_group, state.tp_rank

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from megatron.core.config_utils import ConfigError
+from megatron.core.dist_checkpointing import CheckpointError
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 
@@ -27,15 +29,17 @@ class ChainedOptimizer:
     global clipping Megatron-Core does across them is not built).
 
     Raises:
-        ValueError: no optimizers, or several with ``config.clip_grad > 0``.
+        ConfigError: no optimizers, or several with ``config.clip_grad > 0``.
     """
 
     def __init__(self, chained_optimizers: list[MegatronOptimizer]) -> None:
         if not chained_optimizers:
-            raise ValueError("chained_optimizers is empty; pass at least one optimizer")
+            raise ConfigError("chained_optimizers is empty; pass at least one optimizer",
+                              params=("chained_optimizers",))
         if len(chained_optimizers) > 1 and any(o.config.clip_grad > 0 for o in chained_optimizers):
-            raise ValueError("ChainedOptimizer of several optimizers clips each by its own norm, not the global "
-                             "one; set OptimizerConfig.clip_grad=0 on each (or chain a single optimizer)")
+            raise ConfigError("ChainedOptimizer of several optimizers clips each by its own norm, not the global "
+                              "one; set OptimizerConfig.clip_grad=0 on each (or chain a single optimizer)",
+                              params=("clip_grad",))
         self.chained_optimizers = list(chained_optimizers)
         self.config = chained_optimizers[0].config
 
@@ -74,7 +78,7 @@ class ChainedOptimizer:
 
     def load_state_dict(self, state_dict: list[dict[str, Any]]) -> None:
         if len(state_dict) != len(self.chained_optimizers):
-            raise ValueError(f"state_dict holds {len(state_dict)} optimizers' states; this chain has "
-                             f"{len(self.chained_optimizers)}")
+            raise CheckpointError(f"state_dict holds {len(state_dict)} optimizers' states; this chain has "
+                                  f"{len(self.chained_optimizers)}")
         for o, sd in zip(self.chained_optimizers, state_dict):
             o.load_state_dict(sd)

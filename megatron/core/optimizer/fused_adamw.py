@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.fusions.compile import maybe_compiled
 
 
@@ -90,7 +91,8 @@ def adamw_step(optimizer: torch.optim.Optimizer, model_params: Mapping[int, torc
         if not params:
             continue
         if group.get("amsgrad") or group.get("maximize"):
-            raise ValueError("the fused AdamW step supports neither amsgrad nor maximize")
+            raise ConfigError("the fused AdamW step supports neither amsgrad nor maximize; set both to False",
+                              params=("amsgrad", "maximize"))
         device = params[0].device
         hyper = _hyper(group, device)
         div = divisor if divisor is not None else torch.ones((), dtype=torch.float32, device=device)

@@ -10,13 +10,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from megatron.core.config_utils import ConfigError
+
 
 class MegatronGradScaler(ABC):
     """Scales the loss before backward so that small fp16 gradients do not flush to zero."""
 
     def __init__(self, initial_scale: float) -> None:
         if not initial_scale > 0.0:
-            raise ValueError(f"--initial-loss-scale / --loss-scale must be > 0, got {initial_scale}")
+            raise ConfigError(f"initial_scale must be > 0, got {initial_scale}", params=("initial_scale",))
         self._scale = float(initial_scale)
 
     @property
@@ -77,17 +79,16 @@ class DynamicGradScaler(MegatronGradScaler):
     ) -> None:
         super().__init__(initial_scale)
         if not 0.0 < min_scale <= initial_scale:
-            raise ValueError(
-                f"--min-loss-scale must be in (0, --initial-loss-scale={initial_scale}], got {min_scale}"
-            )
+            raise ConfigError(f"min_scale must be in (0, initial_scale={initial_scale}], got {min_scale}",
+                              params=("min_scale", "initial_scale"))
         if not growth_factor > 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+            raise ConfigError(f"growth_factor must be > 1, got {growth_factor}", params=("growth_factor",))
         if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+            raise ConfigError(f"backoff_factor must be in (0, 1), got {backoff_factor}", params=("backoff_factor",))
         if growth_interval <= 0:
-            raise ValueError(f"--loss-scale-window must be > 0, got {growth_interval}")
+            raise ConfigError(f"growth_interval must be > 0, got {growth_interval}", params=("growth_interval",))
         if hysteresis <= 0:
-            raise ValueError(f"--hysteresis must be > 0, got {hysteresis}")
+            raise ConfigError(f"hysteresis must be > 0, got {hysteresis}", params=("hysteresis",))
         self.min_scale = float(min_scale)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)

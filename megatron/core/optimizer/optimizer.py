@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.core.config_utils import ConfigError
+from megatron.core.dist_checkpointing import CheckpointError
 from megatron.core.optimizer import sharded_state
 from megatron.core.optimizer.clip_grads import (
     count_zeros,
@@ -59,7 +61,8 @@ def make_inner_optimizer(config: OptimizerConfig, groups: list[dict[str, Any]]) 
     if config.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=config.sgd_momentum,
                                weight_decay=config.weight_decay, **kernel)
-    raise ValueError(f"--optimizer {config.optimizer!r} is not valid; choose one of ['adam', 'sgd']")
+    raise ConfigError(f"optimizer {config.optimizer!r} is not valid; choose one of ['adam', 'sgd']",
+                      params=("optimizer",))
 
 
 class MegatronOptimizer:
@@ -296,7 +299,7 @@ class MegatronOptimizer:
         """Restore :meth:`state_dict`'s output; the param layout must be the one that saved it.
 
         Raises:
-            ValueError: the saved main params do not match this optimizer's params.
+            CheckpointError: the saved main params do not match this optimizer's params.
         """
         kernels = [{k: g[k] for k in _KERNEL_KEYS if k in g} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state_dict["optimizer"])
@@ -310,13 +313,13 @@ class MegatronOptimizer:
             self.reload_model_params()  # checkpoint from an fp32 run
             return
         if len(saved) != len(self._copy_pairs):
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint has {len(saved)} fp32 main params, this model has {len(self._copy_pairs)} "
-                "bf16/fp16 params: was it saved with a different model or precision (--bf16/--fp16)?"
+                "bf16/fp16 params: was it saved with a different model or precision (bf16 / fp16)?"
             )
         for (_, main), value in zip(self._copy_pairs, saved):
             if main.shape != value.shape:
-                raise ValueError(f"fp32 main param shape {tuple(value.shape)} != model's {tuple(main.shape)}")
+                raise CheckpointError(f"fp32 main param shape {tuple(value.shape)} != model's {tuple(main.shape)}")
             main.copy_(value)
 
     def _place_step_tensors(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from megatron.core.config_utils import check_choice, check_positive, doc
+from megatron.core.config_utils import ConfigError, check_choice, check_positive, doc
 
 OPTIMIZERS = ("adam", "sgd")
 
@@ -88,7 +88,7 @@ class OptimizerConfig:
         "gradient norm exceeds this; inf: never.", flag=None)
 
     # Megatron-Core 0.19.2's other fields, with its defaults: NO_EFFECT ones are taken and change nothing;
-    # REFUSED ones raise ValueError away from the value built here.
+    # REFUSED ones raise ConfigError away from the value built here.
     apply_wd_to_qk_layernorm: bool = doc(False, "Refused if True (see REFUSED).", flag=None)
     fp8_recipe: str | None = doc(None, "No effect (see NO_EFFECT).", flag=None)
     reuse_grad_buf_for_mxfp8_param_ag: bool = doc(False, "Refused if True.", flag=None)
@@ -147,14 +147,19 @@ class OptimizerConfig:
         for name in ("adam_beta1", "adam_beta2"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
-                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {v}")
+                raise ConfigError(f"{name} must be in [0, 1), got {v}", params=(name,))
         check_positive("loss_scale", self.loss_scale, allow_none=True)
         check_positive("initial_loss_scale", self.initial_loss_scale)
         check_positive("min_loss_scale", self.min_loss_scale)
         check_positive("loss_scale_window", self.loss_scale_window)
         check_positive("hysteresis", self.hysteresis)
+        if self.fp16 and self.loss_scale is None and self.min_loss_scale > self.initial_loss_scale:
+            raise ConfigError(f"min_loss_scale ({self.min_loss_scale}) must be <= initial_loss_scale "
+                              f"({self.initial_loss_scale})", params=("min_loss_scale", "initial_loss_scale"))
         if not self.grad_norm_skip_threshold > 0:
-            raise ValueError(f"grad_norm_skip_threshold must be > 0 (inf: never skip), got {self.grad_norm_skip_threshold}")
+            raise ConfigError(f"grad_norm_skip_threshold must be > 0 (inf: never skip), got "
+                              f"{self.grad_norm_skip_threshold}", params=("grad_norm_skip_threshold",))
         for name, (built, why) in REFUSED.items():
             if getattr(self, name) != built:
-                raise ValueError(f"OptimizerConfig.{name}={getattr(self, name)!r} is not supported here: {why}")
+                raise ConfigError(f"OptimizerConfig.{name}={getattr(self, name)!r} is not supported here: {why}",
+                                  params=(name,))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
@@ -71,7 +72,7 @@ def _model_tensors(opt: MegatronOptimizer, model_sd: dict) -> list[ShardedTensor
     for p in opt.model_params:
         st = by_id.get(id(p)) or by_view.get((p.data_ptr(), p.numel(), p.dtype))
         if st is None:
-            raise ValueError(
+            raise CheckpointError(
                 f"a trainable param of shape {tuple(p.shape)} has no ShardedTensor in the model's sharded "
                 "state dict, so its optimizer state could not be checkpointed"
             )
@@ -161,7 +162,7 @@ def _saved_group(saved_groups: dict[str, Any], name: str) -> dict[str, Any]:
     if saved is None and name.startswith("decoupled_"):
         saved = saved_groups.get(name[len("decoupled_"):])
     if saved is None:
-        raise ValueError(f"param group {name!r} is missing from the loaded optimizer state")
+        raise CheckpointError(f"param group {name!r} is missing from the loaded optimizer state")
     return saved
 
 
@@ -170,21 +171,21 @@ def apply(opt: MegatronOptimizer, loaded: dict[str, Any], keys: list[str]) -> No
     """Copy loaded tensors into the optimizer state; set steps, lr/wd and the loss scaler.
 
     Raises:
-        ValueError: a param's state is missing, or the checkpoint holds another optimizer's state.
+        CheckpointError: a param's state is missing, or the checkpoint holds another optimizer's state.
     """
     opt.init_state()
     common = loaded["common"]
     if isinstance(common, ShardedObject):
         common = common.data
     if common.get("optimizer") != opt.config.optimizer:
-        raise ValueError(
-            f"checkpoint optimizer state is for --optimizer {common.get('optimizer')}, "
-            f"this run uses --optimizer {opt.config.optimizer}"
+        raise CheckpointError(
+            f"the checkpoint's optimizer state is for optimizer {common.get('optimizer')!r}, "
+            f"this run's optimizer is {opt.config.optimizer!r}"
         )
     param_state = loaded["param_state"]
     for model_p, main_p, key in zip(opt.model_params, opt.main_params, keys):
         if key not in param_state:
-            raise ValueError(f"optimizer state for {key} is missing from the loaded checkpoint")
+            raise CheckpointError(f"optimizer state for {key} is missing from the loaded checkpoint")
         entry = param_state[key]
         state = opt.optimizer.state[main_p]
         for kind, value in entry.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.optimizer import (
     ConstantGradScaler,
     DynamicGradScaler,
@@ -42,9 +43,9 @@ def test_state_dict_and_validation():
     t = DynamicGradScaler(initial_scale=8.0, min_scale=1.0, growth_interval=2, hysteresis=1)
     t.load_state_dict(s.state_dict())
     assert t.state_dict() == s.state_dict() == {"scale": 4.0, "growth_tracker": 0, "hysteresis_tracker": 0}
-    with pytest.raises(ValueError, match="--min-loss-scale"):
+    with pytest.raises(ConfigError, match="min_scale"):
         DynamicGradScaler(initial_scale=1.0, min_scale=2.0)
-    with pytest.raises(ValueError, match="--hysteresis"):
+    with pytest.raises(ConfigError, match="hysteresis"):
         DynamicGradScaler(initial_scale=1.0, min_scale=1.0, hysteresis=0)
     c = ConstantGradScaler(16.0)
     c.update(True)
@@ -111,7 +112,20 @@ def test_bf16_has_no_scaler_and_constant_scale_is_honoured():
     assert opt.grad_scaler is None and opt.get_loss_scale() == 1.0
     opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, fp16=True, loss_scale=128.0), [model.half()])
     assert isinstance(opt.grad_scaler, ConstantGradScaler) and opt.get_loss_scale() == 128.0
-    with pytest.raises(ValueError, match="--loss-scale"):
+    with pytest.raises(ConfigError, match="loss_scale"):
         get_megatron_optimizer(OptimizerConfig(lr=0.1, loss_scale=128.0), [torch.nn.Linear(2, 2)])
-    with pytest.raises(ValueError, match="--fp16"):
+    with pytest.raises(ConfigError, match="fp16"):
         get_megatron_optimizer(OptimizerConfig(lr=0.1, fp16=True, bf16=True), [model])
+
+
+def test_config_errors_name_the_parameters():
+    with pytest.raises(ConfigError) as e:
+        OptimizerConfig(lr=0.1, fp16=True, initial_loss_scale=2.0, min_loss_scale=4.0)
+    assert e.value.params == ("min_loss_scale", "initial_loss_scale")
+    OptimizerConfig(lr=0.1, initial_loss_scale=2.0, min_loss_scale=4.0)  # no dynamic scaler: not checked
+    with pytest.raises(ConfigError) as e:
+        get_megatron_optimizer(OptimizerConfig(lr=0.1, fp16=True, bf16=True), [torch.nn.Linear(2, 2)])
+    assert e.value.params == ("fp16", "bf16")
+    with pytest.raises(ConfigError) as e:
+        get_megatron_optimizer(OptimizerConfig(lr=0.1), [torch.nn.Linear(2, 2).requires_grad_(False)])
+    assert e.value.params == ("model_chunks",)
