@@ -20,15 +20,29 @@ from megatron.core.fusions.fp8 import (
     quantize,
     scale_from_amax,
     scaled_mm,
-    tensor_scale,
 )
+from megatron.core.fusions.fp8 import gemm as fp8_gemm_mod
+from megatron.core.fusions.fp8 import recipe as fp8_recipe_mod
+from megatron.core.fusions.fp8 import swiglu_mlp as fp8_swiglu_mod
+from megatron.core.fusions.triton.swiglu import swiglu_backward_torch, swiglu_fp32
 from megatron.core.fusions.kernels import kernel_report
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.arguments import parse_run_config
+from tests.fp8_reference import fp8_matmul_reference, tensor_scale
 from tests.host_transfers import HostTransfers
+
+
+def _pretend_hopper(monkeypatch) -> None:
+    """The device check passes on the CPU (the GEMMs still run on the CPU's paths)."""
+    monkeypatch.setattr(fp8_recipe_mod, "fp8_device_error", lambda device, emulated=False: None)
+
+
+def _default_scaled_mm(monkeypatch, use_scaled_mm: bool) -> None:
+    """Fp8Gemm's default ``use_scaled_mm`` (what apply_fp8 gives a device that is not emulated)."""
+    monkeypatch.setitem(Fp8Gemm.__init__.__kwdefaults__, "use_scaled_mm", use_scaled_mm)
 
 
 def _scaled_mm_on_cpu() -> bool:
@@ -65,7 +79,7 @@ def test_fp8_matmul_matches_high_precision(fmt, recipe, use_scaled_mm):
     r = Fp8Recipe(fmt, recipe, 16, "max")
     x, w, dy = inputs()
     hist, init = torch.zeros(3, 16), torch.zeros(3, dtype=torch.bool)
-    y = fp8_matmul(x, w, r, hist, init, use_scaled_mm)
+    y = fp8_matmul_reference(x, w, r, hist, init, use_scaled_mm)
     y.backward(dy)
     xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     (xr @ wr.t()).backward(dy.float())
@@ -202,15 +216,15 @@ def test_layer_hook_runs_fp8_and_falls_back_on_unaligned_tokens():
 def test_apply_fp8_refuses_the_cpu():
     cfg = tiny_config(fp8_format="hybrid")
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
-    with pytest.raises(ValueError, match=r"--fp8-format needs an H100/H200-class GPU.*CPU"):
+    with pytest.raises(ValueError, match=r"fp8_format needs an H100/H200-class GPU.*CPU"):
         apply_fp8([model], cfg, torch.device("cpu"))
     assert apply_fp8([model], tiny_config(), torch.device("cpu")) == 0  # FP8 off: nothing to check
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_apply_fp8_covers_the_transformer_linears_only(monkeypatch, recipe):
-    monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)  # pretend Hopper
-    monkeypatch.setattr(fp8_mod.Fp8Gemm.__init__, "__defaults__", (None, SCALED_MM))
+    _pretend_hopper(monkeypatch)
+    _default_scaled_mm(monkeypatch, SCALED_MM)
     cfg = tiny_config(fp8_format="hybrid", fp8_recipe=recipe, fp8_amax_history_len=16)
     ref = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
@@ -233,7 +247,7 @@ def test_apply_fp8_covers_the_transformer_linears_only(monkeypatch, recipe):
 
 
 def test_apply_fp8_warns_and_skips_unaligned_weights(monkeypatch):
-    monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)
+    _pretend_hopper(monkeypatch)
     cfg = tiny_config(fp8_format="e4m3", ffn_hidden_size=72)  # fc1 [144, 64], fc2 [64, 72]
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
     with pytest.warns(UserWarning, match="linear_fc2"):
@@ -260,7 +274,7 @@ def test_evaluation_forward_equals_the_training_forward_without_transposed_copie
         before = gemm.amax_history.clone()
         with torch.no_grad(), monkeypatch.context() as m:
             for name in ("fp8_cast_transpose", "fp8_cast_transpose_amax"):
-                m.setattr(fp8_mod, name, lambda *a, **k: pytest.fail("evaluation wrote transposed fp8 copies"))
+                m.setattr(fp8_gemm_mod, name, lambda *a, **k: pytest.fail("evaluation wrote transposed fp8 copies"))
             out = gemm(x, w, None)
         assert torch.equal(gemm.amax_history, before)  # nothing recorded
         return out
@@ -276,7 +290,7 @@ def test_evaluation_forward_equals_the_training_forward_without_transposed_copie
 def test_first_last_layers_bf16_keeps_those_layers_out_of_fp8(monkeypatch):
     """Megatron's --first-last-layers-bf16: the first / last N layers of the whole model keep bf16 GEMMs,
     chosen by global layer number (a later pipeline stage's layers count from its offset)."""
-    monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)
+    _pretend_hopper(monkeypatch)
     cfg = tiny_config(num_layers=5, fp8_format="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=2,
                       num_layers_at_end_in_bf16=1)
     assert fp8_mod.bf16_layer_numbers(cfg) == {1, 2, 5}
@@ -344,9 +358,10 @@ def test_emulation_switch_lets_tests_run_fp8_on_the_cpu(monkeypatch):
     """MEGATRON_FP8_EMULATE=1 (tests of the layouts) lets a CPU run use FP8 with emulated GEMMs and
     says so; without it the CPU is refused (previous test)."""
     cfg = tiny_config(fp8_format="hybrid")
-    assert fp8_mod.fp8_device_error(torch.device("cpu")) is not None
+    cpu = torch.device("cpu")
+    assert not fp8_mod.fp8_emulated(cpu) and fp8_mod.fp8_device_error(cpu, fp8_mod.fp8_emulated(cpu)) is not None
     monkeypatch.setenv("MEGATRON_FP8_EMULATE", "1")
-    assert fp8_mod.fp8_device_error(torch.device("cpu")) is None
+    assert fp8_mod.fp8_emulated(cpu) and fp8_mod.fp8_device_error(cpu, fp8_mod.fp8_emulated(cpu)) is None
     parse_run_config(BASE + "--bf16 --fp8-format hybrid".split())  # no error at parse time either
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
     with pytest.warns(UserWarning, match="emulated on the CPU"):
@@ -409,7 +424,7 @@ def test_layer_delayed_path_matches_the_eager_reference(algo):
     the autograd function) gives the eager reference's outputs, gradients and history, step by step."""
     recipe = Fp8Recipe("hybrid", "delayed", 4, algo)
     hist, init = torch.zeros(3, 4), torch.zeros(3, dtype=torch.bool)
-    ref = _delayed_steps(lambda x, w: fp8_matmul(x, w, recipe, hist, init, use_scaled_mm=False), algo=algo)
+    ref = _delayed_steps(lambda x, w: fp8_matmul_reference(x, w, recipe, hist, init, use_scaled_mm=False), algo=algo)
     gemm = Fp8Gemm(recipe, use_scaled_mm=False)
     got = _delayed_steps(lambda x, w: gemm(x, w, None), algo=algo)
     for a, b in zip(got, ref):
@@ -440,8 +455,8 @@ def _delayed_fp8_gpt(monkeypatch, **config) -> GPTModel:
     matmul path); its TransformerLayer.compile is aot_eager with fullgraph (a graph break fails)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    monkeypatch.setattr(fp8_mod, "fp8_device_error", lambda device: None)  # pretend Hopper
-    monkeypatch.setattr(fp8_mod.Fp8Gemm.__init__, "__defaults__", (None, False))  # the reference matmul path
+    _pretend_hopper(monkeypatch)
+    _default_scaled_mm(monkeypatch, False)  # the reference matmul path
     monkeypatch.setattr(TransformerLayer, "compile",
                         lambda self, **kw: torch.nn.Module.compile(self, backend="aot_eager", fullgraph=True))
     cfg = tiny_config(**{"fp8_format": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 4, **config})
@@ -632,24 +647,52 @@ def test_swiglu_mlp_block_is_used_where_it_applies(monkeypatch):
     assert models["fused"].state_dict().keys() == plain.state_dict().keys()
 
 
+_SWIGLU_FP8_CALLS: list[str] = []
+
+
+@torch.library.custom_op("test_fp8::record_swiglu_fp8", mutates_args=())
+def _record_swiglu_fp8(x: torch.Tensor) -> None:
+    """Records a call of the FP8 block's fused SwiGLU casts: when it runs eagerly, and when a compile
+    traces it (its fake implementation), like an op whose body the compiled graph inlines."""
+    _SWIGLU_FP8_CALLS.append("swiglu_fp8")
+
+
+@_record_swiglu_fp8.register_fake
+def _(x: torch.Tensor) -> None:
+    _SWIGLU_FP8_CALLS.append("swiglu_fp8")
+
+
+class _SwiGLUFp32(torch.autograd.Function):
+    """SwiGLU computed in fp32 and rounded once, its backward the same formula (as the FP8 block's)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return swiglu_fp32(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return swiglu_backward_torch(grad, ctx.saved_tensors[0])
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_swiglu_mlp_block_trains_like_the_two_linears(monkeypatch, compiled):
     """Three steps (the block runs from the second, once the histories are warm): losses, every weight
     gradient and every amax history equal those of the two FP8 linears with SwiGLU between them
     (computed in fp32 and rounded once, as Inductor's kernel and the block do), eager and compiled
     (fullgraph); an evaluation forward and a cold first step take the linears' path."""
-    from megatron.core.fusions import triton_kernels
     from megatron.core.fusions.compile import compile_layers
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    calls = []  # the block's two fused ops, as they run (eager, or inside the compiled graph)
-    ready = triton_kernels.ready
-    monkeypatch.setattr(triton_kernels, "ready", lambda t, kernel: (kernel != "swiglu_fp8" or not calls.append(kernel))
-                        and ready(t, kernel))
+    calls = _SWIGLU_FP8_CALLS  # the block's two fused ops, as they run (eager, or traced into the compiled graph)
+    calls.clear()
+    for name in ("swiglu_cast_transpose_amax", "swiglu_backward_cast_transpose_amax"):
+        real = getattr(fp8_swiglu_mod, name)
+        monkeypatch.setattr(fp8_swiglu_mod, name, lambda *a, _real=real: (_record_swiglu_fp8(a[0]), _real(*a))[1])
     fused, ref = _delayed_fp8_gpt(monkeypatch), _delayed_fp8_gpt(monkeypatch)
-    for m in (fused, ref):  # (on CUDA the MLPs' SwiGLU; on the CPU they compute in bf16)
+    for m in (fused, ref):  # (SwiGLU in fp32 rounded once, as the block computes it; the default is bf16)
         for layer in m.decoder.layers:
-            layer.mlp.activation = triton_kernels.SwiGLU.apply
+            layer.mlp.activation = _SwiGLUFp32.apply
     for layer in ref.decoder.layers:
         layer.mlp.fp8_swiglu = None
     if compiled:

@@ -10,24 +10,27 @@ import torch
 
 from megatron.core.transformer.transformer_layer import bias_dropout_add
 
-BiasDropoutAdd = Callable[[tuple[torch.Tensor, torch.Tensor | None], torch.Tensor, float], torch.Tensor]
+XWithBias = tuple[torch.Tensor, torch.Tensor | None]
+BiasDropoutAdd = Callable[[XWithBias, torch.Tensor, float], torch.Tensor]
 
 
 def bias_dropout_add_unfused(training: bool) -> BiasDropoutAdd:
     """``f((x, bias), residual, prob) = residual + dropout(x + bias, prob)`` (dropout only when training)."""
 
-    def _bda(x_with_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor, prob: float) -> torch.Tensor:
+    def _bda(x_with_bias: XWithBias, residual: torch.Tensor, prob: float) -> torch.Tensor:
         x, bias = x_with_bias
         return bias_dropout_add(x, bias, residual, prob, training)
 
     return _bda
 
 
-def bias_dropout_add_fused_train(x_with_bias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+def bias_dropout_add_fused_train(x_with_bias: XWithBias, residual: torch.Tensor, prob: float) -> torch.Tensor:
     return bias_dropout_add_unfused(True)(x_with_bias, residual, prob)
 
 
-def bias_dropout_add_fused_inference(x_with_bias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+def bias_dropout_add_fused_inference(
+    x_with_bias: XWithBias, residual: torch.Tensor, prob: float
+) -> torch.Tensor:
     return bias_dropout_add_unfused(False)(x_with_bias, residual, prob)
 
 
@@ -38,5 +41,9 @@ def get_bias_dropout_add(training: bool, fused: bool) -> BiasDropoutAdd:
     return bias_dropout_add_unfused(training)
 
 
-__all__ = ["bias_dropout_add_fused_inference", "bias_dropout_add_fused_train", "bias_dropout_add_unfused",
-           "get_bias_dropout_add"]
+__all__ = [
+    "bias_dropout_add_fused_inference",
+    "bias_dropout_add_fused_train",
+    "bias_dropout_add_unfused",
+    "get_bias_dropout_add",
+]
