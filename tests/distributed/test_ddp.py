@@ -365,3 +365,29 @@ def test_a_training_step_makes_no_host_transfer(ps: ParallelState, layout: str) 
     assert set(rec.seen) == {("aten.lift_fresh.default", "megatron/core/optimizer/fused_adamw.py:_hyper")}
     assert success and torch.is_tensor(grad_norm) and float(grad_norm) > 0
     opt.finish_param_sync()
+
+
+@pytest.mark.parametrize("compile_helpers", [True, False])
+def test_gradient_copies_take_the_configured_compile_choice(monkeypatch, compile_helpers: bool) -> None:
+    """The first gradient's copy and a later micro-batch's accumulation run compiled or eager as
+    DistributedDataParallelConfig.compile_helpers says (the training application's execution plan)."""
+    from megatron.core.distributed import distributed_data_parallel as ddp_mod
+
+    seen: set[tuple[str, bool]] = set()
+    for name in ("_copy", "_accumulate"):
+        real = getattr(ddp_mod, name)
+
+        def recording(*args: torch.Tensor, compile: bool, _real=real, _name=name) -> None:
+            seen.add((_name, compile))
+            _real(*args, compile=compile)
+
+        monkeypatch.setattr(ddp_mod, name, recording)
+    solo = ParallelState(grid=RankGrid(), rank=0)
+    module = _model(solo)
+    config = DistributedDataParallelConfig(alias_single_gradients=False, compile_helpers=compile_helpers)
+    model = DistributedDataParallel(module.config, config, module, solo)
+    first, second = _batches(0, 1)
+    with model.no_sync():
+        model(first, None, None, labels=first).mean().backward()
+    model(second, None, None, labels=second).mean().backward()
+    assert seen == {("_copy", compile_helpers), ("_accumulate", compile_helpers)}

@@ -74,11 +74,12 @@ class _Bucket:
     """
 
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device,
-                 aliasable: frozenset[int] = frozenset()):
+                 aliasable: frozenset[int] = frozenset(), compile_helpers: bool = True) -> None:
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.dtype, self.device = dtype, device
         self.aliasable = aliasable
+        self.compile_helpers = compile_helpers
         self.offsets: dict[int, int] = {}
         offset = 0
         for p in params:
@@ -117,7 +118,8 @@ class _Bucket:
         if key in self.aliased:
             self._to_storage(param)
         if key in self.written:
-            _accumulate(param.main_grad.view(-1), grad.view(-1))  # type: ignore[attr-defined]
+            _accumulate(param.main_grad.view(-1), grad.view(-1),  # type: ignore[attr-defined]
+                        compile=self.compile_helpers)
             return
         self.written.add(key)
         if key in self.aliasable and grad.is_contiguous():  # (a collective reduces contiguous tensors only)
@@ -126,7 +128,7 @@ class _Bucket:
             return
         self.allocate()
         if grad.is_contiguous():
-            _copy(param.main_grad.view(-1), grad.view(-1))  # type: ignore[attr-defined]
+            _copy(param.main_grad.view(-1), grad.view(-1), compile=self.compile_helpers)  # type: ignore[attr-defined]
         else:
             param.main_grad.copy_(grad)  # type: ignore[attr-defined]
 
@@ -233,7 +235,8 @@ class DistributedDataParallel(nn.Module):
             groups = cut([p for p in params if id(p) in aliasable]) + cut([p for p in params if id(p) not in aliasable])
         else:
             groups = cut(params)
-        return [_Bucket(g, dtype, device, frozenset(id(p) for p in g) & aliasable) for g in groups]
+        return [_Bucket(g, dtype, device, frozenset(id(p) for p in g) & aliasable, self.ddp_config.compile_helpers)
+                for g in groups]
 
     @property
     def grad_buffer(self) -> torch.Tensor:

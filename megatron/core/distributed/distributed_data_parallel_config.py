@@ -31,3 +31,7 @@ class DistributedDataParallelConfig:
               "the bucket: without data-parallel reduction always (exact: the optimizer reads it in fp32), with "
               "it where the parameter's dtype is the reduction's (then reduced in place). A second micro-batch "
               "moves it into the bucket, so accumulation still sums in the bucket's dtype.", flag=None)
+    compile_helpers: bool = doc(
+        True, "On CUDA, run the gradient copy into the bucket and the accumulation of later micro-batches as "
+              "torch.compile'd kernels (same values as eager); the training application takes it from its "
+              "execution plan (off with --torch-compile off). No effect on the CPU.", flag=None)

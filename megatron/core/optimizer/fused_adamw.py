@@ -72,7 +72,7 @@ def _hyper(group: dict, device: torch.device) -> torch.Tensor:
 @torch.no_grad()
 def adamw_step(optimizer: torch.optim.Optimizer, model_params: Mapping[int, torch.Tensor],
                divisor: torch.Tensor | None, dynamic: bool = False,
-               grads: Mapping[int, torch.Tensor] | None = None) -> None:
+               grads: Mapping[int, torch.Tensor] | None = None, compile: bool = True) -> None:
     """Step every param of ``optimizer`` that has a gradient (``grads``, else ``.grad``).
 
     Args:
@@ -82,6 +82,7 @@ def adamw_step(optimizer: torch.optim.Optimizer, model_params: Mapping[int, torc
         divisor: 0-dim fp32 device tensor the gradients are divided by (clipping), or None.
         dynamic: compile one size-generic kernel instead of one per tensor size.
         grads: ``id(main param) -> gradient`` (any float dtype, read in fp32) replacing ``.grad``.
+        compile: run the compiled kernels on CUDA (``OptimizerConfig.compile_helpers``); eager otherwise.
     """
     update_main, update_main_and_model = KERNELS[dynamic]
     if grads is None:
@@ -109,6 +110,6 @@ def adamw_step(optimizer: torch.optim.Optimizer, model_params: Mapping[int, torc
                     hyper, div)
             model = model_params.get(id(p))
             if model is None:
-                update_main(*args)
+                update_main(*args, compile=compile)
             else:
-                update_main_and_model(*args, model.view(-1))
+                update_main_and_model(*args, model.view(-1), compile=compile)

@@ -205,7 +205,8 @@ class MegatronOptimizer:
         if self._one_pass_adamw:
             divisor = self._clip_divisor(grad_norm) if present else None
             adamw_step(self.optimizer, self._model_of_main, divisor,
-                       grads={id(m): g for m, g in zip(self.main_params, grads) if g is not None})
+                       grads={id(m): g for m, g in zip(self.main_params, grads) if g is not None},
+                       compile=self.config.compile_helpers)
         else:
             self._clipped_inner_step(present, grad_norm)
             self._copy_main_params_to_model_params()

@@ -80,6 +80,10 @@ class OptimizerConfig:
     log_num_zeros_in_grad: bool = doc(
         False, "Count zero gradient elements each step (reported as 'num zeros'); costs one extra pass."
     )
+    compile_helpers: bool = doc(
+        True, "On CUDA, run the one-pass AdamW step (use_fused_adam) as torch.compile'd kernels (same values as "
+              "eager); the training application takes it from its execution plan (off with --torch-compile off). "
+              "No effect on the CPU.", flag=None)
     use_fused_adam: bool = doc(
         True, "Use torch's fused/foreach multi-tensor Adam kernels where the device supports them.", flag=None
     )
