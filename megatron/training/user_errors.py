@@ -30,7 +30,7 @@ DATASET_FLAGS: dict[str, str] = {
     "sequence_length": "--seq-length",
     "path_to_cache": "--data-cache-path",
     "blend": "--data-path",
-    "blend_per_split": "--train-data-path / --valid-data-path / --test-data-path",
+    "blend_per_split": "--train/valid/test-data-path",
     "split": "--split",
     "random_seed": "--seed",
     "mid_level_dataset_surplus": "--mid-level-dataset-surplus",

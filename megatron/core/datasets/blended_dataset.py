@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.datasets import helpers
 from megatron.core.datasets.utils import (
     build_or_wait,
@@ -34,17 +35,17 @@ class BlendedDataset(Dataset):
         config: the dataset config (``path_to_cache`` enables the blend cache).
 
     Raises:
-        ValueError: a child is asked for more samples than it holds (raise
-        ``--mid-level-dataset-surplus``).
+        ConfigError: a child is asked for more samples than it holds (raise
+        ``mid_level_dataset_surplus``).
 
     ``self[i]`` is the child's sample dict plus ``dataset_id`` (int64 scalar tensor).
     """
 
     def __init__(self, datasets: list[Any], weights: list[float], size: int | None, config: Any) -> None:
         if len(datasets) != len(weights) or not datasets:
-            raise ValueError("BlendedDataset needs one weight per dataset")
+            raise ConfigError("BlendedDataset needs one weight per dataset", params=("weights",))
         if len(datasets) >= np.iinfo(np.int16).max:
-            raise ValueError(f"at most {np.iinfo(np.int16).max - 1} datasets can be blended")
+            raise ConfigError(f"at most {np.iinfo(np.int16).max - 1} datasets can be blended")
         self.datasets = datasets
         total = float(sum(weights))
         self.weights = [float(w) / total for w in weights]
@@ -85,10 +86,10 @@ class BlendedDataset(Dataset):
         counts = np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
         for d, (n, ds) in enumerate(zip(counts, self.datasets)):
             if n > len(ds):
-                raise ValueError(
+                raise ConfigError(
                     f"the blend draws {n} samples from dataset {d} ({getattr(ds, 'dataset_path', '?')}) which "
-                    f"has {len(ds)}; raise --mid-level-dataset-surplus (now "
-                    f"{getattr(self.config, 'mid_level_dataset_surplus', '?')})"
+                    f"has {len(ds)}; raise mid_level_dataset_surplus (now "
+                    f"{getattr(self.config, 'mid_level_dataset_surplus', '?')})", params=("mid_level_dataset_surplus",)
                 )
 
     def realised_weights(self) -> list[float]:

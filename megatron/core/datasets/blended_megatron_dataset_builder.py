@@ -8,7 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.errors import DataError
 from megatron.core.datasets.utils import Split, normalize
 
 Blend = tuple[list[str], list[float] | None]
@@ -87,7 +89,7 @@ class BlendedMegatronDatasetBuilder:
             return self._build_splits(prefixes[0], split, sizes)
         if weights is not None:
             if len(weights) != len(prefixes):
-                raise ValueError(f"--data-path: {len(weights)} weights for {len(prefixes)} prefixes")
+                raise ConfigError(f"blend: {len(weights)} weights for {len(prefixes)} prefixes", params=("blend",))
             weights = normalize(weights)
             target, buffer = get_size_per_split_per_dataset(weights, sizes, self.config.mid_level_dataset_surplus)
             per_dataset = [self._build_splits(p, split, buffer[d]) for d, p in enumerate(prefixes)]
@@ -119,7 +121,7 @@ class BlendedMegatronDatasetBuilder:
         weights cannot be honoured); an unweighted one when all of them are.
 
         Raises:
-            ValueError: the train split is empty and train samples are asked for (``sizes[0]`` is
+            DataError: the train split is empty and train samples are asked for (``sizes[0]`` is
                 not 0; None asks for one epoch).
         """
         if self._empty is not None:
@@ -137,7 +139,7 @@ class BlendedMegatronDatasetBuilder:
         if Split.train in self._empty and self.sizes[0] != 0:
             fix = ("give --train-data-path more tokens" if self.config.blend_per_split is not None
                    else "give it a share, e.g. --split 969,30,1")
-            raise ValueError(f"train split is empty ({self._empty[Split.train]}); {fix}")
+            raise DataError(f"train split is empty ({self._empty[Split.train]}); {fix}")
         return self._empty
 
     def _split_sources(self) -> list[tuple[Any, tuple[float, float] | None, str]]:

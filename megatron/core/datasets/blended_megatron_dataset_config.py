@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.datasets.utils import (
     Split,
     convert_split_vector_to_split_matrix,
@@ -33,7 +34,7 @@ class BlendedMegatronDatasetConfig:
     Mock mode (``mock``) is on when neither ``blend`` nor ``blend_per_split`` names a dataset.
 
     Raises (from ``__post_init__``):
-        ValueError: naming the field, for a non-positive ``sequence_length``, ``blend`` together
+        ConfigError: naming the field, for a non-positive ``sequence_length``, ``blend`` together
             with ``blend_per_split`` (or ``split`` with ``blend_per_split``), a ``blend_per_split``
             without 3 entries, weights not one per prefix, ``blend`` without ``split``, or
             ``fast_cache_load`` / ``defer_npy_index_mmap`` without ``path_to_cache``.
@@ -83,18 +84,19 @@ class BlendedMegatronDatasetConfig:
 
     def __post_init__(self) -> None:
         if self.sequence_length is None or self.sequence_length < 1:
-            raise ValueError(f"sequence_length (--seq-length) must be >= 1, got {self.sequence_length}")
+            raise ConfigError(f"sequence_length must be >= 1, got {self.sequence_length}", params=("sequence_length",))
         for name in ("fast_cache_load", "defer_npy_index_mmap"):
             if getattr(self, name) and self.path_to_cache is None:
-                raise ValueError(f"{name} needs path_to_cache (--data-cache-path)")
+                raise ConfigError(f"{name} needs path_to_cache", params=(name, "path_to_cache"))
         if self.fast_cache_load and self.blend is not None:
-            raise ValueError("fast_cache_load cannot be used with blend (--data-path); give blend_per_split")
+            raise ConfigError("fast_cache_load cannot be used with blend; give blend_per_split",
+                              params=("fast_cache_load", "blend"))
         if self.blend_per_split is not None and any(self.blend_per_split):
             self._check_blend_per_split()
         elif self.blend is not None:
             _check_weights(self.blend, "blend")
             if self.split is None:
-                raise ValueError("split (--split, e.g. 969,30,1) is required with blend (--data-path)")
+                raise ConfigError("split (e.g. 969,30,1) is required with blend", params=("split", "blend"))
         else:
             self.blend_per_split = None
             self.mock = True
@@ -106,24 +108,25 @@ class BlendedMegatronDatasetConfig:
     def _check_blend_per_split(self) -> None:
         assert self.blend_per_split is not None
         if self.blend is not None:
-            raise ValueError("blend and blend_per_split are incompatible: give either --data-path or "
-                             "--train/valid/test-data-path, not both")
+            raise ConfigError("blend and blend_per_split are incompatible: give one of them, not both",
+                              params=("blend", "blend_per_split"))
         if self.split is not None:
-            raise ValueError("split and blend_per_split are incompatible: --split applies to --data-path only")
+            raise ConfigError("split and blend_per_split are incompatible: split applies to blend only",
+                              params=("split", "blend_per_split", "blend"))
         if len(self.blend_per_split) != len(Split):
-            raise ValueError(f"blend_per_split needs {len(Split)} entries (or None) for train, valid, test, "
-                             f"got {len(self.blend_per_split)}")
+            raise ConfigError(f"blend_per_split needs {len(Split)} entries (or None) for train, valid, test, "
+                              f"got {len(self.blend_per_split)}", params=("blend_per_split",))
         for s in Split:
             b = self.blend_per_split[s.value]
             if b is not None:
-                _check_weights(b, f"blend_per_split[{s.value}] ({s.name})")
+                _check_weights(b, f"blend_per_split[{s.value}] ({s.name})", "blend_per_split")
 
     def emit(self, msg: str) -> None:
         (self.log or logger.info)(msg)
 
 
-def _check_weights(blend: Blend, name: str) -> None:
+def _check_weights(blend: Blend, name: str, param: str = "blend") -> None:
     prefixes, weights = blend
     if weights is not None and len(weights) != len(prefixes):
-        raise ValueError(f"{name}: {len(weights)} weights for {len(prefixes)} prefixes; give one weight per "
-                         "prefix, or None")
+        raise ConfigError(f"{name}: {len(weights)} weights for {len(prefixes)} prefixes; give one weight per "
+                          "prefix, or None", params=(param,))

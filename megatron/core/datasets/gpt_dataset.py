@@ -25,8 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.datasets import helpers
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
+from megatron.core.datasets.errors import DataError
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split, build_or_wait, cache_complete, cache_paths, load_cache
@@ -41,7 +43,7 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     0.19.2's fields and defaults).
 
     Raises (from ``__post_init__``):
-        ValueError: no ``tokenizer``; ``hybrid_context_parallel`` (not built here); or
+        ConfigError: no ``tokenizer``; ``hybrid_context_parallel`` (not built here); or
             ``sequences_per_dataset`` with a tokenizer of unknown ``vocab_size``.
     """
 
@@ -80,13 +82,16 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.tokenizer is None:
-            raise ValueError("GPTDatasetConfig needs a tokenizer (its eod id and identifiers are used)")
+            raise ConfigError("GPTDatasetConfig needs a tokenizer (its eod id and identifiers are used)",
+                              params=("tokenizer",))
         if self.hybrid_context_parallel:
-            raise ValueError("hybrid_context_parallel=True is not supported here; leave it False")
+            raise ConfigError("hybrid_context_parallel=True is not supported here; leave it False",
+                              params=("hybrid_context_parallel",))
         vocab = getattr(self.tokenizer, "vocab_size", None)
         self.token_dtype_code = None if vocab is None else (4 if vocab > np.iinfo(np.uint16).max + 1 else 8)
         if self.sequences_per_dataset is not None and self.token_dtype_code is None:
-            raise ValueError("sequences_per_dataset needs a tokenizer with a vocab_size")
+            raise ConfigError("sequences_per_dataset needs a tokenizer with a vocab_size",
+                              params=("sequences_per_dataset", "tokenizer"))
 
 
 def index_cache_dir(config: GPTDatasetConfig, dataset_path: str | None, class_name: str = "GPTDataset") -> str | None:
@@ -129,8 +134,8 @@ class GPTDataset(MegatronDataset):
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> Any:
         if str(dataset_path).startswith(("s3://", "msc://")):
-            raise ValueError(f"dataset path {dataset_path!r}: object storage (s3://, msc://) is not supported; "
-                             "copy the files to a local path")
+            raise ConfigError(f"dataset path {dataset_path!r}: object storage (s3://, msc://) is not supported; "
+                              "copy the files to a local path")
         return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files)
 
     # ------------------------------------------------------------------ indices
@@ -171,8 +176,8 @@ class GPTDataset(MegatronDataset):
             ok = (total - extra) // S <= n <= -(-(total - extra) // S)
             ok = ok and int(np.max(doc_index)) < len(self.dataset.sequence_lengths)
         if not ok:
-            raise ValueError(f"index cache {where!r} does not match the data files of {self.dataset_path}; "
-                             "delete the cache (or use a fresh --data-cache-path)")
+            raise DataError(f"index cache {where!r} does not match the data files of {self.dataset_path}; "
+                            "delete the cache (or use a fresh path_to_cache)", params=("path_to_cache",))
 
     def _build_indices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         t0 = time.perf_counter()
@@ -182,10 +187,10 @@ class GPTDataset(MegatronDataset):
         tokens_per_epoch = int(sizes[self.indices].sum(dtype=np.int64)) if len(self.indices) else 0
         if tokens_per_epoch < S + extra:
             if self.num_samples:
-                raise ValueError(
-                    f"the {self.index_split.name} split of {self.dataset_path or 'mock data'} has {len(self.indices)} "
-                    f"documents and {tokens_per_epoch} tokens, fewer than one sample of {S + extra}; "
-                    "give it a larger share with --split or use more data"
+                raise DataError(
+                    f"{self.index_split.name} data: {len(self.indices)} documents of {self.dataset_path or 'mock data'} "
+                    f"hold {tokens_per_epoch} tokens, fewer than one sample of {S + extra}; "
+                    "give it a larger share with split or use more data", params=("split",)
                 )
             empty = np.zeros(0, np.int32)
             return empty, np.zeros((0, 2), np.int32), np.zeros(0, np.uint32)

@@ -14,7 +14,7 @@
 
 ``.bin`` is the raw concatenation of every sequence's tokens in that dtype, no header.
 Reads are memory-mapped views (no copy). Every inconsistency between the two files raises a
-``ValueError`` naming the file.
+``DataError`` naming the file.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.datasets import integrity
+from megatron.core.datasets.errors import DataError
 from megatron.core.datasets.integrity import tmp_path
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -51,7 +53,7 @@ class DType(IntEnum):
     def code_from_dtype(cls, dtype: Any) -> int:
         name = np.dtype(dtype).name
         if name not in cls.__members__:
-            raise ValueError(f"dtype {name} cannot be stored in a .bin file; use one of {list(cls.__members__)}")
+            raise ConfigError(f"dtype {name} cannot be stored in a .bin file; use one of {list(cls.__members__)}")
         return int(cls[name])
 
     @classmethod
@@ -111,26 +113,26 @@ class IndexReader:
     def __init__(self, idx_path: str, multimodal: bool = False) -> None:
         self.path = idx_path
         if not os.path.isfile(idx_path):
-            raise ValueError(f"index file {idx_path!r} does not exist")
+            raise DataError(f"index file {idx_path!r} does not exist")
         size = os.path.getsize(idx_path)
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_SIZE)
         if len(header) < HEADER_SIZE or header[:9] != MAGIC:
-            raise ValueError(f"{idx_path!r} is not a Megatron .idx file (bad magic {header[:9]!r}, want {MAGIC!r})")
+            raise DataError(f"{idx_path!r} is not a Megatron .idx file (bad magic {header[:9]!r}, want {MAGIC!r})")
         (version,) = struct.unpack("<Q", header[9:17])
         if version != VERSION:
-            raise ValueError(f"{idx_path!r} has .idx version {version}; only version {VERSION} is supported")
+            raise DataError(f"{idx_path!r} has .idx version {version}; only version {VERSION} is supported")
         (code,) = struct.unpack("<B", header[17:18])
         if code not in {int(c) for c in DType}:
-            raise ValueError(f"{idx_path!r} has an unknown dtype code {code}")
+            raise DataError(f"{idx_path!r} has an unknown dtype code {code}")
         self.dtype = DType.dtype_from_code(code)
         self.dtype_size = np.dtype(self.dtype).itemsize
         n, d = struct.unpack("<QQ", header[18:34])
         expected = HEADER_SIZE + 12 * n + 8 * d + (n if multimodal else 0)
         if size < expected:
-            raise ValueError(f"{idx_path!r} is truncated: {size} bytes, the header promises {expected}")
+            raise DataError(f"{idx_path!r} is truncated: {size} bytes, the header promises {expected}")
         if size not in (expected, expected + (0 if multimodal else n)):  # text data may be read from a multimodal .idx
-            raise ValueError(f"{idx_path!r} is corrupt: {size} bytes, its header describes {expected} "
+            raise DataError(f"{idx_path!r} is corrupt: {size} bytes, its header describes {expected} "
                              f"({n} sequences, {max(d - 1, 0)} documents)")
         self.sequence_count, self.document_count = int(n), int(d)
         buf = np.memmap(idx_path, mode="r", order="C")
@@ -144,7 +146,7 @@ class IndexReader:
         off += 8 * d
         self.sequence_modes = np.frombuffer(buf, dtype=np.int8, count=n, offset=off) if multimodal else None
         if d < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != n:
-            raise ValueError(f"{idx_path!r} is corrupt: document indices must run from 0 to {n}")
+            raise DataError(f"{idx_path!r} is corrupt: document indices must run from 0 to {n}")
 
     def __len__(self) -> int:
         return self.sequence_count
@@ -159,7 +161,7 @@ class IndexedDataset:
         mmap: memory-map the ``.bin`` (``--no-mmap-bin-files`` reads with plain file I/O).
 
     Raises:
-        ValueError: a missing or corrupt file, or a ``.bin`` whose size is not exactly the end of
+        DataError: a missing or corrupt file, or a ``.bin`` whose size is not exactly the end of
             the index's last document (the two files were not written together).
     """
 
@@ -173,16 +175,16 @@ class IndexedDataset:
         self.index = IndexReader(index_file_path(self.path_prefix), self.multimodal)
         bin_path = data_file_path(self.path_prefix)
         if not os.path.isfile(bin_path):
-            raise ValueError(f"data file {bin_path!r} does not exist (its index {self.index.path!r} does)")
+            raise DataError(f"data file {bin_path!r} does not exist (its index {self.index.path!r} does)")
         n = self.index.sequence_count
         needed = 0
         if n:
             needed = int(self.index.sequence_pointers[-1]) + int(self.index.sequence_lengths[-1]) * self.index.dtype_size
         have = os.path.getsize(bin_path)
         if have < needed:
-            raise ValueError(f"data file {bin_path!r} is truncated: {have} bytes, its index needs {needed}")
+            raise DataError(f"data file {bin_path!r} is truncated: {have} bytes, its index needs {needed}")
         if have > needed:  # Megatron writes exactly the tokens: more bytes mean the files were not written together
-            raise ValueError(
+            raise DataError(
                 f"data file {bin_path!r} holds {have} bytes, but its index {self.index.path!r} ends its last "
                 f"document at byte {needed}: they are not one dataset (an .idx of another corpus, or a .bin "
                 "written again without its .idx); write both again (tools/preprocess_data.py)")
@@ -335,11 +337,11 @@ class IndexedDatasetBuilder:
         """Append every sequence and document of another dataset (same dtype)."""
         index = IndexReader(index_file_path(path_prefix), self.multimodal)
         if np.dtype(index.dtype) != self.dtype:
-            raise ValueError(f"{index.path!r} stores {np.dtype(index.dtype).name}, this builder writes {self.dtype.name}")
+            raise DataError(f"{index.path!r} stores {np.dtype(index.dtype).name}, this builder writes {self.dtype.name}")
         nbytes = int(index.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
         have = os.path.getsize(data_file_path(path_prefix))
         if have != nbytes:
-            raise ValueError(f"data file {data_file_path(path_prefix)!r} holds {have} bytes, its index {index.path!r} "
+            raise DataError(f"data file {data_file_path(path_prefix)!r} holds {have} bytes, its index {index.path!r} "
                              f"describes {nbytes}")
         self._flush_pending()
         self._lengths.append(np.array(index.sequence_lengths, dtype=np.int32))

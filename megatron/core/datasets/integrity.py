@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron.core.datasets.errors import DataError
 from megatron.core.datasets.utils import build_or_wait_json
 
 RECORD_FORMAT = "megatron-indexed-dataset-checksum"
@@ -97,7 +98,7 @@ def read_record(prefix: str) -> dict | None:
     """The pair's checksum record, or None when it has none (data from Megatron-LM or elsewhere).
 
     Raises:
-        ValueError: the record is unreadable, or of another format or version.
+        DataError: the record is unreadable, or of another format or version.
     """
     path = record_path(prefix)
     if not os.path.isfile(path):
@@ -106,12 +107,12 @@ def read_record(prefix: str) -> dict | None:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"checksum record {path!r} cannot be read ({exc}); delete it to use "
+        raise DataError(f"checksum record {path!r} cannot be read ({exc}); delete it to use "
                          f"{prefix}.bin/.idx unverified") from None
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
-        raise ValueError(f"{path!r} is not a checksum record (want format {RECORD_FORMAT!r}); move it away")
+        raise DataError(f"{path!r} is not a checksum record (want format {RECORD_FORMAT!r}); move it away")
     if record.get("version") != RECORD_VERSION:
-        raise ValueError(f"checksum record {path!r} has version {record.get('version')}; only version "
+        raise DataError(f"checksum record {path!r} has version {record.get('version')}; only version "
                          f"{RECORD_VERSION} is supported")
     return record
 
@@ -135,10 +136,10 @@ def _record_mismatch(prefix: str, record: dict, dtype: Any) -> str | None:
 
 
 def verify_record(prefix: str, record: dict, dtype: Any) -> None:
-    """Raises ValueError when the pair is not the one its record describes."""
+    """Raises DataError when the pair is not the one its record describes."""
     why = _record_mismatch(prefix, record, dtype)
     if why is not None:
-        raise ValueError(
+        raise DataError(
             f"{prefix}.bin/.idx do not match their checksum record {record_path(prefix)!r} ({why}): the files "
             "changed after they were written, or a rewrite was interrupted between its renames; write the "
             "dataset again (tools/preprocess_data.py), or delete the record if you replaced the files on purpose")
@@ -151,26 +152,26 @@ def check_index_contents(index: Any, bin_size: int) -> None:
     never go back, and a last sequence that ends where the ``.bin`` ends. One vectorised pass.
 
     Raises:
-        ValueError: naming the ``.idx`` and the first sequence or document that breaks a rule.
+        DataError: naming the ``.idx`` and the first sequence or document that breaks a rule.
     """
     lengths, pointers, docs = index.sequence_lengths, index.sequence_pointers, index.document_indices
     where = index.path
     if len(lengths) and int(lengths.min()) < 0:
-        raise ValueError(f"{where!r} is corrupt: sequence {int(np.argmax(lengths < 0))} has a negative length")
+        raise DataError(f"{where!r} is corrupt: sequence {int(np.argmax(lengths < 0))} has a negative length")
     expected = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths[:-1], dtype=np.int64, out=expected[1:])
     expected *= index.dtype_size
     bad = np.flatnonzero(expected != pointers)
     if len(bad):
         i = int(bad[0])
-        raise ValueError(f"{where!r} is corrupt: sequence {i} starts at byte {int(pointers[i])}, but the lengths "
+        raise DataError(f"{where!r} is corrupt: sequence {i} starts at byte {int(pointers[i])}, but the lengths "
                          f"before it end at byte {int(expected[i])}")
     if len(docs) > 1 and (np.diff(docs) < 0).any():
         j = int(np.argmax(np.diff(docs) < 0))
-        raise ValueError(f"{where!r} is corrupt: document {j} ends before it starts ({int(docs[j])} > {int(docs[j + 1])})")
+        raise DataError(f"{where!r} is corrupt: document {j} ends before it starts ({int(docs[j])} > {int(docs[j + 1])})")
     end = int(lengths.sum(dtype=np.int64)) * index.dtype_size
     if end != bin_size:
-        raise ValueError(f"{where!r} ends its last sequence at byte {end}, but the .bin holds {bin_size} bytes")
+        raise DataError(f"{where!r} ends its last sequence at byte {end}, but the .bin holds {bin_size} bytes")
 
 
 # ---------------------------------------------------------------------------------------- token ids
@@ -247,7 +248,7 @@ def verify_dataset(dataset: Any) -> dict | None:
     in the eod string is valid, and a rule that allows all of them catches nothing.
 
     Raises:
-        ValueError: naming the file and what is wrong.
+        DataError: naming the file and what is wrong.
     """
     prefix = dataset.path_prefix
     check_index_contents(dataset.index, os.path.getsize(prefix + ".bin"))
@@ -294,14 +295,14 @@ def dataset_stats(dataset: Any, cache_dir: str, timeout_s: float, log: Callable[
     as ``{md5}-IndexedDataset-stats.json`` (the md5 of ``stats_key``: path, and size, mtime and
     inode of the ``.bin``, ``.idx`` and record, so that any rewrite computes them again). Later
     runs read one small file. Global rank 0 computes; the other ranks poll for its file, and a
-    ``ValueError`` it raised is raised on them too, so every rank stops with the same message.
+    ``DataError`` it raised is raised on them too, so every rank stops with the same message.
 
     Returns:
         ``{"token_id_min", "token_id_max", "checksum"}``: the ids (None for a pair without
         tokens) and whether a checksum record was verified.
 
     Raises:
-        ValueError: the pair fails ``verify_dataset``, or ``cache_dir`` cannot be written.
+        DataError: the pair fails ``verify_dataset``, or ``cache_dir`` cannot be written.
     """
     key = stats_key(dataset.path_prefix)
     digest = hashlib.md5(json.dumps(key, sort_keys=True).encode()).hexdigest()

@@ -8,8 +8,12 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from enum import Enum
+from typing import Any
 
 import numpy as np
+
+from megatron.core.config_utils import ConfigError
+from megatron.core.datasets.errors import DataError
 
 # Megatron-Core's datasets.utils has it.
 from megatron.core.logging_utils import log_single_rank as log_single_rank
@@ -25,7 +29,8 @@ def normalize(weights: Sequence[float]) -> list[float]:
     """Scale non-negative weights to sum to 1."""
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or len(w) == 0 or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"blend weights must be non-negative and not all zero, got {list(weights)}")
+        raise ConfigError(f"blend weights must be non-negative and not all zero, got {list(weights)}",
+                          params=("blend",))
     return (w / w.sum()).tolist()
 
 
@@ -33,10 +38,10 @@ def parse_and_normalize_split(split: str) -> list[float]:
     """``"969,30,1"`` (any separators) -> ``[0.969, 0.030, 0.001]``; missing entries are 0."""
     values = [float(x) for x in re.findall(r"[.0-9]+", split)]
     if not 1 <= len(values) <= 3:
-        raise ValueError(f"--split {split!r} must hold 1 to 3 numbers, e.g. '969,30,1'")
+        raise ConfigError(f"split {split!r} must hold 1 to 3 numbers, e.g. '969,30,1'", params=("split",))
     values += [0.0] * (3 - len(values))
     if sum(values) <= 0:
-        raise ValueError(f"--split {split!r} must have a positive total")
+        raise ConfigError(f"split {split!r} must have a positive total", params=("split",))
     return normalize(values)
 
 
@@ -66,7 +71,7 @@ def get_blend_from_list(blend: Sequence[str] | None, flag: str = "--data-path") 
     means prefixes only (Megatron's rule).
 
     Raises:
-        ValueError: read as prefixes only, the list holds a number that names no dataset (no
+        ConfigError: read as prefixes only, the list holds a number that names no dataset (no
             ``.idx`` file): weights and prefixes that do not alternate, e.g. ``0.5 A 0.5``.
     """
     if blend is None:
@@ -100,7 +105,7 @@ def _check_prefixes_only(items: list[str], flag: str) -> None:
     else:
         bad = next(x for x in items[0::2] if not _is_number(x))
         why = f"{bad!r} stands where a weight should be"
-    raise ValueError(f"{flag} {' '.join(items)!r}: weights and prefixes must alternate (WEIGHT PREFIX "
+    raise ConfigError(f"{flag} {' '.join(items)!r}: weights and prefixes must alternate (WEIGHT PREFIX "
                      f"[WEIGHT PREFIX ...], e.g. 0.3 A 0.7 B) or be prefixes only; {why}")
 
 
@@ -134,14 +139,14 @@ def load_cache(paths: dict[str, str], description: str) -> dict[str, np.ndarray]
     """Memory-map the cached arrays; a description mismatch (hash collision, edit) raises."""
     with open(paths["description.txt"], encoding="utf-8") as f:
         if f.read() != description:
-            raise ValueError(f"cache file {paths['description.txt']!r} does not match this dataset; delete it")
+            raise DataError(f"cache file {paths['description.txt']!r} does not match this dataset; delete it")
     out = {}
     for suffix, path in paths.items():
         if suffix.endswith(".npy"):
             try:
                 out[suffix] = np.load(path, mmap_mode="r", allow_pickle=False)
             except (ValueError, OSError) as exc:
-                raise ValueError(f"cache file {path!r} is corrupt ({exc}); delete it to rebuild") from None
+                raise DataError(f"cache file {path!r} is corrupt ({exc}); delete it to rebuild") from None
     return out
 
 
@@ -225,15 +230,23 @@ def _read_json_result(path: str, key: dict) -> dict | None:
     return cached["result"]
 
 
+# The user's errors that a waiting rank raises as the builder rank did, by type name.
+_REPORTED: dict[str, type[DataError] | type[ConfigError]] = {"DataError": DataError, "ConfigError": ConfigError}
+
+
 def _raise_reported(marker: str) -> None:
-    """Raise the failure the builder rank left in ``marker``: a ``ValueError`` (a user error) as
-    one, so that every rank reports the same message; anything else as a RuntimeError."""
+    """Raise the failure the builder rank left in ``marker``: a ``DataError``, ``ConfigError`` or
+    ``ValueError`` as one (with its ``params``), so that every rank reports the same message;
+    anything else as a RuntimeError."""
     try:
         with open(marker, encoding="utf-8") as f:
             failure = json.load(f)
         kind, message = str(failure["type"]), str(failure["message"])
+        params = tuple(failure.get("params", ()))
     except (OSError, ValueError, KeyError, TypeError):
         return  # half written: look again on the next poll
+    if kind in _REPORTED:
+        raise _REPORTED[kind](message, params=params)
     if kind == "ValueError":
         raise ValueError(message)
     raise RuntimeError(f"the rank computing {marker[:-len('.error')]!r} failed: {kind}: {message}")
@@ -247,7 +260,8 @@ def build_or_wait_json(path: str, key: dict, build: Callable[[], dict], timeout_
     ranks poll for it. A failure of rank 0 goes into ``path + ".error"``, which the others raise.
 
     Raises:
-        ValueError: ``build`` raised one (on every rank), or ``path`` cannot be written.
+        DataError, ConfigError, ValueError: ``build`` raised one (on every rank); DataError:
+            ``path`` cannot be written.
         RuntimeError: rank 0 failed otherwise, or ``timeout_s`` passed.
     """
     found = _read_json_result(path, key)
@@ -275,7 +289,7 @@ def build_or_wait_json(path: str, key: dict, build: Callable[[], dict], timeout_
     try:
         result = build()
     except Exception as exc:
-        _report_failure(marker, type(exc).__name__, str(exc))
+        _report_failure(marker, type(exc).__name__, str(exc), getattr(exc, "params", ()))
         raise
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -284,18 +298,21 @@ def build_or_wait_json(path: str, key: dict, build: Callable[[], dict], timeout_
             json.dump({"key": key, "result": result}, f, indent=1)
         os.replace(tmp, path)
     except OSError as exc:
-        message = f"cannot write {path!r} ({exc.strerror or exc}); give a writable --data-cache-path"
-        _report_failure(marker, "ValueError", message)
-        raise ValueError(message) from None
+        message = f"cannot write {path!r} ({exc.strerror or exc}); give a writable path_to_cache"
+        _report_failure(marker, "DataError", message, ("path_to_cache",))
+        raise DataError(message, params=("path_to_cache",)) from None
     return result
 
 
-def _report_failure(marker: str, kind: str, message: str) -> None:
+def _report_failure(marker: str, kind: str, message: str, params: Sequence[str] = ()) -> None:
+    failure: dict[str, Any] = {"type": kind, "message": message}
+    if params:
+        failure["params"] = list(params)
     try:
         os.makedirs(os.path.dirname(marker) or ".", exist_ok=True)
         tmp = f"{marker}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"type": kind, "message": message}, f)
+            json.dump(failure, f)
         os.replace(tmp, marker)
     except OSError:  # an unwritable cache directory: the waiting ranks time out instead
         pass

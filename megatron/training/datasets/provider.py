@@ -30,8 +30,8 @@ def _check_prefixes(blend: tuple[list[str], list[float] | None] | None, flag: st
                                  ".bin/.idx, as written by tools/preprocess_data.py") from None
         try:
             IndexedDataset(prefix, mmap=mmap)
-        except ValueError as exc:
-            raise DataError(f"{flag}: {exc}") from None
+        except DataError as exc:
+            raise DataError(f"{flag}: {exc}", params=exc.params) from None
 
 
 def is_dataset_built_on_rank(parallel_state: Any | None) -> bool:
@@ -47,7 +47,7 @@ def core_gpt_dataset_config(data_cfg: Any, tokenizer: Any, seq_length: int, seed
     """The GPTDatasetConfig a DataConfig describes (blend, per-split blends or mock data).
 
     Raises:
-        ValueError: no data source, a missing/corrupt file (naming the flag), or bad weights.
+        ConfigError, DataError: no data source, a missing/corrupt file (naming the flag), or bad weights.
     """
     blend = get_blend_from_list(data_cfg.data_path)
     per_split = [get_blend_from_list(getattr(data_cfg, f"{s}_data_path", None), f"--{s}-data-path")
@@ -117,7 +117,7 @@ def check_token_ids(flag: str, prefix: str, token_range: tuple[int | None, int |
     tokenizer (or is corrupt) and would train silently on the wrong ids. No valid data holds either.
 
     Raises:
-        ValueError: naming the flag, the ``.bin``, the id, the tokenizer and what the id would do.
+        DataError: naming the flag, the ``.bin``, the id, the tokenizer and what the id would do.
     """
     lo, hi = token_range
     if lo is None or hi is None:
@@ -146,7 +146,7 @@ def check_data(config: GPTDatasetConfig, padded_vocab_size: int | None = None,
     checksum record holds the ids) and read from the index cache directory afterwards.
 
     Raises:
-        ValueError: on every rank alike, naming the flag and the file.
+        DataError: on every rank alike, naming the flag and the file.
     """
     for prefix, flag in named_prefixes(config).items():
         cache_dir = index_cache_dir(config, prefix)
@@ -154,8 +154,8 @@ def check_data(config: GPTDatasetConfig, padded_vocab_size: int | None = None,
         try:
             stats = dataset_stats(IndexedDataset(prefix, mmap=config.mmap_bin_files), cache_dir,
                                   config.cache_wait_timeout_s, log)
-        except ValueError as exc:
-            raise DataError(f"{flag}: {exc}") from None
+        except DataError as exc:
+            raise DataError(f"{flag}: {exc}", params=exc.params) from None
         check_token_ids(flag, prefix, (stats["token_id_min"], stats["token_id_max"]), config.tokenizer,
                         padded_vocab_size)
 
@@ -192,7 +192,7 @@ def build_train_valid_test_datasets(data_cfg: Any, tokenizer: Any, seq_length: i
         padded_vocab_size: the vocabulary the model's embedding is built with (``check_data``).
 
     Raises:
-        ValueError: a user error in the data flags (raised on every rank alike), e.g. an empty
+        ConfigError, DataError: a user error in the data flags (raised on every rank alike), e.g. an empty
             train split (``BlendedMegatronDatasetBuilder.empty_splits``), a dataset that fails its
             checks or holds ids outside the vocabulary (``check_data``).
     """
