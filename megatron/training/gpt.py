@@ -6,6 +6,7 @@ from functools import partial
 
 import torch
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.execution_plan import ExecutionPlan
 from megatron.core.fusions.fp8 import AmaxReducer
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_plan_spec
@@ -24,7 +25,7 @@ def tokenizer_provider(cfg, pg):
         return tokenizer, cfg.tokenizer.padded_vocab_size
     if not cfg.tokenizer.pad_vocab_size:
         if tokenizer.vocab_size % pg.tp_size:
-            raise ValueError(f"--no-pad-vocab-size: the vocabulary of {tokenizer.vocab_size} tokens does not split "
+            raise ConfigError(f"--no-pad-vocab-size: the vocabulary of {tokenizer.vocab_size} tokens does not split "
                              f"over --tensor-model-parallel-size {pg.tp_size}; drop --no-pad-vocab-size")
         return tokenizer, tokenizer.vocab_size
     return tokenizer, vocab_size_with_padding(tokenizer.vocab_size, cfg.training.make_vocab_size_divisible_by,

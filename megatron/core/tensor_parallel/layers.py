@@ -207,7 +207,8 @@ class RowParallelLinear(nn.Module):
             init_std, device = form.init_std, form.device
         assert init_std is not None
         if sequence_parallel and not input_is_parallel:
-            raise ValueError("RowParallelLinear: sequence parallelism needs input_is_parallel=True")
+            raise ConfigError("RowParallelLinear: sequence_parallel needs input_is_parallel=True",
+                              params=("sequence_parallel",))
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel = input_is_parallel
         self.tp_group = tp_group

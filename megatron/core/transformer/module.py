@@ -9,6 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron.core.config_utils import ConfigError
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.parallel_state import get_parallel_state
+
 
 def param_is_not_shared(param: torch.Tensor) -> bool:
     """False for a parameter tagged ``shared`` (e.g. the last stage's copy of a tied embedding)."""
@@ -41,14 +45,11 @@ class MegatronModule(nn.Module):
             ValueError: ``sharded_offsets`` given (extra leading shard axes are not supported by the
                 default implementation).
         """
-        from megatron.core.models.gpt.gpt_model import _shard_of
-        from megatron.core.parallel_state import get_parallel_state
-
         if sharded_offsets:
             raise ValueError(f"MegatronModule.sharded_state_dict(sharded_offsets={sharded_offsets!r}) is not "
                              "supported by the default implementation; pass sharded_offsets=()")
         pg = getattr(self, "pg", None) or get_parallel_state()
-        return {prefix + name: _shard_of(prefix + name, tensor, pg.tp_rank, pg.dp_rank)
+        return {prefix + name: shard_of(prefix + name, tensor, pg.tp_rank, pg.dp_rank)
                 for name, tensor in self.state_dict(prefix="", keep_vars=True).items()}
 
     def set_is_first_microbatch(self) -> None:
@@ -103,7 +104,7 @@ class Float16Module(MegatronModule):
             self.add_module("module", module.bfloat16())
             self.float16_convertor = lambda t: t.bfloat16()
         else:
-            raise ValueError("Float16Module needs config.fp16=True or config.bf16=True")
+            raise ConfigError("Float16Module needs config.fp16=True or config.bf16=True", params=("fp16", "bf16"))
 
     def set_input_tensor(self, input_tensor: Any) -> Any:
         return self.module.set_input_tensor(input_tensor)
@@ -128,3 +129,19 @@ class Float16Module(MegatronModule):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def shard_of(key: str, tensor: torch.Tensor, tp_rank: int, dp_rank: int) -> ShardedTensor:
+    """The ShardedTensor of one parameter. Stacked sub-tensors (SwiGLU's [gate; up], stride 2) are
+    always stored as ``[stride, rows / stride, ...]``, whatever the tp size, so the shape a
+    checkpoint records never depends on the layout."""
+    dim = getattr(tensor, "partition_dim", -1)
+    parts = getattr(tensor, "partition_size", 1)
+    stride = getattr(tensor, "partition_stride", 1)
+    data = tensor
+    if stride > 1:
+        data = tensor.view(stride, tensor.shape[0] // stride, *tensor.shape[1:])
+        dim += 1
+    if dim < 0 or parts == 1:
+        return ShardedTensor.from_rank_offsets(key, data, replica_id=(tp_rank, dp_rank))
+    return ShardedTensor.from_rank_offsets(key, data, (dim, tp_rank, parts), replica_id=(0, dp_rank))

@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from megatron.core.config_utils import ConfigError
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.execution_plan import ExecutionPlan
 from megatron.core.fusions.fp8 import Fp8Gemm
 from megatron.core.models.common.embeddings import LanguageModelEmbedding
@@ -18,6 +17,7 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.init import init_param_, tag_param
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.attention import mask_for_attention
+from megatron.core.transformer.module import shard_of
 from megatron.core.transformer.rope import rotary_cos_sin
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -57,8 +57,9 @@ class GPTModel(LanguageModule):
             ``config.perform_initialization=False`` they are left uninitialised (for a checkpoint load).
 
     Raises:
-        ValueError: the config's parallel sizes disagree with the process groups', or do not split
-            the model (see ``TransformerConfig.check_parallel_sizes``); ``vp_stage`` out of range.
+        ConfigError: the config's parallel sizes disagree with the process groups', or do not split
+            the model (see ``TransformerConfig.check_parallel_sizes``); ``vp_stage`` out of range;
+            an ``execution_plan`` resolved for another tensor-parallel size.
     """
 
     def __init__(self, config: TransformerConfig, transformer_layer_spec, vocab_size: int,
@@ -251,7 +252,7 @@ class GPTModel(LanguageModule):
         out = {}
         for name, tensor in self.state_dict(prefix="", keep_vars=True).items():
             key = prefix + self.global_param_name(name)
-            shard = _shard_of(key, tensor, tp_rank, dp_rank)
+            shard = shard_of(key, tensor, tp_rank, dp_rank)
             if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
                 rid = shard.replica_id
                 shard.replica_id = (1, *rid) if isinstance(rid, tuple) else (1, rid)
@@ -298,23 +299,7 @@ def _stage_layers(config: TransformerConfig, pg: ParallelState, vp_stage: int | 
     vpp = config.virtual_pipeline_model_parallel_size or 1
     chunk = 0 if vp_stage is None else vp_stage
     if not 0 <= chunk < vpp:
-        raise ValueError(f"vp_stage {vp_stage} is not a virtual pipeline stage of this rank; use 0 .. {vpp - 1} "
-                         "(--virtual-pipeline-model-parallel-size)")
+        raise ConfigError(f"vp_stage {vp_stage} is not a virtual pipeline stage of this rank; use 0 .. {vpp - 1} "
+                          "(virtual_pipeline_model_parallel_size)", params=("virtual_pipeline_model_parallel_size",))
     layout = config.pipeline_layout(pg.pp_size, config.virtual_pipeline_model_parallel_size)
     return layout.num_layers_of(pg.pp_rank, chunk), layout.offset_of(pg.pp_rank, chunk)
-
-
-def _shard_of(key: str, tensor: torch.Tensor, tp_rank: int, dp_rank: int) -> ShardedTensor:
-    """The ShardedTensor of one parameter. Stacked sub-tensors (SwiGLU's [gate; up], stride 2) are
-    always stored as ``[stride, rows / stride, ...]``, whatever the tp size, so the shape a
-    checkpoint records never depends on the layout."""
-    dim = getattr(tensor, "partition_dim", -1)
-    parts = getattr(tensor, "partition_size", 1)
-    stride = getattr(tensor, "partition_stride", 1)
-    data = tensor
-    if stride > 1:
-        data = tensor.view(stride, tensor.shape[0] // stride, *tensor.shape[1:])
-        dim += 1
-    if dim < 0 or parts == 1:
-        return ShardedTensor.from_rank_offsets(key, data, replica_id=(tp_rank, dp_rank))
-    return ShardedTensor.from_rank_offsets(key, data, (dim, tp_rank, parts), replica_id=(0, dp_rank))

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from megatron.core.config_utils import ConfigError
+from megatron.core.models.common.embeddings.rotary_pos_embedding import _refuse_cp
 from megatron.core.transformer.rope import apply_rotary
 
 
@@ -23,8 +24,6 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: Any, cu_s
         ConfigError: packed sequences (``cu_seqlens``), a context-parallel group of more than one rank,
             interleaved RoPE (``config.rotary_interleaved`` or ``mla_rotary_interleaved``).
     """
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import _refuse_cp
-
     if cu_seqlens is not None:
         raise ConfigError("apply_rotary_pos_emb(cu_seqlens=...) is not supported here: packed (thd) sequences are "
                           "not built; pass [s, b, n, d] tensors and cu_seqlens=None")

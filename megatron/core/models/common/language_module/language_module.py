@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from megatron.core.parallel_state import get_parallel_state
 from megatron.core.tensor_parallel.cross_entropy import sharded_cross_entropy
 from megatron.core.transformer.module import MegatronModule
 
@@ -29,8 +30,6 @@ class LanguageModule(MegatronModule):
         Returns:
             ``[b, s]`` fp32 losses (the same on every tensor-parallel rank).
         """
-        from megatron.core.parallel_state import get_parallel_state
-
         pg = getattr(self, "pg", None) or get_parallel_state()
         loss = sharded_cross_entropy(logits, labels.transpose(0, 1).contiguous(), pg.tp_group)  # [s, b]
         return loss.transpose(0, 1).contiguous()
