@@ -279,13 +279,14 @@ def test_function_level_imports_are_only_of_optional_dependencies() -> None:
     for imp in found:
         if imp.function is None:
             continue
+        what = f"{imp.where()}: {imp.target} in {imp.function}()"
         if is_megatron(imp.target):
-            bad.append(f"{imp.where()}: {imp.target} in {imp.function}() (a megatron module: import it at the top)")
+            bad.append(f"{what} (a megatron module: import it at the top)")
         elif not is_optional(imp.target):
-            bad.append(f"{imp.where()}: {imp.target} in {imp.function}() (not an optional dependency)")
+            bad.append(f"{what} (not an optional dependency)")
     for path, line, function in dynamic:
         if (path, function or "") not in DYNAMIC_IMPORTS:
-            bad.append(f"{path}:{line}: importlib.import_module in {function}() (not an allowed dynamic import)")
+            bad.append(f"{path}:{line}: importlib.import_module in {function}() (not an allowed one)")
     assert not bad, f"{len(bad)} function-level imports in megatron/:\n" + "\n".join(sorted(bad))
 
 

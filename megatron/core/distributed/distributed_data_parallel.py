@@ -15,8 +15,9 @@ bucket dtype: the optimizer reads the gradient in fp32, which is exact (a bf16 v
 without rounding). With data-parallel reduction it holds where the parameter's dtype is the bucket's
 (``--grad-reduce-in-bf16`` with bf16 params, or fp32 params): a bucket whose gradients are all
 aliased is reduced tensor by tensor, in place, instead of being copied into contiguous storage first
-(what the copy costs: docs/performance.md, "Weak scaling, llama-3b"). A second micro-batch's gradient moves the first into the bucket's storage and accumulates there, so gradient
-accumulation still sums in the bucket's dtype and the bucket is reduced as one tensor.
+(what the copy costs: docs/performance.md, "Weak scaling, llama-3b"). A second micro-batch's
+gradient moves the first into the bucket's storage and accumulates there, so gradient accumulation
+still sums in the bucket's dtype and the bucket is reduced as one tensor.
 
 Parameters are laid out in reverse registration order (roughly the order backward produces their
 gradients) and cut into buckets of about ``bucket_size`` elements. With ``overlap_grad_reduce``,

@@ -44,11 +44,14 @@ def _update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
     return param
 
 
-def _update_main(param, grad, exp_avg, exp_avg_sq, step, hyper, divisor) -> None:
+def _update_main(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 step: torch.Tensor, hyper: torch.Tensor, divisor: torch.Tensor) -> None:
     _update(param, grad, exp_avg, exp_avg_sq, step, hyper, divisor)
 
 
-def _update_main_and_model(param, grad, exp_avg, exp_avg_sq, step, hyper, divisor, model_param) -> None:
+def _update_main_and_model(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                           exp_avg_sq: torch.Tensor, step: torch.Tensor, hyper: torch.Tensor,
+                           divisor: torch.Tensor, model_param: torch.Tensor) -> None:
     model_param.copy_(_update(param, grad, exp_avg, exp_avg_sq, step, hyper, divisor))
 
 
