@@ -18,26 +18,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from megatron.core.config_utils import ConfigError
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
-# state-dict field -> (flag that sets it, description) for error messages.
-_FIELD_FLAGS = {
-    "max_lr": "--lr",
-    "min_lr": "--min-lr",
-    "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction",
-    "lr_decay_steps": "--lr-decay-iters/--lr-decay-samples",
-    "lr_decay_style": "--lr-decay-style",
-    "start_wd": "--start-weight-decay",
-    "end_wd": "--end-weight-decay",
-    "wd_incr_steps": "--train-iters/--train-samples",
-    "wd_incr_style": "--weight-decay-incr-style",
-    "wsd_decay_steps": "--lr-wsd-decay-iters/--lr-wsd-decay-samples",
-    "lr_wsd_decay_style": "--lr-wsd-decay-style",
-    "decoupled_lr": "--decoupled-lr",
-    "decoupled_min_lr": "--decoupled-min-lr",
-}
+# The schedule's fields a checkpoint records, checked against this run's at load, in that order
+# (lr_decay_style is settled before the WSD fields).
+_CHECKED_FIELDS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
+                   "wd_incr_steps", "wd_incr_style", "wsd_decay_steps", "lr_wsd_decay_style", "decoupled_lr",
+                   "decoupled_min_lr")
 # Fields that checkpoints saved before they existed lack; there they were None.
 _NEWER_FIELDS = ("decoupled_lr", "decoupled_min_lr")
 
@@ -49,7 +40,7 @@ class OptimizerParamScheduler:
     The constructor applies step 0 immediately.
 
     Raises:
-        ValueError: an invalid schedule, naming the flag (e.g. ``--min-lr`` above ``--lr``).
+        ConfigError: an invalid schedule, naming the parameters (e.g. ``min_lr`` above ``max_lr``).
     """
 
     def __init__(
@@ -97,53 +88,54 @@ class OptimizerParamScheduler:
 
     def _validate(self) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"--lr-decay-style {self.lr_decay_style!r} is not valid; choose one of {list(LR_DECAY_STYLES)}")
+            raise ConfigError(f"lr_decay_style {self.lr_decay_style!r} is not valid; choose one of "
+                              f"{list(LR_DECAY_STYLES)}", params=("lr_decay_style",))
         if self.wd_incr_style not in WD_INCR_STYLES:
-            raise ValueError(
-                f"--weight-decay-incr-style {self.wd_incr_style!r} is not valid; choose one of {list(WD_INCR_STYLES)}"
-            )
+            raise ConfigError(f"wd_incr_style {self.wd_incr_style!r} is not valid; choose one of {list(WD_INCR_STYLES)}",
+                              params=("wd_incr_style",))
         if self.min_lr < 0.0:
-            raise ValueError(f"--min-lr must be >= 0, got {self.min_lr}")
+            raise ConfigError(f"min_lr must be >= 0, got {self.min_lr}", params=("min_lr",))
         if self.max_lr < self.min_lr:
-            raise ValueError(f"--lr ({self.max_lr}) must be >= --min-lr ({self.min_lr})")
+            raise ConfigError(f"max_lr ({self.max_lr}) must be >= min_lr ({self.min_lr})", params=("max_lr", "min_lr"))
         if self.init_lr > self.max_lr:
-            raise ValueError(f"--lr-warmup-init ({self.init_lr}) must be <= --lr ({self.max_lr})")
+            raise ConfigError(f"init_lr ({self.init_lr}) must be <= max_lr ({self.max_lr})",
+                              params=("init_lr", "max_lr"))
         if self.decoupled_lr is not None and self.decoupled_lr < self._decoupled_floor():
-            raise ValueError(f"--decoupled-lr ({self.decoupled_lr}) must be >= its floor {self._decoupled_floor()} "
-                             "(--decoupled-min-lr, default --min-lr); pass --decoupled-min-lr <= --decoupled-lr")
+            raise ConfigError(f"decoupled_lr ({self.decoupled_lr}) must be >= its floor {self._decoupled_floor()} "
+                              "(decoupled_min_lr, default min_lr); pass decoupled_min_lr <= decoupled_lr",
+                              params=("decoupled_lr", "decoupled_min_lr", "min_lr"))
         if self.lr_decay_steps <= 0:
-            raise ValueError(f"--lr-decay-iters/--lr-decay-samples must be > 0, got {self.lr_decay_steps}")
+            raise ConfigError(f"lr_decay_steps must be > 0, got {self.lr_decay_steps}", params=("lr_decay_steps",))
         if not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
-            raise ValueError(
-                f"LR warm-up ({self.lr_warmup_steps} samples, --lr-warmup-iters/--lr-warmup-samples) must be "
-                f"in [0, LR decay length {self.lr_decay_steps}) (--lr-decay-iters/--lr-decay-samples)"
-            )
+            raise ConfigError(
+                f"LR warm-up ({self.lr_warmup_steps} samples, lr_warmup_steps) must be "
+                f"in [0, LR decay length {self.lr_decay_steps}) (lr_decay_steps)",
+                params=("lr_warmup_steps", "lr_decay_steps"))
         if self.lr_decay_style == "WSD":
             if self.wsd_decay_steps is None or not 0 < self.wsd_decay_steps <= self.lr_decay_steps:
-                raise ValueError(
-                    "--lr-decay-style WSD needs --lr-wsd-decay-iters/--lr-wsd-decay-samples in "
-                    f"(0, {self.lr_decay_steps}], got {self.wsd_decay_steps}"
-                )
+                raise ConfigError(
+                    f"lr_decay_style WSD needs wsd_decay_steps in (0, {self.lr_decay_steps}], got {self.wsd_decay_steps}",
+                    params=("lr_decay_style", "wsd_decay_steps"))
             if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
-                raise ValueError(
-                    f"--lr-wsd-decay-style {self.lr_wsd_decay_style!r} is not valid; "
-                    f"choose one of {list(WSD_DECAY_STYLES)}"
-                )
+                raise ConfigError(
+                    f"lr_wsd_decay_style {self.lr_wsd_decay_style!r} is not valid; "
+                    f"choose one of {list(WSD_DECAY_STYLES)}", params=("lr_wsd_decay_style",))
         if self.start_wd < 0.0:
-            raise ValueError(f"--start-weight-decay must be >= 0, got {self.start_wd}")
+            raise ConfigError(f"start_wd must be >= 0, got {self.start_wd}", params=("start_wd",))
         if self.end_wd < self.start_wd:
-            raise ValueError(f"--end-weight-decay ({self.end_wd}) must be >= --start-weight-decay ({self.start_wd})")
+            raise ConfigError(f"end_wd ({self.end_wd}) must be >= start_wd ({self.start_wd})",
+                              params=("end_wd", "start_wd"))
         if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
-            raise ValueError(
-                "--weight-decay-incr-style constant needs --start-weight-decay == --end-weight-decay, "
-                f"got {self.start_wd} and {self.end_wd}"
-            )
+            raise ConfigError(
+                f"wd_incr_style constant needs start_wd == end_wd, got {self.start_wd} and {self.end_wd}",
+                params=("wd_incr_style", "start_wd", "end_wd"))
         if self.wd_incr_style != "constant" and self.wd_incr_steps <= 0:
-            raise ValueError(f"weight-decay increment length must be > 0 samples, got {self.wd_incr_steps}")
+            raise ConfigError(f"wd_incr_steps (the weight-decay increment length) must be > 0 samples, got "
+                              f"{self.wd_incr_steps}", params=("wd_incr_steps",))
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ValueError(
-                "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually exclusive"
-            )
+            raise ConfigError(
+                "override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are mutually exclusive",
+                params=("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"))
 
     def _decoupled_floor(self) -> float:
         return self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
@@ -243,11 +235,11 @@ class OptimizerParamScheduler:
             return current
         if self.use_checkpoint_opt_param_scheduler or current == saved:
             return saved
-        raise ValueError(
-            f"{_FIELD_FLAGS[name]}: this run's {name} ({current!r}) differs from the checkpoint's ({saved!r}); "
-            "pass --override-opt-param-scheduler to use this run's values or "
-            "--use-checkpoint-opt-param-scheduler to use the checkpoint's"
-        )
+        raise ConfigError(
+            f"{name}: this run's value ({current!r}) differs from the checkpoint's ({saved!r}); "
+            "set override_opt_param_scheduler to use this run's values or "
+            "use_checkpoint_opt_param_scheduler to use the checkpoint's",
+            params=(name, "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the sample count; take the schedule from the flags or the checkpoint.
@@ -256,7 +248,7 @@ class OptimizerParamScheduler:
         ``use_checkpoint_opt_param_scheduler`` the checkpoint's win; with neither they must agree.
 
         Raises:
-            ValueError: a value differs and neither flag is set (the message names the flag).
+            ConfigError: a value differs and neither option is set (the message names the parameter).
         """
         renames = {"start_lr": "max_lr", "warmup_iter": "lr_warmup_steps", "warmup_steps": "lr_warmup_steps",
                    "end_iter": "lr_decay_steps", "decay_steps": "lr_decay_steps", "decay_style": "lr_decay_style",
@@ -265,7 +257,7 @@ class OptimizerParamScheduler:
         for name in _NEWER_FIELDS:
             saved.setdefault(name, None)
         decoupled = (self.decoupled_lr, self.decoupled_min_lr)
-        for name in _FIELD_FLAGS:  # lr_decay_style is settled before the WSD fields
+        for name in _CHECKED_FIELDS:
             if name not in saved:
                 continue
             if name in ("wsd_decay_steps", "lr_wsd_decay_style") and self.lr_decay_style != "WSD":

@@ -6,7 +6,8 @@ and lists those names in ``ConfigError.params``; :func:`flag_message` rewrites t
 command-line users read flags. A field's flag comes from its metadata (``config_utils.doc(flag=...)``,
 the parser's own rule); a Megatron-LM flag that is not one of our fields from the Megatron-LM dest
 table (``megatron_flag_dests``); the dataset config's parameters, which the application fills from
-differently named flags, from :data:`DATASET_FLAGS`; a field that only a Megatron-LM alias sets
+differently named flags, from :data:`DATASET_FLAGS` (and the LR scheduler's from
+:data:`SCHEDULER_FLAGS`); a field that only a Megatron-LM alias sets
 (``--disable-bias-linear``) from :data:`ALIAS_FLAGS`.
 """
 
@@ -36,6 +37,19 @@ DATASET_FLAGS: dict[str, str] = {
     "mid_level_dataset_surplus": "--mid-level-dataset-surplus",
 }
 
+# OptimizerParamScheduler's parameters -> the flags the application derives each from (loop_utils).
+SCHEDULER_FLAGS: dict[str, str] = {
+    "max_lr": "--lr",
+    "init_lr": "--lr-warmup-init",
+    "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction",
+    "lr_decay_steps": "--lr-decay-iters/--lr-decay-samples",
+    "start_wd": "--start-weight-decay",
+    "end_wd": "--end-weight-decay",
+    "wd_incr_steps": "--train-iters/--train-samples",
+    "wd_incr_style": "--weight-decay-incr-style",
+    "wsd_decay_steps": "--lr-wsd-decay-iters/--lr-wsd-decay-samples",
+}
+
 # Fields without a flag of their own that one of the parser's ALIASES switches: field -> (flag, value it sets).
 ALIAS_FLAGS: dict[str, tuple[str, bool]] = {
     "add_bias_linear": ("--disable-bias-linear", False),
@@ -59,6 +73,8 @@ def flag_of(param: str) -> tuple[str, bool | None] | None:
         return ALIAS_FLAGS[param]
     if param in DATASET_FLAGS:
         return DATASET_FLAGS[param], None
+    if param in SCHEDULER_FLAGS:
+        return SCHEDULER_FLAGS[param], None
     for flag, entry in FOREIGN.items():
         if dest_of(flag) == param:
             return flag, (default_of(param) is not True if entry.nargs == 0 else None)

@@ -83,7 +83,7 @@ def test_floor_defaults_to_min_lr_and_is_checked():
     _, opt, sched = build(decoupled_min_lr=None)
     sched.step(500)
     assert lrs(opt)["decoupled_decay"] == pytest.approx(0.1)
-    with pytest.raises(ValueError, match="--decoupled-lr .* must be >= its floor"):
+    with pytest.raises(ValueError, match="decoupled_lr .* must be >= its floor"):
         build(decoupled_lr=0.05, decoupled_min_lr=None)
 
 
@@ -96,7 +96,7 @@ def test_checkpoint_keeps_the_decoupled_values():
     assert common["param_groups"]["decoupled_decay"]["max_lr"] == 0.5
 
     _, _, other = build(decoupled_lr=0.25)
-    with pytest.raises(ValueError, match="--decoupled-lr"):
+    with pytest.raises(ValueError, match="decoupled_lr"):
         other.load_state_dict(sd)
     _, opt2, from_ckpt = build(decoupled_lr=0.25, use_checkpoint_opt_param_scheduler=True)
     from_ckpt.load_state_dict(sd)
@@ -119,7 +119,7 @@ def test_resume_from_a_checkpoint_without_decoupled_groups():
     opt.load_sharded_state_dict(loaded)
     steps = {g["name"]: float(opt.optimizer.state[g["params"][0]]["step"]) for g in opt.param_groups}
     assert steps == {"decay": 1.0, "no_decay": 1.0, "decoupled_decay": 1.0}
-    with pytest.raises(ValueError, match="--decoupled-lr: this run's decoupled_lr \\(0.5\\) differs"):
+    with pytest.raises(ValueError, match="decoupled_lr: this run's value \\(0.5\\) differs"):
         sched.load_state_dict(old_sched)
     _, _, override = build(override_opt_param_scheduler=True)
     override.load_state_dict(old_sched)

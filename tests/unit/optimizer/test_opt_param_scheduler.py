@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 # init_lr 0, max_lr 1.0, min_lr 0.1, warm-up 10 samples, decay 110 samples, WSD tail 20 samples.
@@ -88,20 +89,23 @@ def test_constant_wd_and_group_multipliers():
 
 
 @pytest.mark.parametrize(
-    "overrides,flag",
+    "overrides,param,flag",
     [
-        (dict(min_lr=2.0), "--lr"),
-        (dict(lr_warmup_steps=200), "--lr-warmup"),
-        (dict(lr_decay_style="WSD"), "--lr-wsd-decay"),
-        (dict(lr_decay_style="exp"), "--lr-decay-style"),
-        (dict(start_wd=0.0, end_wd=0.1), "--weight-decay-incr-style"),
+        (dict(min_lr=2.0), "max_lr", "--lr"),
+        (dict(lr_warmup_steps=200), "lr_warmup_steps", "--lr-warmup"),
+        (dict(lr_decay_style="WSD"), "wsd_decay_steps", "--lr-wsd-decay"),
+        (dict(lr_decay_style="exp"), "lr_decay_style", "--lr-decay-style"),
+        (dict(start_wd=0.0, end_wd=0.1), "wd_incr_style", "--weight-decay-incr-style"),
         (dict(use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=True),
-         "--override-opt-param-scheduler"),
+         "override_opt_param_scheduler", "--override-opt-param-scheduler"),
     ],
 )
-def test_invalid_schedule_names_flag(overrides, flag):
-    with pytest.raises(ValueError, match=flag):
+def test_invalid_schedule_names_the_parameter_and_the_application_the_flag(overrides, param, flag):
+    from megatron.training.user_errors import flag_message
+
+    with pytest.raises(ConfigError, match=param) as e:
         make(**{"lr_decay_style": "linear", "use_checkpoint_opt_param_scheduler": False, **overrides})
+    assert flag in flag_message(e.value)
 
 
 def test_state_dict_flags():
@@ -110,7 +114,7 @@ def test_state_dict_flags():
     sd = saved.state_dict()
 
     strict = make(lr_decay_style="cosine", max_lr=2.0, use_checkpoint_opt_param_scheduler=False)
-    with pytest.raises(ValueError, match="--lr"):
+    with pytest.raises(ValueError, match="max_lr"):
         strict.load_state_dict(sd)
 
     same = make(lr_decay_style="cosine", use_checkpoint_opt_param_scheduler=False)
