@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.dist_checkpointing import CheckpointReadError, CheckpointWriteError, ShardedTensor
 from megatron.core.dist_checkpointing import torch_dist as dcp_backend
 from megatron.training import checkpoint_advice, checkpoint_dirs
@@ -285,7 +286,7 @@ def test_load_of_one_iteration_directory_loads_it(tmp_path):
     assert _load(tmp_path / "iter_0000003", _model(), log=lines.append)["iteration"] == 3
     assert lines[0] == (f"--load {tmp_path / 'iter_0000003'} is the checkpoint of iteration 3: loading it as "
                         f"--load {tmp_path} --ckpt-step 3")
-    with pytest.raises(ValueError, match="--ckpt-step 6 asks for another"):
+    with pytest.raises(ConfigError, match="--ckpt-step 6 asks for another"):
         _load(tmp_path / "iter_0000003", _model(), ckpt_step=6)
 
 
@@ -294,9 +295,9 @@ def test_load_of_one_iteration_directory_loads_it(tmp_path):
 
 def test_save_dir_checks(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match="is a file, not a directory"):
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
         checkpoint_dirs.check_save_dir(str(tmp_path / "file"))
-    with pytest.raises(ValueError, match="cannot be created: .*file is a file"):
+    with pytest.raises(ConfigError, match="cannot be created: .*file is a file"):
         checkpoint_dirs.check_save_dir(str(tmp_path / "file" / "ck"))
     _save(tmp_path / "run", 3, _model())
     with pytest.raises(ValueError, match=f"one checkpoint .*pass the directory that holds the checkpoints, {tmp_path / 'run'}$"):

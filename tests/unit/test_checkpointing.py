@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing import CheckpointError, ShardedTensor
 from megatron.core.dist_checkpointing import torch_dist as dcp_backend
 from megatron.training import checkpointing as ckpt
 
@@ -105,7 +105,7 @@ def test_fresh_start_and_exit_on_missing(tmp_path):
     for d in (tmp_path / "absent", tmp_path):
         assert ckpt.load_checkpoint(str(d), _model_sd(model), log=lines.append) is None
     assert lines[-1] == f"no checkpoint found in {tmp_path} (no latest_checkpointed_iteration.txt): starting from scratch"
-    with pytest.raises(ValueError, match="--exit-on-missing-checkpoint"):
+    with pytest.raises(CheckpointError, match="--exit-on-missing-checkpoint"):
         ckpt.load_checkpoint(str(tmp_path), _model_sd(model), exit_on_missing_checkpoint=True)
 
 
@@ -115,7 +115,7 @@ def test_model_args_mismatch_lists_each_flag(tmp_path):
     model2, _, _ = _setup(seed=1)
     before = {k: v.clone() for k, v in model2.state_dict().items()}
     check = {"--num-layers": 4, "--hidden-size": 4, "--ffn-hidden-size": (8, 16)}
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(CheckpointError) as err:
         ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), model_args_check=check, log=lambda _: None)
     msg = str(err.value)
     assert "--num-layers: checkpoint 2 vs current 4" in msg
@@ -180,7 +180,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert extra["iteration"] == 100
     for k, v in model2.state_dict().items():
         torch.testing.assert_close(v, at_100[k], rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"(?s)iter_0000200 does not exist.*--ckpt-step 200"):
+    with pytest.raises(CheckpointError, match=r"(?s)iter_0000200 does not exist.*--ckpt-step 200"):
         ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), ckpt_step=200, log=lambda _: None)
 
     _save(tmp_path, 200, model, opt, sched, log=lambda _: None)  # a retry replaces the partial directory
@@ -202,10 +202,10 @@ def test_tracker_write_is_atomic_and_validated(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["latest_checkpointed_iteration.txt"]  # no temp file left
 
     model, _, _ = _setup()
-    with pytest.raises(ValueError, match=r"(?s)iter_0000100 does not exist.*latest_checkpointed_iteration.txt"):
+    with pytest.raises(CheckpointError, match=r"(?s)iter_0000100 does not exist.*latest_checkpointed_iteration.txt"):
         ckpt.load_checkpoint(str(tmp_path), _model_sd(model), log=lambda _: None)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("banana")
-    with pytest.raises(ValueError, match="holds 'banana', not an iteration number"):
+    with pytest.raises(CheckpointError, match="holds 'banana', not an iteration number"):
         ckpt.read_tracker(str(tmp_path))
 
 
@@ -213,7 +213,7 @@ def test_finetune_no_optim_and_rng_layout_change(tmp_path):
     model, opt, sched = _setup()
     _save(tmp_path, 50, model, opt, sched, log=lambda _: None, save_optim=False)
     model2, opt2, sched2 = _setup(seed=1)
-    with pytest.raises(ValueError, match="--no-load-optim"):
+    with pytest.raises(CheckpointError, match="--no-load-optim"):
         ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), opt2, sched2, log=lambda _: None)
 
     extra = ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), opt2, sched2, finetune=True, log=lambda _: None)

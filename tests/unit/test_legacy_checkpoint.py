@@ -24,6 +24,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from megatron.core.dist_checkpointing import CheckpointError, CheckpointReadError
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -272,7 +273,7 @@ def test_shape_mismatch_names_the_flag(tmp_path):
     cfg = config()
     write_megatron_checkpoint(tmp_path, build(cfg), megatron_args(cfg, tp=2))
     other = config(hidden_size=64)
-    with pytest.raises(ValueError, match="--hidden-size: checkpoint 32 vs current 64"):
+    with pytest.raises(CheckpointError, match="--hidden-size: checkpoint 32 vs current 64"):
         _load(tmp_path, build(other).sharded_state_dict(), other)
 
 
@@ -280,7 +281,7 @@ def test_missing_rank_file_names_it(tmp_path):
     cfg = config()
     iter_dir = write_megatron_checkpoint(tmp_path, build(cfg), megatron_args(cfg, tp=2, pp=2))
     os.remove(os.path.join(iter_dir, "mp_rank_01_001", "model_optim_rng.pt"))
-    with pytest.raises(ValueError, match=r"mp_rank_01_001/model_optim_rng.pt is missing \(the checkpoint's args say "
+    with pytest.raises(CheckpointError, match=r"mp_rank_01_001/model_optim_rng.pt is missing \(the checkpoint's args say "
                                          r"tensor-parallel size 2, pipeline size 2\)") as e:
         _load(tmp_path, build(cfg).sharded_state_dict(), cfg)
     assert "\n" not in str(e.value)
@@ -291,7 +292,7 @@ def test_tensors_that_do_not_fit_are_listed(tmp_path):
     saved = config(qk_layernorm=True)
     write_megatron_checkpoint(tmp_path, build(saved), megatron_args(saved, qk_layernorm=False))
     cfg = config()
-    with pytest.raises(ValueError, match="decoder.layers.0.self_attention.q_layernorm.weight: in the checkpoint but "
+    with pytest.raises(CheckpointError, match="decoder.layers.0.self_attention.q_layernorm.weight: in the checkpoint but "
                                          "not in this model"):
         _load(tmp_path, build(cfg).sharded_state_dict(), cfg)
 
@@ -299,12 +300,12 @@ def test_tensors_that_do_not_fit_are_listed(tmp_path):
 def test_unsupported_feature_and_old_version_are_refused(tmp_path):
     cfg = config()
     write_megatron_checkpoint(tmp_path, build(cfg), megatron_args(cfg, rotary_interleaved=True))
-    with pytest.raises(ValueError, match="trained with --rotary-interleaved True, which this package does not"):
+    with pytest.raises(CheckpointError, match="trained with --rotary-interleaved True, which this package does not"):
         _load(tmp_path, build(cfg).sharded_state_dict(), cfg)
     write_megatron_checkpoint(tmp_path / "old", build(cfg), megatron_args(cfg, attention_backend=None))
     path = tmp_path / "old" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
     torch.save({**torch.load(path, weights_only=False), "checkpoint_version": 1.0}, path)
-    with pytest.raises(ValueError, match="has checkpoint_version 1.0; only version 2.0 or newer is read"):
+    with pytest.raises(CheckpointError, match="has checkpoint_version 1.0; only version 2.0 or newer is read"):
         _load(tmp_path / "old", build(cfg).sharded_state_dict(), cfg)
 
 
@@ -318,7 +319,7 @@ def test_file_that_runs_code_on_load_is_refused(tmp_path):
             return os.system, ("echo should-not-run",)
 
     torch.save({"args": megatron_args(cfg, attention_backend=None), "evil": Evil()}, path)
-    with pytest.raises(ValueError, match="cannot read .*model_optim_rng.pt"):
+    with pytest.raises(CheckpointReadError, match="cannot read .*model_optim_rng.pt"):
         _load(tmp_path, build(cfg).sharded_state_dict(), cfg)
 
 
