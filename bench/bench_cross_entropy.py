@@ -12,7 +12,7 @@ Variants, each compiled with torch.compile as the library does:
   * ``out_of_place``: the same arithmetic returning a new gradient tensor (one more logits-sized buffer);
   * ``split``: log-sum-exp and target logit first, then an in-place pointwise pass with no column
     index (``exp(l - lse) * w``), then ``-w`` scattered at the targets;
-  * ``triton``: the hand-written kernel (megatron/core/fusions/triton_kernels.py), one program per row.
+  * ``triton``: the hand-written kernel (megatron/core/fusions/triton/cross_entropy.py), one program per row.
 Each is checked against the eager reference (max abs difference of the gradient, loss equality) and
 timed with CUDA events. Appends JSON lines to ``$OUT/bench_cross_entropy.jsonl`` (or ./bench_out/).
 """

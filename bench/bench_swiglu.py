@@ -5,7 +5,7 @@
 
 For fc1 outputs ``x = [gate; up]`` of ``[tokens, 2F]`` (bf16) and an incoming gradient ``[tokens, F]``:
   * ``inductor``: the backward Inductor generates for a compiled ``silu(gate) * up`` (what compiled
-    layers ran before megatron/core/fusions/triton_kernels.py);
+    layers ran before megatron/core/fusions/triton/swiglu.py);
   * ``triton``: the library's ``SwiGLU`` under ``torch.compile``, whose backward is the Triton
     kernel (reads gate, up and the gradient once).
 Both are checked against an fp32 reference; the copy-bandwidth time (three reads and two writes of
@@ -58,7 +58,7 @@ def _timed_backward(forward, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch
 def _fp8_runs(tokens: int, f: int) -> dict:
     """{pass: (the two passes apart, the fused kernel given a tile), bytes the fused kernel moves}."""
     tk = triton_kernels
-    swiglu = torch.compile(tk._swiglu_torch)
+    swiglu = torch.compile(tk.swiglu_fp32)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(tokens, 2 * f, device="cuda", generator=g) * 3).bfloat16()
     grad = torch.randn(tokens, f, device="cuda", generator=g).bfloat16()
@@ -116,7 +116,7 @@ def main() -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = (torch.randn(tokens, 2 * f, device="cuda", generator=g) * 3).bfloat16()
         grad = torch.randn(tokens, f, device="cuda", generator=g).bfloat16()
-        ref = triton_kernels._swiglu_backward_torch(grad, x).float()
+        ref = triton_kernels.swiglu_backward_torch(grad, x).float()
         ideal_ms = 5 * tokens * f * 2 / 4.3e12 * 1e3
         for name, forward in variants.items():
             dx, _ = _timed_backward(forward, x, grad)

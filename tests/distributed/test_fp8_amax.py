@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 from harness import device, distributed_test
 
-from megatron.core.fusions.fp8 import Fp8Gemm, Fp8Recipe
+from megatron.core.fusions.fp8 import AmaxReducer, Fp8Gemm, Fp8Recipe
 from megatron.core.parallel_state import ParallelState
 
 
 def _one_backward(group, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's history entry after one forward/backward, the amaxes [x, w, dy] of its inputs)."""
-    gemm = Fp8Gemm(Fp8Recipe("hybrid", "delayed", 4), device=device(), use_scaled_mm=False)
-    gemm.amax_group = group
+    reducer = AmaxReducer(group) if group is not None else None
+    gemm = Fp8Gemm(Fp8Recipe("hybrid", "delayed", 4), device=device(), use_scaled_mm=False, reducer=reducer)
     g = torch.Generator().manual_seed(rank)
     x = (torch.randn(32, 64, generator=g) * (rank + 1)).bfloat16().to(device()).requires_grad_()
     w = (torch.randn(48, 64, generator=g) * 0.02 * (2 - rank)).bfloat16().to(device()).requires_grad_()
@@ -46,9 +46,8 @@ def test_one_amax_reduction_per_backward_for_all_gemms(ps: ParallelState) -> Non
     the max over the ranks of its own tensors (as a reduction per GEMM gives)."""
     rank = dist.get_rank()
     recipe = Fp8Recipe("hybrid", "delayed", 4)
-    gemms = [Fp8Gemm(recipe, device=device(), use_scaled_mm=False) for _ in range(3)]
-    for gemm in gemms:
-        gemm.amax_group = ps.tp_group
+    reducer = AmaxReducer(ps.tp_group)  # the trainer's: one for every GEMM of the model
+    gemms = [Fp8Gemm(recipe, device=device(), use_scaled_mm=False, reducer=reducer) for _ in range(3)]
     calls = []
     real = dist.all_reduce
 

@@ -24,8 +24,8 @@ from megatron.core.fusions.fp8 import (
 from megatron.core.fusions.fp8 import gemm as fp8_gemm_mod
 from megatron.core.fusions.fp8 import recipe as fp8_recipe_mod
 from megatron.core.fusions.fp8 import swiglu_mlp as fp8_swiglu_mod
-from megatron.core.fusions.triton.swiglu import swiglu_backward_torch, swiglu_fp32
 from megatron.core.fusions.kernels import kernel_report
+from megatron.core.fusions.triton.swiglu import swiglu_backward_torch, swiglu_fp32
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -713,3 +713,70 @@ def test_swiglu_mlp_block_trains_like_the_two_linears(monkeypatch, compiled):
     with torch.no_grad():  # evaluation, warm: still the linears' path (no transposed copies)
         fused(torch.zeros(2, 16, dtype=torch.long), None, None)
     assert calls == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Which quantisation kernels run is the GEMM's constructor argument (the plan's TritonKernels).
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_gemm_quantises_with_the_kernels_it_was_given(monkeypatch, recipe):
+    """``kernels`` with ``fp8_cast``: every cast and amax of forward and backward goes to the Triton ops
+    (recorded here, computing the torch code's values); without: none does, and the values are equal.
+    A kernel that fails after its self-check passed propagates (no silent fallback)."""
+    from megatron.core.fusions.triton import TritonKernels
+    from megatron.core.fusions.triton import fp8_cast as fc
+
+    ran = []
+    for op, torch_fn in (("_cast_transpose_op", lambda t, s, d: fc.fp8_cast_transpose_torch(t, s, d, False)),
+                         ("_cast_transpose_amax_op", lambda t, s, d: fc.fp8_cast_transpose_torch(t, s, d, True)),
+                         ("_amax_op", fc.fp8_amax_torch)):
+        monkeypatch.setattr(fc, op, lambda *a, _op=op, _fn=torch_fn: ran.append(_op) or _fn(*a))
+    x, w, dy = inputs(m=32)
+    results = []
+    for kernels in (TritonKernels(), TritonKernels(frozenset({"fp8_cast"}))):
+        gemm = Fp8Gemm(Fp8Recipe("hybrid", recipe, 4), use_scaled_mm=False, kernels=kernels)
+        for _ in range(2):  # delayed: cold, then warm
+            xs, ws = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            y = gemm(xs, ws, None)
+            y.backward(dy)
+            results.append((y, xs.grad, ws.grad))
+        assert bool(ran) == kernels.uses("fp8_cast")
+    for a, b in zip(results[:2], results[2:]):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert {"_cast_transpose_op", "_amax_op"} <= set(ran)
+    monkeypatch.setattr(fc, "_cast_transpose_op", lambda *a: (_ for _ in ()).throw(RuntimeError("kernel failed")))
+    gemm = Fp8Gemm(Fp8Recipe("hybrid", recipe, 4), use_scaled_mm=False, kernels=TritonKernels(frozenset({"fp8_cast"})))
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        gemm(x.detach().requires_grad_(), w.detach().requires_grad_(), None).backward(dy)
+
+
+def test_fp8_swiglu_block_uses_the_fused_kernels_it_was_given(monkeypatch):
+    """Fp8SwigluMlp(kernels=...) with ``swiglu_fp8``: the fused SwiGLU casts go to the Triton ops; the
+    unaligned fallback runs the activation it was given."""
+    from megatron.core.fusions.fp8 import Fp8SwigluMlp
+    from megatron.core.fusions.triton import TritonKernels
+    from megatron.core.fusions.triton import swiglu_fp8 as sf
+
+    ran = []
+    monkeypatch.setattr(sf, "_swiglu_op", lambda *a: ran.append("fwd") or sf.swiglu_cast_transpose_amax(*a, False))
+    monkeypatch.setattr(sf, "_swiglu_backward_op",
+                        lambda *a: ran.append("bwd") or sf.swiglu_backward_cast_transpose_amax(*a, False))
+    recipe = Fp8Recipe("hybrid", "delayed", 4)
+    fc1, fc2 = Fp8Gemm(recipe, use_scaled_mm=False), Fp8Gemm(recipe, use_scaled_mm=False)
+    for gemm in (fc1, fc2):
+        gemm.push_amaxes(torch.ones(3))  # warm
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g).bfloat16().requires_grad_()
+    w1 = (torch.randn(96, 64, generator=g) * 0.05).bfloat16().requires_grad_()
+    w2 = (torch.randn(64, 48, generator=g) * 0.05).bfloat16().requires_grad_()
+    for kernels, expected in ((TritonKernels(), []), (TritonKernels(frozenset({"swiglu_fp8"})), ["fwd", "bwd"])):
+        ran.clear()
+        block = Fp8SwigluMlp(fc1, fc2, kernels=kernels)
+        assert block.ready()
+        block(x, w1, w2).float().sum().backward()
+        assert ran == expected
+    activations = []
+    block = Fp8SwigluMlp(fc1, fc2, activation=lambda h: activations.append(h.shape) or h[..., :48])
+    with pytest.warns(UserWarning, match="not a multiple of 16"):
+        block(x[:15], w1, w2)
+    assert activations == [torch.Size([15, 96])]

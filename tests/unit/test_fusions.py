@@ -155,3 +155,109 @@ def test_kernel_report_names_every_part_on_cpu():
     selective = kernel_report(tiny(recompute_granularity="selective"), torch.device("cpu"), tp_size=1,
                               compiled_layers=0, compile_reason="CPU run", fused_cross_entropy=True)
     assert any("recompute: selective" in ln and "--recompute-granularity full" in ln for ln in selective)
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel choice is the caller's (the execution plan's): self-checks only when asked, every entry
+# point told explicitly which implementation runs, a kernel's failure propagates.
+
+def test_triton_kernels_names_the_kernels_a_run_dispatches_to():
+    from megatron.core.fusions.triton import KERNELS, NO_KERNELS, TritonKernels
+
+    assert KERNELS == ("swiglu", "cross_entropy", "fp8_cast", "swiglu_fp8")
+    assert not any(NO_KERNELS.uses(k) for k in KERNELS) and NO_KERNELS == TritonKernels()
+    kernels = TritonKernels(frozenset({"fp8_cast", "swiglu"}))
+    assert [k for k in KERNELS if kernels.uses(k)] == ["swiglu", "fp8_cast"]
+    with pytest.raises(AssertionError, match="unknown Triton kernels"):
+        TritonKernels(frozenset({"swiglu_backward"}))
+
+
+def test_self_check_reports_why_each_kernel_cannot_run_and_remembers_nothing(monkeypatch):
+    from megatron.core.fusions import triton as kt
+
+    cpu = torch.device("cpu")
+    assert kt.self_check(cpu) == dict.fromkeys(kt.KERNELS, "not a CUDA device (cpu)")
+    calls = []
+
+    def failing(device):
+        calls.append("cross_entropy")
+        raise RuntimeError("no kernel image")
+
+    checks = {"swiglu": lambda d: calls.append("swiglu") or "", "cross_entropy": failing,
+              "fp8_cast": lambda d: calls.append("fp8_cast") or "fp8 amax differs from the torch code",
+              "swiglu_fp8": lambda d: calls.append("swiglu_fp8") or ""}
+    monkeypatch.setattr(kt, "SELF_CHECKS", checks)
+    results = kt.self_check(cpu, interpret=True)  # the interpreter runs kernels on CPU tensors
+    assert results == {"swiglu": None, "cross_entropy": "its self-check failed: RuntimeError: no kernel image",
+                       "fp8_cast": "disagrees with the torch code: fp8 amax differs from the torch code",
+                       "swiglu_fp8": None}
+    assert kt.passed(results, interpret=True) == kt.TritonKernels(frozenset({"swiglu", "swiglu_fp8"}), True)
+    assert kt.self_check(cpu, interpret=True) == results and calls == list(kt.KERNELS) * 2  # checked again
+    monkeypatch.setattr(kt, "triton", None)
+    assert kt.self_check(torch.device("cuda"), interpret=True) == dict.fromkeys(kt.KERNELS, "Triton is not importable")
+
+
+def test_maybe_compiled_compiles_only_when_the_caller_asks_on_cuda_tensors(monkeypatch):
+    from megatron.core.fusions import compile as compile_mod
+
+    compiled = []
+
+    def fake_compile(fn, dynamic):
+        compiled.append(dynamic)
+        return lambda *a: ("compiled", fn(*a))
+
+    monkeypatch.setattr(compile_mod.torch, "compile", fake_compile)
+    monkeypatch.setattr(compile_mod, "raise_recompile_limits", lambda: None)
+    helper = compile_mod.maybe_compiled(lambda a, b: a + b, dynamic=True)
+
+    class CudaLike(float):
+        is_cuda = True
+
+    assert helper(torch.tensor(1.0), torch.tensor(2.0), compile=True) == 3.0  # a CPU tensor stays eager
+    assert helper(CudaLike(1.0), 2.0, compile=False) == 3.0 and compiled == []
+    assert helper(CudaLike(1.0), 2.0, compile=True) == ("compiled", 3.0)
+    assert helper(CudaLike(1.0), 5.0, compile=True) == ("compiled", 6.0)
+    assert compiled == [True]  # one torch.compile wrapper, made on the first compiled call
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_linear_cross_entropy_runs_the_kernel_it_is_told_and_a_failing_kernel_propagates(monkeypatch, use_triton):
+    from megatron.core.fusions import linear_cross_entropy as lce
+
+    ran = []
+
+    def kernel(logits, target, weights):
+        ran.append("triton")
+        return lce.loss_and_dlogits_(logits, target, weights)
+
+    monkeypatch.setattr(lce, "cross_entropy_grad_triton", kernel)
+    torch.manual_seed(0)
+    h = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(20, 8, requires_grad=True)
+    t = torch.randint(0, 20, (12,))
+    ref = linear_cross_entropy(h, w, t, chunk=5)
+    assert ran == []  # the default: the torch code
+    got = linear_cross_entropy(h, w, t, chunk=5, use_triton=use_triton)
+    assert ran == (["triton"] * 3 if use_triton else []) and torch.equal(got, ref)
+
+    def broken(logits, target, weights):
+        raise RuntimeError("illegal memory access")
+
+    monkeypatch.setattr(lce, "cross_entropy_grad_triton", broken)
+    if use_triton:
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            linear_cross_entropy(h, w, t, chunk=5, use_triton=True)
+
+
+def test_swiglu_implementations():
+    from megatron.core.fusions.swiglu import swiglu_torch
+    from megatron.core.fusions.triton.swiglu import swiglu_backward_torch, swiglu_fp32
+
+    x = (torch.randn(4, 3, 2 * 16) * 3).bfloat16().requires_grad_()
+    gate, up = x.detach().chunk(2, dim=-1)
+    assert torch.equal(swiglu_torch(x), F.silu(gate) * up)  # the torch ops, in the input's dtype
+    g = torch.randn(4, 3, 16).bfloat16()
+    xf = x.detach().float().requires_grad_()
+    (F.silu(xf[..., :16]) * xf[..., 16:]).backward(g.float())
+    torch.testing.assert_close(swiglu_backward_torch(g, x.detach()).float(), xf.grad, rtol=1e-2, atol=1e-2)
+    assert torch.equal(swiglu_fp32(x.detach()), (F.silu(gate.float()) * up.float()).bfloat16())

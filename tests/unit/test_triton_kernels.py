@@ -37,7 +37,8 @@ def test_swiglu_backward_kernel_matches_autograd():
     out = _run("""
         import torch
         import torch.nn.functional as F
-        from megatron.core.fusions import triton_kernels as tk
+        from megatron.core.fusions import swiglu as sw
+        from megatron.core.fusions.triton import swiglu as tk
 
         torch.manual_seed(0)
         for shape, dtype in (((3, 2, 2 * 1100), torch.bfloat16), ((5, 2 * 64), torch.float32)):
@@ -50,24 +51,24 @@ def test_swiglu_backward_kernel_matches_autograd():
             assert got.dtype == dtype and got.shape == x.shape
             tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
             torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
-            # the op (Triton under the interpreter) and the torch fallback agree too
+            # the op (Triton under the interpreter) and the torch code agree too
             torch.testing.assert_close(tk.swiglu_backward(g, x.detach()).float(),
-                                       tk._swiglu_backward_torch(g, x.detach()).float(), rtol=tol, atol=tol)
+                                       tk.swiglu_backward_torch(g, x.detach()).float(), rtol=tol, atol=tol)
         # rows of x that are not contiguous (a slice of a wider buffer)
         wide = torch.randn(7, 2 * 50 + 10)
         x = wide[:, :100]
         g = torch.randn(7, 50)
-        torch.testing.assert_close(tk.swiglu_backward_triton(g, x), tk._swiglu_backward_torch(g, x),
+        torch.testing.assert_close(tk.swiglu_backward_triton(g, x), tk.swiglu_backward_torch(g, x),
                                    rtol=1e-5, atol=1e-5)
         # through the autograd Function
         x = torch.randn(4, 2 * 96, requires_grad=True)
-        tk.SwiGLU.apply(x).sum().backward()
+        sw.swiglu_triton(x).sum().backward()
         x2 = x.detach().clone().requires_grad_()
         gate, up = x2.chunk(2, dim=-1)
         (F.silu(gate) * up).sum().backward()
         torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
         # the one-time self-check a GPU run does before using the kernel
-        assert tk._check_swiglu(torch.device("cpu")) == ""
+        assert tk.check_swiglu(torch.device("cpu")) == ""
         print("ok")
     """)
     assert out.strip().endswith("ok")
@@ -76,8 +77,8 @@ def test_swiglu_backward_kernel_matches_autograd():
 def test_cross_entropy_kernel_matches_the_compiled_step():
     out = _run("""
         import torch
-        from megatron.core.fusions import triton_kernels as tk
-        from megatron.core.fusions.linear_cross_entropy import _loss_and_dlogits_
+        from megatron.core.fusions.triton import cross_entropy as tk
+        from megatron.core.fusions.linear_cross_entropy import _loss_and_dlogits, _loss_and_dlogits_
 
         torch.manual_seed(0)
         # a vocabulary that is not a multiple of the block, one within a block, and bf16/fp32 logits
@@ -95,11 +96,13 @@ def test_cross_entropy_kernel_matches_the_compiled_step():
             tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
             torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
             assert torch.equal(got[1], torch.zeros_like(got[1]))  # weight 0: no gradient
-            # the dispatcher takes the kernel (interpreter) and would take the fallback otherwise
-            again = logits.clone()
-            torch.testing.assert_close(tk.cross_entropy_grad_(again, target, weights, None), ref_loss,
+            # the fused cross entropy's step takes the kernel when asked (interpreter), the torch code otherwise
+            again, torch_path = logits.clone(), logits.clone()
+            torch.testing.assert_close(_loss_and_dlogits(again, target, weights, True, False), ref_loss,
                                        rtol=1e-5, atol=1e-5)
-        assert tk._check_cross_entropy(torch.device("cpu")) == ""
+            assert torch.equal(again, got)
+            assert torch.equal(_loss_and_dlogits(torch_path, target, weights, False, False), ref_loss)
+        assert tk.check_cross_entropy(torch.device("cpu")) == ""
         print("ok")
     """)
     assert out.strip().endswith("ok")
@@ -112,7 +115,7 @@ def test_fp8_cast_transpose_and_amax_kernels_match_the_torch_code():
     (tests/gpu and the kernels' one-time self-check)."""
     out = _run("""
         import torch
-        from megatron.core.fusions import triton_kernels as tk
+        from megatron.core.fusions.triton import fp8_cast as tk
 
         torch.manual_seed(0)
         for m, n in ((200, 300), (64, 128), (1, 7), (130, 65)):  # multiples of the tile, and not
@@ -125,7 +128,7 @@ def test_fp8_cast_transpose_and_amax_kernels_match_the_torch_code():
                 grid = (-(-m // 64), -(-n // 128))
                 out, out_t = torch.full((m, n), -1.0), torch.full((n, m), -1.0)
                 partials = torch.zeros(grid[0] * grid[1])  # one slot per tile
-                tk._cast_transpose_kernel[grid](t, scale.reshape(1), out, out_t, partials, m, n, t.stride(0),
+                tk.cast_transpose_kernel[grid](t, scale.reshape(1), out, out_t, partials, m, n, t.stride(0),
                                                 FMAX=448.0, AMAX=with_amax, BM=64, BN=128)
                 assert torch.equal(out, ref) and torch.equal(out_t, ref.t())
                 if with_amax:  # each tile's own max in its slot
@@ -137,7 +140,7 @@ def test_fp8_cast_transpose_and_amax_kernels_match_the_torch_code():
         wide = torch.randn(70, 150).bfloat16()
         t = wide[:, :100]
         out, out_t, partials = torch.empty(70, 100), torch.empty(100, 70), torch.zeros(2)
-        tk._cast_transpose_kernel[(2, 1)](t, torch.ones(1), out, out_t, partials, 70, 100, t.stride(0),
+        tk.cast_transpose_kernel[(2, 1)](t, torch.ones(1), out, out_t, partials, 70, 100, t.stride(0),
                                           FMAX=448.0, AMAX=True, BM=64, BN=128)
         assert torch.equal(out, t.float().clamp(-448, 448)) and torch.equal(out_t, out.t())
         assert partials.max() == t.float().abs().max()
@@ -152,20 +155,20 @@ def test_fp8_cast_transpose_and_amax_kernels_match_the_torch_code():
         for numel in (1, 4095, 4096 * 9 + 17):
             x = torch.randn(numel) * 3
             x[numel // 2] = -50.0
-            assert tk.fp8_amax_triton(x).item() == 50.0 == tk._fp8_amax_torch(x).item()
+            assert tk.fp8_amax_triton(x).item() == 50.0 == tk.fp8_amax_torch(x).item()
             assert tk.fp8_amax_triton(x.bfloat16().view(1, -1)).item() == 50.0
         x[5] = float("nan")
-        assert tk.fp8_amax_triton(x).item() == float("inf") == tk._fp8_amax_torch(x).item()
+        assert tk.fp8_amax_triton(x).item() == float("inf") == tk.fp8_amax_torch(x).item()
         # the op's fp8 outputs: shapes, dtypes, the transpose and the amax (values: see the docstring)
         t = (torch.randn(96, 48) * 3).bfloat16()
         for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             s = torch.tensor(10.0)
-            q, q_t, amax = tk.fp8_cast_transpose_amax(t, s, dtype)
-            rq, rq_t, ramax = tk._fp8_cast_transpose_torch(t, s, dtype, True)
+            q, q_t, amax = tk.fp8_cast_transpose_amax(t, s, dtype, True)
+            rq, rq_t, ramax = tk.fp8_cast_transpose_torch(t, s, dtype, True)
             assert q.dtype == dtype and q.shape == (96, 48) and q_t.shape == (48, 96)
             assert torch.equal(q_t.float(), q.float().t()) and torch.equal(amax, ramax)
             assert rq.dtype == dtype and torch.equal(rq_t.float(), rq.float().t())
-            q2, q2_t = tk.fp8_cast_transpose(t, s, dtype)
+            q2, q2_t = tk.fp8_cast_transpose(t, s, dtype, True)
             assert torch.equal(q2.float(), q.float()) and torch.equal(q2_t.float(), q_t.float())
         print("ok")
     """)
@@ -180,7 +183,8 @@ def test_fused_swiglu_cast_transpose_kernels_match_the_two_passes():
     a GPU and in the kernels' self-check)."""
     out = _run("""
         import torch
-        from megatron.core.fusions import triton_kernels as tk
+        from megatron.core.fusions.triton import swiglu_fp8 as tk
+        from megatron.core.fusions.triton.swiglu import swiglu_backward_torch, swiglu_fp32
 
         torch.manual_seed(0)
         for m, f in ((200, 300), (64, 128), (1, 7), (130, 65)):  # multiples of the tiles, and not
@@ -190,10 +194,10 @@ def test_fused_swiglu_cast_transpose_kernels_match_the_two_passes():
             x[-1, 0] = 300.0
             scale = torch.tensor(2.5)
             for name, ref_t, bm, bn, launch in (
-                    ("forward", tk._swiglu_torch(x), 64, 128, lambda q, q_t, p, grid: tk._swiglu_cast_transpose_kernel[grid](
+                    ("forward", swiglu_fp32(x), 64, 128, lambda q, q_t, p, grid: tk.swiglu_cast_transpose_kernel[grid](
                         x, scale.reshape(1), q, q_t, p, m, f, x.stride(0), FMAX=448.0, BM=64, BN=128)),
-                    ("backward", tk._swiglu_backward_torch(g, x), 64, 64, lambda q, q_t, p, grid:
-                        tk._swiglu_bwd_cast_transpose_kernel[grid](g, x, scale.reshape(1), q, q_t, p, m, f, g.stride(0),
+                    ("backward", swiglu_backward_torch(g, x), 64, 64, lambda q, q_t, p, grid:
+                        tk.swiglu_bwd_cast_transpose_kernel[grid](g, x, scale.reshape(1), q, q_t, p, m, f, g.stride(0),
                                                                    x.stride(0), FMAX=448.0, BM=64, BN=64))):
                 n = ref_t.shape[1]
                 ref = (ref_t.float() * scale).clamp(-448.0, 448.0)
@@ -214,9 +218,9 @@ def test_fused_swiglu_cast_transpose_kernels_match_the_two_passes():
         wide_x, wide_g = (torch.randn(70, 2 * 50 + 6) * 3).bfloat16(), torch.randn(70, 58).bfloat16()
         x, g = wide_x[:, :100], wide_g[:, :50]
         one = torch.tensor(1.0)
-        for got, ref in ((tk.swiglu_cast_transpose_amax_triton(x, one, torch.float32), tk._swiglu_torch(x)),
+        for got, ref in ((tk.swiglu_cast_transpose_amax_triton(x, one, torch.float32), swiglu_fp32(x)),
                          (tk.swiglu_backward_cast_transpose_amax_triton(g, x, one, torch.float32),
-                          tk._swiglu_backward_torch(g, x))):
+                          swiglu_backward_torch(g, x))):
             q, q_t, amax = got
             torch.testing.assert_close(q, ref.float(), rtol=1e-2, atol=1e-2)
             assert torch.equal(q_t, q.t()) and amax.item() == q.abs().max().item()
@@ -228,9 +232,9 @@ def test_fused_swiglu_cast_transpose_kernels_match_the_two_passes():
         # the ops: fp8 outputs of the right shapes and dtypes, the transpose, the amax of the two passes
         x, g = (torch.randn(96, 2 * 48) * 3).bfloat16(), torch.randn(96, 48).bfloat16()
         for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            for (q, q_t, amax), ref in ((tk.swiglu_cast_transpose_amax(x, torch.tensor(10.0), dtype), tk._swiglu_torch(x)),
-                                        (tk.swiglu_backward_cast_transpose_amax(g, x, torch.tensor(10.0), dtype),
-                                         tk._swiglu_backward_torch(g, x))):
+            for (q, q_t, amax), ref in ((tk.swiglu_cast_transpose_amax(x, torch.tensor(10.0), dtype, True), swiglu_fp32(x)),
+                                        (tk.swiglu_backward_cast_transpose_amax(g, x, torch.tensor(10.0), dtype, True),
+                                         swiglu_backward_torch(g, x))):
                 assert q.dtype == q_t.dtype == dtype and q.shape == ref.shape and q_t.shape == ref.t().shape
                 assert torch.equal(q_t.float(), q.float().t())
                 torch.testing.assert_close(amax, ref.float().abs().max(), rtol=1e-2, atol=0)
@@ -239,18 +243,22 @@ def test_fused_swiglu_cast_transpose_kernels_match_the_two_passes():
     assert out.strip().endswith("ok")
 
 
-def test_traced_ops_never_run_the_self_check(monkeypatch):
-    """Inside torch.compile's tracing (fake tensors) ``ready`` only reads the checks done before; the
-    self-check would otherwise run on fake tensors. Outside tracing it is ``available``."""
+def test_dispatch_never_runs_the_self_check(monkeypatch):
+    """The kernels' self-checks run only when :func:`self_check` is called (at start-up, by the
+    execution plan): neither a dispatch nor a trace with fake tensors (torch.compile) runs one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron.core.fusions import triton_kernels as tk
+    from megatron.core.fusions import triton as kt
+    from megatron.core.fusions.triton.fp8_cast import fp8_amax, fp8_cast_transpose
 
     calls = []
-    monkeypatch.setattr(tk, "available", lambda t, kernel: calls.append(kernel) or False)
-    monkeypatch.setattr(tk, "_CHECKED", set())
+    monkeypatch.setattr(kt, "SELF_CHECKS", {k: (lambda d, k=k: calls.append(k) or "") for k in kt.KERNELS})
+    e4m3 = torch.float8_e4m3fn
     with FakeTensorMode():
         fake = torch.empty(4, 4)
-        assert not tk.ready(fake, "fp8_cast")
+        fp8_cast_transpose(fake, torch.tensor(1.0), e4m3, False)
+    fp8_cast_transpose(torch.ones(4, 4), torch.tensor(1.0), e4m3, False)
+    fp8_amax(torch.ones(4, 4), False)
     assert calls == []
-    assert not tk.ready(torch.empty(4, 4), "fp8_cast") and calls == ["fp8_cast"]
+    assert kt.self_check(torch.device("cpu"), interpret=True) == dict.fromkeys(kt.KERNELS)
+    assert calls == list(kt.KERNELS)
