@@ -81,8 +81,13 @@ class Fp8GemmBuilder:
     reducer: AmaxReducer | None = dataclasses.field(default=None, compare=False)
 
     def __call__(self, device: torch.device | str | None) -> Fp8Gemm:
-        return Fp8Gemm(self.recipe, device=device, use_scaled_mm=self.use_scaled_mm, reducer=self.reducer,
-                       kernels=self.kernels)
+        return Fp8Gemm(
+            self.recipe,
+            device=device,
+            use_scaled_mm=self.use_scaled_mm,
+            reducer=self.reducer,
+            kernels=self.kernels,
+        )
 
 
 @dataclass(frozen=True)
@@ -123,15 +128,19 @@ class ExecutionPlan:
     def plain(cls, config: TransformerConfig, tp_size: int = 1) -> ExecutionPlan:
         """Megatron-Core's local layer: torch code, no compile, no FP8; the cross entropy fused
         (eager) where ``config.cross_entropy_loss_fusion`` asks and one rank holds the vocabulary."""
-        return cls(config=config, tp_size=tp_size, cross_entropy=_cross_entropy_path(config, tp_size, "cpu",
-                                                                                      False, False),
-                   triton_checks=tuple((k, "no self-check was run (a plan without resolve())") for k in KERNELS))
+        return cls(
+            config=config,
+            tp_size=tp_size,
+            cross_entropy=_cross_entropy_path(config, tp_size, "cpu", False, False),
+            triton_checks=tuple((k, "no self-check was run (a plan without resolve())") for k in KERNELS),
+        )
 
     @property
     def kernels(self) -> TritonKernels:
         """The Triton kernels this run dispatches to (those whose self-check passed)."""
-        return TritonKernels(enabled=frozenset(k for k, why in self.triton_checks if why is None),
-                             interpret=self.interpret)
+        return TritonKernels(
+            enabled=frozenset(k for k, why in self.triton_checks if why is None), interpret=self.interpret
+        )
 
     def triton_reason(self, kernel: str) -> str | None:
         """Why ``kernel`` does not run (None: it passed its self-check and runs)."""
@@ -146,8 +155,9 @@ class ExecutionPlan:
         amax reduction across ranks, owned by the caller (None: each rank its own amaxes)."""
         if self.fp8 is None:
             return None
-        return Fp8GemmBuilder(self.fp8.recipe, use_scaled_mm=not self.fp8.emulated, kernels=self.kernels,
-                              reducer=reducer)
+        return Fp8GemmBuilder(
+            self.fp8.recipe, use_scaled_mm=not self.fp8.emulated, kernels=self.kernels, reducer=reducer
+        )
 
     def report_lines(self, optimizer_config: object = None, fp8_linears: int | None = None) -> list[str]:
         """The ``> kernels`` block printed at start-up: this plan, in words (``fp8_linears``: the FP8
@@ -155,11 +165,18 @@ class ExecutionPlan:
         return kernel_report(self, optimizer_config, fp8_linears)
 
 
-def resolve(config: TransformerConfig, device: torch.device | str, tp_size: int = 1, *,
-            torch_compile: bool = True, compile_off_reason: str = "--torch-compile off",
-            triton_checks: Mapping[str, str | None] | None = None, interpret: bool = False,
-            fp8_emulate: bool = False, self_check_fn: Callable[..., dict[str, str | None]] = self_check,
-            ) -> ExecutionPlan:
+def resolve(
+    config: TransformerConfig,
+    device: torch.device | str,
+    tp_size: int = 1,
+    *,
+    torch_compile: bool = True,
+    compile_off_reason: str = "--torch-compile off",
+    triton_checks: Mapping[str, str | None] | None = None,
+    interpret: bool = False,
+    fp8_emulate: bool = False,
+    self_check_fn: Callable[..., dict[str, str | None]] = self_check,
+) -> ExecutionPlan:
     """The plan of a run of ``config`` on ``device`` with ``tp_size`` tensor-parallel ranks.
 
     Args:
@@ -181,14 +198,24 @@ def resolve(config: TransformerConfig, device: torch.device | str, tp_size: int 
     helpers = cuda and torch_compile
     swiglu = "triton" if config.activation == "swiglu" and cuda and "swiglu" in passed else "torch"
     n_q, n_kv = config.num_attention_heads // tp_size, max(1, _known(config.num_query_groups) // tp_size)
-    probe = (sdpa_backend(device, config.params_dtype, n_q, n_kv, _known(config.kv_channels))
-             if device.type != "meta" else "SDPA (not probed on the meta device)")
+    probe = (
+        sdpa_backend(device, config.params_dtype, n_q, n_kv, _known(config.kv_channels))
+        if device.type != "meta"
+        else "SDPA (not probed on the meta device)"
+    )
     return ExecutionPlan(
-        config=config, device_type=device.type, tp_size=tp_size, attention="sdpa", attention_kernel=probe,
-        swiglu=swiglu, cross_entropy=_cross_entropy_path(config, tp_size, device.type, "cross_entropy" in passed,
-                                                         helpers),
-        compile_layers=not reason, compile_reason=reason, compile_helpers=helpers,
-        triton_checks=tuple((k, checks.get(k, "not checked")) for k in KERNELS), interpret=interpret,
+        config=config,
+        device_type=device.type,
+        tp_size=tp_size,
+        attention="sdpa",
+        attention_kernel=probe,
+        swiglu=swiglu,
+        cross_entropy=_cross_entropy_path(config, tp_size, device.type, "cross_entropy" in passed, helpers),
+        compile_layers=not reason,
+        compile_reason=reason,
+        compile_helpers=helpers,
+        triton_checks=tuple((k, checks.get(k, "not checked")) for k in KERNELS),
+        interpret=interpret,
         fp8=_fp8_plan(config, device, tp_size, fp8_emulate and device.type == "cpu"),
     )
 
@@ -199,8 +226,9 @@ def _known(value: int | None) -> int:
     return value
 
 
-def _cross_entropy_path(config: TransformerConfig, tp_size: int, device_type: str, triton: bool,
-                        compiled: bool) -> str:
+def _cross_entropy_path(
+    config: TransformerConfig, tp_size: int, device_type: str, triton: bool, compiled: bool
+) -> str:
     if not config.cross_entropy_loss_fusion:
         return "vocab_parallel" if tp_size > 1 else "unfused"
     if tp_size > 1:
@@ -216,11 +244,17 @@ def fp8_local_shapes(config: TransformerConfig, tp_size: int) -> dict[str, tuple
     n_h, n_g = config.num_attention_heads, _known(config.num_query_groups)
     ffn = _known(config.ffn_hidden_size)
     gated = 2 if config.activation == "swiglu" else 1
-    return {"linear_qkv": ((n_h + 2 * n_g) * d // tp_size, h), "linear_proj": (h, n_h * d // tp_size),
-            "linear_fc1": (gated * ffn // tp_size, h), "linear_fc2": (h, ffn // tp_size)}
+    return {
+        "linear_qkv": ((n_h + 2 * n_g) * d // tp_size, h),
+        "linear_proj": (h, n_h * d // tp_size),
+        "linear_fc1": (gated * ffn // tp_size, h),
+        "linear_fc2": (h, ffn // tp_size),
+    }
 
 
-def _fp8_plan(config: TransformerConfig, device: torch.device, tp_size: int, emulated: bool) -> Fp8Plan | None:
+def _fp8_plan(
+    config: TransformerConfig, device: torch.device, tp_size: int, emulated: bool
+) -> Fp8Plan | None:
     """The FP8 part of the plan (None without ``fp8_format``); warns once about what stays in bf16."""
     recipe = Fp8Recipe.from_config(config)
     if recipe is None:
@@ -233,11 +267,15 @@ def _fp8_plan(config: TransformerConfig, device: torch.device, tp_size: int, emu
     aligned = tuple(n for n in FP8_LINEAR_NAMES if shapes[n][0] % ALIGN == 0 and shapes[n][1] % ALIGN == 0)
     unaligned = tuple(f"{n} {list(shapes[n])}" for n in FP8_LINEAR_NAMES if n not in aligned)
     if unaligned:
-        warnings.warn(f"FP8: the linears {', '.join(unaligned)} keep bf16 GEMMs because a weight dim is not a "
-                      f"multiple of {ALIGN}", stacklevel=3)
+        warnings.warn(
+            f"FP8: the linears {', '.join(unaligned)} keep bf16 GEMMs because a weight dim is not a "
+            f"multiple of {ALIGN}",
+            stacklevel=3,
+        )
     if emulated:
-        warnings.warn("FP8 emulated on the CPU: fp32 GEMMs on the dequantised fp8 values, for tests only",
-                      stacklevel=3)
+        warnings.warn(
+            "FP8 emulated on the CPU: fp32 GEMMs on the dequantised fp8 values, for tests only", stacklevel=3
+        )
     in_bf16 = bf16_layer_numbers(config)
     layers = frozenset(i for i in range(1, config.num_layers + 1) if i not in in_bf16)
     block = swiglu_mlp_fusable(config) and "linear_fc1" in aligned and "linear_fc2" in aligned

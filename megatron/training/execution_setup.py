@@ -17,17 +17,24 @@ from megatron.core.parallel_state import ParallelState
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
-def resolve_plan(cfg: Any, device: torch.device, tp_size: int,
-                 environ: Mapping[str, str] = os.environ) -> ExecutionPlan:
+def resolve_plan(
+    cfg: Any, device: torch.device, tp_size: int, environ: Mapping[str, str] = os.environ
+) -> ExecutionPlan:
     """The plan of this run: its model config, ``--torch-compile``, the device and the Triton kernels'
     self-checks (run now); ``TRITON_INTERPRET`` and ``MEGATRON_FP8_EMULATE`` are read here, once.
 
     Raises:
         ConfigError: FP8 asked on a device that cannot run it.
     """
-    return resolve(cfg.model, device, tp_size, torch_compile=cfg.impl.torch_compile != "off",
-                   compile_off_reason="--torch-compile off", interpret=environ.get("TRITON_INTERPRET") == "1",
-                   fp8_emulate=environ.get(EMULATE_ENV) == "1")
+    return resolve(
+        cfg.model,
+        device,
+        tp_size,
+        torch_compile=cfg.impl.torch_compile != "off",
+        compile_off_reason="--torch-compile off",
+        interpret=environ.get("TRITON_INTERPRET") == "1",
+        fp8_emulate=environ.get(EMULATE_ENV) == "1",
+    )
 
 
 def amax_reducer(plan: ExecutionPlan, pg: ParallelState, tp_only: bool) -> AmaxReducer | None:

@@ -17,22 +17,42 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.mlp import Fp8SwigluMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or triton is None,
-                                reason="needs a CUDA device and Triton")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or triton is None, reason="needs a CUDA device and Triton"
+)
 
 
 def llama(**kw):
-    base = dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, hidden_dropout=0.0,
-                attention_dropout=0.0, normalization="RMSNorm", activation="swiglu", ffn_hidden_size=256,
-                position_embedding_type="rope", add_bias_linear=False, cross_entropy_loss_fusion=True, bf16=True,
-                fp8_amax_history_len=16)
+    base = dict(
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        activation="swiglu",
+        ffn_hidden_size=256,
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        cross_entropy_loss_fusion=True,
+        bf16=True,
+        fp8_amax_history_len=16,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
 
 def build(plan):
-    return GPTModel(plan.config, get_gpt_decoder_block_plan_spec(plan), vocab_size=256, max_sequence_length=64,
-                    seed=1, device="cuda", execution_plan=plan)
+    return GPTModel(
+        plan.config,
+        get_gpt_decoder_block_plan_spec(plan),
+        vocab_size=256,
+        max_sequence_length=64,
+        seed=1,
+        device="cuda",
+        execution_plan=plan,
+    )
 
 
 def step(model):
@@ -74,8 +94,11 @@ def test_a_kernel_forced_to_fail_its_self_check_is_not_dispatched(monkeypatch, f
     if failing == "fp8_cast":
         assert gemms and not any(g.use_triton for g in gemms)
     if failing == "swiglu_fp8":
-        assert all(not layer.mlp.fp8_swiglu.use_triton for layer in model.decoder.layers
-                   if isinstance(layer.mlp, Fp8SwigluMLP))
+        assert all(
+            not layer.mlp.fp8_swiglu.use_triton
+            for layer in model.decoder.layers
+            if isinstance(layer.mlp, Fp8SwigluMLP)
+        )
     for _ in range(3):  # FP8's block path starts once the histories are warm
         assert torch.isfinite(step(model))
         model.zero_grad()

@@ -20,20 +20,39 @@ ALL_PASS = dict.fromkeys(KERNELS)
 
 
 def llama(**kw):
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, hidden_dropout=0.0,
-                attention_dropout=0.0, normalization="RMSNorm", activation="swiglu", ffn_hidden_size=128,
-                position_embedding_type="rope", add_bias_linear=False, cross_entropy_loss_fusion=True)
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        activation="swiglu",
+        ffn_hidden_size=128,
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        cross_entropy_loss_fusion=True,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
 
 def fp8(**kw):
-    return llama(**{**dict(bf16=True, fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=16), **kw})
+    return llama(
+        **{**dict(bf16=True, fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=16), **kw}
+    )
 
 
 def build(plan, seed=3):
-    return GPTModel(plan.config, get_gpt_decoder_block_plan_spec(plan), vocab_size=64, max_sequence_length=16,
-                    seed=seed, execution_plan=plan)
+    return GPTModel(
+        plan.config,
+        get_gpt_decoder_block_plan_spec(plan),
+        vocab_size=64,
+        max_sequence_length=16,
+        seed=seed,
+        execution_plan=plan,
+    )
 
 
 def report(plan, **kw):
@@ -49,12 +68,20 @@ def test_cpu_plan_is_the_torch_code_and_says_why():
 
     plan = resolve(llama(), "cpu", self_check_fn=check)
     assert calls == [("cpu", False)]  # the self-check runs once, at resolve
-    assert (plan.swiglu, plan.cross_entropy, plan.compile_layers, plan.fp8) == ("torch", "fused_eager", False, None)
+    assert (plan.swiglu, plan.cross_entropy, plan.compile_layers, plan.fp8) == (
+        "torch",
+        "fused_eager",
+        False,
+        None,
+    )
     assert plan.kernels.enabled == frozenset()
     text = report(plan)
     assert "not compiled: CPU run" in text and "fused output layer" in text and "FP8: off" in text
     assert "Triton: not used: swiglu, cross_entropy, fp8_cast, swiglu_fp8 (not a CUDA device (cpu))" in text
-    assert resolve(llama(cross_entropy_loss_fusion=False), "cpu", triton_checks=ALL_PASS).cross_entropy == "unfused"
+    assert (
+        resolve(llama(cross_entropy_loss_fusion=False), "cpu", triton_checks=ALL_PASS).cross_entropy
+        == "unfused"
+    )
     assert resolve(llama(), "cpu", 2, triton_checks=ALL_PASS).cross_entropy == "vocab_parallel"
 
 
@@ -72,9 +99,15 @@ def test_a_kernel_that_fails_its_self_check_is_reported_and_not_dispatched(faili
         assert "SwiGLU backward: Inductor/ATen (Triton kernel swiglu: disagrees" in text
         assert model.output_loss.use_triton and "one Triton kernel per chunk" in text
     else:
-        assert plan.swiglu == "triton" and activations == {swiglu_triton} and "SwiGLU backward: Triton kernel" in text
+        assert (
+            plan.swiglu == "triton"
+            and activations == {swiglu_triton}
+            and "SwiGLU backward: Triton kernel" in text
+        )
         assert plan.cross_entropy == "fused_compiled" and not model.output_loss.use_triton
-        assert model.output_loss.compiled and "softmax/grad steps compiled (Triton kernel cross_entropy" in text
+        assert (
+            model.output_loss.compiled and "softmax/grad steps compiled (Triton kernel cross_entropy" in text
+        )
     passed = [k for k in KERNELS if k != failing]
     assert f"{', '.join(passed)} passed the self-check and run" in text
 
@@ -92,8 +125,10 @@ def test_fp8_cast_failure_reaches_every_fp8_gemm_and_the_report():
 def test_plain_plan_builds_the_local_spec_model_bit_for_bit():
     cfg = llama()
     plan = ExecutionPlan.plain(cfg)
-    a, b = build(plan, seed=5), GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16,
-                                         seed=5)
+    a, b = (
+        build(plan, seed=5),
+        GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16, seed=5),
+    )
     assert isinstance(b.output_loss, FusedLinearCrossEntropy) and not b.output_loss.use_triton
     ids = torch.randint(0, 64, (2, 16))
     for m in (a, b):
@@ -101,24 +136,42 @@ def test_plain_plan_builds_the_local_spec_model_bit_for_bit():
     torch.testing.assert_close(a(ids, None, None), b(ids, None, None), rtol=0, atol=0)
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
-    assert isinstance(GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16,
-                               execution_plan=resolve(cfg, "cpu", 1, triton_checks=ALL_PASS)).output_loss,
-                      FusedLinearCrossEntropy)
+    assert isinstance(
+        GPTModel(
+            cfg,
+            get_gpt_layer_local_spec(),
+            vocab_size=64,
+            max_sequence_length=16,
+            execution_plan=resolve(cfg, "cpu", 1, triton_checks=ALL_PASS),
+        ).output_loss,
+        FusedLinearCrossEntropy,
+    )
     with pytest.raises(ConfigError, match="resolved for tensor_model_parallel_size 2"):
-        GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16,
-                 execution_plan=ExecutionPlan.plain(cfg, 2))
+        GPTModel(
+            cfg,
+            get_gpt_layer_local_spec(),
+            vocab_size=64,
+            max_sequence_length=16,
+            execution_plan=ExecutionPlan.plain(cfg, 2),
+        )
 
 
 def test_fp8_layers_linears_and_swiglu_block_come_from_the_plan():
-    cfg = fp8(num_layers=4, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1)
+    cfg = fp8(
+        num_layers=4, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1
+    )
     plan = resolve(cfg, "cpu", triton_checks=ALL_PASS, fp8_emulate=True)
     assert plan.fp8.layers == {2, 3} and plan.fp8.swiglu_block
     model = build(plan)
     for number, layer in enumerate(model.decoder.layers, start=1):
         in_fp8 = number in (2, 3)
         assert isinstance(layer.mlp, Fp8SwigluMLP) == in_fp8, number
-        linears = (layer.self_attention.linear_qkv, layer.self_attention.linear_proj, layer.mlp.linear_fc1,
-                   layer.mlp.linear_fc2)
+        linears = (
+            layer.self_attention.linear_qkv,
+            layer.self_attention.linear_proj,
+            layer.mlp.linear_fc1,
+            layer.mlp.linear_fc2,
+        )
         assert all((lin.fp8 is not None) == in_fp8 for lin in linears), number
     assert model.output_layer.fp8 is None
     # the checkpoint keys of the FP8 state are the linears' own (non-persistent: not in the state dict)
@@ -152,5 +205,6 @@ def test_fp8_on_a_device_without_it_is_a_config_error():
 def test_tp_plan_shards_the_shapes_and_uses_the_vocab_parallel_loss():
     plan = resolve(llama(), "cpu", 2, triton_checks=ALL_PASS)
     assert plan.cross_entropy == "vocab_parallel" and "vocab-parallel cross entropy" in report(plan)
-    assert isinstance(build(ExecutionPlan.plain(llama(cross_entropy_loss_fusion=False))).output_loss,
-                      LogitsCrossEntropy)
+    assert isinstance(
+        build(ExecutionPlan.plain(llama(cross_entropy_loss_fusion=False))).output_loss, LogitsCrossEntropy
+    )

@@ -25,13 +25,20 @@ class FusedLinearCrossEntropy:
     def __init__(self, use_triton: bool, compiled: bool) -> None:
         self.use_triton, self.compiled = use_triton, compiled
 
-    def __call__(self, hidden: torch.Tensor, output_layer: ColumnParallelLinear, weight: torch.Tensor | None,
-                 labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        output_layer: ColumnParallelLinear,
+        weight: torch.Tensor | None,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         w = weight if weight is not None else output_layer.weight
         assert w is not None
         weights = None if loss_mask is None else loss_mask.t()
-        loss = linear_cross_entropy(hidden, w, labels.t(), loss_weights=weights, use_triton=self.use_triton,
-                                    compile=self.compiled)
+        loss = linear_cross_entropy(
+            hidden, w, labels.t(), loss_weights=weights, use_triton=self.use_triton, compile=self.compiled
+        )
         return loss.t().contiguous()  # [b, s]
 
 
@@ -41,8 +48,14 @@ class LogitsCrossEntropy:
     def __init__(self, tp_group: ProcessGroup | None) -> None:
         self.tp_group = tp_group
 
-    def __call__(self, hidden: torch.Tensor, output_layer: ColumnParallelLinear, weight: torch.Tensor | None,
-                 labels: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        output_layer: ColumnParallelLinear,
+        weight: torch.Tensor | None,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         logits, _ = output_layer(hidden, weight=weight)  # [s, b, V/tp]
         return sharded_cross_entropy(logits, labels.t(), self.tp_group).t().contiguous()  # [b, s]
 
@@ -53,6 +66,7 @@ OutputLoss = FusedLinearCrossEntropy | LogitsCrossEntropy
 def output_loss(plan: ExecutionPlan, tp_group: ProcessGroup | None) -> OutputLoss:
     """The loss path ``plan.cross_entropy`` names."""
     if plan.fused_cross_entropy:
-        return FusedLinearCrossEntropy(use_triton=plan.cross_entropy == "fused_triton",
-                                       compiled=plan.compile_helpers)
+        return FusedLinearCrossEntropy(
+            use_triton=plan.cross_entropy == "fused_triton", compiled=plan.compile_helpers
+        )
     return LogitsCrossEntropy(tp_group)
