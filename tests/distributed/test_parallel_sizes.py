@@ -1,7 +1,7 @@
 """A TransformerConfig that leaves the parallel sizes at 1 (Megatron-Core's walkthrough) is split by
 the process groups: GPTModel built under ``initialize_model_parallel(tp=2)`` holds half of every
 split weight and computes the one-process model's loss; under pp 2 each stage builds its layers; the
-schedules' activation shape follows the model's groups."""
+schedules' activation shape follows the groups they are given."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def test_activation_shape_follows_the_model_groups(ps: ParallelState) -> None:
     cfg = _config(sequence_parallel=True)  # tp left at 1: the groups' 2 splits the sequence
     model = _build(cfg)
     assert model.sequence_parallel
-    assert tensor_shape(model, cfg, S, B) == (S // 2, B, 12)
-    assert tensor_shape(_build(_config()), cfg, S, B) == (S, B, 12)
+    assert tensor_shape(model, cfg, S, B, ps.tp_size) == (S // 2, B, 12)
+    assert tensor_shape(_build(_config()), cfg, S, B, ps.tp_size) == (S, B, 12)
 
 
 @distributed_test(world_size=2, pp=2)

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.pipeline_parallel.interleaved import check_interleaving, schedule_table
 from megatron.core.pipeline_parallel.p2p_communication import Exchange, P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import (
@@ -86,8 +87,7 @@ class _Track(torch.autograd.Function):
 class FakeChunk(torch.nn.Module):
     def __init__(self, rank: int, pp: int, chunk: int, num_chunks: int, config, stats):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(()))
-        self.pg = SimpleNamespace(pp_rank=rank, pp_size=pp)
+        self.weight = torch.nn.Parameter(torch.ones(()))  # no process groups: the schedule takes them from the comm
         self.config, self.stats, self.chunk = config, stats, chunk
         self.pre_process = rank == 0 and chunk == 0
         self.post_process = rank == pp - 1 and chunk == num_chunks - 1
@@ -253,16 +253,17 @@ def test_dispatch_and_no_pipelining_contract():
     assert get_forward_backward_func(1) is forward_backward_no_pipelining
     assert get_forward_backward_func(2) is forward_backward_pipelining_without_interleaving
     assert get_forward_backward_func(2, 2).__name__ == "forward_backward_pipelining_with_interleaving"
-    with pytest.raises(ValueError, match="pipeline-model-parallel-size > 1"):
+    with pytest.raises(ConfigError, match="pipeline_model_parallel_size > 1"):
         get_forward_backward_func(1, 2)
 
 
 @pytest.mark.parametrize("m, pp, g, message", [
     (1, 2, None, "needs at least 2"),
-    (5, 4, None, "last group has 1 < --pipeline-model-parallel-size 4"),
-    (8, 4, 2, "must be at least --pipeline-model-parallel-size 4"),
+    (5, 4, None, "last group has 1 < pipeline_model_parallel_size 4"),
+    (8, 4, 2, "must be at least pipeline_model_parallel_size 4"),
 ])
 def test_interleaving_micro_batch_checks(m, pp, g, message):
-    with pytest.raises(ValueError, match=message) as err:
+    with pytest.raises(ConfigError, match=message) as err:
         check_interleaving(m, pp, g)
-    assert "--global-batch-size" in str(err.value) or g is not None
+    assert "global_batch_size" in str(err.value) or g is not None
+    assert "pipeline_model_parallel_size" in err.value.params

@@ -24,41 +24,50 @@ compute. Per pair of ranks the messages keep the unsplit order, so the pairing i
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from typing import Any
 
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.pipeline_parallel.schedules import (
+import torch
+
+from megatron.core.config_utils import ConfigError
+from megatron.core.pipeline_parallel.p2p_communication import Exchange, P2PCommunicator
+from megatron.core.pipeline_parallel.schedule_steps import (
+    ForwardStepFunc,
     GradSync,
-    _model_config,
-    _stage,
     backward_step,
     check_schedule_options,
+    communicator_for,
     deallocate_output_tensor,
     finalize,
     forward_step,
-    make_communicator,
+    model_config,
 )
 
 
 def check_interleaving(num_microbatches: int, pp: int, group_size: int | None) -> int:
-    """The micro-batch group size G; raises ValueError when the micro-batch count does not fit.
+    """The micro-batch group size G.
 
     Rules (Megatron's): ``pp <= G <= M`` and ``M mod G`` is 0 or at least ``pp``.
+
+    Raises:
+        ConfigError: the micro-batch count does not fit, naming the parameters to change.
     """
     g = pp if group_size is None else group_size
     what = (f"the interleaved pipeline schedule runs {num_microbatches} micro-batches per step "
-            "(--global-batch-size / (--micro-batch-size x data-parallel size))")
+            "(global_batch_size / (micro_batch_size x data-parallel size))")
+    group = "microbatch_group_size_per_virtual_pipeline_stage"
     if g < pp:
-        raise ValueError(f"--microbatch-group-size-per-virtual-pipeline-stage {g} must be at least "
-                         f"--pipeline-model-parallel-size {pp}")
+        raise ConfigError(f"{group} {g} must be at least pipeline_model_parallel_size {pp}",
+                          params=(group, "pipeline_model_parallel_size"))
     if num_microbatches < g:
-        raise ValueError(f"{what}; it needs at least {g} (the micro-batch group size, default "
-                         f"--pipeline-model-parallel-size {pp}): raise --global-batch-size")
+        raise ConfigError(f"{what}; it needs at least {g} (the micro-batch group size, default "
+                          f"pipeline_model_parallel_size {pp}): raise global_batch_size",
+                          params=("global_batch_size", "micro_batch_size", "pipeline_model_parallel_size"))
     rest = num_microbatches % g
     if rest != 0 and rest < pp:
-        raise ValueError(f"{what}; with micro-batch groups of {g} the last group has {rest} < "
-                         f"--pipeline-model-parallel-size {pp}: use a multiple of {g} micro-batches "
-                         f"(--global-batch-size)")
+        raise ConfigError(f"{what}; with micro-batch groups of {g} the last group has {rest} < "
+                          f"pipeline_model_parallel_size {pp}: use a multiple of {g} micro-batches "
+                          f"(global_batch_size)",
+                          params=("global_batch_size", "micro_batch_size", "pipeline_model_parallel_size"))
     return g
 
 
@@ -127,41 +136,48 @@ class RoundPlan:
 
 
 def forward_backward_pipelining_with_interleaving(
-        *, forward_step_func: Callable, data_iterator: list | None, model: list, num_microbatches: int,
-        seq_length: int | None = None, micro_batch_size: int | None = None, decoder_seq_length=None,
-        forward_only: bool = False, collect_non_loss_data: bool = False, first_val_step=None,
-        adjust_tensor_shapes_fn=None, p2p_communicator: P2PCommunicator | None = None, pg_collection=None,
-        force_all_reduce: bool | None = False) -> list:
-    """Interleaved 1F1B over ``model`` (one chunk per virtual stage of this rank). ``pg_collection``
-    has no effect (the model's ParallelState holds the groups); ``force_all_reduce`` must be False.
+        *, forward_step_func: ForwardStepFunc, data_iterator: list[Any] | None, model: list[torch.nn.Module],
+        num_microbatches: int, seq_length: int | None = None, micro_batch_size: int | None = None,
+        decoder_seq_length: int | None = None, forward_only: bool = False, collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None, adjust_tensor_shapes_fn: Any = None,
+        p2p_communicator: P2PCommunicator | None = None, pg_collection: Any = None,
+        force_all_reduce: bool | None = False) -> list[Any]:
+    """Interleaved 1F1B over ``model`` (one chunk per virtual stage of this rank); ``force_all_reduce``
+    must be False. The stages exchange through ``p2p_communicator``, else through one over
+    ``pg_collection``'s pipeline group (a ParallelState or a ProcessGroupCollection; None: the
+    default ParallelState's), as in ``forward_backward_pipelining_without_interleaving``.
 
     ``data_iterator`` is a list with one entry per chunk (None where the chunk reads no data).
     Returns the per-micro-batch metrics on the last pipeline rank, an empty list elsewhere.
 
     Raises:
-        ValueError: fewer than two chunks, or a micro-batch count the schedule cannot run
+        ConfigError: fewer than two chunks, or a micro-batch count the schedule cannot run
             (see ``check_interleaving``).
     """
     check_schedule_options(force_all_reduce)
     if not isinstance(model, list) or len(model) < 2:
-        raise ValueError("the interleaved schedule needs a list of >= 2 model chunks per rank")
+        raise ConfigError("the interleaved schedule needs a list of >= 2 model chunks per rank "
+                          "(virtual_pipeline_model_parallel_size >= 2)",
+                          params=("virtual_pipeline_model_parallel_size",))
     v = len(model)
     iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * v
-    config = _model_config(model[0])
-    rank, pp = _stage(model[0])
+    config = model_config(model[0])
+    comm = communicator_for(p2p_communicator, pg_collection, model[0], config, seq_length, micro_batch_size)
+    rank, pp = comm.pp_rank, comm.pp_size
     g = check_interleaving(num_microbatches, pp, config.microbatch_group_size_per_virtual_pipeline_stage)
     plan = RoundPlan(num_microbatches, v, pp, g, forward_only)
-    comm = p2p_communicator or make_communicator(model[0], config, seq_length, micro_batch_size)
     last_bwd = {plan.bchunk(k): k for k in range(plan.total)}  # last backward index of each chunk
     sync = GradSync(config, v, active=not forward_only)
-    metrics: list = []
-    num_tokens: list = []
-    inputs: list[deque] = [deque() for _ in range(v)]  # received activations, per chunk
-    grads: list[deque] = [deque() for _ in range(v)]  # received output gradients, per chunk
-    stored: list[deque] = [deque() for _ in range(v)]  # (input, output) awaiting backward
+    metrics: list[Any] = []
+    num_tokens: list[torch.Tensor] = []
+    inputs: list[deque[torch.Tensor | None]] = [deque() for _ in range(v)]  # received activations, per chunk
+    grads: list[deque[torch.Tensor | None]] = [deque() for _ in range(v)]  # received output gradients, per chunk
+    # (input, output) awaiting backward, per chunk
+    stored: list[deque[tuple[torch.Tensor | None, torch.Tensor]]] = [deque() for _ in range(v)]
 
     overlap = getattr(config, "overlap_p2p_comm", False)
-    in_flight = None  # the previous round's gradient exchange (overlap): (exchange, receiving chunk)
+    # The previous round's gradient exchange (overlap): (exchange, receiving chunk).
+    in_flight: tuple[Exchange, int | None] | None = None
 
     def take_gradients() -> None:
         nonlocal in_flight
@@ -173,7 +189,8 @@ def forward_backward_pipelining_with_interleaving(
             in_flight = None
 
     for t in range(-1, plan.last_round(rank) + 1):
-        send_next = send_prev = None
+        send_next: torch.Tensor | None = None
+        send_prev: torch.Tensor | None = None
         k = plan.fwd(rank, t)
         if k is not None:
             c = plan.fchunk(k)
@@ -202,7 +219,7 @@ def forward_backward_pipelining_with_interleaving(
                 sync.enable(c)
             input_grad = backward_step(input_tensor, output, output_grad, config)
             send_prev = None if first else input_grad
-        if overlap:
+        if forward_exchange is not None:
             in_flight = (comm.post(send_prev=send_prev, recv_next=recv_b is not None), recv_b)
             got_f = forward_exchange.wait()[0]
         else:

@@ -172,8 +172,8 @@ def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, 
     for r, n in zip(free, even):
         per_rank[r] = n
     counts = [0] * (pp * vpp)
-    for r, n in enumerate(per_rank):
-        chunk_counts, chunk_exact = _split(n or 0, vpp)
+    for r, layers in enumerate(per_rank):
+        chunk_counts, chunk_exact = _split(layers or 0, vpp)
         exact = exact and chunk_exact
         for c, k in enumerate(chunk_counts):
             counts[c * pp + r] = k

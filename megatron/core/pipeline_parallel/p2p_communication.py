@@ -15,11 +15,13 @@ last rank to chunk ``c + 1`` of the first.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
-_WARMED_UP: set[int] = set()
+from megatron.core.runtime import get_runtime
 
 
 class P2PCommunicator:
@@ -35,10 +37,14 @@ class P2PCommunicator:
 
     Every method takes ``recv_*`` flags; a False flag returns None without communicating, and a
     None tensor to send is not sent. Received activations have ``requires_grad=True``.
+
+    The first communicator of a pipeline group runs one all-reduce over it (NCCL wants a
+    communicator's first operation to involve every rank); the runtime's layout state records the
+    groups warmed up (``LayoutState.warmed_p2p_groups``), so it runs once per group and layout.
     """
 
-    def __init__(self, pp_group, pp_ranks: Sequence[int], pp_rank: int, tensor_shape: Sequence[int],
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, pp_group: ProcessGroup | None, pp_ranks: Sequence[int], pp_rank: int,
+                 tensor_shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
         self.group = pp_group
         self.pp_ranks = list(pp_ranks)
         self.pp_rank = pp_rank
@@ -51,12 +57,11 @@ class P2PCommunicator:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        # NCCL wants the first operation of a communicator to involve every rank of the group; a
-        # one-off all-reduce over the pipeline group is that operation.
-        if self.group is None or id(self.group) in _WARMED_UP or self.pp_size == 1:
+        warmed = get_runtime().layout.warmed_p2p_groups
+        if self.group is None or self.group in warmed or self.pp_size == 1:
             return
         dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
-        _WARMED_UP.add(id(self.group))
+        warmed.add(self.group)
 
     def _empty(self, requires_grad: bool) -> torch.Tensor:
         return torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device, requires_grad=requires_grad)
@@ -115,7 +120,7 @@ class P2PCommunicator:
 class Exchange:
     """An exchange in flight: ``wait()`` finishes it once and returns ``(from prev, from next)``."""
 
-    def __init__(self, requests: list, from_prev: torch.Tensor | None, from_next: torch.Tensor | None):
+    def __init__(self, requests: list[Any], from_prev: torch.Tensor | None, from_next: torch.Tensor | None) -> None:
         self.requests, self.received = requests, (from_prev, from_next)
 
     def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:

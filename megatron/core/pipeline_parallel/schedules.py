@@ -16,202 +16,83 @@ fires only during the last backward; ``finalize_model_grads_func`` is called onc
 
 Schedules: no pipelining (gradient accumulation), 1F1B (warm-up of ``min(pp - rank - 1, M)``
 forwards, steady one-forward-one-backward, cool-down) and interleaved 1F1B for virtual chunks
-(``interleaved.py``).
+(``interleaved.py``); their common steps are in ``schedule_steps.py``.
+
+Groups: a pipelined schedule communicates over the ``p2p_communicator`` it is given, else over the
+pipeline group of ``pg_collection`` (a ParallelState or Megatron-Core's ProcessGroupCollection),
+else over the default ParallelState's, read once at the schedule's entry and passed down; the model
+chunks' own groups are never consulted.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-from torch.autograd import Variable
 
+from megatron.core.config_utils import ConfigError
+from megatron.core.parallel_state_api import get_virtual_pipeline_model_parallel_world_size
+from megatron.core.parallel_state_init import get_parallel_state
+from megatron.core.pipeline_parallel.interleaved import forward_backward_pipelining_with_interleaving
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedule_steps import (  # noqa: F401 - Megatron-Core's names here
+    ForwardStepFunc,
+    GradSync,
+    PipelineGroups,
+    ScheduleConfig,
+    backward_step,
+    check_schedule_options,
+    communicator_for,
+    deallocate_output_tensor,
+    finalize,
+    forward_step,
+    make_communicator,
+    model_config,
+    tensor_shape,
+    unwrap_model,
+)
+
+ModelChunks = torch.nn.Module | list[torch.nn.Module]
 
 
-def unwrap_model(model):
-    """The innermost module (through DDP-style ``.module`` wrappers)."""
-    while hasattr(model, "module") and not hasattr(model, "set_input_tensor"):
-        model = model.module
-    return model
-
-
-def _one_chunk(model, data_iterator, error: str):
+def _one_chunk(model: ModelChunks, data_iterator: Any, error: str) -> tuple[torch.nn.Module, Any]:
     """The single model chunk and data iterator of a non-interleaved schedule (lists of one accepted)."""
     if isinstance(model, list):
         if len(model) != 1:
-            raise ValueError(error)
+            raise ConfigError(error, params=("virtual_pipeline_model_parallel_size",))
         model = model[0]
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
     return model, data_iterator
 
 
-def _model_config(model):
-    module = model[0] if isinstance(model, list) else model
-    while not hasattr(module, "config") and hasattr(module, "module"):
-        module = module.module
-    return module.config
-
-
-def _stage(model) -> tuple[int, int]:
-    """(pp_rank, pp_size) of the rank holding ``model``."""
-    pg = unwrap_model(model).pg
-    return pg.pp_rank, pg.pp_size
-
-
-class GradSync:
-    """Holds every chunk's ``no_sync`` context open until ``enable(chunk)`` before its last backward."""
-
-    def __init__(self, config, num_chunks: int, active: bool):
-        funcs = config.no_sync_func
-        if funcs is None or not active:
-            funcs = [contextlib.nullcontext] * num_chunks
-        elif not isinstance(funcs, (list, tuple)):
-            funcs = [funcs] + [contextlib.nullcontext] * (num_chunks - 1)
-        self._open: dict[int, contextlib.AbstractContextManager] = {}
-        for chunk, func in enumerate(funcs):
-            ctx = func()
-            ctx.__enter__()
-            self._open[chunk] = ctx
-
-    def enable(self, chunk: int = 0) -> None:
-        ctx = self._open.pop(chunk, None)
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-
-    def enable_all(self) -> None:
-        for chunk in list(self._open):
-            self.enable(chunk)
-
-
-def forward_step(forward_step_func: Callable, data_iterator, model, num_microbatches: int, config,
-                 forward_only: bool, metrics: list, num_tokens: list, input_tensor: torch.Tensor | None = None,
-                 is_last_stage: bool = True) -> torch.Tensor:
-    """Run one micro-batch forward on one model chunk.
-
-    Sets ``input_tensor`` (the previous stage's activation, None on the first stage) on the model,
-    calls ``forward_step_func``; on the last stage applies the loss function and returns the scaled
-    loss to backpropagate (appending to ``metrics`` / ``num_tokens``), elsewhere returns the output
-    activation to send on.
-    """
-    inner = unwrap_model(model)
-    if hasattr(inner, "set_input_tensor"):
-        inner.set_input_tensor(input_tensor)
-    output_tensor, loss_func = forward_step_func(data_iterator, model)
-    if not is_last_stage:
-        return output_tensor
-    result = loss_func(output_tensor)
-    if len(result) == 3:
-        loss, tokens, metric = result
-        num_tokens.append(tokens)
-        if not config.calculate_per_token_loss:
-            loss = loss / tokens.clamp(min=1)
-    else:
-        loss, metric = result
-    if not config.calculate_per_token_loss:
-        loss = loss / num_microbatches
-    metrics.append(metric)
-    return loss
-
-
-def backward_step(input_tensor: torch.Tensor | None, output_tensor: torch.Tensor,
-                  output_tensor_grad: torch.Tensor | None, config) -> torch.Tensor | None:
-    """Backpropagate one micro-batch through one chunk; returns the gradient of its input activation.
-
-    On the last stage ``output_tensor`` is the loss (scaled by ``config.grad_scale_func``) and
-    ``output_tensor_grad`` is None. ``output_tensor`` may have been deallocated after it was sent:
-    the autograd engine is called directly so its (dummy) shape is not checked against the grad.
-    """
-    if input_tensor is not None:
-        input_tensor.retain_grad()
-    if output_tensor_grad is None:
-        if config.grad_scale_func is not None:
-            output_tensor = config.grad_scale_func(output_tensor)
-        output_tensor.backward()
-    else:
-        Variable._execution_engine.run_backward(
-            tensors=(output_tensor,), grad_tensors=(output_tensor_grad,), keep_graph=False, create_graph=False,
-            inputs=(), allow_unreachable=True, accumulate_grad=True,
-        )
-    return input_tensor.grad if input_tensor is not None else None
-
-
-def deallocate_output_tensor(output: torch.Tensor | None) -> None:
-    """Free an activation's storage once it has been sent; its ``grad_fn`` (what backward needs) stays.
-
-    Only for tensors that own their storage and whose producing op does not save its own output
-    (the residual add that ends a transformer layer does not).
-    """
-    if output is None or output._base is not None or not output.requires_grad:
-        return
-    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
-
-
-def finalize(config, model_chunks: list, num_tokens: list, forward_only: bool) -> None:
-    """Call ``finalize_model_grads_func`` once (training only) with the step's token count."""
-    if forward_only or config.finalize_model_grads_func is None:
-        return
-    total = None
-    if config.calculate_per_token_loss:
-        if num_tokens:
-            total = torch.stack([t.reshape(()) for t in num_tokens]).sum()
-        else:  # not the last stage: finalize_model_grads takes the last stage's count
-            device = next(unwrap_model(model_chunks[0]).parameters()).device
-            total = torch.zeros((), device=device)
-    config.finalize_model_grads_func(model_chunks, total)
-
-
-def tensor_shape(model, config, seq_length: int, micro_batch_size: int) -> tuple[int, int, int]:
-    """Shape of the activations exchanged between stages: ``[s (/tp with SP), mbs, h]``.
-
-    The tp size is the model's process groups' and sequence parallelism the model's own setting (the
-    config's sizes may be left at 1, see ``TransformerConfig.check_parallel_sizes``).
-    """
-    inner = unwrap_model(model)
-    tp = inner.pg.tp_size
-    sequence_parallel = getattr(inner, "sequence_parallel", getattr(config, "sequence_parallel", False))
-    seq = seq_length // tp if sequence_parallel and tp > 1 else seq_length
-    return (seq, micro_batch_size, config.hidden_size)
-
-
-def make_communicator(model, config, seq_length: int | None, micro_batch_size: int | None) -> P2PCommunicator:
-    """The p2p communicator of the pipeline holding ``model`` (shapes fixed from the arguments)."""
-    if seq_length is None or micro_batch_size is None:
-        raise ValueError("pipeline-parallel schedules need seq_length and micro_batch_size (the activation shape)")
-    inner = unwrap_model(model)
-    pg = inner.pg
-    device = next(inner.parameters()).device
-    return P2PCommunicator(pg.pp_group, pg.group_ranks["pp"], pg.pp_rank,
-                           tensor_shape(model, config, seq_length, micro_batch_size), config.params_dtype, device)
-
-
 # --------------------------------------------------------------------------------------------------
-def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Iterator | list, model,
-                                   num_microbatches: int, seq_length: int | None = None,
-                                   micro_batch_size: int | None = None, decoder_seq_length=None,
+def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, data_iterator: Iterator[Any] | list[Any],
+                                   model: ModelChunks, num_microbatches: int, seq_length: int | None = None,
+                                   micro_batch_size: int | None = None, decoder_seq_length: int | None = None,
                                    forward_only: bool = False, collect_non_loss_data: bool = False,
-                                   first_val_step=None, adjust_tensor_shapes_fn=None,
-                                   p2p_communicator: P2PCommunicator | None = None, pg_collection=None,
-                                   force_all_reduce: bool | None = False) -> list:
+                                   first_val_step: bool | None = None, adjust_tensor_shapes_fn: Any = None,
+                                   p2p_communicator: P2PCommunicator | None = None, pg_collection: Any = None,
+                                   force_all_reduce: bool | None = False) -> list[Any]:
     """Gradient accumulation over ``num_microbatches``; gradient reduction is deferred (``no_sync``)
     until the last micro-batch's backward, so overlapped reduction fires only then.
 
     Takes Megatron-Core's keyword arguments; ``seq_length``, ``micro_batch_size``,
     ``decoder_seq_length``, ``first_val_step``, ``adjust_tensor_shapes_fn``, ``p2p_communicator`` and
-    ``pg_collection`` have no effect here (the model's ParallelState holds the groups), as
-    ``check_schedule_options`` says for all schedules.
+    ``pg_collection`` have no effect here (nothing is exchanged between stages).
     """
     check_schedule_options(force_all_reduce)
     model, data_iterator = _one_chunk(model, data_iterator,
-                                      "virtual pipeline chunks need --pipeline-model-parallel-size > 1")
-    config = _model_config(model)
+                                      "virtual pipeline chunks (a list of several model chunks) need "
+                                      "pipeline_model_parallel_size > 1")
+    config = model_config(model)
     no_sync = config.no_sync_func or contextlib.nullcontext
     if isinstance(no_sync, (list, tuple)):
         no_sync = no_sync[0]
-    metrics: list = []
-    num_tokens: list = []
+    metrics: list[Any] = []
+    num_tokens: list[torch.Tensor] = []
     with no_sync():
         for _ in range(num_microbatches - 1):
             loss = forward_step(forward_step_func, data_iterator, model, num_microbatches, config, forward_only,
@@ -227,38 +108,39 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
 
 
 def forward_backward_pipelining_without_interleaving(
-        *, forward_step_func: Callable, data_iterator: Iterator | list | None, model, num_microbatches: int,
-        seq_length: int | None = None, micro_batch_size: int | None = None, decoder_seq_length=None,
-        forward_only: bool = False, collect_non_loss_data: bool = False, first_val_step=None,
-        adjust_tensor_shapes_fn=None, p2p_communicator: P2PCommunicator | None = None, pg_collection=None,
-        force_all_reduce: bool | None = False) -> list:
+        *, forward_step_func: ForwardStepFunc, data_iterator: Iterator[Any] | list[Any] | None, model: ModelChunks,
+        num_microbatches: int, seq_length: int | None = None, micro_batch_size: int | None = None,
+        decoder_seq_length: int | None = None, forward_only: bool = False, collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None, adjust_tensor_shapes_fn: Any = None,
+        p2p_communicator: P2PCommunicator | None = None, pg_collection: Any = None,
+        force_all_reduce: bool | None = False) -> list[Any]:
     """1F1B: ``W = min(pp - rank - 1, M)`` warm-up forwards, ``M - W`` steady forward+backward pairs,
     ``W`` cool-down backwards. At most ``W + 1 <= pp - rank`` micro-batches' activations are live.
 
-    ``p2p_communicator`` replaces the one built from the model's pipeline group (tests);
-    ``pg_collection`` has no effect (the model's ParallelState holds the groups).
+    The stages exchange activations through ``p2p_communicator`` (its ``pp_rank`` / ``pp_size`` place
+    this rank), else through one over ``pg_collection``'s pipeline group (a ParallelState or a
+    ProcessGroupCollection; None: the default ParallelState's).
     """
     check_schedule_options(force_all_reduce)
     model, data_iterator = _one_chunk(model, data_iterator,
                                       "non-interleaved pipeline schedule expects one model chunk per rank")
-    config = _model_config(model)
-    rank, pp = _stage(model)
-    comm = p2p_communicator or make_communicator(model, config, seq_length, micro_batch_size)
+    config = model_config(model)
+    comm = communicator_for(p2p_communicator, pg_collection, model, config, seq_length, micro_batch_size)
+    rank, pp = comm.pp_rank, comm.pp_size
     is_first, is_last = rank == 0, rank == pp - 1
     num_warmup = min(pp - rank - 1, num_microbatches)
     num_steady = num_microbatches - num_warmup
     sync = GradSync(config, 1, active=not forward_only)
-    metrics: list = []
-    num_tokens: list = []
-    inputs: list = []
-    outputs: list = []
+    metrics: list[Any] = []
+    num_tokens: list[torch.Tensor] = []
+    inputs: list[torch.Tensor | None] = []
+    outputs: list[torch.Tensor] = []
 
-    def run_forward(input_tensor):
-        out = forward_step(forward_step_func, data_iterator, model, num_microbatches, config, forward_only,
-                           metrics, num_tokens, input_tensor, is_last)
-        return out
+    def run_forward(input_tensor: torch.Tensor | None) -> torch.Tensor:
+        return forward_step(forward_step_func, data_iterator, model, num_microbatches, config, forward_only,
+                            metrics, num_tokens, input_tensor, is_last)
 
-    def run_backward(output_grad, last: bool):
+    def run_backward(output_grad: torch.Tensor | None, last: bool) -> torch.Tensor | None:
         if last:
             sync.enable()
         input_tensor, output = inputs.pop(0), outputs.pop(0)
@@ -273,6 +155,7 @@ def forward_backward_pipelining_without_interleaving(
             outputs.append(output)
             deallocate_output_tensor(None if is_last else output)
     input_tensor = comm.recv_forward(recv=not is_first) if num_steady > 0 else None
+    input_grad: torch.Tensor | None
     for i in range(num_steady):
         last_iteration = i == num_steady - 1
         output = run_forward(input_tensor)
@@ -301,15 +184,9 @@ def forward_backward_pipelining_without_interleaving(
     return metrics if is_last else []
 
 
-def check_schedule_options(force_all_reduce: bool | None) -> None:
-    """Refuse the Megatron-Core schedule options that are not built (the others are taken as no-ops)."""
-    if force_all_reduce:
-        raise ValueError("force_all_reduce=True is not supported: gradients are reduced as the DDP config says; "
-                         "pass force_all_reduce=False")
-
-
 def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None,
-                              schedule_pg_collection=None, *, vpp_size: int | None = None) -> Callable:
+                              schedule_pg_collection: Any = None, *, vpp_size: int | None = None,
+                              ) -> Callable[..., list[Any]]:
     """The schedule for the layout: no pipelining (pp 1), 1F1B (pp > 1) or interleaved 1F1B (vpp > 1).
 
     Megatron-Core's signature; ``vpp_size`` is our spelling of ``vp_size``. Without sizes they come
@@ -317,23 +194,22 @@ def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = 
     Megatron-Core. ``schedule_pg_collection`` (multi-module pipelines) must be None.
     """
     if schedule_pg_collection is not None:
-        raise ValueError("get_forward_backward_func(schedule_pg_collection=...) is not supported: multi-module "
-                         "pipelines are not built; pass None")
+        raise ConfigError("get_forward_backward_func(schedule_pg_collection=...) is not supported: multi-module "
+                          "pipelines are not built; pass None", params=("schedule_pg_collection",))
     if vp_size is not None and vpp_size is not None and vp_size != vpp_size:
-        raise ValueError(f"vp_size={vp_size} and vpp_size={vpp_size} differ; pass one of them")
+        raise ConfigError(f"vp_size={vp_size} and vpp_size={vpp_size} differ; pass one of them",
+                          params=("vp_size", "vpp_size"))
     vpp_size = vp_size if vp_size is not None else vpp_size
     if pp_size is None:
-        from megatron.core import parallel_state
-
-        pp_size = parallel_state.get_parallel_state().pp_size
+        pp_size = get_parallel_state().pp_size
         if vpp_size is None:
-            vpp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+            vpp_size = get_virtual_pipeline_model_parallel_world_size()
     if pp_size <= 1:
         if vpp_size is not None and vpp_size > 1:
-            raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+            raise ConfigError("virtual pipeline stages (virtual_pipeline_model_parallel_size) need "
+                          "pipeline_model_parallel_size > 1",
+                              params=("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size"))
         return forward_backward_no_pipelining
     if vpp_size is not None and vpp_size > 1:
-        from megatron.core.pipeline_parallel.interleaved import forward_backward_pipelining_with_interleaving
-
         return forward_backward_pipelining_with_interleaving
     return forward_backward_pipelining_without_interleaving
