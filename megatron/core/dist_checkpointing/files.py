@@ -51,8 +51,9 @@ def all_finite(sharded_state_dict: Any, process_group: Any = None) -> bool:
     holds no NaN or Inf."""
     per_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in sharded_tensors(sharded_state_dict):
-        if t.data.is_floating_point():
-            per_device.setdefault(t.data.device, []).append(_is_finite(t.data))
+        data = t.local_data()
+        if data.is_floating_point():
+            per_device.setdefault(data.device, []).append(_is_finite(data))
     nccl = dist.is_available() and dist.is_initialized() and dist.get_backend(process_group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     flag = torch.ones((), dtype=torch.int32, device=device)

@@ -183,6 +183,17 @@ class ShardedTensor(ShardedBase):
     def without_data(self) -> ShardedTensor:
         return replace(self, data=None)
 
+    def local_data(self) -> torch.Tensor:
+        """``data``, which saving (and loading, after ``init_data``) needs.
+
+        Raises:
+            CheckpointError: ``data`` is None (a tensor without data cannot be saved).
+        """
+        if self.data is None:
+            raise CheckpointError(f"ShardedTensor {self.key} has no data (data=None); give it the local "
+                                  "tensor, or call init_data() before loading into it")
+        return self.data
+
     def init_data(self, device: str | torch.device, init_fn: Callable[..., torch.Tensor] = torch.empty) -> None:
         """Allocate ``data`` (``init_fn(local_shape, dtype=, device=)``) if it is None."""
         if self.data is None:

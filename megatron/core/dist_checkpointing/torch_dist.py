@@ -68,7 +68,7 @@ class _BlockSavePlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._tensors = tensors
         self._by_block: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {
-            (t.key, tuple(t.global_offset)): t.data for t in tensors
+            (t.key, tuple(t.global_offset)): t.local_data() for t in tensors
         }
         self._objects = objects
 
@@ -86,7 +86,7 @@ class _BlockSavePlanner(DefaultSavePlanner):
                     type=WriteItemType.SHARD,
                     tensor_data=TensorWriteData(
                         chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(t.local_shape)),
-                        properties=TensorProperties.create_from_tensor(t.data.detach()),
+                        properties=TensorProperties.create_from_tensor(t.local_data().detach()),
                         size=torch.Size(t.global_shape),
                     ),
                 )
@@ -166,7 +166,7 @@ class _RecordingFileIO(io.FileIO):
 
     first_error: OSError | None = None
 
-    def write(self, b: Any) -> int | None:
+    def write(self, b: Any) -> int:
         try:
             return super().write(b)
         except OSError as e:

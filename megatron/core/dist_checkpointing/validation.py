@@ -39,7 +39,7 @@ def _local_errors(leaves: list[ShardedTensor | ShardedObject]) -> list[str]:
     for t in leaves:
         if not isinstance(t, ShardedTensor):
             continue
-        if not (len(t.global_shape) == len(t.global_offset) == t.data.dim()):
+        if not (len(t.global_shape) == len(t.global_offset) == t.local_data().dim()):
             errors.append(
                 f"{t.key}: global_shape {tuple(t.global_shape)}, global_offset {tuple(t.global_offset)} and "
                 f"local shape {t.local_shape} must have the same number of axes"
@@ -131,7 +131,7 @@ class LoadRequest:
 
 def _clipped_view(t: ShardedTensor, saved_shape: tuple[int, ...]) -> torch.Tensor | None:
     """The part of ``t.data`` inside the saved global extent (None if nothing of it was saved)."""
-    view = t.data.detach()
+    view = t.local_data().detach()
     for dim, (off, size) in enumerate(zip(t.global_offset, saved_shape)):
         length = min(view.shape[dim], size - off)
         if length <= 0:

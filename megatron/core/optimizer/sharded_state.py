@@ -67,7 +67,7 @@ def _model_tensors(opt: MegatronOptimizer, model_sd: dict) -> list[ShardedTensor
     _collect(model_sd, found)
     by_id = {id(st.data): st for st in found}
     # A model shard may be a reshaped view of its param (SwiGLU's fc1 is stored as [2, F, h]).
-    by_view = {(st.data.data_ptr(), st.data.numel(), st.data.dtype): st for st in found}
+    by_view = {(d.data_ptr(), d.numel(), d.dtype): st for st in found for d in (st.local_data(),)}
     result = []
     for p in opt.model_params:
         st = by_id.get(id(p)) or by_view.get((p.data_ptr(), p.numel(), p.dtype))
@@ -94,7 +94,7 @@ def _like(st: ShardedTensor, kind: str, data: torch.Tensor, owner_writes: bool =
         rid = (*rid[:-1], 0) if isinstance(rid, tuple) else 0
     return ShardedTensor(
         key=f"optimizer.state.{kind}.{st.key}",
-        data=data.view(st.data.shape),
+        data=data.view(st.local_data().shape),
         global_shape=st.global_shape,
         global_offset=st.global_offset,
         replica_id=rid,
@@ -189,7 +189,7 @@ def apply(opt: MegatronOptimizer, loaded: dict[str, Any], keys: list[str]) -> No
         entry = param_state[key]
         state = opt.optimizer.state[main_p]
         for kind, value in entry.items():
-            value = value.data if isinstance(value, ShardedTensor) else value
+            value = value.local_data() if isinstance(value, ShardedTensor) else value
             if kind == "fp32_param":
                 if main_p is not model_p:
                     main_p.copy_(value.reshape(main_p.shape))

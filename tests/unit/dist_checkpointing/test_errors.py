@@ -53,3 +53,9 @@ def test_a_strategy_saves_and_loads_without_the_public_entry_points(tmp_path) ->
     request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}
     loaded = get_default_load_sharded_strategy(tmp_path).load(request, tmp_path)
     torch.testing.assert_close(loaded["w"], torch.arange(4.0))
+
+
+def test_saving_a_tensor_without_data_names_it(tmp_path) -> None:
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4)).without_data()}
+    with pytest.raises(CheckpointError, match="ShardedTensor w has no data"):
+        get_default_save_sharded_strategy().save(request, tmp_path)
