@@ -49,9 +49,7 @@ def raise_recompile_limits() -> None:
     """Room for one graph per tensor size (static-shape helpers) and per layer variant, so nothing
     silently falls back to eager after dynamo's default of 8; compiler failures fall back to eager
     for that frame with a warning. (These are torch's process-wide dynamo settings.)"""
-    import torch._dynamo  # slow to import (seconds): only runs that compile pay for it
-
-    cfg = torch._dynamo.config
+    cfg = torch._dynamo.config  # torch imports dynamo (seconds) on this first access: runs that compile
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), 64))

@@ -3,7 +3,8 @@
 ``loss[t] = logsumexp_v(h_t . W_v) - h_t . W_{y_t}`` for hidden states ``h`` ``[N, H]`` and the
 (tied) output weight ``W`` ``[V, H]``. The unfused path materialises ``[N, V]`` logits in the param
 dtype, an fp32 copy, fp32 log-probs saved for backward and fp32 then bf16 gradients, all alive at
-the start of backward (docs/performance.md, "Fused cross entropy").
+the start of backward (docs/performance.md, "Issue 6, first pass: compiled layers and a fused
+output layer + cross entropy").
 
 Here the tokens are processed ``chunk`` at a time, and the gradients are formed in the forward pass
 while each chunk's logits are at hand (as Liger-Kernel's fused linear cross entropy does), so the

@@ -128,7 +128,7 @@ class Fp8Gemm(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``[..., K] -> [..., N]``; falls back to ``F.linear`` when the token count is not a multiple of 16."""
+        """``[..., K] -> [..., N]``; ``F.linear`` (with a warning) for a token count not a multiple of 16."""
         x2d = x.reshape(-1, x.shape[-1])  # [M, K]
         if x2d.shape[0] % ALIGN != 0:
             warnings.warn(

@@ -106,7 +106,8 @@ def fp8_device_error(device: torch.device, emulated: bool = False) -> str | None
     if major < 9:
         return (
             f"fp8_format needs an H100/H200-class GPU (Hopper, compute capability 9.0 or newer); "
-            f"{torch.cuda.get_device_name(device)} has {major}.{minor}. Leave fp8_format unset to train in bf16"
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}. "
+            "Leave fp8_format unset to train in bf16"
         )
     return None
 

@@ -1,6 +1,7 @@
 """fc1 -> SwiGLU -> fc2 of one MLP as one FP8 block with delayed scaling: SwiGLU's output is
 quantised (fp8, transposed copy, amax) in the pass that computes it, and so is SwiGLU's gradient in
-backward, so neither bf16 tensor is written and read again (docs/performance.md, "FP8 SwiGLU MLP")."""
+backward, so neither bf16 tensor is written and read again (docs/performance.md, "The SwiGLU MLP as
+one FP8 block")."""
 
 from __future__ import annotations
 

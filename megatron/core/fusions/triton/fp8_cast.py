@@ -17,7 +17,8 @@ import torch
 
 from megatron.core.fusions.triton.common import op, tl, triton
 
-# The cast-transpose's tile (rows, columns; 4 warps): docs/performance.md, "FP8 cast-transpose tiles".
+# The cast-transpose's tile (rows, columns; 4 warps), autotuned: docs/performance.md, "Issue 6, sixth
+# pass: FP8 gradient and activation casts in Triton".
 CT_TILE = (64, 128)
 
 if triton is not None:

@@ -1,6 +1,7 @@
 """SwiGLU's backward as one Triton kernel: the gradient of ``silu(gate) * up`` with respect to fc1's
 output ``[gate; up]`` reads ``grad``, ``gate`` and ``up`` once and writes both halves (the torch code
-loads each input of the concatenated output separately; docs/performance.md, "SwiGLU backward")."""
+loads each input of the concatenated output separately; docs/performance.md, "The Triton kernels
+on their own")."""
 
 from __future__ import annotations
 

@@ -88,7 +88,8 @@ if triton is not None:
         )
 
 
-# (rows, columns, warps) of the two fused kernels' tiles: docs/performance.md, "FP8 SwiGLU MLP tiles"
+# (rows, columns, warps) of the two fused kernels' tiles: docs/performance.md, "The SwiGLU MLP as one
+# FP8 block"
 # (bench/bench_swiglu.py --fp8 measures them).
 SWIGLU_CT_TILE = (64, 128, 4)
 SWIGLU_BWD_CT_TILE = (128, 64, 8)
