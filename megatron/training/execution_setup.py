@@ -49,6 +49,13 @@ def amax_reducer(plan: ExecutionPlan, pg: ParallelState, tp_only: bool) -> AmaxR
     return AmaxReducer(pg.groups.get(ranks))
 
 
+def apply_compile_choice(cfg: Any, plan: ExecutionPlan) -> None:
+    """DDP's gradient copies and the fused AdamW step compile where the plan compiles its helpers
+    (``cfg.ddp`` / ``cfg.optimizer`` ``compile_helpers``, read when DDP and the optimizer are built)."""
+    cfg.ddp.compile_helpers = plan.compile_helpers
+    cfg.optimizer.compile_helpers = plan.compile_helpers
+
+
 def compile_model(plan: ExecutionPlan, chunks: list[nn.Module]) -> int:
     """``torch.compile`` of each transformer layer where the plan says so; how many were compiled."""
     return compile_layers(chunks, TransformerLayer) if plan.compile_layers else 0

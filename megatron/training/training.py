@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_seed
 from megatron.training import checkpointing
 from megatron.training.arguments import RunConfig, format_arguments
-from megatron.training.execution_setup import amax_reducer, compile_model, resolve_plan
+from megatron.training.execution_setup import amax_reducer, apply_compile_choice, compile_model, resolve_plan
 from megatron.training.flops import num_floating_point_operations, peak_tflops, shape_from_config
 from megatron.training.initialize import initialize_distributed, note_iteration, set_random_seeds
 from megatron.training.loop_utils import (
@@ -81,6 +81,7 @@ class Trainer:
         # Every implementation choice, once, before the model: the layers are built from it.
         self.plan = resolve_plan(cfg, self.device, self.pg.tp_size)
         self.amax_reducer = amax_reducer(self.plan, self.pg, cfg.model.tp_only_amax_red)
+        apply_compile_choice(cfg, self.plan)
         chunks = providers.model(cfg, self.padded_vocab_size, self.pg, self.device, plan=self.plan,
                                  amax_reducer=self.amax_reducer)
         chunks = chunks if isinstance(chunks, list) else [chunks]

@@ -208,3 +208,23 @@ def test_tp_plan_shards_the_shapes_and_uses_the_vocab_parallel_loss():
     assert isinstance(
         build(ExecutionPlan.plain(llama(cross_entropy_loss_fusion=False))).output_loss, LogitsCrossEntropy
     )
+
+
+def test_torch_compile_off_on_cuda_keeps_every_helper_eager_and_says_so():
+    from types import SimpleNamespace
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.training.execution_setup import apply_compile_choice
+
+    plan = resolve(llama(), torch.device("cuda"), torch_compile=False, triton_checks=ALL_PASS)
+    assert (plan.compile_layers, plan.compile_helpers, plan.compile_reason) == (False, False, "--torch-compile off")
+    assert plan.cross_entropy == "fused_triton" and plan.swiglu == "triton"  # Triton needs no compile
+    text = report(plan)
+    assert "not compiled: --torch-compile off" in text and "eager: not compiled, --torch-compile off" in text
+    cfg = SimpleNamespace(ddp=DistributedDataParallelConfig(), optimizer=OptimizerConfig())
+    assert cfg.ddp.compile_helpers and cfg.optimizer.compile_helpers  # the library's defaults
+    apply_compile_choice(cfg, plan)
+    assert not cfg.ddp.compile_helpers and not cfg.optimizer.compile_helpers
+    on = resolve(llama(), torch.device("cuda"), triton_checks=ALL_PASS)
+    assert on.compile_layers and on.compile_helpers and "torch.compile of each TransformerLayer" in report(on)

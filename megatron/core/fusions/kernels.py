@@ -48,7 +48,7 @@ def kernel_report(plan: ExecutionPlan, optimizer_config: Any = None, fp8_linears
         f"   attention: {attn}",
         f"   layers: {layers_line(plan)}",
         f"   cross entropy: {cross_entropy_line(plan)}",
-        f"   optimizer: {optimizer_line(optimizer_config, plan.device_type)}",
+        f"   optimizer: {optimizer_line(optimizer_config, plan)}",
         f"   recompute: {recompute_line(plan.config)}",
         f"   FP8: {fp8_line(plan, fp8_linears)}",
         f"   Triton: {triton_line(plan)}",
@@ -127,13 +127,17 @@ def recompute_line(config: Any) -> str:
     return "off (--recompute-granularity selective|full)"
 
 
-def optimizer_line(optimizer_config: Any, device_type: str) -> str:
-    """Which optimizer kernels the step uses."""
-    where = "compiled on CUDA" if device_type == "cuda" else "eager on the CPU"
+def optimizer_line(optimizer_config: Any, plan: ExecutionPlan) -> str:
+    """Which optimizer kernels the step uses (compiled where the plan compiles its helpers)."""
+    cuda = plan.device_type == "cuda"
+    if plan.compile_helpers:
+        where = "compiled on CUDA"
+    else:
+        where = f"eager: not compiled, {plan.compile_reason}" if cuda else "eager on the CPU"
     if optimizer_config is None or (optimizer_config.optimizer == "adam" and optimizer_config.use_fused_adam):
         return ("AdamW, one pass per tensor: clipping, fp32 main param and moments, and the model-precision "
                 f"copy ({where}); no host sync in the step")
-    kernel = "fused" if device_type == "cuda" and optimizer_config.use_fused_adam else "foreach"
+    kernel = "fused" if cuda and optimizer_config.use_fused_adam else "foreach"
     return f"torch.optim.{'SGD' if optimizer_config.optimizer == 'sgd' else 'AdamW'} {kernel} over fp32 main params"
 
 
