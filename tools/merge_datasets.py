@@ -21,6 +21,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from megatron.core.config_utils import ConfigError  # noqa: E402
+from megatron.core.datasets.errors import DataError  # noqa: E402
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
 
 SUFFIXES = (".bin", ".idx")
@@ -33,7 +35,7 @@ def _pair_or_raise(prefix: str, what: str) -> bool:
         return True
     if any(have):
         lone, missing = (prefix + s for s in (SUFFIXES if have[0] else SUFFIXES[::-1]))
-        raise ValueError(f"{what}: {lone!r} has no {missing!r}; give both files of a dataset, or move it out")
+        raise DataError(f"{what}: {lone!r} has no {missing!r}; give both files of a dataset, or move it out")
     return False
 
 
@@ -45,7 +47,7 @@ def datasets_in(directory: str) -> list[str]:
     for prefix in found:
         _pair_or_raise(prefix, f"--input directory {directory!r}")
     if not found:
-        raise ValueError(f"--input directory {directory!r} holds no .bin/.idx pairs at its top level "
+        raise ConfigError(f"--input directory {directory!r} holds no .bin/.idx pairs at its top level "
                          "(sub-directories, such as index caches, are not read)")
     return found
 
@@ -53,12 +55,12 @@ def datasets_in(directory: str) -> list[str]:
 def resolve(item: str) -> tuple[list[str], bool]:
     """The dataset prefixes one ``--input`` names, and whether it was read as a directory."""
     if item.endswith(SUFFIXES) and _pair_or_raise(item[:-4], f"--input {item!r}"):
-        raise ValueError(f"--input {item!r}: give the prefix {item[:-4]!r}, without .bin/.idx")
+        raise ConfigError(f"--input {item!r}: give the prefix {item[:-4]!r}, without .bin/.idx")
     if not item.endswith(os.sep) and _pair_or_raise(item, f"--input {item!r}"):
         return [item], False
     if os.path.isdir(item):
         return datasets_in(item), True
-    raise ValueError(f"--input {item!r} is neither a dataset prefix ({item}.bin + {item}.idx) nor a directory")
+    raise ConfigError(f"--input {item!r} is neither a dataset prefix ({item}.bin + {item}.idx) nor a directory")
 
 
 def expand(inputs: list[str], output_prefix: str) -> list[str]:
@@ -72,16 +74,16 @@ def expand(inputs: list[str], output_prefix: str) -> list[str]:
         for prefix in found:
             real = os.path.realpath(prefix)
             if real == out and not is_directory:
-                raise ValueError(f"--output-prefix {output_prefix!r} is also an --input; write to a new prefix")
+                raise ConfigError(f"--output-prefix {output_prefix!r} is also an --input; write to a new prefix")
             if real == out:
                 continue
             if real in seen:
-                raise ValueError(f"--input names the dataset {prefix!r} twice (via {seen[real]!r} and {item!r}); "
+                raise ConfigError(f"--input names the dataset {prefix!r} twice (via {seen[real]!r} and {item!r}); "
                                  "list each dataset once")
             seen[real] = item
             prefixes.append(prefix)
     if not prefixes:
-        raise ValueError(f"--input {' '.join(inputs)!r} holds no dataset other than --output-prefix")
+        raise ConfigError(f"--input {' '.join(inputs)!r} holds no dataset other than --output-prefix")
     return prefixes
 
 
@@ -91,7 +93,7 @@ def check_inputs(prefixes: list[str]) -> np.dtype:
     dtypes = {prefix: np.dtype(IndexedDataset(prefix).index.dtype) for prefix in prefixes}
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{p} ({d.name})" for p, d in dtypes.items())
-        raise ValueError(f"--input datasets store different token dtypes ({listing}); merge datasets "
+        raise DataError(f"--input datasets store different token dtypes ({listing}); merge datasets "
                          "preprocessed with one tokenizer")
     return dtypes[prefixes[0]]
 
@@ -99,7 +101,7 @@ def check_inputs(prefixes: list[str]) -> np.dtype:
 def merge(prefixes: list[str], output_prefix: str) -> None:
     directory = os.path.dirname(os.path.abspath(output_prefix))
     if not os.path.isdir(directory):
-        raise ValueError(f"--output-prefix {output_prefix!r}: directory {directory!r} does not exist")
+        raise ConfigError(f"--output-prefix {output_prefix!r}: directory {directory!r} does not exist")
     builder = IndexedDatasetBuilder(output_prefix + ".bin", dtype=check_inputs(prefixes))
     try:
         for prefix in prefixes:
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prefixes = expand(args.input, args.output_prefix)
         merge(prefixes, args.output_prefix)
-    except (ValueError, OSError) as exc:
+    except (ConfigError, DataError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     merged = IndexedDataset(args.output_prefix)

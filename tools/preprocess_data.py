@@ -43,8 +43,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from megatron.core.config_utils import ConfigError  # noqa: E402
+from megatron.core.datasets.errors import DataError  # noqa: E402
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 from megatron.core.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron.training.param_flags import parser_flags, rewrite_params  # noqa: E402
 
 BATCH_BYTES = 1 << 20
 MAX_EXAMPLES = 5
@@ -54,7 +57,8 @@ class UserError(Exception):
     """Raised for bad flags or inputs: printed as one line, exit status 2."""
 
 
-def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's flags (Megatron-LM's spellings)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("input")
     g.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl or .jsonl.gz), globs allowed")
@@ -79,7 +83,11 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="accepted for compatibility; input files are already streamed in parallel")
     g.add_argument("--log-interval", type=int, default=1000, help="report every this many documents")
     g.add_argument("--max-documents", type=int, default=None, help="stop after this many input lines")
-    args = p.parse_args(argv)
+    return p
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     if args.split_sentences:
         raise UserError("--split-sentences is not supported (it needs NLTK punkt); pre-split text into a "
                         "list of strings per document instead")
@@ -447,8 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = get_args(argv)
         stats = run(args)
-    except (UserError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (UserError, ConfigError, DataError) as exc:  # the library's names its parameters: write them as flags
+        print(f"error: {rewrite_params(str(exc), getattr(exc, 'params', ()), parser_flags(build_parser()))}",
+              file=sys.stderr)
         return 2
     except OSError as exc:  # e.g. an output directory that cannot be written
         print(f"error: {exc}", file=sys.stderr)

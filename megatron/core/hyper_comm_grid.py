@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.parallel_state_grid import AXES, RankGrid, default_group_timeout
 
 
@@ -35,14 +36,14 @@ class HyperCommGrid:
     def __init__(self, shape: list[int], dim_names: list[str], rank_offset: int = 0,
                  backend: str | None = None) -> None:
         if len(shape) != len(dim_names):
-            raise ValueError(f"len(shape) {shape} != len(dim_names) {dim_names}")
+            raise ConfigError(f"len(shape) {shape} != len(dim_names) {dim_names}", params=("shape", "dim_names"))
         bad = [d for d in dim_names if d not in AXES]
         if bad or len(set(dim_names)) != len(dim_names):
-            raise ValueError(f"dim_names {dim_names}: use each of {AXES} at most once")
+            raise ConfigError(f"dim_names {dim_names}: use each of {AXES} at most once", params=("dim_names",))
         if any(int(s) < 1 for s in shape):
-            raise ValueError(f"shape {shape} must hold positive sizes")
+            raise ConfigError(f"shape {shape} must hold positive sizes", params=("shape",))
         if rank_offset < 0:
-            raise ValueError(f"rank_offset must be non-negative, got {rank_offset}")
+            raise ConfigError(f"rank_offset must be non-negative, got {rank_offset}", params=("rank_offset",))
         if "WORLD_SIZE" in os.environ:
             world_size = int(os.environ["WORLD_SIZE"])
         elif dist.is_available() and dist.is_initialized():

@@ -112,15 +112,19 @@ class ModelParallelConfig:
         if self.defer_embedding_wgrad_compute:
             if self.pipeline_model_parallel_size == 1:
                 raise ConfigError("defer_embedding_wgrad_compute=True needs pipeline_model_parallel_size > 1; "
-                                  "set it to False")
+                                  "set it to False",
+                                  params=("defer_embedding_wgrad_compute", "pipeline_model_parallel_size"))
             if not self.gradient_accumulation_fusion:
                 raise ConfigError("defer_embedding_wgrad_compute=True needs gradient_accumulation_fusion=True; "
-                                  "set one of them accordingly")
+                                  "set one of them accordingly",
+                                  params=("defer_embedding_wgrad_compute", "gradient_accumulation_fusion"))
             if self.wgrad_deferral_limit < 0:
-                raise ConfigError(f"wgrad_deferral_limit must be >= 0, got {self.wgrad_deferral_limit}")
+                raise ConfigError(f"wgrad_deferral_limit must be >= 0, got {self.wgrad_deferral_limit}",
+                                  params=("wgrad_deferral_limit",))
         if self.overlap_p2p_comm_warmup_flush and (not self.overlap_p2p_comm or self.batch_p2p_comm):
             raise ConfigError("overlap_p2p_comm_warmup_flush=True needs overlap_p2p_comm=True and "
-                              "batch_p2p_comm=False")
+                              "batch_p2p_comm=False",
+                              params=("overlap_p2p_comm_warmup_flush", "overlap_p2p_comm", "batch_p2p_comm"))
 
 
 def check_refused(config: Any, refused: dict[str, tuple[tuple, str]]) -> None:
@@ -132,7 +136,8 @@ def check_refused(config: Any, refused: dict[str, tuple[tuple, str]]) -> None:
     for name, (accepted, hint) in refused.items():
         value = getattr(config, name)
         if not any(value is ok or (type(value) is type(ok) and value == ok) for ok in accepted):
-            raise ConfigError(f"{type(config).__name__}.{name}={value!r} is not supported here: {hint}")
+            raise ConfigError(f"{type(config).__name__}.{name}={value!r} is not supported here: {hint}",
+                              params=(name,))
 
 
 _PERF = "a performance knob of Megatron-Core's CUDA / Transformer Engine paths; no effect here"

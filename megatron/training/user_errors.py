@@ -14,7 +14,6 @@ differently named flags, from :data:`DATASET_FLAGS` (and the LR scheduler's from
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from megatron.core.config_utils import ConfigError, flag_default
 from megatron.core.datasets.errors import DataError
@@ -22,6 +21,7 @@ from megatron.core.dist_checkpointing.errors import CheckpointError
 from megatron.training.config_sections import SECTIONS, flag_name
 from megatron.training.megatron_flag_dests import default_of, dest_of
 from megatron.training.megatron_flag_table import FOREIGN
+from megatron.training.param_flags import rewrite_params
 
 # The errors that are the user's to fix: reported as one line (exit code 2). Anything else is a bug.
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, CheckpointError, DataError)
@@ -81,30 +81,10 @@ def flag_of(param: str) -> tuple[str, bool | None] | None:
     return None
 
 
-def _rewrite(message: str, param: str, flag: str, sets: bool | None) -> str:
-    # ``Config.param``, ``param=value`` or a bare ``param``, not part of a longer name or flag.
-    pattern = re.compile(rf"(?<![\w.-])(?:[A-Z]\w*\.)?{re.escape(param)}(?![\w-])(=(?:'(\w+)'|([^\s,;:)]+)))?")
-
-    def one(m: re.Match[str]) -> str:
-        if m.group(1) is None:
-            return flag
-        value = m.group(2) if m.group(2) is not None else m.group(3)
-        if sets is not None and value in ("True", "False"):
-            return flag if (value == "True") == sets else f"no {flag}"
-        return f"{flag} {value}"
-
-    return pattern.sub(one, message)
-
-
 def flag_message(error: BaseException) -> str:
     """The error's message with each parameter it names (``ConfigError.params``) written as its
     command-line flag; a parameter without a flag, and any other error, reads as raised."""
-    message = str(error)
-    for param in getattr(error, "params", ()):
-        found = flag_of(param)
-        if found is not None:
-            message = _rewrite(message, param, *found)
-    return message
+    return rewrite_params(str(error), getattr(error, "params", ()), flag_of)
 
 
 def name_flags(error: BaseException) -> None:

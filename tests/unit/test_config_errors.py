@@ -102,3 +102,20 @@ def test_cli_lets_a_bare_value_error_through_with_its_traceback(monkeypatch):
     with pytest.raises(ValueError, match="Expected input batch_size"):
         cli.run(CLI)
 
+
+
+def test_a_tool_maps_parameters_to_its_own_parsers_flags():
+    import argparse
+
+    from megatron.training.param_flags import parser_flags, rewrite_params
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--vocab-file")
+    p.add_argument("--append-eod", action="store_true")
+    p.add_argument("--no-mmap", dest="mmap", action="store_false")
+    flags = parser_flags(p)
+    assert (flags("vocab_file"), flags("append_eod"), flags("mmap"), flags("seed")) == (
+        ("--vocab-file", None), ("--append-eod", True), ("--no-mmap", False), None)
+    assert rewrite_params("vocab_file is required (append_eod=True, mmap=False, seed 3)",
+                          ("vocab_file", "append_eod", "mmap", "seed"), flags) == (
+        "--vocab-file is required (--append-eod, --no-mmap, seed 3)")

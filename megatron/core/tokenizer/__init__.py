@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.tokenizer.base import MegatronTokenizer
 from megatron.core.tokenizer.null import NullTokenizer
 
@@ -59,7 +60,8 @@ def build_tokenizer(cfg: Any) -> MegatronTokenizer:
         from megatron.core.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 
         return HuggingFaceTokenizer(get("tokenizer_model"))
-    raise ValueError(f"--tokenizer-type {kind!r} is not valid; choose one of {list(TOKENIZER_TYPES)}")
+    raise ConfigError(f"tokenizer_type {kind!r} is not valid; choose one of {list(TOKENIZER_TYPES)}",
+                      params=("tokenizer_type",))
 
 
 def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int,
@@ -72,9 +74,11 @@ def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: 
         ValueError: a non-positive multiple or tensor-parallel size.
     """
     if make_vocab_size_divisible_by < 1:
-        raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {make_vocab_size_divisible_by}")
+        raise ConfigError(f"make_vocab_size_divisible_by must be >= 1, got {make_vocab_size_divisible_by}",
+                          params=("make_vocab_size_divisible_by",))
     if tp_size < 1:
-        raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {tp_size}")
+        raise ConfigError(f"tensor_model_parallel_size must be >= 1, got {tp_size}",
+                          params=("tensor_model_parallel_size",))
     multiple = make_vocab_size_divisible_by * tp_size
     padded = -(-int(orig_vocab_size) // multiple) * multiple
     if log is not None:

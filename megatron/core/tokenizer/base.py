@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from megatron.core.config_utils import ConfigError
+
 
 class MegatronTokenizer(ABC):
     """Abstract tokenizer. Subclasses set ``self.unique_identifiers`` entries in ``__init__``."""
@@ -96,10 +98,12 @@ class FastTokenizer(MegatronTokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def require_file(path: str | None, flag: str, what: str) -> str:
-    """Return ``path`` if it names an existing file, else raise a ValueError naming ``flag``."""
+def require_file(path: str | None, param: str, what: str) -> str:
+    """Return ``path`` if it names an existing file, else raise a ``ConfigError`` naming the
+    parameter ``param`` (e.g. ``tokenizer_model``) that should name it."""
     if not path:
-        raise ValueError(f"{flag} is required for {what}")
+        raise ConfigError(f"{param} is required for {what}", params=(param,))
     if not os.path.isfile(path):
-        raise ValueError(f"{flag} {path!r} does not exist or is not a file (needed by {what})")
+        raise ConfigError(f"{param} {path!r} does not exist or is not a file (needed by {what})",
+                          params=(param,))
     return path

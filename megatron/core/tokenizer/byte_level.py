@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.tokenizer.base import MegatronTokenizer
 
 
@@ -27,7 +28,8 @@ class ByteLevelTokenizer(MegatronTokenizer):
     def __init__(self, special_tokens: Sequence[str] | None = None, vocab_size: int = 512, eos_id: int = 0,
                  pad_id: int = 1, bos_id: int | None = None) -> None:
         if int(vocab_size) < 256:
-            raise ValueError(f"vocab_size {vocab_size} must be >= 256 for the byte-level tokenizer")
+            raise ConfigError(f"vocab_size {vocab_size} must be >= 256 for the byte-level tokenizer",
+                              params=("vocab_size",))
         specials = list(special_tokens or [])
         super().__init__(vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, special_tokens=specials)
         self._vocab_size = int(vocab_size) + len(specials)

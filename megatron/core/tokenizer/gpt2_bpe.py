@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from megatron.core.datasets.errors import DataError
 from megatron.core.tokenizer.base import FastTokenizer, require_file
 
 EOD_TOKEN = "<|endoftext|>"
@@ -20,9 +21,9 @@ def load_byte_level_bpe(vocab_file: str, merge_file: str):
     try:
         model = models.BPE.from_file(vocab_file, merge_file)
     except Exception as exc:  # the Rust error says what is wrong but not which flag to fix
-        raise ValueError(
-            f"could not read --vocab-file {vocab_file!r} / --merge-file {merge_file!r} as GPT-2 BPE: {exc}"
-        ) from None
+        raise DataError(
+            f"could not read vocab_file {vocab_file!r} / merge_file {merge_file!r} as GPT-2 BPE: {exc}",
+            params=("vocab_file", "merge_file")) from None
     tok = Tokenizer(model)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -41,16 +42,18 @@ class GPT2BPETokenizer(FastTokenizer):
     """
 
     def __init__(self, vocab_file: str | None, merge_file: str | None) -> None:
-        vocab_file = require_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
-        merge_file = require_file(merge_file, "--merge-file", "GPT2BPETokenizer")
+        vocab_file = require_file(vocab_file, "vocab_file", "GPT2BPETokenizer")
+        merge_file = require_file(merge_file, "merge_file", "GPT2BPETokenizer")
         super().__init__(vocab_file, merge_file)
         try:
             with open(vocab_file, encoding="utf-8") as f:
                 vocab = json.load(f)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"--vocab-file {vocab_file!r} is not a JSON vocabulary: {exc}") from None
+            raise DataError(f"vocab_file {vocab_file!r} is not a JSON vocabulary: {exc}",
+                            params=("vocab_file",)) from None
         if EOD_TOKEN not in vocab:
-            raise ValueError(f"--vocab-file {vocab_file!r} has no {EOD_TOKEN} token (the end-of-document id)")
+            raise DataError(f"vocab_file {vocab_file!r} has no {EOD_TOKEN} token (the end-of-document id)",
+                            params=("vocab_file",))
         self._eod = int(vocab[EOD_TOKEN])
         self._vocab_size = len(vocab)
         self._tok = load_byte_level_bpe(vocab_file, merge_file)

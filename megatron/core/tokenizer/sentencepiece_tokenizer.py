@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megatron.core.datasets.errors import DataError
 from megatron.core.tokenizer.base import MegatronTokenizer, require_file
 
 
@@ -20,15 +21,17 @@ class SentencePieceTokenizer(MegatronTokenizer):
     def __init__(self, model_file: str | None) -> None:
         import sentencepiece
 
-        model_file = require_file(model_file, "--tokenizer-model", type(self).__name__)
+        model_file = require_file(model_file, "tokenizer_model", type(self).__name__)
         super().__init__(model_file)
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
             self._sp.Load(model_file)
         except (OSError, RuntimeError) as exc:
-            raise ValueError(f"--tokenizer-model {model_file!r} is not a SentencePiece model: {exc}") from None
+            raise DataError(f"tokenizer_model {model_file!r} is not a SentencePiece model: {exc}",
+                            params=("tokenizer_model",)) from None
         if self._sp.eos_id() < 0:
-            raise ValueError(f"--tokenizer-model {model_file!r} has no eos piece (used as end-of-document)")
+            raise DataError(f"tokenizer_model {model_file!r} has no eos piece (used as end-of-document)",
+                            params=("tokenizer_model",))
 
     @property
     def vocab_size(self) -> int:

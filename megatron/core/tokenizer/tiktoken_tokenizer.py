@@ -6,6 +6,8 @@ import base64
 import json
 from collections.abc import Sequence
 
+from megatron.core.config_utils import ConfigError
+from megatron.core.datasets.errors import DataError
 from megatron.core.tokenizer.base import MegatronTokenizer, require_file
 
 # Pre-tokenisation patterns of Megatron-LM's TikTokenizer (``--tiktoken-pattern v1|v2``).
@@ -29,13 +31,15 @@ def load_ranks(path: str, max_vocab: int | None) -> dict[bytes, int]:
         else:
             entries = [(base64.b64decode(a), int(b)) for a, b in (ln.split() for ln in text.splitlines() if ln)]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"--tokenizer-model {path!r} is not a tiktoken ranks file: {exc}") from None
+        raise DataError(f"tokenizer_model {path!r} is not a tiktoken ranks file: {exc}",
+                        params=("tokenizer_model",)) from None
     entries.sort(key=lambda e: e[1])
     if max_vocab is not None:
         entries = entries[:max_vocab]
     ranks = {tok: rank for tok, rank in entries}
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"--tokenizer-model {path!r}: ranks must be unique and contiguous from 0")
+        raise DataError(f"tokenizer_model {path!r}: ranks must be unique and contiguous from 0",
+                        params=("tokenizer_model",))
     return ranks
 
 
@@ -53,15 +57,15 @@ class TikTokenizer(MegatronTokenizer):
                  num_special_tokens: int = 1000) -> None:
         import tiktoken
 
-        path = require_file(path, "--tokenizer-model", "TikTokenizer")
+        path = require_file(path, "tokenizer_model", "TikTokenizer")
         if pattern not in ("v1", "v2"):
-            raise ValueError(f"--tiktoken-pattern {pattern!r} is not valid; choose one of ['v1', 'v2']")
+            raise ConfigError(f"tiktoken_pattern {pattern!r} is not valid; choose one of ['v1', 'v2']",
+                              params=("tiktoken_pattern",))
         vocab_size = 2**17 if vocab_size is None else int(vocab_size)
         if num_special_tokens < len(SPECIAL_TOKENS) or vocab_size <= num_special_tokens:
-            raise ValueError(
-                f"--tiktoken-num-special-tokens {num_special_tokens} must be >= {len(SPECIAL_TOKENS)} "
-                f"and below --vocab-size {vocab_size}"
-            )
+            raise ConfigError(
+                f"tiktoken_num_special_tokens {num_special_tokens} must be >= {len(SPECIAL_TOKENS)} "
+                f"and below vocab_size {vocab_size}", params=("vocab_size", "tiktoken_num_special_tokens"))
         super().__init__(path, pattern=pattern, vocab_size=vocab_size, num_special_tokens=num_special_tokens)
         ranks = load_ranks(path, vocab_size - num_special_tokens)
         self._num_special = num_special_tokens

@@ -12,6 +12,7 @@ import logging
 import os
 from typing import Any
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 
 TEXT_LIBRARIES = ["sentencepiece", "huggingface", "megatron", "tiktoken", "byte-level", "null-text", "sft"]
@@ -53,15 +54,15 @@ class MegatronTokenizer:
             metadata_path = kwargs.pop("metdata_path")
         if not metadata_path:
             if not tokenizer_path:
-                raise ValueError("give metadata_path (e.g. {'library': 'null-text'}) or tokenizer_path with a "
+                raise ConfigError("give metadata_path (e.g. {'library': 'null-text'}) or tokenizer_path with a "
                                  f"{METADATA_FILE} beside it")
             metadata_path = _default_metadata_path(tokenizer_path)
         metadata = _read_metadata(metadata_path)
         library = metadata.get("library")
         if library in VISION_LIBRARIES:
-            raise ValueError(f"tokenizer library {library!r}: vision/multimodal tokenizers are not provided")
+            raise ConfigError(f"tokenizer library {library!r}: vision/multimodal tokenizers are not provided")
         if library not in PATHLESS_LIBRARIES and not tokenizer_path:
-            raise ValueError(f"tokenizer library {library!r} needs tokenizer_path (the tokenizer file or directory)")
+            raise ConfigError(f"tokenizer library {library!r} needs tokenizer_path (the tokenizer file or directory)")
         metadata["metadata_path"] = metadata_path if isinstance(metadata_path, str) else None
         return _model_class(metadata)(tokenizer_path, metadata, **kwargs)
 
@@ -78,16 +79,16 @@ class MegatronTokenizer:
                 exists and ``overwrite`` is False.
         """
         if not os.path.exists(tokenizer_path):
-            raise ValueError(f"tokenizer_path {tokenizer_path!r} does not exist")
+            raise ConfigError(f"tokenizer_path {tokenizer_path!r} does not exist")
         if tokenizer_library not in TEXT_LIBRARIES + VISION_LIBRARIES:
-            raise ValueError(f"tokenizer_library {tokenizer_library!r} is not valid; choose one of "
+            raise ConfigError(f"tokenizer_library {tokenizer_library!r} is not valid; choose one of "
                              f"{TEXT_LIBRARIES + VISION_LIBRARIES}")
         kind = "text" if tokenizer_library in TEXT_LIBRARIES else "vision"
         if model_type is None and tokenizer_class is None:
             model_type = f"default-{kind}"
         path = metadata_path or _default_metadata_path(tokenizer_path)
         if os.path.exists(path) and not overwrite:
-            raise ValueError(f"metadata file {path!r} exists; pass overwrite=True to replace it")
+            raise ConfigError(f"metadata file {path!r} exists; pass overwrite=True to replace it")
         metadata = {
             "library": tokenizer_library,
             "class_name": tokenizer_class.__name__ if tokenizer_class else None,
@@ -111,7 +112,7 @@ def _read_metadata(metadata_path: str | dict) -> dict[str, Any]:
     if not isinstance(metadata_path, str):
         raise ValueError(f"metadata_path must be a str or a dict, got {type(metadata_path).__name__}")
     if not os.path.exists(metadata_path):
-        raise ValueError(f"tokenizer metadata file {metadata_path!r} does not exist; write it with "
+        raise ConfigError(f"tokenizer metadata file {metadata_path!r} does not exist; write it with "
                          "MegatronTokenizer.write_metadata(...) or pass metadata_path={'library': ...}")
     with open(metadata_path) as f:
         return dict(json.load(f))
@@ -122,5 +123,5 @@ def _model_class(metadata: dict[str, Any]) -> type:
 
     model_type = metadata.get("model_type") or "default-text"
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"tokenizer model_type {model_type!r} is not provided; choose one of {sorted(MODEL_TYPES)}")
+        raise ConfigError(f"tokenizer model_type {model_type!r} is not provided; choose one of {sorted(MODEL_TYPES)}")
     return MODEL_TYPES[model_type]

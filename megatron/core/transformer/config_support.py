@@ -201,7 +201,7 @@ def activation_name(gated_linear_unit: bool, activation_func: Callable) -> str:
     name = getattr(activation_func, "__name__", repr(activation_func))
     raise ConfigError(f"TransformerConfig.activation_func={name} with gated_linear_unit={gated_linear_unit} is not "
                       "built here; use activation_func=F.gelu (GELU MLP) or gated_linear_unit=True with "
-                      "activation_func=F.silu (SwiGLU)")
+                      "activation_func=F.silu (SwiGLU)", params=("activation_func", "gated_linear_unit"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -235,12 +235,12 @@ def derive_init_methods(config: Any) -> None:
     for name in ("init_method", "output_layer_init_method"):
         fn = getattr(config, name)
         if fn is not None and not getattr(fn, "derived_from_init_method_std", False):
-            raise ConfigError(f"TransformerConfig.{name}={fn!r} is not supported here: {_INIT}")
+            raise ConfigError(f"TransformerConfig.{name}={fn!r} is not supported here: {_INIT}", params=(name,))
     if config.embedding_init_method_std is None:
         config.embedding_init_method_std = config.init_method_std
     elif config.embedding_init_method_std != config.init_method_std:
         raise ConfigError(f"TransformerConfig.embedding_init_method_std={config.embedding_init_method_std} is not "
                           f"supported here: the embedding uses init_method_std ({config.init_method_std}); leave it "
-                          "None or equal to init_method_std")
+                          "None or equal to init_method_std", params=("embedding_init_method_std", "init_method_std"))
     config.init_method = init_method_normal(config.init_method_std)
     config.output_layer_init_method = scaled_init_method_normal(config.init_method_std, config.num_layers)

@@ -28,7 +28,7 @@ def test_null_tokenizer():
     tok = build_tokenizer(cfg(tokenizer_type="NullTokenizer", vocab_size=100))
     assert (tok.vocab_size, tok.eod, tok.pad) == (100, 99, -1)
     assert tok.tokenize("3 4  5") == [3, 4, 5] and tok.detokenize([7, 8]) == "7 8"
-    with pytest.raises(ValueError, match="--vocab-size"):
+    with pytest.raises(ValueError, match="vocab_size"):
         build_tokenizer(cfg(tokenizer_type="NullTokenizer", vocab_size=None))
 
 
@@ -46,13 +46,13 @@ def test_gpt2_bpe(tmp_path):
     assert tok.unique_identifiers["class"] == "GPT2BPETokenizer"
 
 
-def test_gpt2_bpe_errors_name_the_flag(tmp_path):
-    with pytest.raises(ValueError, match="--vocab-file is required for GPT2BPETokenizer"):
+def test_gpt2_bpe_errors_name_the_parameter(tmp_path):
+    with pytest.raises(ValueError, match="vocab_file is required for GPT2BPETokenizer"):
         build_tokenizer(cfg(tokenizer_type="GPT2BPETokenizer", vocab_file=None, merge_file="m"))
     vocab, merges = train_byte_level_bpe(SAMPLE_TEXT, str(tmp_path))
-    with pytest.raises(ValueError, match="--merge-file 'nope.txt'"):
+    with pytest.raises(ValueError, match="merge_file 'nope.txt'"):
         build_tokenizer(cfg(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file="nope.txt"))
-    with pytest.raises(ValueError, match="--tokenizer-type"):
+    with pytest.raises(ValueError, match="tokenizer_type"):
         build_tokenizer(cfg(tokenizer_type="Bogus"))
 
 
@@ -67,7 +67,7 @@ def test_sentencepiece(tmp_path, kind):
     assert tok.vocab_size == 400 and tok.eod == 2  # sentencepiece's default eos id
     text = "The quick brown fox"
     assert tok.detokenize(tok.tokenize(text)) == text
-    with pytest.raises(ValueError, match="--tokenizer-model"):
+    with pytest.raises(ValueError, match="tokenizer_model"):
         build_tokenizer(cfg(tokenizer_type=kind, tokenizer_model=str(tmp_path / "missing.model")))
 
 

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.tokenizer.base import MegatronTokenizer
 
 ANY = object()
@@ -48,7 +49,7 @@ def _null(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
     from megatron.core.tokenizer.null import NullTokenizer
 
     if kw.get("vocab_size") is None:
-        raise ValueError("library 'null-text' needs vocab_size=..., e.g. from_pretrained(metadata_path="
+        raise ConfigError("library 'null-text' needs vocab_size=..., e.g. from_pretrained(metadata_path="
                          "{'library': 'null-text'}, vocab_size=32000)")
     return NullTokenizer(kw["vocab_size"], kw.get("eod_id"), kw.get("pad_id", -1))
 
@@ -69,7 +70,7 @@ def _megatron(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
     from megatron.core.tokenizer.gpt2_bpe import GPT2BPETokenizer
 
     if path != "GPT2BPETokenizer":
-        raise ValueError(f"library 'megatron': tokenizer_path {path!r} is not provided; use 'GPT2BPETokenizer' "
+        raise ConfigError(f"library 'megatron': tokenizer_path {path!r} is not provided; use 'GPT2BPETokenizer' "
                          "with vocab_file= and merges_file=")
     return GPT2BPETokenizer(kw.get("vocab_file"), kw.get("merges_file"))
 
@@ -101,17 +102,17 @@ def restore_model(library: str | None, path: str | None, kwargs: dict[str, Any])
             accept or whose value would change the ids (named, with the accepted values).
     """
     if library in REFUSED_LIBRARIES:
-        raise ValueError(f"tokenizer library {library!r}: {REFUSED_LIBRARIES[library]}; choose one of "
+        raise ConfigError(f"tokenizer library {library!r}: {REFUSED_LIBRARIES[library]}; choose one of "
                          f"{sorted(BUILDERS)}")
     if library not in BUILDERS:
-        raise ValueError(f"tokenizer library {library!r} is not valid; choose one of {sorted(BUILDERS)}")
+        raise ConfigError(f"tokenizer library {library!r} is not valid; choose one of {sorted(BUILDERS)}")
     accepted = OPTIONS[library]
     for name, value in kwargs.items():
         if name not in accepted:
-            raise ValueError(f"tokenizer library {library!r} takes no option {name!r}; it takes {sorted(accepted)}")
+            raise ConfigError(f"tokenizer library {library!r} takes no option {name!r}; it takes {sorted(accepted)}")
         neutral = accepted[name]
         if neutral is not ANY and value not in neutral:
-            raise ValueError(f"tokenizer library {library!r}: {name}={value!r} is not supported here; leave it at "
+            raise ConfigError(f"tokenizer library {library!r}: {name}={value!r} is not supported here; leave it at "
                              f"{neutral[0]!r}")
     return BUILDERS[library](path, kwargs)
 

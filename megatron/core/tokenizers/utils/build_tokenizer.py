@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.tokenizer import vocab_size_with_padding as _pad_vocab
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 from megatron.core.tokenizers.megatron_tokenizer import MegatronTokenizer
@@ -65,7 +66,7 @@ def build_tokenizer(args: Any, **kwargs: Any) -> MegatronTokenizerBase:
             ``MegatronTokenizer.from_pretrained`` refuses.
     """
     if getattr(args, "tokenizer_type", None) not in SUPPORTED_TOKENIZERS:
-        raise ValueError(f"tokenizer_type {getattr(args, 'tokenizer_type', None)!r} is not supported; choose one of "
+        raise ConfigError(f"tokenizer_type {getattr(args, 'tokenizer_type', None)!r} is not supported; choose one of "
                          f"{SUPPORTED_TOKENIZERS}")
     library, path, options = _library_path_options(args)
     metadata = getattr(args, "metadata_path", None) if library != "null-text" else None
