@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.tensor_parallel.mappings import ProcessGroup, default_tp_group, group_rank, group_size
 
 
@@ -84,7 +85,7 @@ def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Pro
         ValueError: ``label_smoothing`` is outside ``[0, 1)``.
     """
     if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        raise ConfigError(f"label_smoothing must be in [0, 1), got {label_smoothing}", params=("label_smoothing",))
     if group_size(group) == 1:
         flat = logits.reshape(-1, logits.shape[-1]).float()
         return F.cross_entropy(flat, target.reshape(-1), reduction="none",

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.mappings import ProcessGroup, default_tp_group
 
@@ -76,12 +77,14 @@ def linear_with_grad_accumulation_and_async_allreduce(
             (deferred embedding wgrad) or ``gtp_remat_size`` other than 1, which are not built here.
     """
     if allreduce_dgrad and sequence_parallel:
-        raise ValueError("linear_with_grad_accumulation_and_async_allreduce: allreduce_dgrad must be False with "
-                         "sequence_parallel=True (the input gradient is reduce-scattered instead)")
+        raise ConfigError("linear_with_grad_accumulation_and_async_allreduce: allreduce_dgrad must be False with "
+                          "sequence_parallel=True (the input gradient is reduce-scattered instead)",
+                          params=("allreduce_dgrad", "sequence_parallel"))
     if grad_output_buffer is not None:
-        raise ValueError("grad_output_buffer (deferred embedding wgrad) is not supported; pass None")
+        raise ConfigError("grad_output_buffer (deferred embedding wgrad) is not supported; pass None",
+                          params=("grad_output_buffer",))
     if gtp_remat_size != 1:
-        raise ValueError(f"gtp_remat_size={gtp_remat_size} is not supported; pass 1")
+        raise ConfigError(f"gtp_remat_size={gtp_remat_size} is not supported; pass 1", params=("gtp_remat_size",))
     group = default_tp_group(tp_group)
     if sequence_parallel:
         input = mappings.gather_from_sp(input, group)
@@ -95,8 +98,9 @@ class MegatronForm:
 
     def __init__(self, config: Any, init_method: Callable[[torch.Tensor], Any] | None, tp_group: ProcessGroup | None):
         if init_method is None:
-            raise ValueError("a parallel layer built with config= needs init_method= (e.g. "
-                             "megatron.core.utils.init_method_normal(0.02)) as in Megatron-Core")
+            raise ConfigError("a parallel layer built with config= needs init_method= (e.g. "
+                              "megatron.core.utils.init_method_normal(0.02)) as in Megatron-Core",
+                              params=("init_method",))
         self.config, self.init_method = config, init_method
         self.tp_group = default_tp_group(tp_group)
         self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from megatron.core.config_utils import ConfigError
+
 ProcessGroup = dist.ProcessGroup
 
 # torch >= 2.13 renames the single-tensor collectives; older releases only have the old names.
@@ -283,7 +285,8 @@ def scatter_to_sequence_parallel_region(input_: torch.Tensor, group: ProcessGrou
 
 def _check_no_split_sizes(name: str, value: object) -> None:
     if value is not None:
-        raise ValueError(f"{name}: uneven splits are not supported here; pass {name}=None (equal blocks)")
+        raise ConfigError(f"{name}: uneven splits are not supported here; pass {name}=None (equal blocks)",
+                          params=(name,))
 
 
 def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_output_grad: bool = True,
