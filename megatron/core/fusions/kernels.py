@@ -108,7 +108,7 @@ def triton_line(plan: ExecutionPlan) -> str:
             reasons.setdefault(why, []).append(k)
     parts = []
     if passed:
-        parts.append(f"{', '.join(passed)} passed the self-check and run")
+        parts.append(f"{', '.join(passed)} passed the self-check")
     if reasons:
         parts.append("not used: " + "; ".join(f"{', '.join(ks)} ({why})" for why, ks in reasons.items()))
     return "; ".join(parts) or "no kernels"
