@@ -77,11 +77,7 @@ class GPTModel(LanguageModule):
         _refuse_unbuilt(fp16_lm_cross_entropy, rope_scaling, scatter_embedding_sequence_parallel, mtp_block_spec)
         self.pg = _groups(parallel_state, pg_collection)
         config.check_parallel_sizes(self.pg.tp_size, self.pg.pp_size)
-        plan = ExecutionPlan.plain(config, self.pg.tp_size) if execution_plan is None else execution_plan
-        if plan.tp_size != self.pg.tp_size:
-            raise ConfigError(f"the execution plan was resolved for tensor_model_parallel_size {plan.tp_size}, the "
-                              f"model is built on process groups of size {self.pg.tp_size}; resolve it for those",
-                              params=("tensor_model_parallel_size",))
+        plan = _plan_for(execution_plan, config, self.pg.tp_size)
         if num_layers is None and self.pg.pp_size > 1:
             num_layers, layer_offset = _stage_layers(config, self.pg, vp_stage)
         tp_group = self.pg.tp_group
@@ -271,6 +267,21 @@ def _refuse_unbuilt(fp16_lm_cross_entropy: bool, rope_scaling: bool, scatter_emb
             ("mtp_block_spec", mtp_block_spec, None, "multi-token prediction is not built")):
         if value is not ok and value != ok:
             raise ConfigError(f"GPTModel({name}={value!r}) is not supported here: {hint}; pass {ok!r}")
+
+
+def _plan_for(plan: ExecutionPlan | None, config: TransformerConfig, tp_size: int) -> ExecutionPlan:
+    """``plan``, checked against the groups' tp size, or the plain plan (the torch code).
+
+    Raises:
+        ConfigError: a plan resolved for another tensor-parallel size.
+    """
+    if plan is None:
+        return ExecutionPlan.plain(config, tp_size)
+    if plan.tp_size != tp_size:
+        raise ConfigError(f"the execution plan was resolved for tensor_model_parallel_size {plan.tp_size}, the "
+                          f"model is built on process groups of size {tp_size}; resolve it for those",
+                          params=("tensor_model_parallel_size",))
+    return plan
 
 
 def _groups(parallel_state: ParallelState | None, pg_collection: Any) -> ParallelState:
