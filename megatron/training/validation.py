@@ -226,7 +226,7 @@ def check_fp8(cfg) -> None:
     """FP8 needs a CUDA GPU; fail at parse time on a machine without one (a dry run is exempt).
 
     Only ``torch.cuda.is_available()`` is asked here (it creates no CUDA context); the compute
-    capability (Hopper, 9.0+) is checked by ``fusions.fp8.apply_fp8`` once the rank's device is set.
+    capability (Hopper, 9.0+) is checked by ``execution_plan.resolve`` once the rank's device is set.
     """
     from megatron.core.fusions.fp8 import fp8_emulated
 

@@ -408,9 +408,12 @@ def test_swiglu_mlp_block_trains_like_the_two_linears_on_the_gpu():
     kernels, torch._scaled_mm) against the two FP8 linears with SwiGLU between them, four steps: the
     same losses to 1e-3, weight gradients to 2%, amax histories to 1% (rare fp8 codes of SwiGLU's
     output may differ by one step, see above)."""
+    import dataclasses
+
+    from megatron.core.execution_plan import resolve
     from megatron.core.fusions.compile import compile_layers
-    from megatron.core.fusions.fp8 import Fp8Gemm, apply_fp8
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.fusions.fp8 import Fp8Gemm
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_plan_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -422,13 +425,13 @@ def test_swiglu_mlp_block_trains_like_the_two_linears_on_the_gpu():
                             ffn_hidden_size=512, position_embedding_type="rope", add_bias_linear=False, bf16=True,
                             fp8_format="hybrid", fp8_recipe="delayed", fp8_amax_history_len=16)
     results = []
+    plan = resolve(cfg, torch.device("cuda"))  # the self-checks run on this GPU
+    assert plan.fp8 is not None and plan.fp8.swiglu_block
     for fused in (True, False):
-        model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=512, max_sequence_length=128, seed=1).cuda()
-        apply_fp8([model], cfg, torch.device("cuda"))
-        if not fused:
-            for layer in model.decoder.layers:
-                layer.mlp.fp8_swiglu = None
-        assert all((layer.mlp.fp8_swiglu is not None) == fused for layer in model.decoder.layers)
+        p = plan if fused else dataclasses.replace(plan, fp8=dataclasses.replace(plan.fp8, swiglu_block=False))
+        model = GPTModel(cfg, get_gpt_decoder_block_plan_spec(p), vocab_size=512, max_sequence_length=128, seed=1,
+                         execution_plan=p).cuda()
+        assert all((getattr(layer.mlp, "fp8_swiglu", None) is not None) == fused for layer in model.decoder.layers)
         compile_layers([model], TransformerLayer)
         losses = []
         for step in range(4):

@@ -1,11 +1,14 @@
 """FP8 linears: numerics against the bf16/fp32 matmul, delayed-scaling history, the layer hook, flags."""
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core import execution_plan as plan_mod
+from megatron.core.execution_plan import resolve
 from megatron.core.fusions import fp8 as fp8_mod
 from megatron.core.fusions.fp8 import (
     DY,
@@ -15,18 +18,16 @@ from megatron.core.fusions.fp8 import (
     Fp8Recipe,
     W,
     X,
-    apply_fp8,
     fp8_matmul,
     quantize,
     scale_from_amax,
     scaled_mm,
 )
 from megatron.core.fusions.fp8 import gemm as fp8_gemm_mod
-from megatron.core.fusions.fp8 import recipe as fp8_recipe_mod
 from megatron.core.fusions.fp8 import swiglu_mlp as fp8_swiglu_mod
-from megatron.core.fusions.kernels import kernel_report
+from megatron.core.fusions.triton import KERNELS
 from megatron.core.fusions.triton.swiglu import swiglu_backward_torch, swiglu_fp32
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_plan_spec, get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -34,15 +35,38 @@ from megatron.training.arguments import parse_run_config
 from tests.fp8_reference import fp8_matmul_reference, tensor_scale
 from tests.host_transfers import HostTransfers
 
+pytestmark = pytest.mark.filterwarnings("ignore:FP8 emulated on the CPU")
+NO_TRITON = dict.fromkeys(KERNELS, "not a CUDA device (cpu)")
+ALL_TRITON = dict.fromkeys(KERNELS)
+
 
 def _pretend_hopper(monkeypatch) -> None:
-    """The device check passes on the CPU (the GEMMs still run on the CPU's paths)."""
-    monkeypatch.setattr(fp8_recipe_mod, "fp8_device_error", lambda device, emulated=False: None)
+    """The execution plan's device check passes on the CPU (the GEMMs still run on the CPU's paths)."""
+    monkeypatch.setattr(plan_mod, "fp8_device_error", lambda device, emulated=False: None)
 
 
-def _default_scaled_mm(monkeypatch, use_scaled_mm: bool) -> None:
-    """Fp8Gemm's default ``use_scaled_mm`` (what apply_fp8 gives a device that is not emulated)."""
-    monkeypatch.setitem(Fp8Gemm.__init__.__kwdefaults__, "use_scaled_mm", use_scaled_mm)
+def fp8_plan(cfg, monkeypatch=None, scaled_mm: bool = False, triton_checks=None):
+    """The execution plan of ``cfg`` on the CPU: FP8 emulated (the reference GEMMs), or with
+    ``scaled_mm`` the device check passed (``monkeypatch``) and the GEMMs on ``torch._scaled_mm``."""
+    if scaled_mm:
+        _pretend_hopper(monkeypatch)
+    return resolve(cfg, "cpu", triton_checks=NO_TRITON if triton_checks is None else triton_checks,
+                   fp8_emulate=not scaled_mm)
+
+
+def fp8_gpt(plan, **kw) -> GPTModel:
+    """The GPT model of ``plan`` (built from its layer specs, as the trainer builds it)."""
+    return GPTModel(plan.config, get_gpt_decoder_block_plan_spec(plan), vocab_size=128, max_sequence_length=32,
+                    seed=1, execution_plan=plan, **kw)
+
+
+def fp8_gemm_count(model) -> int:
+    return sum(isinstance(m, Fp8Gemm) for m in model.modules())
+
+
+def without_swiglu_block(plan):
+    """``plan`` with the SwiGLU MLPs' FP8 block off: fc1 and fc2 as two FP8 linears."""
+    return dataclasses.replace(plan, fp8=dataclasses.replace(plan.fp8, swiglu_block=False))
 
 
 def _scaled_mm_on_cpu() -> bool:
@@ -198,11 +222,13 @@ def test_layers_without_fp8_are_bitwise_unchanged():
 
 def test_layer_hook_runs_fp8_and_falls_back_on_unaligned_tokens():
     torch.manual_seed(0)
-    col = ColumnParallelLinear(64, 96, init_std=0.02, bias=True, params_dtype=torch.bfloat16)
+    ref = {k: v.clone() for k, v in ColumnParallelLinear(64, 96, init_std=0.02, bias=True).state_dict().items()}
+    col = ColumnParallelLinear(64, 96, init_std=0.02, bias=True, params_dtype=torch.bfloat16,
+                               fp8_gemm=lambda device: Fp8Gemm(Fp8Recipe("hybrid", "tensorwise"), device=device,
+                                                               use_scaled_mm=False))
     for p in col.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    ref = {k: v.clone() for k, v in col.state_dict().items()}
-    col.fp8 = Fp8Gemm(Fp8Recipe("hybrid", "tensorwise"), use_scaled_mm=False)
+    assert isinstance(col.fp8, Fp8Gemm)
     x = torch.randn(8, 2, 64).bfloat16()  # 16 tokens
     out, _ = col(x)
     assert out.shape == (8, 2, 96) and rel(out, F.linear(x, col.weight, col.bias)) < 0.06
@@ -213,23 +239,22 @@ def test_layer_hook_runs_fp8_and_falls_back_on_unaligned_tokens():
     assert torch.equal(out, F.linear(x_odd, col.weight, col.bias))
 
 
-def test_apply_fp8_refuses_the_cpu():
+def test_fp8_plan_refuses_the_cpu():
     cfg = tiny_config(fp8_format="hybrid")
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
     with pytest.raises(ValueError, match=r"fp8_format needs an H100/H200-class GPU.*CPU"):
-        apply_fp8([model], cfg, torch.device("cpu"))
-    assert apply_fp8([model], tiny_config(), torch.device("cpu")) == 0  # FP8 off: nothing to check
+        resolve(cfg, "cpu", triton_checks=NO_TRITON)
+    plan = resolve(tiny_config(), "cpu", triton_checks=NO_TRITON)  # FP8 off: nothing to check
+    assert plan.fp8 is None and fp8_gemm_count(fp8_gpt(plan)) == 0
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_apply_fp8_covers_the_transformer_linears_only(monkeypatch, recipe):
-    _pretend_hopper(monkeypatch)
-    _default_scaled_mm(monkeypatch, SCALED_MM)
+def test_fp8_plan_covers_the_transformer_linears_only(monkeypatch, recipe):
     cfg = tiny_config(fp8_format="hybrid", fp8_recipe=recipe, fp8_amax_history_len=16)
     ref = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
-    keys = set(model.state_dict())
-    assert apply_fp8([model], cfg, torch.device("cpu")) == 4 * cfg.num_layers
+    model = fp8_gpt(fp8_plan(cfg, monkeypatch, scaled_mm=SCALED_MM))
+    keys = set(ref.state_dict())
+    assert fp8_gemm_count(model) == 4 * cfg.num_layers
+    assert all(m.use_scaled_mm == SCALED_MM for m in model.modules() if isinstance(m, Fp8Gemm))
     assert set(model.state_dict()) == keys
     assert model.output_layer.fp8 is None
     names = {n.rsplit(".", 2)[-2] for n, m in model.named_modules() if isinstance(m, Fp8Gemm)}
@@ -246,12 +271,12 @@ def test_apply_fp8_covers_the_transformer_linears_only(monkeypatch, recipe):
     assert g.dtype == torch.bfloat16 and rel(g, g_ref) < 0.15
 
 
-def test_apply_fp8_warns_and_skips_unaligned_weights(monkeypatch):
-    _pretend_hopper(monkeypatch)
+def test_fp8_plan_warns_and_skips_unaligned_weights(monkeypatch):
     cfg = tiny_config(fp8_format="e4m3", ffn_hidden_size=72)  # fc1 [144, 64], fc2 [64, 72]
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
     with pytest.warns(UserWarning, match="linear_fc2"):
-        assert apply_fp8([model], cfg, torch.device("cpu")) == 3 * cfg.num_layers
+        plan = fp8_plan(cfg, monkeypatch, scaled_mm=True)
+    model = fp8_gpt(plan)
+    assert fp8_gemm_count(model) == 3 * cfg.num_layers
     assert model.decoder.layers[0].mlp.linear_fc2.fp8 is None
 
 
@@ -290,29 +315,27 @@ def test_evaluation_forward_equals_the_training_forward_without_transposed_copie
 def test_first_last_layers_bf16_keeps_those_layers_out_of_fp8(monkeypatch):
     """Megatron's --first-last-layers-bf16: the first / last N layers of the whole model keep bf16 GEMMs,
     chosen by global layer number (a later pipeline stage's layers count from its offset)."""
-    _pretend_hopper(monkeypatch)
     cfg = tiny_config(num_layers=5, fp8_format="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=2,
                       num_layers_at_end_in_bf16=1)
     assert fp8_mod.bf16_layer_numbers(cfg) == {1, 2, 5}
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
-    assert apply_fp8([model], cfg, torch.device("cpu")) == 4 * 2
+    plan = fp8_plan(cfg, monkeypatch, scaled_mm=True)
+    model = fp8_gpt(plan)
+    assert fp8_gemm_count(model) == 4 * 2
     for layer in model.decoder.layers:
         fp8 = [getattr(layer.self_attention, n).fp8 for n in ("linear_qkv", "linear_proj")]
         fp8 += [getattr(layer.mlp, n).fp8 for n in ("linear_fc1", "linear_fc2")]
         assert all((f is None) == (layer.layer_number in (1, 2, 5)) for f in fp8), layer.layer_number
     # the last stage of a two-stage pipeline over the same 5 layers holds layers 4 and 5
-    stage = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1,
-                     pre_process=False, num_layers=2, layer_offset=3)
+    stage = fp8_gpt(plan, pre_process=False, num_layers=2, layer_offset=3)
     assert [layer.layer_number for layer in stage.decoder.layers] == [4, 5]
-    assert apply_fp8([stage], cfg, torch.device("cpu")) == 4
+    assert fp8_gemm_count(stage) == 4
     assert stage.decoder.layers[0].mlp.linear_fc1.fp8 is not None and stage.decoder.layers[1].mlp.linear_fc1.fp8 is None
     # off: every layer in FP8
-    plain = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
     cfg.first_last_layers_bf16 = False
-    assert apply_fp8([plain], cfg, torch.device("cpu")) == 4 * 5
+    assert fp8_gemm_count(fp8_gpt(fp8_plan(cfg, monkeypatch, scaled_mm=True))) == 4 * 5
 
 
-def test_first_last_layers_bf16_flags_and_errors():
+def test_first_last_layers_bf16_flags_and_errors(monkeypatch):
     m = parse_run_config(BASE + ["--dry-run"]).model
     assert (m.first_last_layers_bf16, m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) == (False, 1, 1)
     argv = BASE[:1] + ["4"] + BASE[2:] + "--bf16 --fp8-format hybrid --dry-run --first-last-layers-bf16".split()
@@ -322,8 +345,7 @@ def test_first_last_layers_bf16_flags_and_errors():
         parse_run_config(argv + "--num-layers-at-start-in-bf16 2 --num-layers-at-end-in-bf16 2".split())
     with pytest.raises(ValueError, match="--num-layers-at-start-in-bf16 -1: give a count"):
         parse_run_config(argv + "--num-layers-at-start-in-bf16 -1".split())
-    line = next(x for x in kernel_report(tiny_config(fp8_format="hybrid", first_last_layers_bf16=True), torch.device("cpu"),
-                                         1, 0, "CPU run", True, fp8_linears=8) if "FP8:" in x)
+    line = fp8_report_line(tiny_config(fp8_format="hybrid", first_last_layers_bf16=True), monkeypatch, fp8_linears=8)
     assert "the first 1 and last 1 transformer layers in bf16: --first-last-layers-bf16" in line
 
 
@@ -363,18 +385,27 @@ def test_emulation_switch_lets_tests_run_fp8_on_the_cpu(monkeypatch):
     monkeypatch.setenv("MEGATRON_FP8_EMULATE", "1")
     assert fp8_mod.fp8_emulated(cpu) and fp8_mod.fp8_device_error(cpu, fp8_mod.fp8_emulated(cpu)) is None
     parse_run_config(BASE + "--bf16 --fp8-format hybrid".split())  # no error at parse time either
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
     with pytest.warns(UserWarning, match="emulated on the CPU"):
-        assert apply_fp8([model], cfg, torch.device("cpu")) == 4 * cfg.num_layers
+        plan = resolve(cfg, cpu, triton_checks=NO_TRITON, fp8_emulate=fp8_mod.fp8_emulated(cpu))
+    model = fp8_gpt(plan)
+    assert fp8_gemm_count(model) == 4 * cfg.num_layers
     assert all(not m.use_scaled_mm for m in model.modules() if isinstance(m, Fp8Gemm))
-    lines = kernel_report(cfg, torch.device("cpu"), 1, 0, "CPU run", True, fp8_linears=8)
+    lines = plan.report_lines(fp8_linears=8)
     assert any("FP8: emulated on the CPU" in line and "for 8 QKV/proj/fc1/fc2 linears" in line for line in lines)
 
 
-def test_kernel_report_says_whether_fp8_is_on():
+def fp8_report_line(cfg, monkeypatch, fp8_linears=None, triton=False) -> str:
+    """The report's FP8 line of a (pretended Hopper) plan of ``cfg``; ``triton``: every kernel passed."""
+    plan = fp8_plan(cfg, monkeypatch, scaled_mm=True, triton_checks=ALL_TRITON if triton else NO_TRITON)
+    return next(line for line in plan.report_lines(fp8_linears=fp8_linears) if "FP8:" in line)
+
+
+def test_kernel_report_says_whether_fp8_is_on(monkeypatch):
     def fp8_line(cfg, **kw):
-        lines = kernel_report(cfg, torch.device("cpu"), 1, 0, "CPU run", True, **kw)
-        return next(line for line in lines if "FP8:" in line)
+        return fp8_report_line(cfg, monkeypatch, **kw)
+
+    def fp8_line_of(cfg, have_triton):
+        return fp8_report_line(cfg, monkeypatch, triton=have_triton)
 
     assert "FP8: off" in fp8_line(tiny_config())
     line = fp8_line(tiny_config(fp8_format="hybrid", fp8_recipe="delayed"), fp8_linears=8)
@@ -383,19 +414,13 @@ def test_kernel_report_says_whether_fp8_is_on():
     line = fp8_line(tiny_config(fp8_format="e4m3", fp8_recipe="tensorwise"))
     assert "tensorwise" in line and "e4m3 gradients" in line
     # who quantises (the report is asked on the CPU here: no Triton on that device)
-    assert "quantised by torch code (Triton not importable" in line
+    assert "quantised by torch code (Triton kernel fp8_cast: not a CUDA device (cpu))" in line
     assert "quantised by Triton cast-transpose kernels" in fp8_line_of(tiny_config(fp8_format="hybrid"), True)
     assert "quantised by torchao's casts" in fp8_line_of(tiny_config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_gemm_impl="torchao"), True)
     fused = "SwiGLU's output and its gradient are quantised inside SwiGLU's own passes"
     assert fused in fp8_line_of(tiny_config(fp8_format="hybrid"), True)  # delayed, SwiGLU, no bias
     for other in (dict(fp8_recipe="tensorwise"), dict(activation="gelu"), dict(add_bias_linear=True)):
         assert fused not in fp8_line_of(tiny_config(fp8_format="hybrid", **other), True), other
-
-
-def fp8_line_of(cfg, have_triton):
-    from megatron.core.fusions.kernels import fp8_line
-
-    return fp8_line(cfg, torch.bfloat16, None, have_triton)
 
 
 def test_fp8_matmul_emits_no_warnings():
@@ -450,19 +475,17 @@ def test_layer_delayed_path_compiles_without_graph_breaks(backend):
     assert compiled.initialized.all() and compiled.amax_history[:, :3].gt(0).all()
 
 
-def _delayed_fp8_gpt(monkeypatch, **config) -> GPTModel:
-    """A tiny GPT with delayed-scaling FP8 linears (or ``config``'s recipe) on the CPU (the reference
-    matmul path); its TransformerLayer.compile is aot_eager with fullgraph (a graph break fails)."""
+def _delayed_fp8_gpt(monkeypatch, swiglu_block: bool = True, **config) -> GPTModel:
+    """A tiny GPT with delayed-scaling FP8 linears (or ``config``'s recipe) on the CPU (emulated: the
+    reference matmul path), built from its execution plan (``swiglu_block`` False: the SwiGLU MLPs as
+    two FP8 linears); its TransformerLayer.compile is aot_eager with fullgraph (a graph break fails)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    _pretend_hopper(monkeypatch)
-    _default_scaled_mm(monkeypatch, False)  # the reference matmul path
     monkeypatch.setattr(TransformerLayer, "compile",
                         lambda self, **kw: torch.nn.Module.compile(self, backend="aot_eager", fullgraph=True))
     cfg = tiny_config(**{"fp8_format": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 4, **config})
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32, seed=1)
-    apply_fp8([model], cfg, torch.device("cpu"))
-    return model
+    plan = fp8_plan(cfg)
+    return fp8_gpt(plan if swiglu_block or plan.fp8 is None else without_swiglu_block(plan))
 
 
 def _three_steps(model: GPTModel) -> tuple[list[float], list[torch.Tensor], list[torch.Tensor]]:
@@ -573,8 +596,7 @@ def test_torchao_gemm_impl_flag_and_errors(monkeypatch):
     pytest.importorskip("torchao.float8")
     cfg = tiny_config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_gemm_impl="torchao")
     assert Fp8Recipe.from_config(cfg).gemm_impl == "torchao"
-    lines = kernel_report(cfg, torch.device("cpu"), 1, 0, "CPU run", True)
-    assert "torchao float8 training" in next(line for line in lines if "FP8:" in line)
+    assert "torchao float8 training" in fp8_report_line(cfg, monkeypatch)
     assert parse_run_config(BASE + ["--dry-run"]).model.fp8_gemm_impl == "scaled_mm"
     with pytest.raises(ValueError, match="fp8_gemm_impl torchao runs the tensorwise recipe only.*fp8_recipe tensorwise"):
         tiny_config(fp8_format="hybrid", fp8_recipe="delayed", fp8_gemm_impl="torchao")
@@ -638,11 +660,10 @@ def test_swiglu_mlp_block_is_used_where_it_applies(monkeypatch):
     assert all(m.fp8_swiglu is not None and m.fp8_swiglu.fc1 is m.linear_fc1.fp8 and m.fp8_swiglu.fc2 is m.linear_fc2.fp8
                for m in mlps)
     for name in ("tensorwise", "gelu", "bias"):
-        assert all(layer.mlp.fp8_swiglu is None for layer in models[name].decoder.layers), name
+        assert all(getattr(layer.mlp, "fp8_swiglu", None) is None for layer in models[name].decoder.layers), name
     # the block holds no state of its own: the model's modules and state dict are those of the linears
-    plain = _delayed_fp8_gpt(monkeypatch)
-    for layer in plain.decoder.layers:
-        layer.mlp.fp8_swiglu = None
+    plain = _delayed_fp8_gpt(monkeypatch, swiglu_block=False)
+    assert all(getattr(layer.mlp, "fp8_swiglu", None) is None for layer in plain.decoder.layers)
     assert [n for n, _ in models["fused"].named_modules()] == [n for n, _ in plain.named_modules()]
     assert models["fused"].state_dict().keys() == plain.state_dict().keys()
 
@@ -689,12 +710,10 @@ def test_swiglu_mlp_block_trains_like_the_two_linears(monkeypatch, compiled):
     for name in ("swiglu_cast_transpose_amax", "swiglu_backward_cast_transpose_amax"):
         real = getattr(fp8_swiglu_mod, name)
         monkeypatch.setattr(fp8_swiglu_mod, name, lambda *a, _real=real: (_record_swiglu_fp8(a[0]), _real(*a))[1])
-    fused, ref = _delayed_fp8_gpt(monkeypatch), _delayed_fp8_gpt(monkeypatch)
+    fused, ref = _delayed_fp8_gpt(monkeypatch), _delayed_fp8_gpt(monkeypatch, swiglu_block=False)
     for m in (fused, ref):  # (SwiGLU in fp32 rounded once, as the block computes it; the default is bf16)
         for layer in m.decoder.layers:
             layer.mlp.activation = _SwiGLUFp32.apply
-    for layer in ref.decoder.layers:
-        layer.mlp.fp8_swiglu = None
     if compiled:
         for m in (fused, ref):
             compile_layers([m], TransformerLayer)

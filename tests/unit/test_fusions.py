@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.core.execution_plan import resolve
 from megatron.core.fusions.compile import compile_layers
-from megatron.core.fusions.kernels import kernel_report
 from megatron.core.fusions.linear_cross_entropy import chunk_tokens, linear_cross_entropy
+from megatron.core.fusions.triton import KERNELS
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -139,21 +140,22 @@ def test_compiled_layers_share_one_graph_and_match_eager():
     torch._dynamo.reset()
 
 
+def kernel_report(config):
+    """The start-up report of ``config``'s execution plan on the CPU."""
+    return resolve(config, "cpu", triton_checks=dict.fromkeys(KERNELS, "not a CUDA device (cpu)")).report_lines()
+
+
 def test_kernel_report_names_every_part_on_cpu():
-    lines = kernel_report(tiny(), torch.device("cpu"), tp_size=1, compiled_layers=0, compile_reason="CPU run",
-                          fused_cross_entropy=True)
+    lines = kernel_report(tiny(cross_entropy_loss_fusion=True))
     text = "\n".join(lines)
     assert lines[0] == " > kernels:"
     for part in ("attention: SDPA", "not compiled: CPU run", "fused output layer", "FP8: off", "Transformer Engine",
                  "optimizer: AdamW, one pass per tensor", "recompute: off", "SwiGLU unfused"):
         assert part in text
     for fusion, says in ((True, "GELU (tanh approximation"), (False, "GELU (exact erf)")):
-        gelu = kernel_report(tiny(activation="gelu", add_bias_linear=True, bias_gelu_fusion=fusion),
-                             torch.device("cpu"), tp_size=1, compiled_layers=0, compile_reason="CPU run",
-                             fused_cross_entropy=True)
+        gelu = kernel_report(tiny(activation="gelu", add_bias_linear=True, bias_gelu_fusion=fusion))
         assert any(says in ln for ln in gelu)
-    selective = kernel_report(tiny(recompute_granularity="selective"), torch.device("cpu"), tp_size=1,
-                              compiled_layers=0, compile_reason="CPU run", fused_cross_entropy=True)
+    selective = kernel_report(tiny(recompute_granularity="selective"))
     assert any("recompute: selective" in ln and "--recompute-granularity full" in ln for ln in selective)
 
 

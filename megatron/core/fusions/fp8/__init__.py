@@ -18,7 +18,6 @@ The numerics are one code path for every device: quantise -> :func:`scaled_mm`, 
 (FP8 emulated on the CPU; the eager reference the tests compare against is tests/fp8_reference.py).
 """
 
-from megatron.core.fusions.fp8.apply import apply_fp8
 from megatron.core.fusions.fp8.checkpoint import fp8_sharded_state_dict, fp8_state_loaded
 from megatron.core.fusions.fp8.gemm import fp8_matmul
 from megatron.core.fusions.fp8.module import AmaxReducer, Fp8Gemm
@@ -37,7 +36,6 @@ from megatron.core.fusions.fp8.recipe import (
     W,
     X,
     bf16_layer_numbers,
-    fp8_device_check,
     fp8_device_error,
     fp8_emulated,
     swiglu_mlp_fusable,
@@ -63,9 +61,7 @@ __all__ = [
     "Fp8Gemm",
     "Fp8Recipe",
     "Fp8SwigluMlp",
-    "apply_fp8",
     "bf16_layer_numbers",
-    "fp8_device_check",
     "fp8_device_error",
     "fp8_emulated",
     "fp8_matmul",

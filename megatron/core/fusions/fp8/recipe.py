@@ -10,8 +10,6 @@ from typing import Any
 
 import torch
 
-from megatron.core.config_utils import ConfigError
-
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "delayed")
 GEMM_IMPLS = ("scaled_mm", "torchao")
@@ -110,13 +108,6 @@ def fp8_device_error(device: torch.device, emulated: bool = False) -> str | None
             "Leave fp8_format unset to train in bf16"
         )
     return None
-
-
-def fp8_device_check(device: torch.device, emulated: bool = False) -> None:
-    """Raise :class:`ConfigError` (naming ``fp8_format``) when ``device`` cannot run the FP8 GEMMs."""
-    error = fp8_device_error(device, emulated)
-    if error:
-        raise ConfigError(error, params=("fp8_format",))
 
 
 def bf16_layer_numbers(config: Any) -> set[int]:
