@@ -228,3 +228,37 @@ def test_torch_compile_off_on_cuda_keeps_every_helper_eager_and_says_so():
     assert not cfg.ddp.compile_helpers and not cfg.optimizer.compile_helpers
     on = resolve(llama(), torch.device("cuda"), triton_checks=ALL_PASS)
     assert on.compile_layers and on.compile_helpers and "torch.compile of each TransformerLayer" in report(on)
+
+
+def test_block_spec_gives_one_spec_per_layer_of_the_model_or_of_the_stage():
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+
+    cfg = llama(num_layers=4)
+    plain, other = get_gpt_layer_local_spec(), get_gpt_layer_local_spec(qk_layernorm=True)
+    whole = TransformerBlockSubmodules(layer_specs=[plain, plain, other, other])
+    stage = TransformerBlock(cfg, whole, num_layers=2, layer_offset=2)  # layers 3 and 4 of the model
+    assert [layer.self_attention.q_layernorm is not None for layer in stage.layers] == [True, True]
+    own = TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=[other, plain]), num_layers=2, layer_offset=2)
+    assert [layer.self_attention.q_layernorm is not None for layer in own.layers] == [True, False]
+    with pytest.raises(ConfigError, match="holds 3 specs; give one per layer of the model \\(num_layers 4\\)"):
+        TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=[plain] * 3), num_layers=2)
+
+
+def test_activation_slot_takes_a_function_and_refuses_other_classes():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    seen = []
+
+    def traced(x):
+        seen.append(tuple(x.shape))
+        return swiglu_torch(x)
+
+    mlp = MLP(llama(), MLPSubmodules(ColumnParallelLinear, RowParallelLinear, activation_func=traced))
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    mlp(torch.randn(3, 2, 64))
+    assert mlp.activation is traced and seen == [(3, 2, 256)]
+    with pytest.raises(ConfigError, match="activation_func is not supported here") as info:
+        MLP(llama(), MLPSubmodules(ColumnParallelLinear, RowParallelLinear, activation_func=torch.nn.SiLU))
+    assert info.value.params == ("activation_func",)
