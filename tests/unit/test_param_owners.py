@@ -5,6 +5,7 @@ import torch
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.distributed.param_owners import assign_owners
+from megatron.training.user_errors import flag_message
 
 
 def _params(*sizes):
@@ -27,3 +28,4 @@ def test_too_few_params_names_the_flag():
     with pytest.raises(ConfigError, match="use_distributed_optimizer needs at least one parameter") as e:
         assign_owners(_params(4, 4), 4)
     assert e.value.params == ("use_distributed_optimizer",)
+    assert "turn --use-distributed-optimizer off" in flag_message(e.value)

@@ -33,7 +33,7 @@ def assign_owners(params: list[nn.Parameter], dp_size: int, pinned: tuple[torch.
     """
     if len(params) < dp_size:
         raise ConfigError(f"use_distributed_optimizer needs at least one parameter per data-parallel rank: "
-                          f"{len(params)} parameters for {dp_size} ranks; set use_distributed_optimizer=False "
+                          f"{len(params)} parameters for {dp_size} ranks; turn use_distributed_optimizer off "
                           "for so small a model", params=("use_distributed_optimizer",))
     load = [0] * dp_size
     owners: dict[int, int] = {}

@@ -172,7 +172,7 @@ def get_megatron_optimizer(
     if config.fp16 and config.bf16:
         raise ConfigError("fp16 and bf16 are mutually exclusive; set at most one", params=("fp16", "bf16"))
     if config.loss_scale is not None and not (config.fp16 or config.bf16):
-        raise ConfigError("loss_scale has no effect without fp16 or bf16; set loss_scale=None or pick a precision",
+        raise ConfigError("loss_scale has no effect without fp16 or bf16; drop loss_scale or pick a precision",
                           params=("loss_scale", "fp16", "bf16"))
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]

@@ -12,6 +12,7 @@ from megatron.core.optimizer import (
     OptimizerConfig,
     get_megatron_optimizer,
 )
+from megatron.training.user_errors import flag_message
 
 
 def test_hysteresis_backoff_min_and_growth():
@@ -126,6 +127,7 @@ def test_config_errors_name_the_parameters():
     with pytest.raises(ConfigError) as e:
         get_megatron_optimizer(OptimizerConfig(lr=0.1, fp16=True, bf16=True), [torch.nn.Linear(2, 2)])
     assert e.value.params == ("fp16", "bf16")
+    assert flag_message(e.value) == "--fp16 and --bf16 are mutually exclusive; set at most one"
     with pytest.raises(ConfigError) as e:
         get_megatron_optimizer(OptimizerConfig(lr=0.1), [torch.nn.Linear(2, 2).requires_grad_(False)])
     assert e.value.params == ("model_chunks",)
