@@ -266,8 +266,8 @@ class Trainer:
         )
         # Before the step: NCCL runs a communicator's collectives in the order they were issued, and
         # the step ends by queueing the weight broadcasts (--use-distributed-optimizer) on the same
-        # data-parallel communicator. A loss all-reduce queued after them ran only once every broadcast
-        # had, and the next forward waited for it: 50 ms a step on Llama-3-8B, dp4 (performance.md).
+        # data-parallel communicator; a loss all-reduce queued after them would hold the next forward
+        # until every broadcast had run (docs/performance.md, the loss all-reduce's place).
         losses = self._reduce_losses(metrics)
         with torch.profiler.record_function(OPTIMIZER_RANGE):  # the profile's optimizer category (--profile)
             success, grad_norm, num_zeros = self.optimizer.step(sync=sync)
