@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.config_utils import ConfigError, check_choice, check_positive, doc
-from megatron.core.fusions.fp8 import GEMM_IMPLS, torchao_error
 from megatron.core.model_parallel_config import check_refused
-from megatron.core.pipeline_parallel.layout import PipelineLayout, build_pipeline_layout, parse_layout
-from megatron.core.transformer import config_support
+from megatron.core.pipeline_parallel.layout import PipelineLayout, build_pipeline_layout
+from megatron.core.transformer import config_checks, config_support
 from megatron.core.transformer.mcore_config_fields import MegatronCoreTransformerFields
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -242,7 +241,7 @@ class TransformerConfig(MegatronCoreTransformerFields):
                 raise ConfigError(
                     f"num_attention_heads {self.num_attention_heads} does not divide hidden_size "
                     f"{self.hidden_size}; use a head count that divides it (e.g. "
-                    f"{_divisor_near(self.hidden_size, self.num_attention_heads)}) or set kv_channels",
+                    f"{config_checks.divisor_near(self.hidden_size, self.num_attention_heads)}) or set kv_channels",
                     params=("num_attention_heads", "hidden_size", "kv_channels"))
             self.kv_channels = self.hidden_size // self.num_attention_heads
         check_positive("kv_channels", self.kv_channels)
@@ -250,7 +249,7 @@ class TransformerConfig(MegatronCoreTransformerFields):
             self.num_query_groups = self.num_attention_heads
         check_positive("num_query_groups", self.num_query_groups)
         if self.num_attention_heads % self.num_query_groups != 0:
-            hint = _divisor_near(self.num_attention_heads, self.num_query_groups, self.tensor_model_parallel_size)
+            hint = config_checks.divisor_near(self.num_attention_heads, self.num_query_groups, self.tensor_model_parallel_size)
             raise ConfigError(
                 f"num_query_groups {self.num_query_groups} must divide num_attention_heads "
                 f"{self.num_attention_heads}; e.g. {hint}", params=("num_query_groups", "num_attention_heads"))
@@ -282,7 +281,7 @@ class TransformerConfig(MegatronCoreTransformerFields):
                 f"pipeline_dtype {self.pipeline_dtype} differs from the parameter dtype {self.params_dtype}: "
                 "activations travel between pipeline stages in the parameter dtype here; pass "
                 f"pipeline_dtype={self.params_dtype} or leave it unset", params=("pipeline_dtype",))
-        self._check_fp8()
+        config_checks.check_fp8(self)
         self._check_parallelism()
 
     def _sync_activation(self) -> bool:
@@ -330,26 +329,6 @@ class TransformerConfig(MegatronCoreTransformerFields):
                                   f"(got {self.recompute_num_layers}); it applies to 'full' recompute",
                                   params=("recompute_num_layers", "recompute_granularity"))
 
-    def _check_fp8(self) -> None:
-        if self.fp8_format is None:
-            return
-        check_choice("fp8_format", self.fp8_format, ("e4m3", "hybrid"))
-        check_choice("fp8_recipe", self.fp8_recipe, ("tensorwise", "delayed"))
-        check_choice("fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("max", "most_recent"))
-        check_positive("fp8_amax_history_len", self.fp8_amax_history_len)
-        check_choice("fp8_gemm_impl", self.fp8_gemm_impl, GEMM_IMPLS)
-        if self.fp8_gemm_impl == "torchao":
-            if self.fp8_recipe != "tensorwise":
-                raise ConfigError(f"fp8_gemm_impl torchao runs the tensorwise recipe only, not fp8_recipe "
-                                  f"{self.fp8_recipe}; set fp8_recipe tensorwise or use fp8_gemm_impl scaled_mm",
-                                  params=("fp8_gemm_impl", "fp8_recipe"))
-            error = torchao_error()
-            if error:
-                raise ConfigError(error, params=("fp8_gemm_impl",))
-        if not self.bf16:
-            raise ConfigError(f"fp8_format {self.fp8_format} needs bf16=True (FP8 GEMMs take bf16 activations and "
-                              "weights); set bf16=True", params=("fp8_format", "bf16"))
-
     def _check_tp_divides(self, tp: int) -> None:
         """Heads, query groups and FFN channels split evenly over ``tp`` ranks."""
         for name, value in (("num_attention_heads", self.num_attention_heads),
@@ -357,7 +336,7 @@ class TransformerConfig(MegatronCoreTransformerFields):
             assert value is not None, name  # filled in by __post_init__
             if value % tp != 0:
                 raise ConfigError(f"{name} {value} is not divisible by tensor_model_parallel_size {tp}; "
-                                  f"use a tensor-parallel size that divides it (e.g. {_divisor_near(value, tp)})",
+                                  f"use a tensor-parallel size that divides it (e.g. {config_checks.divisor_near(value, tp)})",
                                   params=(name, "tensor_model_parallel_size"))
 
     def check_parallel_sizes(self, tp_size: int, pp_size: int) -> None:
@@ -385,7 +364,7 @@ class TransformerConfig(MegatronCoreTransformerFields):
         check_positive("tensor_model_parallel_size", tp)
         self._check_tp_divides(tp)
         # sequence_parallel is kept as given: it applies where the process groups' tp size is > 1.
-        self._check_pipeline()
+        config_checks.check_pipeline(self)
         if self.recompute_granularity == "full":
             if self.recompute_method is None or not self.recompute_num_layers:
                 raise ConfigError("recompute_granularity full needs recompute_method uniform|block and "
@@ -396,53 +375,6 @@ class TransformerConfig(MegatronCoreTransformerFields):
                               params=("recompute_method", "recompute_granularity"))
         check_positive("layernorm_epsilon", self.layernorm_epsilon)
 
-    def _check_pipeline(self) -> None:
-        pp = self.pipeline_model_parallel_size
-        check_positive("pipeline_model_parallel_size", pp)
-        if self.pipeline_model_parallel_layout is not None:
-            self._apply_layout_string(pp)
-        per_stage = self.num_layers_per_virtual_pipeline_stage
-        if per_stage is not None:
-            if self.virtual_pipeline_model_parallel_size is not None:
-                raise ConfigError("give num_layers_per_virtual_pipeline_stage or "
-                                  "virtual_pipeline_model_parallel_size, not both",
-                                  params=("num_layers_per_virtual_pipeline_stage", "virtual_pipeline_model_parallel_size"))
-            check_positive("num_layers_per_virtual_pipeline_stage", per_stage)
-            # The embedding / loss count as layers here when the --account-for-* flags say so (Megatron).
-            counted = (self.num_layers + int(self.account_for_embedding_in_pipeline_split)
-                       + int(self.account_for_loss_in_pipeline_split))
-            what = ("num_layers" if counted == self.num_layers
-                    else "num_layers + the layers counted by account_for_embedding/loss_in_pipeline_split")
-            names = ("num_layers_per_virtual_pipeline_stage", "num_layers", "pipeline_model_parallel_size",
-                     "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
-                     "decoder_last_pipeline_num_layers")
-            if counted % pp != 0:
-                raise ConfigError(
-                    f"num_layers_per_virtual_pipeline_stage needs {what} ({counted}) divisible by "
-                    f"pipeline_model_parallel_size ({pp}); for an uneven split use "
-                    "virtual_pipeline_model_parallel_size with decoder_first_pipeline_num_layers / "
-                    "decoder_last_pipeline_num_layers", params=names)
-            if (counted // pp) % per_stage != 0:
-                raise ConfigError(
-                    f"num_layers_per_virtual_pipeline_stage {per_stage} does not divide the "
-                    f"{what} {counted} / pipeline_model_parallel_size {pp} layers per stage; "
-                    f"use a divisor of {counted // pp}", params=names)
-            self.virtual_pipeline_model_parallel_size = counted // pp // per_stage
-        vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None:
-            check_positive("virtual_pipeline_model_parallel_size", vpp)
-            if vpp == 1:
-                self.virtual_pipeline_model_parallel_size = vpp = None
-            elif pp == 1:
-                raise ConfigError("virtual pipeline stages (virtual_pipeline_model_parallel_size / "
-                                  "num_layers_per_virtual_pipeline_stage) need pipeline_model_parallel_size > 1",
-                                  params=("virtual_pipeline_model_parallel_size",
-                                          "num_layers_per_virtual_pipeline_stage", "pipeline_model_parallel_size"))
-        if self.microbatch_group_size_per_virtual_pipeline_stage is not None:
-            check_positive("microbatch_group_size_per_virtual_pipeline_stage",
-                           self.microbatch_group_size_per_virtual_pipeline_stage)
-        self.pipeline_layout(pp, vpp)  # raises
-
     def pipeline_layout(self, pp: int | None = None, vpp: int | None = None) -> PipelineLayout:
         """Layer counts per virtual stage for ``pp`` ranks x ``vpp`` chunks (default: this config's)."""
         return build_pipeline_layout(
@@ -451,26 +383,6 @@ class TransformerConfig(MegatronCoreTransformerFields):
             self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers,
             self.pipeline_model_parallel_layout, self.account_for_embedding_in_pipeline_split,
             self.account_for_loss_in_pipeline_split)
-
-    def _apply_layout_string(self, pp: int) -> None:
-        """``pipeline_model_parallel_layout``: checked, and its virtual stages per rank set."""
-        if pp == 1:
-            raise ConfigError("pipeline_model_parallel_layout needs pipeline_model_parallel_size > 1",
-                              params=("pipeline_model_parallel_layout", "pipeline_model_parallel_size"))
-        layout = parse_layout(self.pipeline_model_parallel_layout, self.num_layers, pp)  # type: ignore[arg-type]
-        vpp = layout.vpp if layout.vpp > 1 else None
-        given = [name for name, value in (
-            ("num_layers_per_virtual_pipeline_stage", self.num_layers_per_virtual_pipeline_stage),
-            ("decoder_first_pipeline_num_layers", self.decoder_first_pipeline_num_layers),
-            ("decoder_last_pipeline_num_layers", self.decoder_last_pipeline_num_layers),
-            ("account_for_embedding_in_pipeline_split", self.account_for_embedding_in_pipeline_split or None),
-            ("account_for_loss_in_pipeline_split", self.account_for_loss_in_pipeline_split or None)) if value is not None]
-        if self.virtual_pipeline_model_parallel_size not in (None, 1, vpp):
-            given.append("virtual_pipeline_model_parallel_size")
-        if given:
-            raise ConfigError(f"pipeline_model_parallel_layout sets the whole split; drop {', '.join(given)}",
-                              params=("pipeline_model_parallel_layout", *given))
-        self.virtual_pipeline_model_parallel_size = vpp
 
     @property
     def rotary_dim(self) -> int:
@@ -484,15 +396,30 @@ class TransformerConfig(MegatronCoreTransformerFields):
         return self.init_method_std / math.sqrt(2.0 * self.num_layers)
 
 
-def _divisor_near(n: int, target: int, multiple_of: int = 1) -> int:
-    """The divisor of ``n`` closest to ``target`` (for error messages that suggest a valid value),
-    among those that are multiples of ``multiple_of`` when there are any (a hint for a count that the
-    tensor-parallel size must also divide)."""
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    fitting = [d for d in divisors if d % multiple_of == 0] or divisors
-    return min(fitting, key=lambda d: (abs(d - target), d))
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """Megatron-Core's config of multi-latent attention, which is not built here: constructing one is
+    refused (``multi_latent_attention=True``), naming the field. Its fields exist with Megatron-Core's
+    defaults so that the refusal, not a TypeError, is what a user sees."""
 
+    multi_latent_attention: bool = doc(True, flag=None)
+    q_lora_rank: int = doc(512, flag=None)
+    kv_lora_rank: int = doc(512, flag=None)
+    qk_head_dim: int = doc(128, flag=None)
+    qk_pos_emb_head_dim: int = doc(64, flag=None)
+    v_head_dim: int = doc(128, flag=None)
+    normalization: str = doc("RMSNorm", flag=None)
+    rope_type: str = doc("yarn", flag=None)
+    rotary_base: int = doc(10000, flag=None)
+    rotary_percent: float = doc(1.0, flag=None)
+    rotary_scaling_factor: float = doc(40, flag=None)
+    original_max_position_embeddings: int = doc(4096, flag=None)
+    beta_fast: float = doc(32, flag=None)
+    beta_slow: float = doc(1, flag=None)
+    mscale: float = doc(1.0, flag=None)
+    mscale_all_dim: float = doc(0.0, flag=None)
+    cache_mla_latents: bool = doc(False, flag=None)
+    mla_down_proj_fusion: bool = doc(False, flag=None)
 
-from megatron.core.transformer.mla_config import MLATransformerConfig  # noqa: E402  (derives from TransformerConfig)
 
 __all__ = ["TransformerConfig", "MLATransformerConfig"]
