@@ -1,6 +1,6 @@
-"""The import structure of megatron/, read from the source (nothing is imported).
+"""The import structure of megatron/, read from the source (nothing is imported), and its file sizes.
 
-Two rules (issue 25, style rules 8 and 12):
+Two import rules (issue 25, style rules 8 and 12), and no module over ``MAX_LINES`` lines (rule 8):
 
 (a) The module-level import graph among megatron modules has no cycle. A module's module-level
     imports are those that run when it is imported: everything outside function bodies, except
@@ -288,6 +288,19 @@ def test_function_level_imports_are_only_of_optional_dependencies() -> None:
         if (path, function or "") not in DYNAMIC_IMPORTS:
             bad.append(f"{path}:{line}: importlib.import_module in {function}() (not an allowed one)")
     assert not bad, f"{len(bad)} function-level imports in megatron/:\n" + "\n".join(sorted(bad))
+
+
+MAX_LINES = 500
+
+
+def test_no_module_over_500_lines() -> None:
+    long = []
+    for path in module_files().values():
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            lines = sum(1 for _ in f)
+        if lines > MAX_LINES:
+            long.append(f"{path}: {lines} lines")
+    assert not long, f"modules over {MAX_LINES} lines (split them along cohesive lines):\n" + "\n".join(long)
 
 
 # The checker's own rules, on small sources (these would fail if it missed what it is meant to see).
