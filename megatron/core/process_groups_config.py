@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from megatron.core.parallel_state_grid import ParallelState
+from megatron.core.parallel_state_init import initialized_state
 
 # Field -> the ParallelState group name it is (None: not built here).
 _STATE_NAMES: dict[str, str | None] = {
@@ -99,6 +100,4 @@ class ProcessGroupCollection:
     @classmethod
     def use_mpu_process_groups(cls, required_pgs: list[str] | None = None) -> ProcessGroupCollection:
         """The default process groups of ``parallel_state`` (those ``initialize_model_parallel`` built)."""
-        from megatron.core.parallel_state_init import initialized_state
-
         return cls.from_parallel_state(initialized_state(), required_pgs)

@@ -11,6 +11,7 @@ import numpy as np
 from megatron.core.config_utils import ConfigError
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.errors import DataError
+from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 from megatron.core.datasets.utils import Split, normalize
 
 Blend = tuple[list[str], list[float] | None]
@@ -56,7 +57,6 @@ class BlendedMegatronDatasetBuilder:
         self.config = config
         self._low_level: dict[str | None, Any] = {}
         self._empty: dict[Split, str] | None = None
-        from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
         if config.mock and cls is GPTDataset:  # a custom class decides what its mock data is
             self.cls = MockGPTDataset

@@ -11,6 +11,7 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.datasets.errors import DataError
@@ -180,9 +181,7 @@ def wait_for_cache(paths: dict[str, str], timeout_s: float, log: Callable[[str],
 
 
 def global_rank() -> int:
-    """This process's rank, 0 without torch.distributed (imported lazily: the tools import no torch)."""
-    import torch.distributed as dist
-
+    """This process's rank, 0 without torch.distributed."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from megatron.core.config_utils import ConfigError
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.mappings import ProcessGroup, default_tp_group
+from megatron.core.tensor_parallel.rng_api import get_cuda_rng_tracker
 
 # Megatron-Core's tensor-parallel attributes of a parameter and their values when not set.
 TP_ATTRIBUTE_DEFAULTS: dict[str, Any] = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
@@ -126,7 +127,6 @@ class MegatronForm:
             mine = torch.split(full, per_stride, dim=partition_dim)[rank::tp]
             weight.copy_(torch.cat(mine, dim=partition_dim))
             return
-        from megatron.core.tensor_parallel.rng_api import get_cuda_rng_tracker
 
         tracker = get_cuda_rng_tracker()
         if "model-parallel-rng" in tracker.names():

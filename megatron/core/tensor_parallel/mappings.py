@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from megatron.core.config_utils import ConfigError
+from megatron.core.parallel_state_init import get_parallel_state, model_parallel_is_initialized
 
 ProcessGroup = dist.ProcessGroup
 
@@ -246,11 +247,9 @@ def default_tp_group(group: ProcessGroup | None) -> ProcessGroup | None:
     default is a one-rank state: None, no tensor parallelism, and no group is created."""
     if group is not None:
         return group
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
+    if not model_parallel_is_initialized():
         return None
-    return parallel_state.get_parallel_state().tp_group
+    return get_parallel_state().tp_group
 
 
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:

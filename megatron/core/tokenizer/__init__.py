@@ -10,8 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron.core.config_utils import ConfigError
+from megatron.core.tokenizer import sentencepiece_tokenizer
 from megatron.core.tokenizer.base import MegatronTokenizer
+from megatron.core.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from megatron.core.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 from megatron.core.tokenizer.null import NullTokenizer
+from megatron.core.tokenizer.tiktoken_tokenizer import TikTokenizer
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -44,21 +48,13 @@ def build_tokenizer(cfg: Any) -> MegatronTokenizer:
     if kind == "NullTokenizer":
         return NullTokenizer(get("vocab_size"), get("null_tokenizer_eod_id"), get("null_tokenizer_pad_id", -1))
     if kind == "GPT2BPETokenizer":
-        from megatron.core.tokenizer.gpt2_bpe import GPT2BPETokenizer
-
         return GPT2BPETokenizer(get("vocab_file"), get("merge_file"))
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
-        from megatron.core.tokenizer import sentencepiece_tokenizer as sp
-
-        return getattr(sp, kind)(get("tokenizer_model"))
+        return getattr(sentencepiece_tokenizer, kind)(get("tokenizer_model"))
     if kind == "TikTokenizer":
-        from megatron.core.tokenizer.tiktoken_tokenizer import TikTokenizer
-
         return TikTokenizer(get("tokenizer_model"), get("tiktoken_pattern", "v2"), get("vocab_size"),
                             get("tiktoken_num_special_tokens", 1000))
     if kind == "HuggingFaceTokenizer":
-        from megatron.core.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
-
         return HuggingFaceTokenizer(get("tokenizer_model"))
     raise ConfigError(f"tokenizer_type {kind!r} is not valid; choose one of {list(TOKENIZER_TYPES)}",
                       params=("tokenizer_type",))

@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
+from megatron.core.tokenizers.text.models import MODEL_TYPES
 
 TEXT_LIBRARIES = ["sentencepiece", "huggingface", "megatron", "tiktoken", "byte-level", "null-text", "sft"]
 VISION_LIBRARIES = ["multimodal", "null-multimodal"]
@@ -119,8 +120,6 @@ def _read_metadata(metadata_path: str | dict) -> dict[str, Any]:
 
 
 def _model_class(metadata: dict[str, Any]) -> type:
-    from megatron.core.tokenizers.text.models import MODEL_TYPES
-
     model_type = metadata.get("model_type") or "default-text"
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"tokenizer model_type {model_type!r} is not provided; choose one of {sorted(MODEL_TYPES)}")

@@ -13,6 +13,12 @@ from typing import Any
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.tokenizer.base import MegatronTokenizer
+from megatron.core.tokenizer.byte_level import ByteLevelTokenizer
+from megatron.core.tokenizer.gpt2_bpe import GPT2BPETokenizer
+from megatron.core.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+from megatron.core.tokenizer.null import NullTokenizer
+from megatron.core.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+from megatron.core.tokenizer.tiktoken_tokenizer import TikTokenizer
 
 ANY = object()
 """Marks an option accepted with any value (it changes nothing here)."""
@@ -46,8 +52,6 @@ REFUSED_LIBRARIES = {
 
 
 def _null(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
-    from megatron.core.tokenizer.null import NullTokenizer
-
     if kw.get("vocab_size") is None:
         raise ConfigError("library 'null-text' needs vocab_size=..., e.g. from_pretrained(metadata_path="
                          "{'library': 'null-text'}, vocab_size=32000)")
@@ -55,20 +59,14 @@ def _null(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
 
 
 def _sentencepiece(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
-    from megatron.core.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
-
     return SentencePieceTokenizer(path)
 
 
 def _huggingface(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
-    from megatron.core.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
-
     return HuggingFaceTokenizer(path)
 
 
 def _megatron(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
-    from megatron.core.tokenizer.gpt2_bpe import GPT2BPETokenizer
-
     if path != "GPT2BPETokenizer":
         raise ConfigError(f"library 'megatron': tokenizer_path {path!r} is not provided; use 'GPT2BPETokenizer' "
                          "with vocab_file= and merges_file=")
@@ -76,14 +74,10 @@ def _megatron(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
 
 
 def _tiktoken(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
-    from megatron.core.tokenizer.tiktoken_tokenizer import TikTokenizer
-
     return TikTokenizer(path, kw.get("pattern", "v2"), kw.get("vocab_size", 2**17), kw.get("num_special_tokens", 1000))
 
 
 def _byte_level(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
-    from megatron.core.tokenizer.byte_level import ByteLevelTokenizer
-
     return ByteLevelTokenizer(kw.get("special_tokens"), kw.get("vocab_size", 512), kw.get("_eos_id", 0),
                               kw.get("_pad_id", 1), kw.get("_bos_id"))
 
