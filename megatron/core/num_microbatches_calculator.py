@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.runtime import get_runtime
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class NumMicroBatchesCalculator(ABC):
         log: where rank 0's messages go; default this module's ``logging`` logger.
 
     Raises:
-        ValueError: a size is not positive.
+        ConfigError: a size is not positive.
     """
 
     def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
@@ -56,7 +57,7 @@ class NumMicroBatchesCalculator(ABC):
         for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
                             ("data_parallel_size", data_parallel_size)):
             if int(value) <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+                raise ConfigError(f"{name} must be > 0 (e.g. 1), got {value}", params=(name,))
         self.global_batch_size = int(global_batch_size)
         self.micro_batch_size = int(micro_batch_size)
         self.data_parallel_size = int(data_parallel_size)
@@ -108,16 +109,17 @@ class NumMicroBatchesCalculator(ABC):
         """Set the current batch size and micro-batch count for ``consumed_samples``.
 
         Raises:
-            ValueError: with ``consistency_check``, ``micro_batch_size x data_parallel_size`` does not
+            ConfigError: with ``consistency_check``, ``micro_batch_size x data_parallel_size`` does not
                 divide the batch size (and it may not be decreased).
         """
         previous = self.current_global_batch_size
         current = self.global_batch_size_at(consumed_samples)
         m = self.micro_batch_times_data_parallel_size
         if consistency_check and not self.decrease_batch_size_if_needed and current % m:
-            raise ValueError(f"global batch size {current} (at {consumed_samples} consumed samples) is not divisible "
-                             f"by micro_batch_size {self.micro_batch_size} x data_parallel_size "
-                             f"{self.data_parallel_size}")
+            raise ConfigError(f"global batch size {current} (at {consumed_samples} consumed samples) is not divisible "
+                              f"by micro_batch_size {self.micro_batch_size} x data_parallel_size "
+                              f"{self.data_parallel_size}; choose a global_batch_size that is a multiple of "
+                              f"{m}", params=("global_batch_size", "micro_batch_size", "data_parallel_size"))
         self.current_global_batch_size = current
         self.current_running_global_batch_size = self.running_batch_size(current)
         self.num_micro_batches = self.current_running_global_batch_size // m
@@ -150,7 +152,7 @@ class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
     """``global_batch_size`` at every step.
 
     Raises:
-        ValueError: ``micro_batch_size x data_parallel_size`` does not divide it (and it may not be
+        ConfigError: ``micro_batch_size x data_parallel_size`` does not divide it (and it may not be
             decreased), or no micro-batch would be left.
     """
 
@@ -161,8 +163,9 @@ class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
                          rank, log)
         self.update(0, consistency_check=True)
         if self.get() < 1:
-            raise ValueError(f"global batch size {global_batch_size} is smaller than micro_batch_size "
-                             f"{micro_batch_size} x data_parallel_size {data_parallel_size}")
+            raise ConfigError(f"global_batch_size {global_batch_size} is smaller than micro_batch_size "
+                              f"{micro_batch_size} x data_parallel_size {data_parallel_size}",
+                              params=("global_batch_size", "micro_batch_size", "data_parallel_size"))
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
         return self.global_batch_size
@@ -183,7 +186,7 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
     Megatron, so every run of the same flags (and every resume) steps at the same samples.
 
     Raises:
-        ValueError: a non-positive start or increment, negative ramp samples, a start above
+        ConfigError: a non-positive start or increment, negative ramp samples, a start above
             ``global_batch_size``, or a difference the increment does not divide.
     """
 
@@ -219,22 +222,25 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
 
 
 def check_rampup(start: int, increment: int, ramp_samples: int, global_batch_size: int) -> None:
-    """The rules of ``--rampup-batch-size start incr samples`` against ``--global-batch-size``.
+    """The rules of ``rampup_batch_size = [start, incr, samples]`` against ``global_batch_size``.
 
     Raises:
-        ValueError: naming the flag and a valid value.
+        ConfigError: naming the parameters and a valid value.
     """
+    params = ("rampup_batch_size", "global_batch_size")
     if start <= 0 or increment <= 0 or ramp_samples < 0:
-        raise ValueError(f"--rampup-batch-size {start} {increment} {ramp_samples}: the start and increment must "
-                         "be > 0 and the ramp-up samples >= 0 (e.g. --rampup-batch-size 16 16 5859375)")
-    flag = f"--rampup-batch-size {start} {increment} {ramp_samples}"
+        raise ConfigError(f"rampup_batch_size {start} {increment} {ramp_samples}: the start and increment must "
+                          "be > 0 and the ramp-up samples >= 0 (e.g. rampup_batch_size 16 16 5859375)",
+                          params=params[:1])
+    flag = f"rampup_batch_size {start} {increment} {ramp_samples}"
     diff = global_batch_size - start
     if diff < 0:
-        raise ValueError(f"{flag} starts above --global-batch-size {global_batch_size}; start at or below it")
+        raise ConfigError(f"{flag} starts above global_batch_size {global_batch_size}; start at or below it",
+                          params=params)
     if diff % increment:
-        raise ValueError(f"{flag}: --global-batch-size {global_batch_size} minus the start ({diff}) is not a multiple "
-                         f"of the increment; e.g. --rampup-batch-size {start} {_divisor_near(diff, increment)} "
-                         f"{ramp_samples}")
+        raise ConfigError(f"{flag}: global_batch_size {global_batch_size} minus the start ({diff}) is not a multiple "
+                          f"of the increment; e.g. rampup_batch_size {start} {_divisor_near(diff, increment)} "
+                          f"{ramp_samples}", params=params)
 
 
 def _divisor_near(n: int, target: int) -> int:
@@ -255,7 +261,7 @@ class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
     batch in use only: entries passed before a resume on more ranks may not divide the new layout.
 
     Raises:
-        ValueError: a malformed entry, no entry at threshold 0, thresholds (in samples) not strictly
+        ConfigError: a malformed entry, no entry at threshold 0, thresholds (in samples) not strictly
             increasing, a non-positive batch size, or ``decrease_batch_size_if_needed``.
     """
 
@@ -263,7 +269,8 @@ class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
                  rank: int, schedule: str, seq_length: int | None = None,
                  log: Callable[[str], None] | None = None) -> None:
         if decrease_batch_size_if_needed:
-            raise ValueError("--step-batch-size-schedule cannot be combined with --decrease-batch-size-if-needed")
+            raise ConfigError("step_batch_size_schedule cannot be combined with decrease_batch_size_if_needed",
+                              params=("step_batch_size_schedule", "decrease_batch_size_if_needed"))
         self.schedule = parse_step_batch_size_schedule(schedule, seq_length)
         super().__init__(self.schedule[-1][1], micro_batch_size, data_parallel_size, False, rank, log)
         self.seq_length = seq_length
@@ -322,32 +329,34 @@ def parse_step_batch_size_schedule(schedule: str, seq_length: int | None = None)
     """``"0:16 2.4B:320"`` -> ``[(threshold in samples, batch size), ...]``, sorted by threshold.
 
     Raises:
-        ValueError: naming ``--step-batch-size-schedule`` and what is wrong.
+        ConfigError: naming ``step_batch_size_schedule`` and what is wrong.
     """
-    flag = f"--step-batch-size-schedule {schedule!r}"
+    flag = f"step_batch_size_schedule {schedule!r}"
+    params = ("step_batch_size_schedule",)
     entries = schedule.replace(",", " ").split()
     if not entries:
-        raise ValueError(f"{flag} is empty; give 'THRESHOLD:BATCH' entries, e.g. \"0:16 2.4B:320\"")
+        raise ConfigError(f"{flag} is empty; give 'THRESHOLD:BATCH' entries, e.g. \"0:16 2.4B:320\"", params=params)
     parsed = []
     for entry in entries:
         threshold, sep, batch = entry.partition(":")
         if not sep:
-            raise ValueError(f"{flag}: entry {entry!r} is not THRESHOLD:BATCH (e.g. 2.4B:320)")
+            raise ConfigError(f"{flag}: entry {entry!r} is not THRESHOLD:BATCH (e.g. 2.4B:320)", params=params)
         try:
             t, b = parse_count(threshold), parse_count(batch)
         except ValueError as e:
-            raise ValueError(f"{flag}: entry {entry!r}: {e}") from None
+            raise ConfigError(f"{flag}: entry {entry!r}: {e}", params=params) from None
         if b <= 0:
-            raise ValueError(f"{flag}: entry {entry!r} has batch size {b}; batch sizes must be > 0")
+            raise ConfigError(f"{flag}: entry {entry!r} has batch size {b}; batch sizes must be > 0", params=params)
         parsed.append((t // seq_length if seq_length else t, b))
     parsed.sort(key=lambda e: e[0])
     unit = f"samples ({seq_length} tokens each)" if seq_length else "samples"
     if parsed[0][0] != 0:
-        raise ValueError(f"{flag}: the first threshold is {parsed[0][0]} {unit}; the schedule must start with a "
-                         "0:BATCH entry")
+        raise ConfigError(f"{flag}: the first threshold is {parsed[0][0]} {unit}; the schedule must start with a "
+                          "0:BATCH entry", params=params)
     for (t0, _), (t1, _) in zip(parsed, parsed[1:]):
         if t1 == t0:
-            raise ValueError(f"{flag}: two entries fall at {t0} {unit}; thresholds must be strictly increasing")
+            raise ConfigError(f"{flag}: two entries fall at {t0} {unit}; thresholds must be strictly increasing",
+                              params=params)
     return parsed
 
 
@@ -368,27 +377,29 @@ def build_num_microbatches_calculator(
     ``rampup_batch_size`` is ``[start, increment, ramp-up samples]``.
 
     Raises:
-        ValueError: both schedules given, a malformed one, or sizes that do not fit.
+        ConfigError: both schedules given, a malformed one, or sizes that do not fit.
     """
     for name, value in (("micro_batch_size", micro_batch_size), ("data_parallel_size", data_parallel_size)):
         if value is None:
-            raise ValueError(f"{name} is required, e.g. {name}=1")
+            raise ConfigError(f"{name} is required, e.g. {name}=1", params=(name,))
     assert micro_batch_size is not None and data_parallel_size is not None
     if step_batch_size_schedule is not None:
         if rampup_batch_size is not None:
-            raise ValueError("--step-batch-size-schedule and --rampup-batch-size are exclusive; give one")
+            raise ConfigError("step_batch_size_schedule and rampup_batch_size are exclusive; give one",
+                              params=("step_batch_size_schedule", "rampup_batch_size"))
         return StepBatchsizeNumMicroBatchesCalculator(micro_batch_size, data_parallel_size,
                                                       decrease_batch_size_if_needed, rank, step_batch_size_schedule,
                                                       seq_length, log=log)
     if global_batch_size is None:
-        raise ValueError("global_batch_size is required without a step batch-size schedule")
+        raise ConfigError("global_batch_size is required without a step_batch_size_schedule",
+                          params=("global_batch_size", "step_batch_size_schedule"))
     if rampup_batch_size is None:
         calc = ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
                                                  decrease_batch_size_if_needed, rank, log)
         return calc
     if len(rampup_batch_size) != 3:
-        raise ValueError(f"--rampup-batch-size takes 3 values (<start> <increment> <ramp-up samples>), got "
-                         f"{list(rampup_batch_size)}")
+        raise ConfigError(f"rampup_batch_size takes 3 values (<start> <increment> <ramp-up samples>), got "
+                          f"{list(rampup_batch_size)}", params=("rampup_batch_size",))
     start, increment, samples = (int(v) for v in rampup_batch_size)
     return RampupBatchsizeNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
                                                     decrease_batch_size_if_needed, rank, start, increment, samples,

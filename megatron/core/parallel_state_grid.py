@@ -19,13 +19,16 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from megatron.core.config_utils import ConfigError
+
+if TYPE_CHECKING:  # annotation only: importing tensor_parallel imports this module
+    from megatron.core.tensor_parallel.rng_states import RNGStatesTracker
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 # The parameter (initialize_model_parallel's, the config field's) that sets each axis's size.
@@ -194,9 +197,9 @@ class ParallelState:
     rank: int
     groups: dict[str, ProcessGroup | None] = field(default_factory=dict)
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
-    # Named RNG states (megatron.core.tensor_parallel.random.RNGStatesTracker) for dropout inside
-    # tensor-parallel regions; set by whoever seeds the run. None: dropout uses the default RNG.
-    rng_tracker: Any = None
+    # Named RNG states for dropout inside tensor-parallel regions; set by whoever seeds the run.
+    # None: dropout uses the default RNG.
+    rng_tracker: RNGStatesTracker | None = None
     expert_grid: RankGrid = None  # type: ignore[assignment]  # None: derived in __post_init__
 
     def __post_init__(self) -> None:

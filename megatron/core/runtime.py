@@ -13,9 +13,10 @@ of the library and the application.
 - ``app``: the training application's state (``megatron.training.global_vars.AppState``: its
   arguments, its error channel), opaque to the library, which never imports the application.
 
-Library classes never read it: they receive their groups, tracker and calculator. Only the
+Library classes receive their groups, tracker and calculator; they do not read this state. The
 Megatron-named public entry points (``parallel_state.get_*``, ``get_cuda_rng_tracker``,
-``get_num_microbatches``, ``get_args``, ...) read it, through :func:`get_runtime`.
+``get_num_microbatches``, ``get_args``, ...) read it through :func:`get_runtime`, and so does the
+pipeline's ``P2PCommunicator`` for one process-wide record, the groups it has warmed up.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ JOIN_TIMEOUT_S = 60.0  # how long the ranks that know wait for the others at the
 class ErrorChannel:
     """The store keys through which the ranks of one job (one torchrun attempt) stop together."""
 
-    def __init__(self, store, world: int, peers: PeerWatch | None = None):
+    def __init__(self, store: dist.Store, world: int, peers: PeerWatch | None = None) -> None:
         self.store, self.world, self.peers = store, world, peers
         self._lock = threading.Lock()  # one exit per process: the main thread's or the watcher's
         self._closed = threading.Event()
@@ -309,7 +309,7 @@ def _print_error(message: str) -> None:
     print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
 
 
-def _store_client(prefix: str):
+def _store_client(prefix: str) -> dist.Store:
     """A new connection to the job's store server (MASTER_ADDR:MASTER_PORT), keys under ``prefix``."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)

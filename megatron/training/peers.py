@@ -26,7 +26,10 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch.distributed as dist
 
 HEARTBEAT_S = 1.0  # how often a rank beats (and looks at its ring neighbour and local peers)
 SILENT_S = 3.0  # after a collective failed: a rank that has not beaten for this long is not running
@@ -113,7 +116,8 @@ class PeerWatch:
     ``timeout_s`` is --distributed-timeout-minutes in seconds; ``local_world`` the ranks on this host
     when the launcher says (LOCAL_WORLD_SIZE), else None."""
 
-    def __init__(self, store, rank: int, world: int, timeout_s: float, local_world: int | None):
+    def __init__(self, store: dist.Store, rank: int, world: int, timeout_s: float,
+                 local_world: int | None) -> None:
         self.store, self.rank, self.world, self.timeout_s = store, rank, world, timeout_s
         self.local_world = local_world
         self.iteration: int | None = None  # the last iteration this rank finished (note_iteration)
@@ -213,7 +217,7 @@ class PeerWatch:
         return None
 
     # -- the main thread, after a collective failed ---------------------------------------------
-    def explain(self, failed) -> Loss | None:
+    def explain(self, failed: Callable[[], bool]) -> Loss | None:
         """Look for a rank that died, is stopped or went silent, for up to EXPLAIN_S; None when there
         is none or ``failed()`` says a peer has reported the job's end (then the caller follows it)."""
         with self._lock:

@@ -34,9 +34,9 @@ def test_rampup_steps_and_iterations():
 def test_rampup_degenerate_and_errors():
     flat = nmc.build_num_microbatches_calculator(0, [16, 16, 1000], 16, 2, 2)  # nothing to ramp
     assert flat.global_batch_size_at(0) == 16 and flat.final_from() == 0
-    with pytest.raises(ValueError, match="--rampup-batch-size 8 5 90: --global-batch-size 32 minus the start"):
+    with pytest.raises(ValueError, match="rampup_batch_size 8 5 90: global_batch_size 32 minus the start"):
         nmc.build_num_microbatches_calculator(0, [8, 5, 90], 32, 2, 2)
-    with pytest.raises(ValueError, match="starts above --global-batch-size"):
+    with pytest.raises(ValueError, match="starts above global_batch_size"):
         nmc.build_num_microbatches_calculator(0, [64, 8, 90], 32, 2, 2)
     calc = nmc.build_num_microbatches_calculator(0, [2, 2, 90], 32, 2, 2)
     with pytest.raises(ValueError, match="global batch size 2 .* not divisible"):

@@ -1,8 +1,14 @@
-"""--pipeline-model-parallel-layout: Megatron's layout strings to layer counts per virtual stage."""
+"""--pipeline-model-parallel-layout: Megatron's layout strings to layer counts per virtual stage.
+
+The library's errors name the config parameters (``pipeline_model_parallel_layout``) and list them;
+the command line shows them as flags (``user_errors.flag_message``), which these tests read.
+"""
 
 import pytest
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.pipeline_parallel.layout import build_pipeline_layout, parse_layout
+from megatron.training.user_errors import flag_message
 
 
 def test_repetitions_commas_and_virtual_stages():
@@ -28,9 +34,11 @@ def test_repetitions_commas_and_virtual_stages():
     ("Et|tL", "the stages together --num-layers 4"),
 ])
 def test_bad_layouts_name_the_flag_and_what_is_wrong(layout, message):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         parse_layout(layout, num_layers=4, pp=2)
-    assert "--pipeline-model-parallel-layout" in str(err.value) and message in str(err.value)
+    assert "pipeline_model_parallel_layout" in err.value.params and "--" not in str(err.value)
+    text = flag_message(err.value)
+    assert "--pipeline-model-parallel-layout" in text and message in text
 
 
 def test_embedding_and_loss_counted_as_layers_in_the_even_split():
@@ -56,14 +64,14 @@ def test_embedding_and_loss_counted_as_layers_in_the_even_split():
     (dict(num_layers=8, pp=2, layout="Et*4|t*4L", account_embedding=True), "--pipeline-model-parallel-layout"),
 ])
 def test_bad_accounted_splits_name_the_flags(kwargs, message):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         build_pipeline_layout(**kwargs)
-    text = str(err.value)
+    text = flag_message(err.value)
     assert message in text and "in-pipeline-split" in text
 
 
 def test_accounted_split_suggests_a_layer_count_that_fits():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         build_pipeline_layout(32, 4, account_embedding=True, account_loss=True)
-    assert "use --num-layers 30" in str(err.value)
+    assert "use --num-layers 30" in flag_message(err.value)
     assert build_pipeline_layout(30, 4, account_embedding=True, account_loss=True)  # the suggestion works

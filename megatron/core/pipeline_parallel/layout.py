@@ -6,7 +6,7 @@ layers 1-2 (chunk 0) and 9-10 (chunk 1).
 
 Uneven splits: ``first`` / ``last`` layers go to the first / last pipeline rank (split evenly over
 that rank's virtual chunks); the remaining layers are split evenly over the other ranks' chunks.
-A split that drops or duplicates a layer, or leaves a stage empty, raises ``ValueError`` with the
+A split that drops or duplicates a layer, or leaves a stage empty, raises ``ConfigError`` with the
 layer-to-stage table it would have produced.
 
 Megatron's ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split`` count
@@ -25,6 +25,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from megatron.core.config_utils import ConfigError
+
+# The parameters (TransformerConfig fields) the split is made of, as the errors name them.
+PARAMS = ("num_layers", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+          "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
+          "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+
+
+def _error(message: str) -> ConfigError:
+    """A ConfigError listing the parameters ``message`` names."""
+    return ConfigError(message, params=tuple(p for p in PARAMS if re.search(rf"(?<![\w-]){p}(?![\w-])", message)))
 
 
 @dataclass(frozen=True)
@@ -46,7 +58,7 @@ class PipelineLayout:
 
     def table(self) -> str:
         """Human-readable layer-to-stage table (1-based layer numbers, as in the logs)."""
-        lines = [f"layer-to-stage table (--num-layers {self.num_layers}, --pipeline-model-parallel-size "
+        lines = [f"layer-to-stage table (num_layers {self.num_layers}, pipeline_model_parallel_size "
                  f"{self.pp}, virtual stages per rank {self.vpp}):"]
         start = 0
         for v, n in enumerate(self.counts):
@@ -57,18 +69,18 @@ class PipelineLayout:
         if start < self.num_layers:
             lines.append(f"  unassigned: layers {start + 1}-{self.num_layers}")
         elif start > self.num_layers:
-            lines.append(f"  {start - self.num_layers} layer(s) beyond --num-layers {self.num_layers}")
+            lines.append(f"  {start - self.num_layers} layer(s) beyond num_layers {self.num_layers}")
         return "\n".join(lines)
 
 
-LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+LAYOUT_PARAM = "pipeline_model_parallel_layout"
 
 
 def parse_layout(layout: str, num_layers: int, pp: int) -> PipelineLayout:
-    """The :class:`PipelineLayout` a ``--pipeline-model-parallel-layout`` string describes.
+    """The :class:`PipelineLayout` a ``pipeline_model_parallel_layout`` string describes.
 
     Raises:
-        ValueError: a symbol other than t/E/L (``m``: multi-token prediction is not built), E or L
+        ConfigError: a symbol other than t/E/L (``m``: multi-token prediction is not built), E or L
             outside the first / last stage, a stage count that is not a multiple of ``pp``, a stage
             without a transformer layer, or a layer count other than ``num_layers``.
     """
@@ -79,18 +91,18 @@ def parse_layout(layout: str, num_layers: int, pp: int) -> PipelineLayout:
     bad = sorted(set(text) - set("tEL|"))
     if bad:
         what = "multi-token prediction ('m') is not supported" if bad == ["m"] else f"unknown symbol(s) {bad}"
-        raise ValueError(f"{LAYOUT_FLAG} {layout!r}: {what}; use t (transformer layer), E (embedding, first "
+        raise _error(f"{LAYOUT_PARAM} {layout!r}: {what}; use t (transformer layer), E (embedding, first "
                          "stage) and L (output layer and loss, last stage), e.g. \"Ettt|tttL\"")
     if "E" in "".join(stages[1:]) or "L" in "".join(stages[:-1]):
-        raise ValueError(f"{LAYOUT_FLAG} {layout!r}: E belongs to the first stage and L to the last, "
+        raise _error(f"{LAYOUT_PARAM} {layout!r}: E belongs to the first stage and L to the last, "
                          "e.g. \"Ettt|tttL\"")
     if len(stages) % pp != 0:
-        raise ValueError(f"{LAYOUT_FLAG} {layout!r} lists {len(stages)} stages; it needs a multiple of "
-                         f"--pipeline-model-parallel-size {pp} (pp x virtual stages per rank)")
+        raise _error(f"{LAYOUT_PARAM} {layout!r} lists {len(stages)} stages; it needs a multiple of "
+                         f"pipeline_model_parallel_size {pp} (pp x virtual stages per rank)")
     result = PipelineLayout(num_layers, pp, len(stages) // pp, tuple(stage.count("t") for stage in stages))
     if min(result.counts) == 0 or sum(result.counts) != num_layers:
-        raise ValueError(f"{LAYOUT_FLAG} {layout!r}: every stage needs at least one transformer layer (t) and "
-                         f"the stages together --num-layers {num_layers}.\n{result.table()}")
+        raise _error(f"{LAYOUT_PARAM} {layout!r}: every stage needs at least one transformer layer (t) and "
+                         f"the stages together num_layers {num_layers}.\n{result.table()}")
     return result
 
 
@@ -101,12 +113,12 @@ def _split(total: int, parts: int) -> tuple[list[int], bool]:
     return [max(total, 0) // parts] * parts, total >= 0 and total % parts == 0
 
 
-ACCOUNT_FLAGS = ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
+ACCOUNT_PARAMS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
 def _account_split(num_layers: int, pp: int, vpp: int, embedding: bool, loss: bool) -> PipelineLayout:
     """The even split with the embedding and / or the loss counted as a layer (Megatron's rule)."""
-    flags = " and ".join(f for f, on in zip(ACCOUNT_FLAGS, (embedding, loss)) if on)
+    flags = " and ".join(f for f, on in zip(ACCOUNT_PARAMS, (embedding, loss)) if on)
     extra = int(embedding) + int(loss)
     slots = num_layers + extra
     stages = pp * vpp
@@ -120,11 +132,11 @@ def _account_split(num_layers: int, pp: int, vpp: int, embedding: bool, loss: bo
     # The nearest layer count whose sum is a multiple of the stages, at least two slots a stage.
     fits = min((n for n in range(1, num_layers + 2 * stages + 1) if (n + extra) % stages == 0 and n + extra > stages),
                key=lambda n: abs(n - num_layers))
-    raise ValueError(
-        f"{flags}: --num-layers {num_layers} + {extra} (counted as layers) = {slots} does not split into "
-        f"{stages} stages (--pipeline-model-parallel-size {pp} x {vpp} virtual stages per rank) of equal size with "
-        f"a transformer layer in each; use --num-layers {fits} (or another count that makes the sum a multiple "
-        f"of {stages}), or {LAYOUT_FLAG} for any split.\n{result.table()}")
+    raise _error(
+        f"{flags}: num_layers {num_layers} + {extra} (counted as layers) = {slots} does not split into "
+        f"{stages} stages (pipeline_model_parallel_size {pp} x {vpp} virtual stages per rank) of equal size with "
+        f"a transformer layer in each; use num_layers {fits} (or another count that makes the sum a multiple "
+        f"of {stages}), or {LAYOUT_PARAM} for any split.\n{result.table()}")
 
 
 def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, first: int | None = None,
@@ -133,34 +145,34 @@ def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, 
     """Assign ``num_layers`` layers to ``pp`` ranks x ``vpp`` virtual chunks.
 
     Args:
-        num_layers: ``--num-layers``.
-        pp: ``--pipeline-model-parallel-size``.
+        num_layers: ``num_layers``.
+        pp: ``pipeline_model_parallel_size``.
         vpp: virtual chunks per rank (None or 1: no interleaving).
-        first / last: ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``.
-        layout: ``--pipeline-model-parallel-layout`` (:func:`parse_layout`); replaces ``vpp``, ``first``
+        first / last: ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``.
+        layout: ``pipeline_model_parallel_layout`` (:func:`parse_layout`); replaces ``vpp``, ``first``
             and ``last``.
-        account_embedding / account_loss: ``--account-for-embedding-in-pipeline-split`` /
-            ``--account-for-loss-in-pipeline-split`` (even split only: not with ``first``, ``last``, ``layout``).
+        account_embedding / account_loss: ``account_for_embedding_in_pipeline_split`` /
+            ``account_for_loss_in_pipeline_split`` (even split only: not with ``first``, ``last``, ``layout``).
 
     Raises:
-        ValueError: the split does not cover every layer exactly once or leaves a stage empty; the
+        ConfigError: the split does not cover every layer exactly once or leaves a stage empty; the
             message names the flags and prints the layer-to-stage table.
     """
-    accounted = [f for f, on in zip(ACCOUNT_FLAGS, (account_embedding, account_loss)) if on]
+    accounted = [f for f, on in zip(ACCOUNT_PARAMS, (account_embedding, account_loss)) if on]
     if accounted and (layout is not None or first is not None or last is not None):
-        other = LAYOUT_FLAG if layout is not None else "--decoder-first/last-pipeline-num-layers"
-        raise ValueError(f"{' / '.join(accounted)} apply to the even split only; {other} already sets the "
+        other = LAYOUT_PARAM if layout is not None else "decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers"
+        raise _error(f"{' / '.join(accounted)} apply to the even split only; {other} already sets the "
                          f"layers of the first and last stages: drop one of them")
     if layout is not None:
         return parse_layout(layout, num_layers, pp)
     vpp = vpp or 1
     if pp < 1 or vpp < 1:
-        raise ValueError(f"--pipeline-model-parallel-size ({pp}) and the virtual stages per rank ({vpp}) must be >= 1")
+        raise _error(f"pipeline_model_parallel_size ({pp}) and the virtual stages per rank ({vpp}) must be >= 1")
     if accounted:
         return _account_split(num_layers, pp, vpp, account_embedding, account_loss)
     if pp == 1 and (first is not None or last is not None):
-        raise ValueError("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers only apply "
-                         "with --pipeline-model-parallel-size > 1; drop them")
+        raise _error("decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers only apply "
+                         "with pipeline_model_parallel_size > 1; drop them")
     per_rank: list[int | None] = [None] * pp
     if first is not None:
         per_rank[0] = first
@@ -181,13 +193,13 @@ def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, 
     if exact and sum(counts) == num_layers and min(counts) > 0:
         return result
     if first is None and last is None:
-        what = (f"--num-layers {num_layers} is not divisible into {pp * vpp} non-empty stages "
-                f"(--pipeline-model-parallel-size {pp} x {vpp} virtual stages per rank)")
-        fix = (f"use --num-layers a multiple of {pp * vpp}, or set --decoder-first-pipeline-num-layers / "
-               "--decoder-last-pipeline-num-layers")
+        what = (f"num_layers {num_layers} is not divisible into {pp * vpp} non-empty stages "
+                f"(pipeline_model_parallel_size {pp} x {vpp} virtual stages per rank)")
+        fix = (f"use num_layers a multiple of {pp * vpp}, or set decoder_first_pipeline_num_layers / "
+               "decoder_last_pipeline_num_layers")
     else:
-        what = (f"--decoder-first-pipeline-num-layers {first} / --decoder-last-pipeline-num-layers {last} do not "
-                f"split --num-layers {num_layers} into {pp * vpp} non-empty stages")
+        what = (f"decoder_first_pipeline_num_layers {first} / decoder_last_pipeline_num_layers {last} do not "
+                f"split num_layers {num_layers} into {pp * vpp} non-empty stages")
         fix = (f"the remaining layers must divide evenly over the other {len(free)} rank(s) x {vpp} chunk(s), and "
                f"each given count must be a positive multiple of {vpp}")
-    raise ValueError(f"{what}; {fix}.\n{result.table()}")
+    raise _error(f"{what}; {fix}.\n{result.table()}")
