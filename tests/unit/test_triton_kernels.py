@@ -262,3 +262,35 @@ def test_dispatch_never_runs_the_self_check(monkeypatch):
     assert calls == []
     assert kt.self_check(torch.device("cpu"), interpret=True) == dict.fromkeys(kt.KERNELS)
     assert calls == list(kt.KERNELS)
+
+
+def test_self_check_and_the_fused_cross_entropy_under_the_interpreter():
+    """The start-up self-check with the real checks (interpreter: CPU tensors): the SwiGLU and cross
+    entropy kernels pass; the FP8 ones pass or report the interpreter's fp8 rounding (see above) as a
+    disagreement, never an exception. The fused output layer + cross entropy told to use the kernel
+    gives the torch code's losses and gradients."""
+    out = _run("""
+        import torch
+        from megatron.core.fusions.linear_cross_entropy import linear_cross_entropy
+        from megatron.core.fusions.triton import KERNELS, passed, self_check
+
+        results = self_check(torch.device("cpu"), interpret=True)
+        assert list(results) == list(KERNELS)
+        assert results["swiglu"] is None and results["cross_entropy"] is None, results
+        for name in ("fp8_cast", "swiglu_fp8"):
+            assert results[name] is None or results[name].startswith("disagrees with the torch code"), results
+        assert passed(results, True).uses("cross_entropy")
+        torch.manual_seed(0)
+        h0, w0 = torch.randn(24, 16), torch.randn(300, 16)
+        t, mask = torch.randint(0, 300, (24,)), (torch.rand(24) > 0.2).float()
+        got = []
+        for use_triton in (True, False):
+            h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+            loss = linear_cross_entropy(h, w, t, chunk=10, loss_weights=mask, use_triton=use_triton)
+            ((loss * mask).sum() / mask.sum()).backward()
+            got.append((loss, h.grad, w.grad))
+        for a, b in zip(*got):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        print("ok")
+    """)
+    assert out.strip().endswith("ok")
