@@ -62,12 +62,12 @@ def test_compiled_gradient_accumulation_adds_in_place():
     view = acc[100:900]
     before = acc.clone()
     grad = torch.randn(800, device="cuda").bfloat16()
-    ddp_mod._accumulate(view, grad)
+    ddp_mod._accumulate(view, grad, compile=True)
     assert torch.equal(acc[:100], before[:100]) and torch.equal(acc[900:], before[900:])
     torch.testing.assert_close(acc[100:900], before[100:900] + grad.float())
     grad2 = torch.randn(37, device="cuda").bfloat16()  # another length: same graph (dynamic)
     acc2 = torch.zeros(37, device="cuda")
-    ddp_mod._accumulate(acc2, grad2)
+    ddp_mod._accumulate(acc2, grad2, compile=True)
     torch.testing.assert_close(acc2, grad2.float())
 
 
@@ -122,7 +122,7 @@ def test_compiled_gradient_scaling_matches_eager():
     scale = torch.tensor(0.3716, device="cuda")
     for x, dtype in ((torch.randn(4096, 1024, device="cuda").bfloat16(), torch.bfloat16),
                      (torch.randn(1000, 300, device="cuda"), torch.bfloat16)):
-        assert torch.equal(_scaled_fn(x, scale, dtype), _scaled(x, scale, dtype))
+        assert torch.equal(_scaled_fn(x, scale, dtype, compile=True), _scaled(x, scale, dtype))
 
 
 # Measured on an H200 (2026-11-30): compiled e4m3 quantisation (amax -> scale -> scaled cast) does not

@@ -19,9 +19,10 @@ from torch import nn
 
 class MaybeCompiled:
     """``fn`` and its ``torch.compile(dynamic=dynamic)`` form: ``self(*args, compile=...)`` runs the
-    compiled one when ``compile`` is true and the first argument is a CUDA tensor, ``fn`` otherwise.
-    ``dynamic=True`` suits helpers called on many shapes (one graph for all). The compiled wrapper is
-    made on the first compiled call (torch.compile itself compiles lazily, per shape)."""
+    compiled one when ``compile`` (the caller's choice, from the execution plan) is true and the first
+    argument is a CUDA tensor, ``fn`` otherwise. ``dynamic=True`` suits helpers called on many shapes
+    (one graph for all). The compiled wrapper is made on the first compiled call (torch.compile itself
+    compiles lazily, per shape)."""
 
     def __init__(self, fn: Callable[..., Any], dynamic: bool = False) -> None:
         self.fn = fn
@@ -29,7 +30,7 @@ class MaybeCompiled:
         self._compiled: Callable[..., Any] | None = None
         functools.update_wrapper(self, fn)
 
-    def __call__(self, *args: Any, compile: bool = True) -> Any:
+    def __call__(self, *args: Any, compile: bool) -> Any:
         if not (compile and args[0].is_cuda):
             return self.fn(*args)
         if self._compiled is None:
