@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 from megatron.core.config_utils import ConfigError, check_choice, check_positive, doc
+from megatron.core.num_microbatches_calculator import parse_step_batch_size_schedule
 from megatron.core.tokenizer import TOKENIZER_TYPES
 
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGXCPU")
@@ -100,8 +101,6 @@ class TrainingConfig:
                 raise ConfigError(f"--rampup-batch-size takes 3 values <start> <increment> <ramp-up samples>, got "
                                  f"{len(ramp)} (e.g. --rampup-batch-size 16 16 5859375)")
         if steps is not None:
-            from megatron.core.num_microbatches_calculator import parse_step_batch_size_schedule
-
             final = parse_step_batch_size_schedule(steps, self.seq_length)[-1][1]
             if self.global_batch_size is not None and self.global_batch_size != final:
                 raise ConfigError(f"--global-batch-size {self.global_batch_size} differs from the last batch size of "

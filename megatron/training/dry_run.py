@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron.core.parallel_state import ParallelState, RankGrid
 from megatron.training.flops import num_floating_point_operations, shape_from_config
+from megatron.training.gpt import model_provider
 from megatron.training.validation import planned_world_size
 
 BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
@@ -43,8 +45,6 @@ def estimate_memory_bytes(cfg, num_params: int, padded_vocab_size: int) -> dict[
 
 
 def dry_run(cfg, padded_vocab_size: int, log=print) -> None:
-    from megatron.core.parallel_state import ParallelState, RankGrid
-    from megatron.training.gpt import model_provider
 
     # The whole model in one process, so without the pipeline split (uneven first/last stage sizes
     # only describe a split over several pipeline ranks); the parameter count is the same.

@@ -10,6 +10,7 @@ import difflib
 import math
 import re
 
+from megatron.training.megatron_flag_table import refusal_for_unlisted
 from megatron.training.megatron_flags import Arity
 
 
@@ -66,8 +67,6 @@ def _close_flag(flag: str, known: list[str]) -> str | None:
 
 def unknown(extras: list[str], known: list[str]) -> list[str]:
     """One line per argument the parser did not take (values after an unknown flag are its values)."""
-    from megatron.training.megatron_flag_table import refusal_for_unlisted
-
     lines, after_flag = [], False
     for arg in extras:
         if arg.startswith("--"):

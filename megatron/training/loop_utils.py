@@ -15,6 +15,7 @@ from megatron.core.num_microbatches_calculator import (
     NumMicroBatchesCalculator,
     build_num_microbatches_calculator,
 )
+from megatron.core.optimizer.clip_grads import grad_norm_sq, param_is_not_duplicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.checkpointing import find_arg
 from megatron.training.metrics import LossSpikeWatch, format_iteration_line
@@ -181,8 +182,6 @@ def params_l2_norm(model_chunks: list, parallel_state, device: torch.device) -> 
     layout: tensor-parallel shards and pipeline stages are summed over the model-parallel group,
     while tp-replicated parameters and the last stage's copy of a tied embedding count once. Every
     rank of the model-parallel group must call it (one all-reduce)."""
-    from megatron.core.optimizer.clip_grads import grad_norm_sq, param_is_not_duplicate
-
     params = [p.detach() for chunk in model_chunks for p in chunk.parameters()
               if param_is_not_duplicate(p, parallel_state.tp_rank)]
     total = grad_norm_sq(params, device)  # the squared norm of any tensors, in fp32

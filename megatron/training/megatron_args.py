@@ -21,7 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.training import arguments as _arguments
+from megatron.training import run_config
+from megatron.training.megatron_flag_dests import default_of, dest_of
+from megatron.training.megatron_flag_table import FOREIGN
+from megatron.training.megatron_flags import GIVEN
 from megatron.training.validation import world_size_from_env
 
 # The attributes where parse_args keeps what validate_args needs and Megatron-LM has no name for.
@@ -73,15 +76,13 @@ MIRRORS: tuple[Mirror, ...] = (
 
 def _dest_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
     """Every dest of ``parser`` (ours and an ``extra_args_provider``'s) with its default."""
-    from megatron.training.megatron_flags import GIVEN
-
-    fields = _arguments._defaults()
+    fields = run_config._defaults()
     out: dict[str, Any] = {}
     for action in parser._actions:
         if not action.option_strings or action.dest in (GIVEN, "help", "help_megatron"):
             continue
         if action.default is argparse.SUPPRESS:
-            out[action.dest] = None if action.dest in _arguments.REQUIRED else fields.get(action.dest)
+            out[action.dest] = None if action.dest in run_config.REQUIRED else fields.get(action.dest)
         else:
             out[action.dest] = action.default
     return out
@@ -90,7 +91,7 @@ def _dest_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
 @functools.lru_cache(maxsize=1)
 def _our_defaults() -> dict[str, Any]:
     """``_dest_defaults`` of our own parser, built once (read-only: copy before storing a value)."""
-    return _dest_defaults(_arguments.build_parser())
+    return _dest_defaults(run_config.build_parser())
 
 
 def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args: bool = False) -> argparse.Namespace:
@@ -108,11 +109,11 @@ def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args:
     Flags that cannot be taken (unknown, Megatron-LM flags refused here, bad values or choices) are
     reported together, one line each, and exit with code 2, as ``pretrain_gpt.py`` does.
     """
-    parser = _arguments.build_parser()
+    parser = run_config.build_parser()
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     foreign: list = []
-    values, notes = _arguments.parse_namespace(sys.argv[1:], parser=parser, ignore_unknown=ignore_unknown_args,
+    values, notes = run_config.parse_namespace(sys.argv[1:], parser=parser, ignore_unknown=ignore_unknown_args,
                                                foreign_given=foreign)
     merged = {**copy.deepcopy(_dest_defaults(parser)), **values}
     args = argparse.Namespace(**merged)
@@ -131,8 +132,6 @@ def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args:
 def _set_foreign(args: argparse.Namespace, given: list) -> None:
     """Megatron-LM's dests of the flags that are not ours (``megatron_flag_dests``): its default, or
     the value given (converted to the default's type; a switch stores the opposite of its default)."""
-    from megatron.training.megatron_flag_dests import default_of, dest_of
-    from megatron.training.megatron_flag_table import FOREIGN
 
     for flag in FOREIGN:
         dest = dest_of(flag)
@@ -185,7 +184,7 @@ def _values_for_configs(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _fill_derived(args: argparse.Namespace, cfg: _arguments.RunConfig, world_size: int) -> None:
+def _fill_derived(args: argparse.Namespace, cfg: run_config.RunConfig, world_size: int) -> None:
     """Write the configs' resolved values back under their dests, and Megatron-LM's derived values."""
     dests = set(_our_defaults())
     for f in dataclasses.fields(cfg):
@@ -238,7 +237,7 @@ def validate_args(args: argparse.Namespace, defaults: dict | None = None) -> arg
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     world_size = int(getattr(args, "world_size", None) or world_size_from_env())
-    cfg = _arguments.run_config_from_values(_values_for_configs(args), getattr(args, NOTES, []), world_size)
+    cfg = run_config.run_config_from_values(_values_for_configs(args), getattr(args, NOTES, []), world_size)
     _fill_derived(args, cfg, world_size)
     if getattr(args, "rank", 0) == 0 and cfg.notes:
         print("\n".join(cfg.notes), flush=True)

@@ -1,14 +1,21 @@
-"""Cross-config checks, one named function each. Each raises ValueError naming the flag(s) and a
+"""Cross-config checks, one named function each. Each raises ConfigError naming the flag(s) and a
 valid value; single-config checks live in the configs' own ``__post_init__``."""
 
 from __future__ import annotations
 
 import os
 import re
+from types import SimpleNamespace
 
 import torch
 
 from megatron.core.config_utils import ConfigError
+from megatron.core.datasets.utils import parse_and_normalize_split
+from megatron.core.fusions.fp8 import fp8_emulated
+from megatron.core.num_microbatches_calculator import check_rampup
+from megatron.core.pipeline_parallel.interleaved import check_interleaving
+from megatron.training.checkpoint_dirs import check_save_dir
+from megatron.training.loop_utils import build_batch_calculator, build_scheduler, train_iters_of
 
 
 def world_size_from_env() -> int:
@@ -48,8 +55,6 @@ def check_batch_sizes(cfg, world_size: int) -> None:
             f"{t.micro_batch_size} x data-parallel size {dp}; use e.g. --global-batch-size {good}"
         )
     if t.rampup_batch_size is not None:
-        from megatron.core.num_microbatches_calculator import check_rampup
-
         start, increment, ramp_samples = (int(v) for v in t.rampup_batch_size)
         check_rampup(start, increment, ramp_samples, t.global_batch_size)
     if cfg.checkpoint.load is None:  # a resumed run is checked from its consumed samples on (Trainer)
@@ -69,8 +74,6 @@ def batch_schedule_flag(cfg) -> str:
 def check_batch_schedule(cfg, dp: int, consumed_samples: int) -> None:
     """Every global batch size the schedule still uses from ``consumed_samples`` on is a multiple of
     --micro-batch-size x ``dp`` (a ramp's first sizes need not divide a layout it resumes on)."""
-    from megatron.training.loop_utils import build_batch_calculator
-
     t = cfg.training
     unit = t.micro_batch_size * dp
     for size in build_batch_calculator(cfg, dp).batch_sizes_from(consumed_samples):
@@ -85,8 +88,6 @@ def check_training_length(cfg, world_size: int) -> None:
     """At least one step to train: the LR schedule's length is the run's. (Megatron-LM skips its loop at
     --train-iters 0 but asserts a decay length > 0 unless --lr-decay-iters is given; --skip-train is
     the evaluation-only run, here as there.)"""
-    from megatron.training.loop_utils import build_batch_calculator, train_iters_of
-
     t = cfg.training
     tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
     batches = build_batch_calculator(cfg, world_size // (tp * pp))
@@ -116,8 +117,6 @@ def check_pipeline(cfg, world_size: int) -> None:
         raise ConfigError("--reset-position-ids with --position-embedding-type rope is not supported with "
                          "--pipeline-model-parallel-size > 1 (later stages rotate by positions 0..s-1)")
     if m.virtual_pipeline_model_parallel_size:
-        from megatron.core.pipeline_parallel.interleaved import check_interleaving
-        from megatron.training.loop_utils import build_batch_calculator
 
         dp = world_size // (m.tensor_model_parallel_size * pp)
         for size in build_batch_calculator(cfg, dp).batch_sizes_from(0):  # each step's count must fit
@@ -172,8 +171,6 @@ def check_optimizer(cfg) -> None:
 def check_split(cfg) -> None:
     """--split holds 1 to 3 non-negative shares. The dataset reads any separator and so would read
     ``-1,50,50`` as ``1,50,50``: a minus before a share (not between two, as in ``90-5-5``) is refused."""
-    from megatron.core.datasets.utils import parse_and_normalize_split
-
     split = cfg.data.split
     if split is None:
         return
@@ -209,7 +206,6 @@ def check_checkpointing(cfg) -> None:
     if cfg.logger.log_progress and not c.save:
         raise ConfigError("--log-progress writes <save>/progress.txt and needs --save DIR")
     if c.save:  # before any training: a first save that cannot be written would end the run
-        from megatron.training.checkpoint_dirs import check_save_dir
 
         check_save_dir(c.save)
 
@@ -228,8 +224,6 @@ def check_fp8(cfg) -> None:
     Only ``torch.cuda.is_available()`` is asked here (it creates no CUDA context); the compute
     capability (Hopper, 9.0+) is checked by ``execution_plan.resolve`` once the rank's device is set.
     """
-    from megatron.core.fusions.fp8 import fp8_emulated
-
     m = cfg.model
     if m.first_last_layers_bf16 and m.fp8_format is not None:
         for flag, value in (("--num-layers-at-start-in-bf16", m.num_layers_at_start_in_bf16),
@@ -260,10 +254,6 @@ def check_logging(cfg) -> None:
 def check_lr_schedule(cfg, world_size: int) -> None:
     """The LR/WD schedule's own checks (warm-up shorter than decay, WSD lengths, ...), run on a
     stand-in optimizer so that they fail here, before any model is built."""
-    from types import SimpleNamespace
-
-    from megatron.training.loop_utils import build_batch_calculator, build_scheduler, train_iters_of
-
     tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
     train_iters = train_iters_of(cfg, build_batch_calculator(cfg, world_size // (tp * pp)))
     build_scheduler(cfg, SimpleNamespace(param_groups=[{"lr_mult": 1.0, "wd_mult": 1.0}]), train_iters)

@@ -7,6 +7,8 @@ stored in its checkpoint yields exactly the micro-batches the uninterrupted run 
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import functools
 import multiprocessing
 import os
@@ -202,8 +204,6 @@ def worker_init(parent_pid: int | None, worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     if sys.platform.startswith("linux"):
-        import ctypes
-
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     if parent_pid is not None and os.getppid() != parent_pid:  # the rank died before prctl took effect
@@ -219,8 +219,6 @@ def _reap_workers_at_exit() -> None:
     the workers ignore SIGTERM, so a worker still running then (an iterator alive at exit, e.g. after
     an exception) would be joined forever. This hook, registered after multiprocessing's and so run
     before it, kills and reaps them first. Registered once per process."""
-    import atexit
-
     def kill_workers() -> None:
         live = [w for w in list(_WORKERS) if w.is_alive()]
         if live:
