@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.parallel_state_grid import ParallelState
@@ -31,7 +32,7 @@ def _ovr() -> dict[str, Any]:
     return get_runtime().layout.overrides
 
 
-def _group(name: str, check_initialized: bool = True, what: str = "") -> Any:
+def _group(name: str, check_initialized: bool = True, what: str = "") -> ProcessGroup | None:
     state = _state()
     if name not in state.group_ranks:
         assert not check_initialized, f"{what or name} group is not initialized"
@@ -62,21 +63,21 @@ def _dp_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
 
 
 # --- groups -------------------------------------------------------------------------------------
-def get_model_parallel_group(check_initialized: bool = True) -> Any:
+def get_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     """The tensor x pipeline model-parallel group of this rank."""
     return _group("mp", check_initialized, "model parallel")
 
 
-def get_tensor_model_parallel_group(check_initialized: bool = True) -> Any:
+def get_tensor_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     return _group("tp", check_initialized, "tensor model parallel")
 
 
-def get_pipeline_model_parallel_group(check_initialized: bool = True) -> Any:
+def get_pipeline_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     return _group("pp", check_initialized, "pipeline model parallel")
 
 
 def get_data_parallel_group(with_context_parallel: bool = False, with_gtp_remat: bool = True,
-                            partial_data_parallel: bool = False) -> Any:
+                            partial_data_parallel: bool = False) -> ProcessGroup | None:
     """The data-parallel group (with the context-parallel ranks when ``with_context_parallel``).
 
     ``with_gtp_remat`` has no effect (GTP is not built, so both groups coincide); with one
@@ -85,12 +86,12 @@ def get_data_parallel_group(with_context_parallel: bool = False, with_gtp_remat:
     return _group(_dp_name(with_context_parallel, partial_data_parallel), True, "data parallel")
 
 
-def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> Any:
+def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> ProcessGroup | None:
     """The gloo twin of :func:`get_data_parallel_group` (the same group under a gloo backend)."""
     return _group(_dp_name(with_context_parallel, partial_data_parallel) + "_gloo", True, "data parallel gloo")
 
 
-def get_context_parallel_group(check_initialized: bool = True) -> Any:
+def get_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     return _group("cp", check_initialized, "context parallel")
 
 
@@ -100,69 +101,69 @@ def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[in
     return state.group_ranks.get("cp")
 
 
-def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> Any:
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> ProcessGroup | None:
     """Not built (hierarchical context parallelism is refused): AssertionError, or None."""
     return _group("hcp", check_initialized, "hierarchical context parallel")
 
 
-def get_embedding_group(check_initialized: bool = True) -> Any:
+def get_embedding_group(check_initialized: bool = True) -> ProcessGroup | None:
     """First and last pipeline stage of this rank's pipeline (or ``get_embedding_ranks``'s choice)."""
     return _group("embedding", check_initialized, "embedding")
 
 
-def get_position_embedding_group(check_initialized: bool = True) -> Any:
+def get_position_embedding_group(check_initialized: bool = True) -> ProcessGroup | None:
     return _group("position_embedding", check_initialized, "position embedding")
 
 
-def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False) -> Any:
+def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False) -> ProcessGroup | None:
     return _group("tp_dp_cp" if with_context_parallel else "tp_dp", check_initialized, "tensor and data parallel")
 
 
-def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> Any:
+def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     return _group("tp_cp", check_initialized, "tensor and context parallel")
 
 
-def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> Any:
+def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> ProcessGroup | None:
     """The FP8 amax reduction group: tp x dp (x cp), or tp (x cp) with ``tp_only_amax_red``."""
     if tp_only_amax_red:
         return _group("tp_cp" if with_context_parallel else "tp", True, "FP8 amax reduction")
     return get_tensor_and_data_parallel_group(with_context_parallel=with_context_parallel)
 
 
-def get_expert_model_parallel_group(check_initialized: bool = True) -> Any:
+def get_expert_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     return _group("ep", check_initialized, "expert model parallel")
 
 
-def get_expert_tensor_parallel_group(check_initialized: bool = True) -> Any:
+def get_expert_tensor_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     return _group("expt_tp", check_initialized, "expert tensor parallel")
 
 
-def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True) -> Any:
+def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     return _group("tp_ep", check_initialized, "expert tensor and model parallel")
 
 
 def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True,
-                                                    with_egtp_remat: bool = False) -> Any:
+                                                    with_egtp_remat: bool = False) -> ProcessGroup | None:
     """Expert tensor x expert x pipeline group (``with_egtp_remat`` has no effect: GTP is not built)."""
     return _group("tp_ep_pp", check_initialized, "expert tensor-model-pipeline parallel")
 
 
 def get_expert_data_parallel_group(check_initialized: bool = True, with_gtp_remat: bool = True,
-                                   partial_expert_data_parallel: bool = False) -> Any:
+                                   partial_expert_data_parallel: bool = False) -> ProcessGroup | None:
     """The expert-data-parallel group (the partial group is the whole one: a single optimizer instance)."""
     return _group("expt_dp", check_initialized, "expert data parallel")
 
 
-def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> Any:
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> ProcessGroup | None:
     return _group("expt_dp_gloo", True, "expert data parallel gloo")
 
 
-def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True) -> Any:
+def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True) -> ProcessGroup | None:
     """Every rank of the (single) distributed-optimizer instance: the whole world."""
     return _group("intra_dist_opt", check_initialized, "intra distributed optimizer instance")
 
 
-def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True) -> Any:
+def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True) -> ProcessGroup | None:
     """Not built (one optimizer instance): AssertionError, or None when not ``check_initialized``."""
     return _group("inter_dist_opt", check_initialized, "inter distributed optimizer instance")
 

@@ -7,8 +7,8 @@ visits the same table with chunks reversed.
 
 Rounds. Rank ``r`` runs rounds ``t = -1, 0, 1, ...``: in round ``t`` it runs forward ``t`` (if
 ``t < M * v``), then backward ``t - D_r`` with ``D_r = 2 (pp - r - 1) + (v - 1) G`` (Megatron's
-warm-up count), then one batched exchange with its neighbours. Round ``t`` of rank ``r`` happens at
-global step ``t + r``; every message is sent and received at the same global step (the receiver
+warm-up count), then one batched exchange with its neighbours. Round ``t`` of rank ``r`` happens
+at global step ``t + r``; every message is sent and received at the same global step (the receiver
 knows the sender's schedule, so it knows whether and for which chunk a tensor arrives). This is a
 lock-step wave, hence deadlock-free, and it needs ``G >= pp`` (and a last partial group of at least
 ``pp``) so that the last rank's chunk ``c`` output reaches rank 0 before its chunk ``c + 1`` needs it.
