@@ -14,7 +14,8 @@ records it as the default instance, which only public entry points read: the Meg
 getters below (``get_tensor_model_parallel_group()``, ...) are such entry points.
 
 The pieces live in ``parallel_state_grid`` (grid arithmetic, group building), ``parallel_state_init``
-(the default instance) and ``parallel_state_api`` (the getters); this module re-exports them.
+(the default instance, kept in the runtime's layout state: ``megatron.core.runtime``) and
+``parallel_state_api`` (the getters); this module re-exports them.
 """
 
 from __future__ import annotations
