@@ -30,9 +30,9 @@ class ConfigError(ValueError):
         self.params: tuple[str, ...] = tuple(params)
 
 
-def doc(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = "", choices=None,
-        nargs: str | None = None, default_factory: Any = dataclasses.MISSING, metavar: str | None = None,
-        app_default: Any = dataclasses.MISSING):
+def doc(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = "",
+        choices: Sequence[Any] | None = None, nargs: str | None = None, default_factory: Any = dataclasses.MISSING,
+        metavar: str | None = None, app_default: Any = dataclasses.MISSING) -> Any:
     """A dataclass field with documentation and command-line metadata.
 
     Args:
@@ -46,7 +46,7 @@ def doc(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None 
             ``default`` (Megatron-LM's flag default versus Megatron-Core's field default); the
             parser uses it when the flag is not given (:func:`flag_default`).
     """
-    meta = {"help": help, "flag": flag, "choices": choices, "nargs": nargs, "metavar": metavar}
+    meta: dict[str, Any] = {"help": help, "flag": flag, "choices": choices, "nargs": nargs, "metavar": metavar}
     if app_default is not dataclasses.MISSING:
         meta["app_default"] = app_default
     if default_factory is not dataclasses.MISSING:
@@ -54,7 +54,7 @@ def doc(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None 
     return dataclasses.field(default=default, metadata=meta)
 
 
-def flag_default(f: dataclasses.Field) -> Any:
+def flag_default(f: dataclasses.Field[Any]) -> Any:
     """The value a field takes in the training application when its flag is not given: its
     ``app_default`` if it has one, else the dataclass default (``MISSING`` when it has none)."""
     if "app_default" in f.metadata:

@@ -13,6 +13,8 @@ into two). The gradient ``softmax - ((1 - eps) * onehot + eps / V)`` is computed
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,7 +28,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     Backward: softmax minus the smoothed one-hot, computed locally on each shard (no communication)."""
 
     @staticmethod
-    def forward(ctx, logits, target, group, label_smoothing):
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None,
+                label_smoothing: float) -> torch.Tensor:
         logits = logits.float()  # [..., V/tp]
         local_max = logits.max(dim=-1)[0]
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
@@ -56,7 +59,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         softmax, local_t, outside = ctx.saved_tensors
         eps = ctx.label_smoothing
         g = grad_loss.unsqueeze(-1)

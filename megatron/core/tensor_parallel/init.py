@@ -19,6 +19,7 @@ Each parameter carries its recipe as attributes set by the layer that owns it:
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 
@@ -85,7 +86,7 @@ def set_init_attrs(param: torch.Tensor, std: float = 0.0, value: float = 0.0, pa
                      tensor_model_parallel=partition_dim >= 0 and partition_size > 1)
 
 
-def tag_param(param: torch.Tensor, **attrs) -> torch.Tensor:
+def tag_param(param: torch.Tensor, **attrs: Any) -> torch.Tensor:
     """Attach attributes that other components read (``sequence_parallel``, ``shared_embedding_copy``, ...)."""
     for name, value in attrs.items():
         setattr(param, name, value)

@@ -20,6 +20,8 @@ layers did not train on two H200s with the in-place form, and do with the functi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -106,12 +108,12 @@ class _CopyToRegion(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return _all_reduce(g, ctx.group), None
 
 
@@ -119,11 +121,11 @@ class _ReduceFromRegion(torch.autograd.Function):
     """Forward: all-reduce. Backward: identity."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         return _all_reduce(x, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return g, None
 
 
@@ -131,12 +133,12 @@ class _ScatterToRegion(torch.autograd.Function):
     """Forward: keep this rank's slice of the last dim. Backward: all-gather the last dim."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return _split(x, group, -1)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return _gather(g, ctx.group, -1), None
 
 
@@ -144,12 +146,12 @@ class _GatherFromRegion(torch.autograd.Function):
     """Forward: all-gather the last dim. Backward: keep this rank's slice."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return _gather(x, group, -1)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return _split(g, ctx.group, -1), None
 
 
@@ -157,12 +159,12 @@ class _ScatterToSequence(torch.autograd.Function):
     """Forward: keep this rank's slice of the sequence dim. Backward: all-gather the sequence dim."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return _split(x, group, 0)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return _gather(g, ctx.group, 0), None
 
 
@@ -171,12 +173,12 @@ class _GatherFromSequence(torch.autograd.Function):
     or split (the consumer is replicated), chosen by ``reduce_grad``."""
 
     @staticmethod
-    def forward(ctx, x, group, reduce_grad):
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, reduce_grad: bool) -> torch.Tensor:
         ctx.group, ctx.reduce_grad = group, reduce_grad
         return _gather(x, group, 0)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.reduce_grad:
             return _reduce_scatter(g, ctx.group), None, None
         return _split(g, ctx.group, 0), None, None
@@ -186,12 +188,12 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     """Forward: reduce-scatter along the sequence dim. Backward: all-gather the sequence dim."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return _reduce_scatter(x, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return _gather(g, ctx.group, 0), None
 
 
@@ -315,12 +317,12 @@ class _AllGatherLastDim(torch.autograd.Function):
     """Forward: all-gather the last dim. Backward: reduce-scatter the last dim."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return _gather(x, group, -1)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return _reduce_scatter_last_dim(g, ctx.group), None
 
 
@@ -328,12 +330,12 @@ class _ReduceScatterLastDim(torch.autograd.Function):
     """Forward: reduce-scatter the last dim. Backward: all-gather the last dim."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return _reduce_scatter_last_dim(x, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return _gather(g, ctx.group, -1), None
 
 
@@ -364,7 +366,8 @@ class _AllToAll(torch.autograd.Function):
     """Forward: all-to-all of dim 0 blocks. Backward: the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, group, x, output_split_sizes, input_split_sizes):
+    def forward(ctx: Any, group: ProcessGroup, x: torch.Tensor, output_split_sizes: list[int] | None,
+                input_split_sizes: list[int] | None) -> torch.Tensor:
         ctx.group, ctx.splits = group, (output_split_sizes, input_split_sizes)
         x = x.contiguous()
         if output_split_sizes is None:
@@ -376,7 +379,7 @@ class _AllToAll(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         out_sizes, in_sizes = ctx.splits
         return None, _AllToAll.apply(ctx.group, g, in_sizes, out_sizes), None, None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from megatron.core.datasets.errors import DataError
 from megatron.core.tokenizer.base import FastTokenizer, require_file
@@ -10,7 +11,7 @@ from megatron.core.tokenizer.base import FastTokenizer, require_file
 EOD_TOKEN = "<|endoftext|>"
 
 
-def load_byte_level_bpe(vocab_file: str, merge_file: str):
+def load_byte_level_bpe(vocab_file: str, merge_file: str) -> Any:
     """A ``tokenizers.Tokenizer`` with GPT-2's byte-level pre-tokenizer, BPE model and decoder.
 
     ``<|endoftext|>`` is not registered as a special token: like GPT-2's reference encoder,
