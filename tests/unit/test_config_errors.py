@@ -78,12 +78,12 @@ CLI = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 
     CheckpointError("checkpoint ck/iter_0000002 has no model weights"),
 ])
 def test_cli_prints_a_user_error_once_in_flags_and_exits_2(monkeypatch, capsys, error):
-    from megatron.training import cli
+    from megatron.training import cli, training
 
     def pretrain(cfg, providers):
         raise error
 
-    monkeypatch.setattr(cli, "pretrain", pretrain)
+    monkeypatch.setattr(training, "pretrain", pretrain)
     assert cli.run(CLI) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -93,12 +93,12 @@ def test_cli_prints_a_user_error_once_in_flags_and_exits_2(monkeypatch, capsys, 
 
 def test_cli_lets_a_bare_value_error_through_with_its_traceback(monkeypatch):
     """Raised on out of ``run``, so that Python prints its traceback and exits 1 (not a one-line exit 2)."""
-    from megatron.training import cli
+    from megatron.training import cli, training
 
     def pretrain(cfg, providers):
         raise ValueError("Expected input batch_size (4) to match target batch_size (2).")  # torch's, a bug
 
-    monkeypatch.setattr(cli, "pretrain", pretrain)
+    monkeypatch.setattr(training, "pretrain", pretrain)
     with pytest.raises(ValueError, match="Expected input batch_size"):
         cli.run(CLI)
 
