@@ -65,10 +65,12 @@ def main() -> None:
         logits[rows, target] -= weights.to(logits.dtype)
         return lse - picked
 
-    variants = {"inplace": lambda x, t, w: (inplace(x, t, w), x),
-                "out_of_place": lambda x, t, w: out_of_place(x, t, w),
-                "split": lambda x, t, w: (split(x, t, w), x),
-                "triton": lambda x, t, w: (triton_kernels.cross_entropy_grad_triton(x, t, w), x)}
+    variants = {
+        "inplace": lambda x, t, w: (inplace(x, t, w), x),
+        "out_of_place": lambda x, t, w: out_of_place(x, t, w),
+        "split": lambda x, t, w: (split(x, t, w), x),
+        "triton": lambda x, t, w: (triton_kernels.cross_entropy_grad_triton(x, t, w), x),
+    }
     out_dir = os.environ.get("OUT") or "bench_out"
     os.makedirs(out_dir, exist_ok=True)
     print(f"{'shape':<14} {'variant':<13} {'ms':>8} {'GB/s':>8} {'max |dgrad| err':>16}")
@@ -85,10 +87,20 @@ def main() -> None:
             loss, grad = fn(x, target, weights)
             err = (grad.float() - ref.float()).abs().max().item()
             loss_err = (loss - ref_loss).abs().max().item()
-            ms = median_ms(functools.partial(fn, x, target, weights), args.iters, before=functools.partial(x.copy_, base))
+            ms = median_ms(
+                functools.partial(fn, x, target, weights), args.iters, before=functools.partial(x.copy_, base)
+            )
             gbps = 3 * base.numel() * base.element_size() / ms / 1e6
-            rec = dict(bench="cross_entropy_step", shape=shape, variant=name, ms=ms, gb_per_s=gbps,
-                       max_grad_err=err, max_loss_err=loss_err, gpu=torch.cuda.get_device_name())
+            rec = dict(
+                bench="cross_entropy_step",
+                shape=shape,
+                variant=name,
+                ms=ms,
+                gb_per_s=gbps,
+                max_grad_err=err,
+                max_loss_err=loss_err,
+                gpu=torch.cuda.get_device_name(),
+            )
             print(f"{shape:<14} {name:<13} {ms:8.3f} {gbps:8.0f} {err:16.2e}", flush=True)
             with open(os.path.join(out_dir, "bench_cross_entropy.jsonl"), "a") as f:
                 f.write(json.dumps(rec) + "\n")

@@ -49,14 +49,19 @@ def _variant(name: str, weight: torch.Tensor, device: str):
         return torch.compile(lambda x: F.linear(x, weight)), [weight]
     if name.startswith("ours_"):
         kernels = passed(self_check(torch.device(device)))  # the Triton casts where their self-check passes
-        gemm = Fp8Gemm(Fp8Recipe("hybrid", name.split("_", 1)[1], 1024), device=device,
-                       use_scaled_mm=device == "cuda", kernels=kernels)
+        gemm = Fp8Gemm(
+            Fp8Recipe("hybrid", name.split("_", 1)[1], 1024),
+            device=device,
+            use_scaled_mm=device == "cuda",
+            kernels=kernels,
+        )
         return torch.compile(lambda x: gemm(x, weight, None)), [weight]
     if name.startswith("torchao_"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        lin = nn.Sequential(nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=device,
-                                      dtype=weight.dtype))
+        lin = nn.Sequential(
+            nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=device, dtype=weight.dtype)
+        )
         with torch.no_grad():
             lin[0].weight.copy_(weight)
         convert_to_float8_training(lin, config=Float8LinearConfig.from_recipe_name(name.split("_", 1)[1]))
@@ -69,7 +74,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_shape(label: str, n: int, k: int, tokens: int, variants: list[str], iters: int, device: str) -> list[dict]:
+def run_shape(
+    label: str, n: int, k: int, tokens: int, variants: list[str], iters: int, device: str
+) -> list[dict]:
     g = torch.Generator(device=device).manual_seed(0)
     x0 = torch.randn(tokens, k, device=device, generator=g).bfloat16()
     w0 = (torch.randn(n, k, device=device, generator=g) * 0.02).bfloat16()
@@ -96,12 +103,29 @@ def run_shape(label: str, n: int, k: int, tokens: int, variants: list[str], iter
                 _sync(device)
                 if i >= 3:
                     times.append((time.perf_counter() - t0) * 1000.0)
-            rows.append({"bench": "fp8_linear", "shape": label, "n": n, "k": k, "tokens": tokens, "variant": name,
-                         "ms": statistics.median(times), "rel_err_out": rel(y, ref), "rel_err_dx": rel(x.grad, ref_dx),
-                         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"})
+            rows.append(
+                {
+                    "bench": "fp8_linear",
+                    "shape": label,
+                    "n": n,
+                    "k": k,
+                    "tokens": tokens,
+                    "variant": name,
+                    "ms": statistics.median(times),
+                    "rel_err_out": rel(y, ref),
+                    "rel_err_dx": rel(x.grad, ref_dx),
+                    "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                }
+            )
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run here is reported, the rest go on
-            rows.append({"bench": "fp8_linear", "shape": label, "variant": name,
-                         "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            rows.append(
+                {
+                    "bench": "fp8_linear",
+                    "shape": label,
+                    "variant": name,
+                    "error": f"{type(exc).__name__}: {str(exc)[:200]}",
+                }
+            )
     return rows
 
 
@@ -109,7 +133,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--variants", default="bf16,ours_tensorwise,ours_delayed,torchao_tensorwise,torchao_rowwise")
+    ap.add_argument(
+        "--variants", default="bf16,ours_tensorwise,ours_delayed,torchao_tensorwise,torchao_rowwise"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="shapes / 32 and 64 tokens: a check of the script")
     args = ap.parse_args()
@@ -129,13 +155,17 @@ def main() -> None:
                     totals[r["variant"]] = float("nan")
                     continue
                 totals[r["variant"]] = totals.get(r["variant"], 0.0) + r["ms"]
-                print(f"{label:<6} {r['variant']:<20} {r['ms']:8.3f} {r['rel_err_out']:10.2e} {r['rel_err_dx']:11.2e}",
-                      flush=True)
+                print(
+                    f"{label:<6} {r['variant']:<20} {r['ms']:8.3f} {r['rel_err_out']:10.2e} {r['rel_err_dx']:11.2e}",
+                    flush=True,
+                )
         base = totals.get("bf16")
         for name, ms in totals.items():
             speedup = f"{base / ms:.2f}x bf16" if base and ms == ms and ms > 0 else "-"
             print(f"four linears, {name:<20} {ms:8.3f} ms  ({speedup})")
-            f.write(json.dumps({"bench": "fp8_linear_total", "variant": name, "ms": ms, "tokens": tokens}) + "\n")
+            f.write(
+                json.dumps({"bench": "fp8_linear_total", "variant": name, "ms": ms, "tokens": tokens}) + "\n"
+            )
 
 
 if __name__ == "__main__":

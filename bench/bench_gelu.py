@@ -35,7 +35,9 @@ K1 = 0.044715
 
 @triton.jit
 def _tanh_approx(x):
-    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
 
 
 @triton.jit
@@ -65,7 +67,9 @@ class _TanhApproxGelu(torch.autograd.Function):
     def forward(ctx, x):
         ctx.save_for_backward(x)
         y = torch.empty_like(x)
-        _gelu_fwd_kernel[(triton.cdiv(x.numel(), _TanhApproxGelu.BLOCK),)](x, y, x.numel(), BLOCK=_TanhApproxGelu.BLOCK)
+        _gelu_fwd_kernel[(triton.cdiv(x.numel(), _TanhApproxGelu.BLOCK),)](
+            x, y, x.numel(), BLOCK=_TanhApproxGelu.BLOCK
+        )
         return y
 
     @staticmethod
@@ -73,8 +77,9 @@ class _TanhApproxGelu(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         g = g.contiguous()
         dx = torch.empty_like(x)
-        _gelu_bwd_kernel[(triton.cdiv(x.numel(), _TanhApproxGelu.BLOCK),)](g, x, dx, x.numel(),
-                                                                          BLOCK=_TanhApproxGelu.BLOCK)
+        _gelu_bwd_kernel[(triton.cdiv(x.numel(), _TanhApproxGelu.BLOCK),)](
+            g, x, dx, x.numel(), BLOCK=_TanhApproxGelu.BLOCK
+        )
         return dx
 
 
@@ -114,8 +119,10 @@ def main() -> None:
     args = ap.parse_args()
     out_dir = os.environ.get("OUT") or "bench_out"
     os.makedirs(out_dir, exist_ok=True)
-    print(f"{'shape':<12} {'variant':<12} {'fwd ms':>8} {'bwd ms':>8} {'fwd TB/s':>9} {'bwd TB/s':>9} "
-          f"{'fwd err':>8} {'bwd err':>8}  (errors: max |diff| / max |ref| of the fp64 formula)")
+    print(
+        f"{'shape':<12} {'variant':<12} {'fwd ms':>8} {'bwd ms':>8} {'fwd TB/s':>9} {'bwd TB/s':>9} "
+        f"{'fwd err':>8} {'bwd err':>8}  (errors: max |diff| / max |ref| of the fp64 formula)"
+    )
     for shape in args.shapes.split(","):
         tokens, f = (int(v) for v in shape.split("x"))
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -125,11 +132,27 @@ def main() -> None:
         for name, (fn, formula) in VARIANTS.items():
             row = _measure(fn if name == "tanh.approx" else torch.compile(fn), formula, x, grad, args.iters)
             fwd_tbs, bwd_tbs = 2 * nbytes / row["fwd_ms"] / 1e9, 3 * nbytes / row["bwd_ms"] / 1e9
-            print(f"{shape:<12} {name:<12} {row['fwd_ms']:8.3f} {row['bwd_ms']:8.3f} {fwd_tbs:9.2f} {bwd_tbs:9.2f} "
-                  f"{row['fwd_err']:8.1e} {row['bwd_err']:8.1e}", flush=True)
+            print(
+                f"{shape:<12} {name:<12} {row['fwd_ms']:8.3f} {row['bwd_ms']:8.3f} {fwd_tbs:9.2f} {bwd_tbs:9.2f} "
+                f"{row['fwd_err']:8.1e} {row['bwd_err']:8.1e}",
+                flush=True,
+            )
             with open(os.path.join(out_dir, "bench_gelu.jsonl"), "a") as fh:
-                fh.write(json.dumps(dict(bench="gelu", shape=shape, variant=name, fwd_tb_s=fwd_tbs, bwd_tb_s=bwd_tbs,
-                                         gpu=torch.cuda.get_device_name(), **row)) + "\n")
+                fh.write(
+                    json.dumps(
+                        dict(
+                            bench="gelu",
+                            shape=shape,
+                            variant=name,
+                            fwd_tb_s=fwd_tbs,
+                            bwd_tb_s=bwd_tbs,
+                            gpu=torch.cuda.get_device_name(),
+                            **row,
+                        )
+                    )
+                    + "\n"
+                )
+
 
 if __name__ == "__main__":
     main()

@@ -45,12 +45,27 @@ def child(prefix: str, cache: str, seq_length: int) -> None:
     from megatron.core.tokenizer import NullTokenizer
 
     t0 = time.perf_counter()
-    cfg = GPTDatasetConfig(random_seed=1234, sequence_length=seq_length, blend=([prefix], None), split="1,0,0",
-                           path_to_cache=cache, tokenizer=NullTokenizer(50257), log=lambda _: None)
+    cfg = GPTDatasetConfig(
+        random_seed=1234,
+        sequence_length=seq_length,
+        blend=([prefix], None),
+        split="1,0,0",
+        path_to_cache=cache,
+        tokenizer=NullTokenizer(50257),
+        log=lambda _: None,
+    )
     (ds, _, _) = BlendedMegatronDatasetBuilder(GPTDataset, [None, None, None], lambda: True, cfg).build()
     t1 = time.perf_counter()
-    print(json.dumps({"samples": len(ds), "build_s": t1 - t0, "import_s": t0 - t_import,
-                      "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(
+        json.dumps(
+            {
+                "samples": len(ds),
+                "build_s": t1 - t0,
+                "import_s": t0 - t_import,
+                "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -75,9 +90,11 @@ def main() -> None:
         start = time.time()
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{label:>18}: {r['samples']} samples, index build {r['build_s']:.2f} s "
-              f"(imports {r['import_s']:.2f} s), process wall {time.time() - start:.2f} s, "
-              f"peak RSS {r['peak_mib']:.0f} MiB")
+        print(
+            f"{label:>18}: {r['samples']} samples, index build {r['build_s']:.2f} s "
+            f"(imports {r['import_s']:.2f} s), process wall {time.time() - start:.2f} s, "
+            f"peak RSS {r['peak_mib']:.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,18 @@ EPS = 1e-5
 DEVICE = "cuda"
 # Shapes: tokens (llama, gpt), hidden (llama, gpt), FFN, vocab (llama, gpt), sequence, heads; --small shrinks
 # them for a check of the script itself on a CPU (TRITON_INTERPRET=1 runs Liger's kernels there).
-S = {"t": 8192, "tg": 16384, "h": 3072, "hg": 2048, "f": 8192, "v": 128256, "vg": 50304, "s": 4096, "nq": 24, "nk": 8}
+S = {
+    "t": 8192,
+    "tg": 16384,
+    "h": 3072,
+    "hg": 2048,
+    "f": 8192,
+    "v": 128256,
+    "vg": 50304,
+    "s": 4096,
+    "nq": 24,
+    "nk": 8,
+}
 SMALL = {"t": 64, "tg": 64, "h": 256, "hg": 128, "f": 128, "v": 512, "vg": 384, "s": 32, "nq": 4, "nk": 2}
 
 
@@ -56,33 +67,47 @@ def case_rmsnorm():
     x, w = _rand(S["t"], S["h"]), _rand(S["h"], scale=0.1) + 1
     w = w.detach().requires_grad_()
     ours = torch.compile(lambda x, w: (F.rms_norm(x, (x.shape[-1],), w, EPS),))
-    return (x, w), {"ours": ours,
-                    "liger": lambda x, w: (LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False),),
-                    "reference": lambda x, w: (F.rms_norm(x.float(), (x.shape[-1],), w.float(), EPS),)}
+    return (x, w), {
+        "ours": ours,
+        "liger": lambda x, w: (LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False),),
+        "reference": lambda x, w: (F.rms_norm(x.float(), (x.shape[-1],), w.float(), EPS),),
+    }
 
 
 def case_add_rmsnorm():
     from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
 
-    x, r, w = _rand(S["t"], S["h"]), _rand(S["t"], S["h"]), (_rand(S["h"], scale=0.1) + 1).detach().requires_grad_()
+    x, r, w = (
+        _rand(S["t"], S["h"]),
+        _rand(S["t"], S["h"]),
+        (_rand(S["h"], scale=0.1) + 1).detach().requires_grad_(),
+    )
 
     def torch_code(x, r, w):
         h = x + r
         return F.rms_norm(h, (h.shape[-1],), w, EPS), h
 
-    return (x, r, w), {"ours": torch.compile(torch_code),
-                       "liger": lambda x, r, w: tuple(LigerFusedAddRMSNormFunction.apply(x, r, w, EPS)),
-                       "reference": lambda x, r, w: torch_code(x.float(), r.float(), w.float())}
+    return (x, r, w), {
+        "ours": torch.compile(torch_code),
+        "liger": lambda x, r, w: tuple(LigerFusedAddRMSNormFunction.apply(x, r, w, EPS)),
+        "reference": lambda x, r, w: torch_code(x.float(), r.float(), w.float()),
+    }
 
 
 def case_layernorm():
     from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
-    x, w, b = _rand(S["tg"], S["hg"]), (_rand(S["hg"], scale=0.1) + 1).detach().requires_grad_(), _rand(S["hg"], scale=0.1)
+    x, w, b = (
+        _rand(S["tg"], S["hg"]),
+        (_rand(S["hg"], scale=0.1) + 1).detach().requires_grad_(),
+        _rand(S["hg"], scale=0.1),
+    )
     ours = torch.compile(lambda x, w, b: (F.layer_norm(x, (x.shape[-1],), w, b, EPS),))
-    return (x, w, b), {"ours": ours, "liger": lambda x, w, b: (LigerLayerNormFunction.apply(x, w, b, EPS),),
-                       "reference": lambda x, w, b: (F.layer_norm(x.float(), (x.shape[-1],), w.float(),
-                                                                  b.float(), EPS),)}
+    return (x, w, b), {
+        "ours": ours,
+        "liger": lambda x, w, b: (LigerLayerNormFunction.apply(x, w, b, EPS),),
+        "reference": lambda x, w, b: (F.layer_norm(x.float(), (x.shape[-1],), w.float(), b.float(), EPS),),
+    }
 
 
 def case_rope():
@@ -103,9 +128,15 @@ def case_rope():
         qo, ko = LigerRopeFunction.apply(qb, kb, cos_l, sin_l)
         return qo.permute(2, 0, 1, 3), ko.permute(2, 0, 1, 3)  # views back to [s, b, n, d] for the check
 
-    return (q, k), {"ours": torch.compile(torch_code), "liger": liger,
-                    "reference": lambda q, k: (apply_rotary(q.float(), cos, sin), apply_rotary(k.float(), cos, sin))}, \
-        {"liger": (qb, kb)}
+    return (
+        (q, k),
+        {
+            "ours": torch.compile(torch_code),
+            "liger": liger,
+            "reference": lambda q, k: (apply_rotary(q.float(), cos, sin), apply_rotary(k.float(), cos, sin)),
+        },
+        {"liger": (qb, kb)},
+    )
 
 
 def case_swiglu():
@@ -117,8 +148,11 @@ def case_swiglu():
         gate, up = y.float().chunk(2, dim=-1)
         return (F.silu(gate) * up,)
 
-    return (y,), {"ours": torch.compile(lambda y: (triton_kernels.SwiGLU.apply(y),)),
-                  "liger": lambda y: (LigerFusedGateUpSiLUMulFunction.apply(y),), "reference": reference}
+    return (y,), {
+        "ours": torch.compile(lambda y: (triton_kernels.SwiGLU.apply(y),)),
+        "liger": lambda y: (LigerFusedGateUpSiLUMulFunction.apply(y),),
+        "reference": reference,
+    }
 
 
 def _linear_ce_case(tokens: int, hidden: int, vocab: int):
@@ -130,15 +164,22 @@ def _linear_ce_case(tokens: int, hidden: int, vocab: int):
     def reference(h, w):
         return (F.cross_entropy((h.float() @ w.float().t()), target),)
 
-    ours = {"use_triton": triton_kernels.passed(triton_kernels.self_check(h.device)).uses("cross_entropy"),
-            "compile": True}  # as the execution plan resolves it on a GPU
-    return (h, w), {"ours": lambda h, w: (linear_cross_entropy(h, w, target, **ours).mean(),),
-                    "liger": lambda h, w: (LigerFusedLinearCrossEntropyFunction.apply(h, w, target)[0],),  # (loss, ...)
-                    "reference": reference}
+    ours = {
+        "use_triton": triton_kernels.passed(triton_kernels.self_check(h.device)).uses("cross_entropy"),
+        "compile": True,
+    }  # as the execution plan resolves it on a GPU
+    return (h, w), {
+        "ours": lambda h, w: (linear_cross_entropy(h, w, target, **ours).mean(),),
+        "liger": lambda h, w: (LigerFusedLinearCrossEntropyFunction.apply(h, w, target)[0],),  # (loss, ...)
+        "reference": reference,
+    }
 
 
 CASES = {
-    "rmsnorm": case_rmsnorm, "add_rmsnorm": case_add_rmsnorm, "layernorm": case_layernorm, "rope": case_rope,
+    "rmsnorm": case_rmsnorm,
+    "add_rmsnorm": case_add_rmsnorm,
+    "layernorm": case_layernorm,
+    "rope": case_rope,
     "swiglu": case_swiglu,
     "linear_ce": lambda: _linear_ce_case(S["t"], S["h"], S["v"]),
     "linear_ce_gpt": lambda: _linear_ce_case(S["tg"], S["hg"], S["vg"]),
@@ -186,9 +227,18 @@ def run_case(name: str, iters: int) -> list[dict]:
             in_grads = [g.permute(2, 0, 1, 3) for g in in_grads]
         err_out = max(_rel(o, r) for o, r in zip(outs, ref_outs))
         err_grad = max(_rel(g, r) for g, r in zip(in_grads, ref_grads) if g is not None)
-        rows.append({"bench": "liger_vs_ours", "case": name, "variant": variant, "ms": statistics.median(times),
-                     "peak_extra_gib": peak, "rel_err_out": err_out, "rel_err_grad": err_grad,
-                     "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"})
+        rows.append(
+            {
+                "bench": "liger_vs_ours",
+                "case": name,
+                "variant": variant,
+                "ms": statistics.median(times),
+                "peak_extra_gib": peak,
+                "rel_err_out": err_out,
+                "rel_err_grad": err_grad,
+                "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+            }
+        )
     return rows
 
 
@@ -196,8 +246,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--small", action="store_true",
-                    help="tiny shapes on the CPU (with TRITON_INTERPRET=1): checks the script, times nothing useful")
+    ap.add_argument(
+        "--small",
+        action="store_true",
+        help="tiny shapes on the CPU (with TRITON_INTERPRET=1): checks the script, times nothing useful",
+    )
     args = ap.parse_args()
     global DEVICE
     if args.small:
@@ -206,7 +259,9 @@ def main() -> None:
     out_dir = os.environ.get("OUT") or "bench_out"
     os.makedirs(out_dir, exist_ok=True)
     torch.manual_seed(0)
-    print(f"{'case':<14} {'variant':<7} {'ms':>8} {'peak extra GiB':>15} {'rel err out':>12} {'rel err grad':>13}")
+    print(
+        f"{'case':<14} {'variant':<7} {'ms':>8} {'peak extra GiB':>15} {'rel err out':>12} {'rel err grad':>13}"
+    )
     with open(os.path.join(out_dir, "bench_liger.jsonl"), "a") as f:
         for name in args.cases.split(","):
             try:
@@ -216,8 +271,11 @@ def main() -> None:
                 continue
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-                print(f"{r['case']:<14} {r['variant']:<7} {r['ms']:8.3f} {r['peak_extra_gib']:15.2f} "
-                      f"{r['rel_err_out']:12.2e} {r['rel_err_grad']:13.2e}", flush=True)
+                print(
+                    f"{r['case']:<14} {r['variant']:<7} {r['ms']:8.3f} {r['peak_extra_gib']:15.2f} "
+                    f"{r['rel_err_out']:12.2e} {r['rel_err_grad']:13.2e}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

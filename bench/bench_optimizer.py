@@ -60,7 +60,9 @@ def main() -> None:
     for dynamic in (False, True):
         ours = torch.optim.AdamW(mains, lr=1e-4, weight_decay=0.1, fused=True)
         label = f"one-pass AdamW, compiled {'size-generic' if dynamic else 'per size'}"
-        results[label] = median_ms(lambda: adamw_step(ours, model_of, divisor, dynamic=dynamic), args.iters, warmup=3)  # noqa: B023
+        results[label] = median_ms(
+            lambda: adamw_step(ours, model_of, divisor, dynamic=dynamic), args.iters, warmup=3
+        )  # noqa: B023
     print(f"{args.config}: {len(shapes)} tensors, {n / 1e9:.3f} B parameters")
     for label, ms in results.items():
         print(f"  {label:<50} {ms:8.2f} ms   {30 * n / ms / 1e9:6.2f} TB/s at 30 B/param")

@@ -62,7 +62,7 @@ def build_corpus(path: str, size_mb: float) -> None:
                     except (UnicodeDecodeError, OSError):
                         continue
                     for i in range(0, len(text), 1500):
-                        chunk = text[i:i + 1500]
+                        chunk = text[i : i + 1500]
                         line = json.dumps({"text": chunk}, ensure_ascii=False) + "\n"
                         out.write(line)
                         written += len(line.encode("utf-8"))
@@ -90,16 +90,23 @@ def train_bpe(corpus: str, out_dir: str) -> tuple[str, str]:
     return os.path.join(out_dir, "vocab.json"), os.path.join(out_dir, "merges.txt")
 
 
-MEASURE = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, " \
-          "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); " \
-          "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+MEASURE = (
+    "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+    "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
 
 
 def timed(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
     """Run ``cmd`` under a fresh wrapper process: (wall seconds, peak RSS MiB of its largest process)."""
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", MEASURE, *cmd], check=True, capture_output=True, text=True,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, *cmd],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     return time.perf_counter() - start, int(out.stdout.strip()) / 1024
 
 
@@ -118,17 +125,62 @@ def main() -> None:
         build_corpus(corpus, args.size_mb)
     vocab, merges = train_bpe(corpus, args.workdir)
     mb = os.path.getsize(corpus) / 1e6
-    tool = [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
-            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod"]
+    tool = [
+        sys.executable,
+        os.path.join(ROOT, "tools", "preprocess_data.py"),
+        "--input",
+        corpus,
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        vocab,
+        "--merge-file",
+        merges,
+        "--append-eod",
+    ]
     runs = [
-        ("plain loop, 2 tokenizer threads", [sys.executable, "-c", PLAIN_LOOP, corpus, vocab, merges,
-                                             os.path.join(args.workdir, "plain2"), ROOT], {"RAYON_NUM_THREADS": "2"}, "plain2"),
-        ("plain loop, 1 tokenizer thread", [sys.executable, "-c", PLAIN_LOOP, corpus, vocab, merges,
-                                            os.path.join(args.workdir, "plain1"), ROOT], {"RAYON_NUM_THREADS": "1"}, "plain1"),
-        ("preprocess_data.py --workers 1", tool + ["--workers", "1", "--output-prefix", os.path.join(args.workdir, "w1")],
-         None, "w1_text_document"),
-        ("preprocess_data.py --workers 2", tool + ["--workers", "2", "--output-prefix", os.path.join(args.workdir, "w2")],
-         None, "w2_text_document"),
+        (
+            "plain loop, 2 tokenizer threads",
+            [
+                sys.executable,
+                "-c",
+                PLAIN_LOOP,
+                corpus,
+                vocab,
+                merges,
+                os.path.join(args.workdir, "plain2"),
+                ROOT,
+            ],
+            {"RAYON_NUM_THREADS": "2"},
+            "plain2",
+        ),
+        (
+            "plain loop, 1 tokenizer thread",
+            [
+                sys.executable,
+                "-c",
+                PLAIN_LOOP,
+                corpus,
+                vocab,
+                merges,
+                os.path.join(args.workdir, "plain1"),
+                ROOT,
+            ],
+            {"RAYON_NUM_THREADS": "1"},
+            "plain1",
+        ),
+        (
+            "preprocess_data.py --workers 1",
+            tool + ["--workers", "1", "--output-prefix", os.path.join(args.workdir, "w1")],
+            None,
+            "w1_text_document",
+        ),
+        (
+            "preprocess_data.py --workers 2",
+            tool + ["--workers", "2", "--output-prefix", os.path.join(args.workdir, "w2")],
+            None,
+            "w2_text_document",
+        ),
     ]
     sums = set()
     print(f"| tool | wall s | MB/s of input ({mb:.1f} MB) | peak RSS of the largest process |")

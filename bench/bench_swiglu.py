@@ -65,10 +65,16 @@ def _fp8_runs(tokens: int, f: int) -> dict:
     s4, s5 = torch.tensor(8.0, device="cuda"), torch.tensor(1000.0, device="cuda")
     e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     return {
-        "forward": (lambda: tk.fp8_cast_transpose_triton(swiglu(x), s4, e4, True),
-                    lambda t: tk.swiglu_cast_transpose_amax_triton(x, s4, e4, t), tokens * f * (4 + 2)),
-        "backward": (lambda: tk.fp8_cast_transpose_triton(tk.swiglu_backward_triton(grad, x), s5, e5, True),
-                     lambda t: tk.swiglu_backward_cast_transpose_amax_triton(grad, x, s5, e5, t), tokens * f * (6 + 4)),
+        "forward": (
+            lambda: tk.fp8_cast_transpose_triton(swiglu(x), s4, e4, True),
+            lambda t: tk.swiglu_cast_transpose_amax_triton(x, s4, e4, t),
+            tokens * f * (4 + 2),
+        ),
+        "backward": (
+            lambda: tk.fp8_cast_transpose_triton(tk.swiglu_backward_triton(grad, x), s5, e5, True),
+            lambda t: tk.swiglu_backward_cast_transpose_amax_triton(grad, x, s5, e5, t),
+            tokens * f * (6 + 4),
+        ),
     }
 
 
@@ -81,14 +87,27 @@ def fp8_tiles(shapes: str, tiles: str, iters: int, out_dir: str) -> None:
         for name, (apart, fused, nbytes) in _fp8_runs(tokens, f).items():
             rows = [("two passes", median_ms(apart, iters, warmup=3), "")]
             for tile in tiles.split(","):
-                ms = median_ms(functools.partial(fused, tuple(int(v) for v in tile.split("x"))), iters, warmup=3)
+                ms = median_ms(
+                    functools.partial(fused, tuple(int(v) for v in tile.split("x"))), iters, warmup=3
+                )
                 rows.append((tile, ms, f"{nbytes / ms / 1e9:6.2f}"))
                 totals[name][tile] = totals[name].get(tile, 0.0) + ms
             for variant, ms, tbs in rows:
                 print(f"{shape:<12} {name:<9} {variant:<12} {ms:8.3f} {tbs}", flush=True)
                 with open(os.path.join(out_dir, "bench_swiglu.jsonl"), "a") as fh:
-                    fh.write(json.dumps(dict(bench="swiglu_fp8", shape=shape, kernel=name, variant=variant, ms=ms,
-                                             gpu=torch.cuda.get_device_name())) + "\n")
+                    fh.write(
+                        json.dumps(
+                            dict(
+                                bench="swiglu_fp8",
+                                shape=shape,
+                                kernel=name,
+                                variant=variant,
+                                ms=ms,
+                                gpu=torch.cuda.get_device_name(),
+                            )
+                        )
+                        + "\n"
+                    )
     with open(os.path.join(out_dir, "swiglu_fp8_tiles.txt"), "w") as fh:  # least total time over the shapes
         for name, per_tile in totals.items():
             tile = min(per_tile, key=per_tile.__getitem__)
@@ -101,7 +120,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="8192x8192,4096x14336", help="tokens x F (llama-3b, Llama-3-8B)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--fp8", action="store_true", help="time the fused SwiGLU + fp8 cast-transpose kernels")
-    ap.add_argument("--tiles", default=FP8_TILES, help="with --fp8: rows x columns x warps of each tile to time")
+    ap.add_argument(
+        "--tiles", default=FP8_TILES, help="with --fp8: rows x columns x warps of each tile to time"
+    )
     args = ap.parse_args()
     out_dir = os.environ.get("OUT") or "bench_out"
     os.makedirs(out_dir, exist_ok=True)
@@ -125,9 +146,20 @@ def main() -> None:
             ms = times[len(times) // 2]
             print(f"{shape:<12} {name:<9} {ms:8.3f} {ideal_ms:13.3f} {err:12.2e}", flush=True)
             with open(os.path.join(out_dir, "bench_swiglu.jsonl"), "a") as fh:
-                fh.write(json.dumps(dict(bench="swiglu_backward", shape=shape, variant=name, ms=ms,
-                                         bandwidth_ms=ideal_ms, max_rel_err=err,
-                                         gpu=torch.cuda.get_device_name())) + "\n")
+                fh.write(
+                    json.dumps(
+                        dict(
+                            bench="swiglu_backward",
+                            shape=shape,
+                            variant=name,
+                            ms=ms,
+                            bandwidth_ms=ideal_ms,
+                            max_rel_err=err,
+                            gpu=torch.cuda.get_device_name(),
+                        )
+                    )
+                    + "\n"
+                )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ from collections.abc import Callable
 import torch
 
 
-def median_ms(fn: Callable[[], object], iters: int, warmup: int = 0,
-              before: Callable[[], object] | None = None) -> float:
+def median_ms(
+    fn: Callable[[], object], iters: int, warmup: int = 0, before: Callable[[], object] | None = None
+) -> float:
     """Median ms of ``fn()`` over ``iters`` calls, each timed alone (the device synchronised after each),
     after ``warmup`` untimed calls; ``before`` (untimed) runs ahead of every call, e.g. to restore an
     input that ``fn`` overwrites."""

@@ -38,21 +38,27 @@ import tempfile
 from layout_match import ROOT, run_command
 
 MODELS = {
-    "small": ("--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --group-query-attention "
-              "--num-query-groups 4 --ffn-hidden-size 2816 --seq-length 1024 --max-position-embeddings 1024 "
-              "--micro-batch-size 8 --global-batch-size 8"),
-    "tiny": ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
-             "--ffn-hidden-size 176 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 4 "
-             "--global-batch-size 4"),
+    "small": (
+        "--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --group-query-attention "
+        "--num-query-groups 4 --ffn-hidden-size 2816 --seq-length 1024 --max-position-embeddings 1024 "
+        "--micro-batch-size 8 --global-batch-size 8"
+    ),
+    "tiny": (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+        "--ffn-hidden-size 176 --seq-length 64 --max-position-embeddings 64 --micro-batch-size 4 "
+        "--global-batch-size 4"
+    ),
 }
-COMMON = ("--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear --bf16 "
-          "--lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 30 --weight-decay 0.1 "
-          "--adam-beta2 0.95 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --seed 1234 "
-          "--log-interval 1 --eval-iters 0 --num-workers 1 --tokenizer-type GPT2BPETokenizer --split 100,0,0")
+COMMON = (
+    "--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear --bf16 "
+    "--lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 30 --weight-decay 0.1 "
+    "--adam-beta2 0.95 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --seed 1234 "
+    "--log-interval 1 --eval-iters 0 --num-workers 1 --tokenizer-type GPT2BPETokenizer --split 100,0,0"
+)
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
 def compare(ref: dict[int, float], other: dict[int, float], window: int = 20, tail: int = 50) -> dict:
@@ -62,10 +68,20 @@ def compare(ref: dict[int, float], other: dict[int, float], window: int = 20, ta
     window, tail = max(1, min(window, len(steps) // 5)), max(1, min(tail, len(steps) // 2))
     a, b = [ref[s] for s in steps], [other[s] for s in steps]
     ma, mb = moving_average(a, window), moving_average(b, window)
-    curve = max(abs(x - y) / abs(x) for x, y in list(zip(ma, mb))[window:]) if len(steps) > window else float("nan")
+    curve = (
+        max(abs(x - y) / abs(x) for x, y in list(zip(ma, mb))[window:])
+        if len(steps) > window
+        else float("nan")
+    )
     last_a, last_b = statistics.fmean(a[-tail:]), statistics.fmean(b[-tail:])
-    return {"max_rel_diff_moving_avg": curve, "rel_diff_last_mean": abs(last_b - last_a) / abs(last_a),
-            "bf16_last_mean": last_a, "last_mean": last_b, "window": window, "tail": tail}
+    return {
+        "max_rel_diff_moving_avg": curve,
+        "rel_diff_last_mean": abs(last_b - last_a) / abs(last_a),
+        "bf16_last_mean": last_a,
+        "last_mean": last_b,
+        "window": window,
+        "tail": tail,
+    }
 
 
 def tokens_per_s(metrics: str, skip: int = 10) -> float | None:
@@ -79,32 +95,61 @@ def tokens_per_s(metrics: str, skip: int = 10) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=300)
-    ap.add_argument("--recipes", default="hybrid:tensorwise,hybrid:delayed",
-                    help="comma-separated FORMAT:RECIPE pairs; empty runs bf16 only")
+    ap.add_argument(
+        "--recipes",
+        default="hybrid:tensorwise,hybrid:delayed",
+        help="comma-separated FORMAT:RECIPE pairs; empty runs bf16 only",
+    )
     ap.add_argument("--model", default="small", choices=sorted(MODELS))
-    ap.add_argument("--data", default=os.path.join(ROOT, "data", "prepared"),
-                    help="folder written by examples/prepare_corpus.sh")
+    ap.add_argument(
+        "--data",
+        default=os.path.join(ROOT, "data", "prepared"),
+        help="folder written by examples/prepare_corpus.sh",
+    )
     ap.add_argument("--tolerance", type=float, default=0.01)
-    ap.add_argument("--global-batch-size", type=int, default=None,
-                    help="sequences per step (gradient accumulation over micro-batches of 8; default 8). The bundled "
-                         "corpus is ~0.46M tokens: at 32, 300 steps are ~20 passes over it and every run, a "
-                         "second bf16 one included, memorises it at its own pace (curves 7%% apart)")
-    ap.add_argument("--seq-length", type=int, default=None,
-                    help="tokens per sequence (default 1024 for the small model). At 8 sequences of 1024 the 300 steps "
-                         "are ~5 passes over the bundled corpus and two bf16 runs of one seed end up to 3%% apart; "
-                         "at 256, ~1.3 passes")
-    ap.add_argument("--seeds", default="1234",
-                    help="comma-separated seeds: every run once per seed, each compared with bf16 of its seed, "
-                         "and with several, the mean curves over the seeds (run-to-run noise averages out)")
-    ap.add_argument("--bf16-repeat", action="store_true",
-                    help="train bf16 twice and report the repeat like a recipe (the run-to-run noise floor)")
-    ap.add_argument("--args", default=None,
-                    help="pretrain_gpt.py flags of your own run (model, data, tokenizer, batch, layout) instead of "
-                         "--model and the bundled corpus; without --save / --load / --train-iters")
-    ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run, for --args with a parallel layout")
-    ap.add_argument("--combine", default=None, metavar="JSONL[,JSONL...]",
-                    help="train nothing: the mean-over-seeds comparison of the rows these fp8_loss.jsonl files hold "
-                         "(invocations that ran different seeds, one per GPU)")
+    ap.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="sequences per step (gradient accumulation over micro-batches of 8; default 8). The bundled "
+        "corpus is ~0.46M tokens: at 32, 300 steps are ~20 passes over it and every run, a "
+        "second bf16 one included, memorises it at its own pace (curves 7%% apart)",
+    )
+    ap.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="tokens per sequence (default 1024 for the small model). At 8 sequences of 1024 the 300 steps "
+        "are ~5 passes over the bundled corpus and two bf16 runs of one seed end up to 3%% apart; "
+        "at 256, ~1.3 passes",
+    )
+    ap.add_argument(
+        "--seeds",
+        default="1234",
+        help="comma-separated seeds: every run once per seed, each compared with bf16 of its seed, "
+        "and with several, the mean curves over the seeds (run-to-run noise averages out)",
+    )
+    ap.add_argument(
+        "--bf16-repeat",
+        action="store_true",
+        help="train bf16 twice and report the repeat like a recipe (the run-to-run noise floor)",
+    )
+    ap.add_argument(
+        "--args",
+        default=None,
+        help="pretrain_gpt.py flags of your own run (model, data, tokenizer, batch, layout) instead of "
+        "--model and the bundled corpus; without --save / --load / --train-iters",
+    )
+    ap.add_argument(
+        "--nproc", type=int, default=1, help="processes (GPUs) per run, for --args with a parallel layout"
+    )
+    ap.add_argument(
+        "--combine",
+        default=None,
+        metavar="JSONL[,JSONL...]",
+        help="train nothing: the mean-over-seeds comparison of the rows these fp8_loss.jsonl files hold "
+        "(invocations that ran different seeds, one per GPU)",
+    )
     args = ap.parse_args()
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench_out")
     os.makedirs(out_dir, exist_ok=True)
@@ -115,12 +160,14 @@ def main() -> None:
         given = set(shlex.split(args.args))
         clash = sorted(given & {"--save", "--load", "--train-iters", "--train-samples"})
         if clash:
-            ap.error(f"--args: drop {', '.join(clash)} (every run of the A/B starts from scratch, trains --iters "
-                     "steps and saves nothing)")
+            ap.error(
+                f"--args: drop {', '.join(clash)} (every run of the A/B starts from scratch, trains --iters "
+                "steps and saves nothing)"
+            )
         base = f"{args.args} --train-iters {args.iters}"
     else:
         d = args.data
-        data = (f"--data-path {d}/corpus_text_document --vocab-file {d}/vocab.json --merge-file {d}/merges.txt")
+        data = f"--data-path {d}/corpus_text_document --vocab-file {d}/vocab.json --merge-file {d}/merges.txt"
         base = f"{MODELS[args.model]} {COMMON} {data} --train-iters {args.iters}"
     if args.global_batch_size:
         base += f" --global-batch-size {args.global_batch_size}"  # the last occurrence wins
@@ -146,12 +193,20 @@ def main() -> None:
                 curve = run_command(args.nproc, f"{flags} --seed {seed}", metrics)  # (the last --seed wins)
                 curves.setdefault(name, []).append(curve)
                 rate = tokens_per_s(metrics)
-                row = {"run": name, "seed": seed, "iters": args.iters, "model": model, "nproc": args.nproc,
-                       "tokens_per_s": rate}
+                row = {
+                    "run": name,
+                    "seed": seed,
+                    "iters": args.iters,
+                    "model": model,
+                    "nproc": args.nproc,
+                    "tokens_per_s": rate,
+                }
                 if name == "bf16":
                     ref, ref_rate = curve, rate
-                    print(f"bf16{tag}: {len(ref)} steps, loss {ref[min(ref)]:.4f} -> {ref[max(ref)]:.4f}, "
-                          f"{rate or float('nan'):.0f} tokens/s")
+                    print(
+                        f"bf16{tag}: {len(ref)} steps, loss {ref[min(ref)]:.4f} -> {ref[max(ref)]:.4f}, "
+                        f"{rate or float('nan'):.0f} tokens/s"
+                    )
                     f.write(json.dumps({**row, "losses": ref}) + "\n")
                 else:
                     ratio = rate / ref_rate if rate and ref_rate else None
@@ -162,8 +217,9 @@ def main() -> None:
             _write_means(f, curves, seeds, args.iters, model, args.tolerance)
 
 
-def _write_means(f, curves: dict[str, list[dict[int, float]]], seeds: list[int], iters: int, model: str,
-                 tolerance: float) -> None:
+def _write_means(
+    f, curves: dict[str, list[dict[int, float]]], seeds: list[int], iters: int, model: str, tolerance: float
+) -> None:
     """Each recipe's mean curve over the seeds against bf16's mean curve (paired: the same seeds), so
     that each seed's run-to-run differences average out; printed and written as rows to ``f``."""
     mean_ref = _mean_curve(curves["bf16"])
@@ -172,8 +228,12 @@ def _write_means(f, curves: dict[str, list[dict[int, float]]], seeds: list[int],
             if len(runs_of) != len(seeds):  # e.g. a bf16 repeat cut short by a time limit
                 print(f"{name}: {len(runs_of)} of {len(seeds)} seeds ran; left out of the mean")
                 continue
-            res = _report(f"{name} (mean of {len(seeds)} seeds)", compare(mean_ref, _mean_curve(runs_of)),
-                          tolerance, None)
+            res = _report(
+                f"{name} (mean of {len(seeds)} seeds)",
+                compare(mean_ref, _mean_curve(runs_of)),
+                tolerance,
+                None,
+            )
             f.write(json.dumps({"run": name, "seeds": seeds, "iters": iters, "model": model, **res}) + "\n")
 
 
@@ -187,7 +247,9 @@ def combine(paths: list[str], tolerance: float, out_dir: str) -> None:
             for line in src:
                 row = json.loads(line)
                 if "seed" in row:  # a run's row (not an earlier mean)
-                    curves.setdefault(row["run"], {})[row["seed"]] = {int(k): v for k, v in row["losses"].items()}
+                    curves.setdefault(row["run"], {})[row["seed"]] = {
+                        int(k): v for k, v in row["losses"].items()
+                    }
                     iters, model = row["iters"], row["model"]
     if "bf16" not in curves:
         raise SystemExit(f"--combine: no bf16 rows in {', '.join(paths)}")
@@ -206,10 +268,12 @@ def _mean_curve(curves: list[dict[int, float]]) -> dict[int, float]:
 def _report(name: str, res: dict, tolerance: float, ratio: float | None) -> dict:
     """Print one comparison against bf16; returns it with its verdict (``pass``)."""
     ok = res["max_rel_diff_moving_avg"] <= tolerance and res["rel_diff_last_mean"] <= tolerance
-    print(f"{name}: moving-average loss within {100 * res['max_rel_diff_moving_avg']:.2f}% of bf16, "
-          f"last-{res['tail']} mean {res['last_mean']:.4f} vs {res['bf16_last_mean']:.4f} "
-          f"({100 * res['rel_diff_last_mean']:.2f}%): {'PASS' if ok else 'FAIL'}"
-          + (f"; tokens/s {ratio:.3f}x bf16" if ratio else ""))
+    print(
+        f"{name}: moving-average loss within {100 * res['max_rel_diff_moving_avg']:.2f}% of bf16, "
+        f"last-{res['tail']} mean {res['last_mean']:.4f} vs {res['bf16_last_mean']:.4f} "
+        f"({100 * res['rel_diff_last_mean']:.2f}%): {'PASS' if ok else 'FAIL'}"
+        + (f"; tokens/s {ratio:.3f}x bf16" if ratio else "")
+    )
     return {**res, "pass": ok}
 
 

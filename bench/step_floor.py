@@ -49,10 +49,18 @@ def shape_of(name: str) -> dict:
         return int(flags[flags.index(flag) + 1]) if flag in flags else default
 
     heads = value("--num-attention-heads")
-    return dict(layers=value("--num-layers"), hidden=value("--hidden-size"), heads=heads,
-                groups=value("--num-query-groups", heads), ffn=value("--ffn-hidden-size"),
-                gated="--swiglu" in flags, bias="--disable-bias-linear" not in flags,
-                seq=value("--seq-length"), batch=value("--micro-batch-size"), vocab=value("--vocab-size"))
+    return dict(
+        layers=value("--num-layers"),
+        hidden=value("--hidden-size"),
+        heads=heads,
+        groups=value("--num-query-groups", heads),
+        ffn=value("--ffn-hidden-size"),
+        gated="--swiglu" in flags,
+        bias="--disable-bias-linear" not in flags,
+        seq=value("--seq-length"),
+        batch=value("--micro-batch-size"),
+        vocab=value("--vocab-size"),
+    )
 
 
 class Floor:
@@ -72,11 +80,15 @@ class Floor:
             return torch.randn(*size, **bf16) * 0.02
 
         self.weights = [{k: rand(*v) for k, v in shapes.items()} for _ in range(s["layers"])]
-        self.biases = [{k: rand(v[0]) if s["bias"] else None for k, v in shapes.items()} for _ in range(s["layers"])]
+        self.biases = [
+            {k: rand(v[0]) if s["bias"] else None for k, v in shapes.items()} for _ in range(s["layers"])
+        ]
         self.wgrads = [{k: torch.empty(*v, **bf16) for k, v in shapes.items()} for _ in range(s["layers"])]
         # What each layer's backward reads: the input of every GEMM, and q, k, v for attention.
-        self.inputs = [{"qkv": rand(t, h), "proj": rand(t, h), "fc1": rand(t, h), "fc2": rand(t, s["ffn"])}
-                       for _ in range(s["layers"])]
+        self.inputs = [
+            {"qkv": rand(t, h), "proj": rand(t, h), "fc1": rand(t, h), "fc2": rand(t, s["ffn"])}
+            for _ in range(s["layers"])
+        ]
         self.embedding = rand(s["vocab"], h)
         self.embedding_grad = torch.empty_like(self.embedding)
         self.final = rand(t, h)
@@ -109,15 +121,24 @@ class Floor:
 
     def _mm8(self, a: torch.Tensor, b_t: torch.Tensor, fast_accum: bool) -> torch.Tensor:
         """``a @ b_t.t()`` for row-major fp8 ``a`` and ``b_t`` (bf16 out)."""
-        return torch._scaled_mm(a, b_t.t(), scale_a=self.one, scale_b=self.one, out_dtype=torch.bfloat16,
-                                use_fast_accum=fast_accum)
+        return torch._scaled_mm(
+            a,
+            b_t.t(),
+            scale_a=self.one,
+            scale_b=self.one,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
+        )
 
     def _qkv_views(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
         s, d = self.s, self.d
         b, n = s["batch"], s["seq"]
         q, k, v = buf.split([s["heads"] * d, s["groups"] * d, s["groups"] * d], dim=-1)
-        return (q.view(b, n, s["heads"], d).transpose(1, 2), k.view(b, n, s["groups"], d).transpose(1, 2),
-                v.view(b, n, s["groups"], d).transpose(1, 2))
+        return (
+            q.view(b, n, s["heads"], d).transpose(1, 2),
+            k.view(b, n, s["groups"], d).transpose(1, 2),
+            v.view(b, n, s["groups"], d).transpose(1, 2),
+        )
 
     def step(self) -> None:
         s = self.s
@@ -134,7 +155,9 @@ class Floor:
                         torch.mm(x[name], w[name].t(), out=out)
                 if name == "qkv":  # the QKV output feeds attention
                     q, k, v = (t.detach().requires_grad_() for t in self._qkv_views(out))
-                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s["groups"] != s["heads"])
+                    o = F.scaled_dot_product_attention(
+                        q, k, v, is_causal=True, enable_gqa=s["groups"] != s["heads"]
+                    )
                     graphs.append((o, q, k, v))
         torch.mm(self.final, self.embedding.t(), out=self.logits)
         torch.mm(self.dlogits, self.embedding, out=self.dfinal)
@@ -179,7 +202,9 @@ def timed(fn, iters: int, warmup: int) -> list[float]:
     cuda_timing.median_ms, which waits for the device after every call)."""
     for _ in range(warmup):
         fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
+    ]
     for start, end in events:
         start.record()
         fn()
@@ -202,11 +227,15 @@ def profile_by_category(fn) -> tuple[dict, dict]:
             by_cat[cat] = by_cat.get(cat, 0.0) + e.device_time / 1000.0
             by_name[e.name[:90]] = by_name.get(e.name[:90], 0.0) + e.device_time / 1000.0
     top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:6])
-    return ({k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
-            {k: round(v, 2) for k, v in top.items()})
+    return (
+        {k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        {k: round(v, 2) for k, v in top.items()},
+    )
 
 
-def measure(name: str, device: torch.device, iters: int, warmup: int, with_optimizer: bool, fp8: bool = False) -> dict:
+def measure(
+    name: str, device: torch.device, iters: int, warmup: int, with_optimizer: bool, fp8: bool = False
+) -> dict:
     """The floor of configuration ``name``: GEMMs and attention, then with the optimizer step."""
     floor = Floor(shape_of(name), device, fp8)
     opt = Optimizer(floor) if with_optimizer else None
@@ -220,10 +249,18 @@ def measure(name: str, device: torch.device, iters: int, warmup: int, with_optim
         gemm_attn = timed(floor.step, iters, warmup)
         whole = timed(step, iters, warmup) if opt is not None else gemm_attn
     by_category, top = profile_by_category(step)
-    row = dict(bench="step_floor", config=name, gpu=torch.cuda.get_device_name(),
-               gemm_attention_ms=statistics.median(gemm_attn), with_optimizer_ms=statistics.median(whole),
-               optimizer=opt is not None, kernels_ms=by_category, top_kernels_ms=top, tokens=floor.tokens,
-               **monitor.summary())
+    row = dict(
+        bench="step_floor",
+        config=name,
+        gpu=torch.cuda.get_device_name(),
+        gemm_attention_ms=statistics.median(gemm_attn),
+        with_optimizer_ms=statistics.median(whole),
+        optimizer=opt is not None,
+        kernels_ms=by_category,
+        top_kernels_ms=top,
+        tokens=floor.tokens,
+        **monitor.summary(),
+    )
     row["tokens_per_s_at_floor"] = floor.tokens / row["with_optimizer_ms"] * 1000.0
     return row
 
@@ -234,20 +271,29 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-optimizer", action="store_true", help="GEMMs and attention only")
-    ap.add_argument("--fp8", action="store_true",
-                    help="the layers' GEMMs in FP8 (torch._scaled_mm, hybrid recipe, fast accumulation forward)")
-    ap.add_argument("--label", default="", help="a name for this run's rows (e.g. the cuBLAS settings in the environment)")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the layers' GEMMs in FP8 (torch._scaled_mm, hybrid recipe, fast accumulation forward)",
+    )
+    ap.add_argument(
+        "--label", default="", help="a name for this run's rows (e.g. the cuBLAS settings in the environment)"
+    )
     args = ap.parse_args()
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(HERE), "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     device = torch.device("cuda")
     for name in args.configs.split(","):
-        row = {"label": args.label, "fp8": args.fp8,
-               **measure(name, device, args.iters, args.warmup, not args.no_optimizer, args.fp8)}
+        row = {
+            "label": args.label,
+            "fp8": args.fp8,
+            **measure(name, device, args.iters, args.warmup, not args.no_optimizer, args.fp8),
+        }
         print(json.dumps(row), flush=True)
         with open(os.path.join(out_dir, "step_floor.jsonl"), "a") as fh:
             fh.write(json.dumps(row) + "\n")
         torch.cuda.empty_cache()
+
 
 if __name__ == "__main__":
     main()

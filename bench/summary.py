@@ -24,21 +24,29 @@ def _fmt(v, spec: str = ".1f") -> str:
 
 
 def bench_gpt(rows: list[dict]) -> list[str]:
-    out = ["bench_gpt: config nproc | step ms | tok/s/GPU | MFU | peak GiB | baseline tok/s (ratio) | SM MHz | extra"]
+    out = [
+        "bench_gpt: config nproc | step ms | tok/s/GPU | MFU | peak GiB | baseline tok/s (ratio) | SM MHz | extra"
+    ]
     for r in rows:
         base = r.get("baseline_compile_tokens_per_s")
         ratio = f"{base:.0f} ({r['tokens_per_s_per_gpu'] / base:.3f})" if base else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
-        out.append(f"  {r['config']}{r.get('tag', '')} x{r['nproc']} | {r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:.0f} | {mfu} | "
-                   f"{r['peak_gib']:.1f} | {ratio} | {_fmt(r.get('sm_clock_mhz_median'), '.0f')} | {r.get('extra', '')}")
+        out.append(
+            f"  {r['config']}{r.get('tag', '')} x{r['nproc']} | {r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:.0f} | {mfu} | "
+            f"{r['peak_gib']:.1f} | {ratio} | {_fmt(r.get('sm_clock_mhz_median'), '.0f')} | {r.get('extra', '')}"
+        )
         bd = r.get("breakdown")
         if bd:
-            cats = ", ".join(f"{k} {v:.1f}" for k, v in sorted(bd["by_category_ms"].items(), key=lambda kv: -kv[1]))
+            cats = ", ".join(
+                f"{k} {v:.1f}" for k, v in sorted(bd["by_category_ms"].items(), key=lambda kv: -kv[1])
+            )
             host = "/".join(f"{ms:.0f}" for ms in bd.get("host_ops_ms") or []) or "-"
             wait = bd.get("exposed_pipeline_wait_ms")
             wait = f" (of it pipeline wait {wait:.1f})" if wait else ""
-            out.append(f"    ms/step: {cats}; idle {_fmt(bd.get('idle_ms'))}; exposed comm "
-                       f"{_fmt(bd.get('exposed_communication_ms'))}{wait}; host ops per thread {host}")
+            out.append(
+                f"    ms/step: {cats}; idle {_fmt(bd.get('idle_ms'))}; exposed comm "
+                f"{_fmt(bd.get('exposed_communication_ms'))}{wait}; host ops per thread {host}"
+            )
     return out
 
 
@@ -48,8 +56,10 @@ def fp8_loss(rows: list[dict]) -> list[str]:
         if r["run"] == "bf16":
             out.append(f"  bf16 | - | - | - | {_fmt(r.get('tokens_per_s'), '.0f')} tok/s")
             continue
-        out.append(f"  {r['run']} | {100 * r['max_rel_diff_moving_avg']:.2f}% | {r['last_mean']:.4f} "
-                   f"({r['bf16_last_mean']:.4f}) | {r['pass']} | {_fmt(r.get('speedup'), '.3f')}")
+        out.append(
+            f"  {r['run']} | {100 * r['max_rel_diff_moving_avg']:.2f}% | {r['last_mean']:.4f} "
+            f"({r['bf16_last_mean']:.4f}) | {r['pass']} | {_fmt(r.get('speedup'), '.3f')}"
+        )
     return out
 
 
@@ -57,9 +67,14 @@ def generic(name: str, keys: tuple[str, ...]):
     def table(rows: list[dict]) -> list[str]:
         out = [f"{name}: " + " | ".join(keys)]
         for r in rows:
-            out.append("  " + " | ".join(_fmt(r.get(k), ".3f") if isinstance(r.get(k), float) else _fmt(r.get(k))
-                                         for k in keys))
+            out.append(
+                "  "
+                + " | ".join(
+                    _fmt(r.get(k), ".3f") if isinstance(r.get(k), float) else _fmt(r.get(k)) for k in keys
+                )
+            )
         return out
+
     return table
 
 
@@ -68,12 +83,18 @@ TABLES = {
     "fp8_loss.jsonl": fp8_loss,
     "bench_cross_entropy.jsonl": generic("cross entropy pass", ("shape", "variant", "ms", "max_grad_err")),
     "bench_swiglu.jsonl": generic("swiglu backward", ("shape", "variant", "ms", "max_rel_err")),
-    "bench_liger.jsonl": generic("liger vs ours", ("case", "variant", "ms", "peak_extra_gib", "rel_err_out",
-                                                    "rel_err_grad")),
-    "bench_fp8_linear.jsonl": generic("fp8 linears", ("bench", "shape", "variant", "ms", "rel_err_out", "error")),
+    "bench_liger.jsonl": generic(
+        "liger vs ours", ("case", "variant", "ms", "peak_extra_gib", "rel_err_out", "rel_err_grad")
+    ),
+    "bench_fp8_linear.jsonl": generic(
+        "fp8 linears", ("bench", "shape", "variant", "ms", "rel_err_out", "error")
+    ),
     "layout_match.jsonl": generic("layout match", ("nproc", "extra", "max_rel_diff", "final")),
 }
-NOTES = ("nccl_transport.txt", "topo.txt")  # short text files printed as they are (how the GPUs are connected)
+NOTES = (
+    "nccl_transport.txt",
+    "topo.txt",
+)  # short text files printed as they are (how the GPUs are connected)
 
 
 def main() -> None:

@@ -52,14 +52,30 @@ def initialize() -> None:
 
 def build_model() -> GPTModel:
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm",
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, pipeline_dtype=torch.float32,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
     )
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                    max_sequence_length=SEQ, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False, parallel_output=True)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        parallel_output=True,
+    )
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +104,9 @@ def dp_mean(value: torch.Tensor) -> float:
 
 
 def train(model: DistributedDataParallel, steps: int) -> None:
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, clip_grad=1.0),
-                                       [model])
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01, clip_grad=1.0), [model]
+    )
     for step in range(steps):
         model.zero_grad_buffer()
         optimizer.zero_grad()
@@ -115,7 +132,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--save", default="ckpt", help="checkpoint directory written after training")
-    parser.add_argument("--eval-checkpoint", default=None, help="checkpoint (of any layout) to evaluate first")
+    parser.add_argument(
+        "--eval-checkpoint", default=None, help="checkpoint (of any layout) to evaluate first"
+    )
     args = parser.parse_args()
 
     initialize()
@@ -123,7 +142,9 @@ def main() -> None:
     model = build_model()
     if args.eval_checkpoint:
         saved = build_model()
-        saved.load_state_dict(dist_checkpointing.load(saved.sharded_state_dict(prefix=""), args.eval_checkpoint))
+        saved.load_state_dict(
+            dist_checkpointing.load(saved.sharded_state_dict(prefix=""), args.eval_checkpoint)
+        )
         log(f"loaded eval loss {evaluate(saved):.6f}")
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
     ddp_model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)

@@ -46,7 +46,9 @@ def initialize_distributed(tensor_model_parallel_size=1, pipeline_model_parallel
     world_size = int(os.environ["WORLD_SIZE"])
     if _CUDA:
         torch.cuda.set_device(rank)
-    torch.distributed.init_process_group(backend="nccl" if _CUDA else "gloo", world_size=world_size, rank=rank)
+    torch.distributed.init_process_group(
+        backend="nccl" if _CUDA else "gloo", world_size=world_size, rank=rank
+    )
 
     # Megatron core distributed training initialization
     parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
@@ -132,7 +134,9 @@ def save_distributed_checkpoint(checkpoint_path, gpt_model):
 def load_distributed_checkpoint(checkpoint_path, gpt_model):
     model = gpt_model.module if hasattr(gpt_model, "module") else gpt_model
     sharded_state_dict = model.sharded_state_dict(prefix="")
-    checkpoint = dist_checkpointing.load(sharded_state_dict=sharded_state_dict, checkpoint_dir=checkpoint_path)
+    checkpoint = dist_checkpointing.load(
+        sharded_state_dict=sharded_state_dict, checkpoint_dir=checkpoint_path
+    )
     model.load_state_dict(checkpoint)
     return gpt_model
 

@@ -45,18 +45,32 @@ def initialize_distributed(tensor_model_parallel_size: int = 2, pipeline_model_p
 
 
 def model_provider(device):
-    config = TransformerConfig(num_layers=2, hidden_size=12, num_attention_heads=4, tensor_model_parallel_size=2)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=100,
-                    max_sequence_length=SEQUENCE_LENGTH, device=device)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=12, num_attention_heads=4, tensor_model_parallel_size=2
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=100,
+        max_sequence_length=SEQUENCE_LENGTH,
+        device=device,
+    )
 
 
 def get_train_data_iterator():
     tokenizer = build_tokenizer(TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=100))
-    config = GPTDatasetConfig(random_seed=0, sequence_length=SEQUENCE_LENGTH, reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False, tokenizer=tokenizer)
+    config = GPTDatasetConfig(
+        random_seed=0,
+        sequence_length=SEQUENCE_LENGTH,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        tokenizer=tokenizer,
+    )
     datasets = BlendedMegatronDatasetBuilder(MockGPTDataset, [1000, None, None], lambda: True, config).build()
-    loader = torch.utils.data.DataLoader(datasets[0], batch_size=8, shuffle=True,
-                                         generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        datasets[0], batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     return iter(loader)
 
 
@@ -68,8 +82,9 @@ def forward_step_func(data_iterator, model, device):
         return loss, {"lm loss": loss.detach()}
 
     data = {k: v.to(device) for k, v in next(data_iterator).items()}
-    output_tensor = model(data["tokens"], data["position_ids"], None, labels=data["labels"],
-                          loss_mask=data["loss_mask"])
+    output_tensor = model(
+        data["tokens"], data["position_ids"], None, labels=data["labels"], loss_mask=data["loss_mask"]
+    )
     return output_tensor, partial(loss_func, data["loss_mask"])
 
 
@@ -78,9 +93,12 @@ def main() -> None:
     torch.manual_seed(123)
     gpt_model = model_provider(device)
     model = DistributedDataParallel(gpt_model.config, DistributedDataParallelConfig(), gpt_model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3), [model],
-                                       grad_stats_group=parallel_state.get_parallel_state().mp_group,
-                                       tp_rank=parallel_state.get_tensor_model_parallel_rank())
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-3),
+        [model],
+        grad_stats_group=parallel_state.get_parallel_state().mp_group,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+    )
     train_iterator = get_train_data_iterator()
     forward_backward_func = get_forward_backward_func()
 
@@ -88,8 +106,13 @@ def main() -> None:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses_reduced = forward_backward_func(
-            forward_step_func=partial(forward_step_func, device=device), data_iterator=train_iterator,
-            model=model, num_microbatches=1, seq_length=SEQUENCE_LENGTH, micro_batch_size=8, forward_only=False,
+            forward_step_func=partial(forward_step_func, device=device),
+            data_iterator=train_iterator,
+            model=model,
+            num_microbatches=1,
+            seq_length=SEQUENCE_LENGTH,
+            micro_batch_size=8,
+            forward_only=False,
         )
         finalize_model_grads([model])
         optimizer.step()
@@ -102,8 +125,9 @@ def main() -> None:
     dist.broadcast_object_list(holder, src=0)
     sharded_state_dict = gpt_model.sharded_state_dict(prefix="")
     dist_checkpointing.save(sharded_state_dict=sharded_state_dict, checkpoint_dir=holder[0])
-    gpt_model.load_state_dict(dist_checkpointing.load(sharded_state_dict=sharded_state_dict,
-                                                      checkpoint_dir=holder[0]))
+    gpt_model.load_state_dict(
+        dist_checkpointing.load(sharded_state_dict=sharded_state_dict, checkpoint_dir=holder[0])
+    )
     if dist.get_rank() == 0:
         print("Successfully loaded the model")
     dist.destroy_process_group()

@@ -16,8 +16,12 @@ def tmpfs(path: Path, options: str) -> Iterator[bool]:
     """Mount a tmpfs at ``path`` (root only); yields whether it is mounted."""
     path.mkdir()
     try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                                 capture_output=True).returncode == 0
+        mounted = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+            ).returncode
+            == 0
+        )
     except OSError:
         mounted = False
     try:

@@ -41,14 +41,21 @@ def _pair_or_raise(prefix: str, what: str) -> bool:
 
 def datasets_in(directory: str) -> list[str]:
     """The prefixes of the ``.bin/.idx`` pairs at the top level of ``directory`` (sorted)."""
-    stems = sorted({name[:-4] for name in os.listdir(directory)
-                    if name.endswith(SUFFIXES) and os.path.isfile(os.path.join(directory, name))})
+    stems = sorted(
+        {
+            name[:-4]
+            for name in os.listdir(directory)
+            if name.endswith(SUFFIXES) and os.path.isfile(os.path.join(directory, name))
+        }
+    )
     found = [os.path.join(directory, s) for s in stems]
     for prefix in found:
         _pair_or_raise(prefix, f"--input directory {directory!r}")
     if not found:
-        raise ConfigError(f"--input directory {directory!r} holds no .bin/.idx pairs at its top level "
-                         "(sub-directories, such as index caches, are not read)")
+        raise ConfigError(
+            f"--input directory {directory!r} holds no .bin/.idx pairs at its top level "
+            "(sub-directories, such as index caches, are not read)"
+        )
     return found
 
 
@@ -60,7 +67,9 @@ def resolve(item: str) -> tuple[list[str], bool]:
         return [item], False
     if os.path.isdir(item):
         return datasets_in(item), True
-    raise ConfigError(f"--input {item!r} is neither a dataset prefix ({item}.bin + {item}.idx) nor a directory")
+    raise ConfigError(
+        f"--input {item!r} is neither a dataset prefix ({item}.bin + {item}.idx) nor a directory"
+    )
 
 
 def expand(inputs: list[str], output_prefix: str) -> list[str]:
@@ -74,12 +83,16 @@ def expand(inputs: list[str], output_prefix: str) -> list[str]:
         for prefix in found:
             real = os.path.realpath(prefix)
             if real == out and not is_directory:
-                raise ConfigError(f"--output-prefix {output_prefix!r} is also an --input; write to a new prefix")
+                raise ConfigError(
+                    f"--output-prefix {output_prefix!r} is also an --input; write to a new prefix"
+                )
             if real == out:
                 continue
             if real in seen:
-                raise ConfigError(f"--input names the dataset {prefix!r} twice (via {seen[real]!r} and {item!r}); "
-                                 "list each dataset once")
+                raise ConfigError(
+                    f"--input names the dataset {prefix!r} twice (via {seen[real]!r} and {item!r}); "
+                    "list each dataset once"
+                )
             seen[real] = item
             prefixes.append(prefix)
     if not prefixes:
@@ -93,8 +106,10 @@ def check_inputs(prefixes: list[str]) -> np.dtype:
     dtypes = {prefix: np.dtype(IndexedDataset(prefix).index.dtype) for prefix in prefixes}
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{p} ({d.name})" for p, d in dtypes.items())
-        raise DataError(f"--input datasets store different token dtypes ({listing}); merge datasets "
-                         "preprocessed with one tokenizer")
+        raise DataError(
+            f"--input datasets store different token dtypes ({listing}); merge datasets "
+            "preprocessed with one tokenizer"
+        )
     return dtypes[prefixes[0]]
 
 
@@ -114,9 +129,13 @@ def merge(prefixes: list[str], output_prefix: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Merge Megatron .bin/.idx datasets.")
-    p.add_argument("--input", nargs="+", required=True,
-                   help="dataset prefixes and/or directories of datasets (top level only; DIR/ for a "
-                        "directory that is also a prefix)")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="dataset prefixes and/or directories of datasets (top level only; DIR/ for a "
+        "directory that is also a prefix)",
+    )
     p.add_argument("--output-prefix", required=True, help="writes {prefix}.bin and {prefix}.idx")
     args = p.parse_args(argv)
     try:
@@ -128,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     merged = IndexedDataset(args.output_prefix)
     for prefix in prefixes:
         print(f"  {prefix}")
-    print(f"merged {len(prefixes)} datasets: {len(merged)} sequences, {len(merged.document_indices) - 1} "
-          f"documents -> {args.output_prefix}.{{bin,idx}}")
+    print(
+        f"merged {len(prefixes)} datasets: {len(merged)} sequences, {len(merged.document_indices) - 1} "
+        f"documents -> {args.output_prefix}.{{bin,idx}}"
+    )
     return 0
 
 

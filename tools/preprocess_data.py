@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The tool's flags (Megatron-LM's spellings)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("input")
-    g.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl or .jsonl.gz), globs allowed")
+    g.add_argument(
+        "--input", nargs="+", required=True, help="JSONL files (.jsonl or .jsonl.gz), globs allowed"
+    )
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
     g.add_argument("--split-sentences", action="store_true", help="not supported (needs NLTK); rejected")
     g.add_argument("--keep-newlines", action="store_true", help="accepted for compatibility")
@@ -79,8 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
-    g.add_argument("--partitions", type=int, default=1,
-                   help="accepted for compatibility; input files are already streamed in parallel")
+    g.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="accepted for compatibility; input files are already streamed in parallel",
+    )
     g.add_argument("--log-interval", type=int, default=1000, help="report every this many documents")
     g.add_argument("--max-documents", type=int, default=None, help="stop after this many input lines")
     return p
@@ -89,8 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.split_sentences:
-        raise UserError("--split-sentences is not supported (it needs NLTK punkt); pre-split text into a "
-                        "list of strings per document instead")
+        raise UserError(
+            "--split-sentences is not supported (it needs NLTK punkt); pre-split text into a "
+            "list of strings per document instead"
+        )
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if args.log_interval < 1:
@@ -113,15 +121,23 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-_TOKENIZER_DEFAULTS: dict[str, Any] = {"vocab_file": None, "merge_file": None, "tokenizer_model": None,
-                                       "vocab_size": None, "null_tokenizer_eod_id": None,
-                                       "tiktoken_pattern": "v2", "tiktoken_num_special_tokens": 1000}
+_TOKENIZER_DEFAULTS: dict[str, Any] = {
+    "vocab_file": None,
+    "merge_file": None,
+    "tokenizer_model": None,
+    "vocab_size": None,
+    "null_tokenizer_eod_id": None,
+    "tiktoken_pattern": "v2",
+    "tiktoken_num_special_tokens": 1000,
+}
 
 
 def tokenizer_options(args: argparse.Namespace) -> dict[str, Any]:
     """The tokenizer flags of ``args`` (a Megatron-LM namespace may lack some: their defaults)."""
-    return {"tokenizer_type": args.tokenizer_type,
-            **{n: getattr(args, n, default) for n, default in _TOKENIZER_DEFAULTS.items()}}
+    return {
+        "tokenizer_type": args.tokenizer_type,
+        **{n: getattr(args, n, default) for n, default in _TOKENIZER_DEFAULTS.items()},
+    }
 
 
 # --------------------------------------------------------------------------------- workers
@@ -142,8 +158,7 @@ def _init_worker(options: dict[str, Any], keys: list[str], append_eod: bool, thr
 def _load_state(options: dict[str, Any], keys: list[str], append_eod: bool) -> Any:
     """Build the tokenizer a worker (or ``Encoder``) tokenizes with; returns it."""
     tok = build_tokenizer(argparse.Namespace(**options))
-    _STATE.update(tokenizer=tok, keys=keys, append_eod=append_eod,
-                  dtype=DType.optimal_dtype(tok.vocab_size))
+    _STATE.update(tokenizer=tok, keys=keys, append_eod=append_eod, dtype=DType.optimal_dtype(tok.vocab_size))
     return tok
 
 
@@ -180,7 +195,7 @@ def _tokenize_documents(tok: Any, parsed: list[list[list[str]]], k_i: int) -> li
     out, pos = [], 0
     for doc in parsed:
         n = len(doc[k_i])
-        out.append([x for x in ids[pos:pos + n] if len(x) > 0])
+        out.append([x for x in ids[pos : pos + n] if len(x) > 0])
         pos += n
     return out
 
@@ -229,8 +244,11 @@ def encode_batch(batch: tuple[str, int, list[bytes]]) -> dict[str, Any]:
         docs = {key: [d for i, d in enumerate(docs[key]) if i not in bad] for key in keys}
         assembled = {key: _assemble(docs[key], eod) for key in keys}
         parsed = [d for i, d in enumerate(parsed) if i not in bad]
-    out: dict[str, Any] = {"errors": [(f"{name}:{first_line + i}", kind) for i, kind in errors],
-                           "docs": len(parsed), "bytes": sum(len(x) for x in lines)}
+    out: dict[str, Any] = {
+        "errors": [(f"{name}:{first_line + i}", kind) for i, kind in errors],
+        "docs": len(parsed),
+        "bytes": sum(len(x) for x in lines),
+    }
     for key, (flat, lengths, per_doc) in assembled.items():
         out[key] = (flat.astype(dtype), lengths, per_doc)
     return out
@@ -254,16 +272,22 @@ class Encoder:
         self.args = args
 
     def initializer(self) -> None:
-        Encoder.tokenizer = _load_state(tokenizer_options(self.args), list(self.args.json_keys),
-                                        bool(getattr(self.args, "append_eod", False)))
+        Encoder.tokenizer = _load_state(
+            tokenizer_options(self.args),
+            list(self.args.json_keys),
+            bool(getattr(self.args, "append_eod", False)),
+        )
 
     def split(self, json_line: str) -> tuple[str, int]:
         data = json.loads(json_line)
         out = {}
         for key in self.args.json_keys:
             text = data[key]
-            out[key] = list(text) if isinstance(text, list) else [
-                text[i:i + self._PIECE_CHARS] for i in range(0, len(text), self._PIECE_CHARS)]
+            out[key] = (
+                list(text)
+                if isinstance(text, list)
+                else [text[i : i + self._PIECE_CHARS] for i in range(0, len(text), self._PIECE_CHARS)]
+            )
         return json.dumps(out), len(json_line)
 
     def encode(self, json_line: str | bytes) -> tuple[dict[str, list[int]], dict[str, list[int]], int]:
@@ -313,7 +337,13 @@ class Progress:
     """``--log-interval`` lines on stderr, and a tqdm bar when stderr is a terminal."""
 
     def __init__(self, interval: int, total_bytes: int) -> None:
-        self.interval, self.start, self.docs, self.bytes, self.next = interval, time.perf_counter(), 0, 0, interval
+        self.interval, self.start, self.docs, self.bytes, self.next = (
+            interval,
+            time.perf_counter(),
+            0,
+            0,
+            interval,
+        )
         self.bar = None
         if sys.stderr.isatty():
             try:
@@ -341,8 +371,9 @@ class Progress:
             self.bar.close()
 
 
-def tokenize_into(args: argparse.Namespace, options: dict[str, Any],
-                  builders: dict[str, IndexedDatasetBuilder]) -> dict[str, Any]:
+def tokenize_into(
+    args: argparse.Namespace, options: dict[str, Any], builders: dict[str, IndexedDatasetBuilder]
+) -> dict[str, Any]:
     """Stream every input through the tokenizer pool into ``builders``; returns the counts."""
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     ctx = mp.get_context("spawn")
@@ -382,15 +413,18 @@ def tokenize_into(args: argparse.Namespace, options: dict[str, Any],
 
 def no_documents(files: list[str], stats: dict[str, Any]) -> str:
     """The error for an input that yields no document (nothing is written then)."""
-    named = ", ".join(repr(f) for f in files[:MAX_EXAMPLES]) + (f" and {len(files) - MAX_EXAMPLES} more"
-                                                                 if len(files) > MAX_EXAMPLES else "")
+    named = ", ".join(repr(f) for f in files[:MAX_EXAMPLES]) + (
+        f" and {len(files) - MAX_EXAMPLES} more" if len(files) > MAX_EXAMPLES else ""
+    )
     skipped = sum(stats["skipped"].values())
     if not skipped:
         why = "0 lines"
     else:
         detail = ", ".join(f"{n} {kind}" for kind, n in sorted(stats["skipped"].items()))
         why = f"{skipped} lines, all skipped: {detail}; first: {stats['examples'][0]}"
-    return f"--input {named} {'holds' if len(files) == 1 else 'hold'} no documents ({why}); nothing was written"
+    return (
+        f"--input {named} {'holds' if len(files) == 1 else 'hold'} no documents ({why}); nothing was written"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -455,21 +489,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = get_args(argv)
         stats = run(args)
-    except (UserError, ConfigError, DataError) as exc:  # the library's names its parameters: write them as flags
-        print(f"error: {rewrite_params(str(exc), getattr(exc, 'params', ()), parser_flags(build_parser()))}",
-              file=sys.stderr)
+    except (
+        UserError,
+        ConfigError,
+        DataError,
+    ) as exc:  # the library's names its parameters: write them as flags
+        print(
+            f"error: {rewrite_params(str(exc), getattr(exc, 'params', ()), parser_flags(build_parser()))}",
+            file=sys.stderr,
+        )
         return 2
     except OSError as exc:  # e.g. an output directory that cannot be written
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Interrupted) as exc:
-        print("error: interrupted; nothing was written (a dataset already at --output-prefix is unchanged)",
-              file=sys.stderr)
+        print(
+            "error: interrupted; nothing was written (a dataset already at --output-prefix is unchanged)",
+            file=sys.stderr,
+        )
         return 128 + int(exc.args[0] if isinstance(exc, Interrupted) else signal.SIGINT)
     mb_s = stats["bytes"] / max(stats["seconds"], 1e-9) / 1e6
-    print(f"Done: {stats['documents']} documents, {stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.1f} s "
-          f"({mb_s:.2f} MB/s) -> {', '.join(p + '.{bin,idx}' for p in stats['prefixes'].values())}",
-          file=sys.stderr)
+    print(
+        f"Done: {stats['documents']} documents, {stats['bytes'] / 1e6:.1f} MB in {stats['seconds']:.1f} s "
+        f"({mb_s:.2f} MB/s) -> {', '.join(p + '.{bin,idx}' for p in stats['prefixes'].values())}",
+        file=sys.stderr,
+    )
     skipped = sum(stats["skipped"].values())
     if skipped:
         detail = ", ".join(f"{n} {kind}" for kind, n in sorted(stats["skipped"].items()))

@@ -26,8 +26,14 @@ _LAZY = {
     "is_torch_min_version": ("megatron.core.utils", "is_torch_min_version"),
 }
 
-__all__ = ["parallel_state", "tensor_parallel", "utils", "DistributedDataParallel", "ModelParallelConfig",
-           "__version__"]
+__all__ = [
+    "parallel_state",
+    "tensor_parallel",
+    "utils",
+    "DistributedDataParallel",
+    "ModelParallelConfig",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -30,9 +30,17 @@ class ConfigError(ValueError):
         self.params: tuple[str, ...] = tuple(params)
 
 
-def doc(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None = "",
-        choices: Sequence[Any] | None = None, nargs: str | None = None, default_factory: Any = dataclasses.MISSING,
-        metavar: str | None = None, app_default: Any = dataclasses.MISSING) -> Any:
+def doc(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    flag: str | None = "",
+    choices: Sequence[Any] | None = None,
+    nargs: str | None = None,
+    default_factory: Any = dataclasses.MISSING,
+    metavar: str | None = None,
+    app_default: Any = dataclasses.MISSING,
+) -> Any:
     """A dataclass field with documentation and command-line metadata.
 
     Args:
@@ -46,7 +54,13 @@ def doc(default: Any = dataclasses.MISSING, help: str = "", *, flag: str | None 
             ``default`` (Megatron-LM's flag default versus Megatron-Core's field default); the
             parser uses it when the flag is not given (:func:`flag_default`).
     """
-    meta: dict[str, Any] = {"help": help, "flag": flag, "choices": choices, "nargs": nargs, "metavar": metavar}
+    meta: dict[str, Any] = {
+        "help": help,
+        "flag": flag,
+        "choices": choices,
+        "nargs": nargs,
+        "metavar": metavar,
+    }
     if app_default is not dataclasses.MISSING:
         meta["app_default"] = app_default
     if default_factory is not dataclasses.MISSING:
@@ -70,7 +84,9 @@ def check_choice(name: str, value: Any, valid: Sequence[Any]) -> None:
         raise ConfigError(f"{name} {value!r} is not valid; choose one of {list(valid)}", params=(name,))
 
 
-def check_positive(name: str, value: float | int | None, allow_none: bool = False, allow_zero: bool = False) -> None:
+def check_positive(
+    name: str, value: float | int | None, allow_none: bool = False, allow_zero: bool = False
+) -> None:
     """Raise a ``ConfigError`` naming the field ``name`` unless ``value`` is > 0 (>= 0 with
     ``allow_zero``; None passes with ``allow_none``)."""
     if value is None and allow_none:

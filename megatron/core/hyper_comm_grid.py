@@ -33,13 +33,18 @@ class HyperCommGrid:
             grid does not fit in it.
     """
 
-    def __init__(self, shape: list[int], dim_names: list[str], rank_offset: int = 0,
-                 backend: str | None = None) -> None:
+    def __init__(
+        self, shape: list[int], dim_names: list[str], rank_offset: int = 0, backend: str | None = None
+    ) -> None:
         if len(shape) != len(dim_names):
-            raise ConfigError(f"len(shape) {shape} != len(dim_names) {dim_names}", params=("shape", "dim_names"))
+            raise ConfigError(
+                f"len(shape) {shape} != len(dim_names) {dim_names}", params=("shape", "dim_names")
+            )
         bad = [d for d in dim_names if d not in AXES]
         if bad or len(set(dim_names)) != len(dim_names):
-            raise ConfigError(f"dim_names {dim_names}: use each of {AXES} at most once", params=("dim_names",))
+            raise ConfigError(
+                f"dim_names {dim_names}: use each of {AXES} at most once", params=("dim_names",)
+            )
         if any(int(s) < 1 for s in shape):
             raise ConfigError(f"shape {shape} must hold positive sizes", params=("shape",))
         if rank_offset < 0:
@@ -49,8 +54,10 @@ class HyperCommGrid:
         elif dist.is_available() and dist.is_initialized():
             world_size = dist.get_world_size()
         else:
-            raise RuntimeError("cannot determine the world size: set WORLD_SIZE or initialise torch.distributed "
-                               "before creating a HyperCommGrid")
+            raise RuntimeError(
+                "cannot determine the world size: set WORLD_SIZE or initialise torch.distributed "
+                "before creating a HyperCommGrid"
+            )
         self.shape = list(shape)
         self.dim_names = list(dim_names)
         self.rank_offset = rank_offset
@@ -59,8 +66,9 @@ class HyperCommGrid:
         for s in shape:
             self.size *= int(s)
         if self.size > world_size - rank_offset:
-            raise RuntimeError(f"grid shape {shape} is over sized with world size {world_size} and rank offset "
-                               f"{rank_offset}")
+            raise RuntimeError(
+                f"grid shape {shape} is over sized with world size {world_size} and rank offset {rank_offset}"
+            )
         order = tuple(dim_names) + tuple(a for a in AXES if a not in dim_names)
         self._grid = RankGrid(**dict(zip(dim_names, (int(s) for s in shape))), order=order)
         self._pgs: dict[str, Any] = {}

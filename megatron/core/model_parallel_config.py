@@ -26,7 +26,7 @@ class ModelParallelConfig:
     tensor_model_parallel_size: int = doc(1, flag=None)
     tensor_parallel_num_weight_shards: int | None = doc(None, flag=None)
     gtp_weight_remat_size: int = doc(1, flag=None)
-    pipeline_model_parallel_comm_backend: Literal['nccl', 'ucc'] | None = doc(None, flag=None)
+    pipeline_model_parallel_comm_backend: Literal["nccl", "ucc"] | None = doc(None, flag=None)
     pipeline_model_parallel_size: int = doc(1, flag=None)
     virtual_pipeline_model_parallel_size: int | None = doc(None, flag=None)
     sequence_parallel: bool = doc(False, flag=None)
@@ -68,10 +68,10 @@ class ModelParallelConfig:
     tp_comm_split_rs: bool = doc(True, flag=None)
     tp_comm_atomic_rs: bool = doc(False, flag=None)
     cross_entropy_loss_fusion: bool = doc(False, flag=None)
-    cross_entropy_fusion_impl: Literal['native', 'te'] = doc('native', flag=None)
+    cross_entropy_fusion_impl: Literal["native", "te"] = doc("native", flag=None)
     tp_comm_overlap_disable_qkv: bool = doc(False, flag=None)
     tp_comm_overlap_disable_fc1: bool = doc(False, flag=None)
-    tp_comm_bootstrap_backend: Literal['nccl', 'mpi', 'gloo'] = doc('nccl', flag=None)
+    tp_comm_bootstrap_backend: Literal["nccl", "mpi", "gloo"] = doc("nccl", flag=None)
     overlap_moe_expert_parallel_comm: bool = doc(False, flag=None)
     delay_wgrad_compute: bool = doc(False, flag=None)
     overlap_dispatch_backward_with_experts_wgrad: bool = doc(False, flag=None)
@@ -111,20 +111,27 @@ class ModelParallelConfig:
             self.autocast_dtype = self.params_dtype
         if self.defer_embedding_wgrad_compute:
             if self.pipeline_model_parallel_size == 1:
-                raise ConfigError("defer_embedding_wgrad_compute=True needs pipeline_model_parallel_size > 1; "
-                                  "set it to False",
-                                  params=("defer_embedding_wgrad_compute", "pipeline_model_parallel_size"))
+                raise ConfigError(
+                    "defer_embedding_wgrad_compute=True needs pipeline_model_parallel_size > 1; "
+                    "set it to False",
+                    params=("defer_embedding_wgrad_compute", "pipeline_model_parallel_size"),
+                )
             if not self.gradient_accumulation_fusion:
-                raise ConfigError("defer_embedding_wgrad_compute=True needs gradient_accumulation_fusion=True; "
-                                  "set one of them accordingly",
-                                  params=("defer_embedding_wgrad_compute", "gradient_accumulation_fusion"))
+                raise ConfigError(
+                    "defer_embedding_wgrad_compute=True needs gradient_accumulation_fusion=True; "
+                    "set one of them accordingly",
+                    params=("defer_embedding_wgrad_compute", "gradient_accumulation_fusion"),
+                )
             if self.wgrad_deferral_limit < 0:
-                raise ConfigError(f"wgrad_deferral_limit must be >= 0, got {self.wgrad_deferral_limit}",
-                                  params=("wgrad_deferral_limit",))
+                raise ConfigError(
+                    f"wgrad_deferral_limit must be >= 0, got {self.wgrad_deferral_limit}",
+                    params=("wgrad_deferral_limit",),
+                )
         if self.overlap_p2p_comm_warmup_flush and (not self.overlap_p2p_comm or self.batch_p2p_comm):
-            raise ConfigError("overlap_p2p_comm_warmup_flush=True needs overlap_p2p_comm=True and "
-                              "batch_p2p_comm=False",
-                              params=("overlap_p2p_comm_warmup_flush", "overlap_p2p_comm", "batch_p2p_comm"))
+            raise ConfigError(
+                "overlap_p2p_comm_warmup_flush=True needs overlap_p2p_comm=True and batch_p2p_comm=False",
+                params=("overlap_p2p_comm_warmup_flush", "overlap_p2p_comm", "batch_p2p_comm"),
+            )
 
 
 def check_refused(config: Any, refused: dict[str, tuple[tuple, str]]) -> None:
@@ -136,8 +143,9 @@ def check_refused(config: Any, refused: dict[str, tuple[tuple, str]]) -> None:
     for name, (accepted, hint) in refused.items():
         value = getattr(config, name)
         if not any(value is ok or (type(value) is type(ok) and value == ok) for ok in accepted):
-            raise ConfigError(f"{type(config).__name__}.{name}={value!r} is not supported here: {hint}",
-                              params=(name,))
+            raise ConfigError(
+                f"{type(config).__name__}.{name}={value!r} is not supported here: {hint}", params=(name,)
+            )
 
 
 _PERF = "a performance knob of Megatron-Core's CUDA / Transformer Engine paths; no effect here"
@@ -176,22 +184,48 @@ MPC_NO_EFFECT: dict[str, str] = {
     "cpu_offloading_double_buffering": "only with cpu_offloading",
     "cpu_offloading_retain_pinned_cpu_buffers": "only with cpu_offloading",
     "barrier_with_L1_time": "timing is the training application's",
-    **{name: _PERF for name in (
-        "tp_comm_overlap", "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_ag", "tp_comm_overlap_rs",
-        "tp_comm_overlap_rs_dgrad", "tp_comm_split_ag", "tp_comm_atomic_ag", "tp_comm_split_rs", "tp_comm_atomic_rs",
-        "tp_comm_overlap_disable_qkv", "tp_comm_overlap_disable_fc1", "tp_comm_bootstrap_backend",
-        "overlap_moe_expert_parallel_comm", "delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad",
-        "ep_overlap_early_attn_memory_release", "defer_embedding_wgrad_compute")},
+    **{
+        name: _PERF
+        for name in (
+            "tp_comm_overlap",
+            "tp_comm_bulk_wgrad",
+            "tp_comm_bulk_dgrad",
+            "tp_comm_overlap_ag",
+            "tp_comm_overlap_rs",
+            "tp_comm_overlap_rs_dgrad",
+            "tp_comm_split_ag",
+            "tp_comm_atomic_ag",
+            "tp_comm_split_rs",
+            "tp_comm_atomic_rs",
+            "tp_comm_overlap_disable_qkv",
+            "tp_comm_overlap_disable_fc1",
+            "tp_comm_bootstrap_backend",
+            "overlap_moe_expert_parallel_comm",
+            "delay_wgrad_compute",
+            "overlap_dispatch_backward_with_experts_wgrad",
+            "ep_overlap_early_attn_memory_release",
+            "defer_embedding_wgrad_compute",
+        )
+    },
 }
 
 # Fields refused away from the values built here: field -> (accepted values, what is possible).
 MPC_REFUSED: dict[str, tuple[tuple, str]] = {
-    "tensor_parallel_num_weight_shards": ((None,), "generalized tensor parallelism (GTP) is not built; leave it None"),
+    "tensor_parallel_num_weight_shards": (
+        (None,),
+        "generalized tensor parallelism (GTP) is not built; leave it None",
+    ),
     "gtp_weight_remat_size": ((1,), "generalized tensor parallelism (GTP) is not built; leave it 1"),
     "context_parallel_size": ((1,), "context parallelism is not built into the model yet (issue 29); use 1"),
-    "hierarchical_context_parallel_sizes": ((None,), "context parallelism is not built yet (issue 29); leave it None"),
+    "hierarchical_context_parallel_sizes": (
+        (None,),
+        "context parallelism is not built yet (issue 29); leave it None",
+    ),
     "hybrid_context_parallel": ((False,), "context parallelism is not built yet (issue 29); leave it False"),
     "expert_model_parallel_size": ((1,), "experts (MoE) are not built yet (issue 28); use 1"),
-    "enable_autocast": ((False,), "layers compute in params_dtype (fp16 / bf16 via those fields), not under "
-                                  "torch.autocast; leave it False"),
+    "enable_autocast": (
+        (False,),
+        "layers compute in params_dtype (fp16 / bf16 via those fields), not under "
+        "torch.autocast; leave it False",
+    ),
 }

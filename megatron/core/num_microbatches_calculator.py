@@ -51,11 +51,20 @@ class NumMicroBatchesCalculator(ABC):
         ConfigError: a size is not positive.
     """
 
-    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 decrease_batch_size_if_needed: bool = False, rank: int = 0,
-                 log: Callable[[str], None] | None = None) -> None:
-        for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
-                            ("data_parallel_size", data_parallel_size)):
+    def __init__(
+        self,
+        global_batch_size: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        decrease_batch_size_if_needed: bool = False,
+        rank: int = 0,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        for name, value in (
+            ("global_batch_size", global_batch_size),
+            ("micro_batch_size", micro_batch_size),
+            ("data_parallel_size", data_parallel_size),
+        ):
             if int(value) <= 0:
                 raise ConfigError(f"{name} must be > 0 (e.g. 1), got {value}", params=(name,))
         self.global_batch_size = int(global_batch_size)
@@ -116,10 +125,13 @@ class NumMicroBatchesCalculator(ABC):
         current = self.global_batch_size_at(consumed_samples)
         m = self.micro_batch_times_data_parallel_size
         if consistency_check and not self.decrease_batch_size_if_needed and current % m:
-            raise ConfigError(f"global batch size {current} (at {consumed_samples} consumed samples) is not divisible "
-                              f"by micro_batch_size {self.micro_batch_size} x data_parallel_size "
-                              f"{self.data_parallel_size}; choose a global_batch_size that is a multiple of "
-                              f"{m}", params=("global_batch_size", "micro_batch_size", "data_parallel_size"))
+            raise ConfigError(
+                f"global batch size {current} (at {consumed_samples} consumed samples) is not divisible "
+                f"by micro_batch_size {self.micro_batch_size} x data_parallel_size "
+                f"{self.data_parallel_size}; choose a global_batch_size that is a multiple of "
+                f"{m}",
+                params=("global_batch_size", "micro_batch_size", "data_parallel_size"),
+            )
         self.current_global_batch_size = current
         self.current_running_global_batch_size = self.running_batch_size(current)
         self.num_micro_batches = self.current_running_global_batch_size // m
@@ -128,8 +140,10 @@ class NumMicroBatchesCalculator(ABC):
             if previous is None:
                 self.log(f"setting the global batch size to {current} ({count})")
             else:
-                self.log(f"global batch size {previous} -> {current} ({count}) from {consumed_samples} consumed "
-                         "samples on")
+                self.log(
+                    f"global batch size {previous} -> {current} ({count}) from {consumed_samples} consumed "
+                    "samples on"
+                )
 
     def get(self) -> int:
         """Micro-batches of the current step."""
@@ -156,16 +170,25 @@ class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
             decreased), or no micro-batch would be left.
     """
 
-    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 decrease_batch_size_if_needed: bool = False, rank: int = 0,
-                 log: Callable[[str], None] | None = None) -> None:
-        super().__init__(global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed,
-                         rank, log)
+    def __init__(
+        self,
+        global_batch_size: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        decrease_batch_size_if_needed: bool = False,
+        rank: int = 0,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(
+            global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank, log
+        )
         self.update(0, consistency_check=True)
         if self.get() < 1:
-            raise ConfigError(f"global_batch_size {global_batch_size} is smaller than micro_batch_size "
-                              f"{micro_batch_size} x data_parallel_size {data_parallel_size}",
-                              params=("global_batch_size", "micro_batch_size", "data_parallel_size"))
+            raise ConfigError(
+                f"global_batch_size {global_batch_size} is smaller than micro_batch_size "
+                f"{micro_batch_size} x data_parallel_size {data_parallel_size}",
+                params=("global_batch_size", "micro_batch_size", "data_parallel_size"),
+            )
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
         return self.global_batch_size
@@ -190,20 +213,37 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
             ``global_batch_size``, or a difference the increment does not divide.
     """
 
-    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 decrease_batch_size_if_needed: bool, rank: int, start_global_batch_size: int,
-                 batch_size_increment: int, ramup_samples: int, log: Callable[[str], None] | None = None) -> None:
-        super().__init__(global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed,
-                         rank, log)
+    def __init__(
+        self,
+        global_batch_size: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        decrease_batch_size_if_needed: bool,
+        rank: int,
+        start_global_batch_size: int,
+        batch_size_increment: int,
+        ramup_samples: int,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(
+            global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank, log
+        )
         self.start_global_batch_size = int(start_global_batch_size)
         self.batch_size_increment = int(batch_size_increment)
         self.ramup_samples = int(ramup_samples)
-        check_rampup(self.start_global_batch_size, self.batch_size_increment, self.ramup_samples,
-                     self.global_batch_size)
-        self.num_increments = (self.global_batch_size - self.start_global_batch_size) // self.batch_size_increment
+        check_rampup(
+            self.start_global_batch_size,
+            self.batch_size_increment,
+            self.ramup_samples,
+            self.global_batch_size,
+        )
+        self.num_increments = (
+            self.global_batch_size - self.start_global_batch_size
+        ) // self.batch_size_increment
         # No interval to ramp over (start == global, or 0 samples): the final batch throughout.
-        self.rampup_samples_per_increment = (self.ramup_samples / self.num_increments
-                                             if self.num_increments and self.ramup_samples else None)
+        self.rampup_samples_per_increment = (
+            self.ramup_samples / self.num_increments if self.num_increments and self.ramup_samples else None
+        )
         self.update(0, consistency_check=False)
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
@@ -217,8 +257,13 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         return self.ramup_samples + 1 if self.rampup_samples_per_increment is not None else 0
 
     def batch_sizes_from(self, consumed_samples: int) -> list[int]:
-        return list(range(self.global_batch_size_at(consumed_samples), self.global_batch_size + 1,
-                          self.batch_size_increment))
+        return list(
+            range(
+                self.global_batch_size_at(consumed_samples),
+                self.global_batch_size + 1,
+                self.batch_size_increment,
+            )
+        )
 
 
 def check_rampup(start: int, increment: int, ramp_samples: int, global_batch_size: int) -> None:
@@ -229,18 +274,24 @@ def check_rampup(start: int, increment: int, ramp_samples: int, global_batch_siz
     """
     params = ("rampup_batch_size", "global_batch_size")
     if start <= 0 or increment <= 0 or ramp_samples < 0:
-        raise ConfigError(f"rampup_batch_size {start} {increment} {ramp_samples}: the start and increment must "
-                          "be > 0 and the ramp-up samples >= 0 (e.g. rampup_batch_size 16 16 5859375)",
-                          params=params[:1])
+        raise ConfigError(
+            f"rampup_batch_size {start} {increment} {ramp_samples}: the start and increment must "
+            "be > 0 and the ramp-up samples >= 0 (e.g. rampup_batch_size 16 16 5859375)",
+            params=params[:1],
+        )
     flag = f"rampup_batch_size {start} {increment} {ramp_samples}"
     diff = global_batch_size - start
     if diff < 0:
-        raise ConfigError(f"{flag} starts above global_batch_size {global_batch_size}; start at or below it",
-                          params=params)
+        raise ConfigError(
+            f"{flag} starts above global_batch_size {global_batch_size}; start at or below it", params=params
+        )
     if diff % increment:
-        raise ConfigError(f"{flag}: global_batch_size {global_batch_size} minus the start ({diff}) is not a multiple "
-                          f"of the increment; e.g. rampup_batch_size {start} {_divisor_near(diff, increment)} "
-                          f"{ramp_samples}", params=params)
+        raise ConfigError(
+            f"{flag}: global_batch_size {global_batch_size} minus the start ({diff}) is not a multiple "
+            f"of the increment; e.g. rampup_batch_size {start} {_divisor_near(diff, increment)} "
+            f"{ramp_samples}",
+            params=params,
+        )
 
 
 def _divisor_near(n: int, target: int) -> int:
@@ -265,12 +316,21 @@ class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
             increasing, a non-positive batch size, or ``decrease_batch_size_if_needed``.
     """
 
-    def __init__(self, micro_batch_size: int, data_parallel_size: int, decrease_batch_size_if_needed: bool,
-                 rank: int, schedule: str, seq_length: int | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        decrease_batch_size_if_needed: bool,
+        rank: int,
+        schedule: str,
+        seq_length: int | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         if decrease_batch_size_if_needed:
-            raise ConfigError("step_batch_size_schedule cannot be combined with decrease_batch_size_if_needed",
-                              params=("step_batch_size_schedule", "decrease_batch_size_if_needed"))
+            raise ConfigError(
+                "step_batch_size_schedule cannot be combined with decrease_batch_size_if_needed",
+                params=("step_batch_size_schedule", "decrease_batch_size_if_needed"),
+            )
         self.schedule = parse_step_batch_size_schedule(schedule, seq_length)
         super().__init__(self.schedule[-1][1], micro_batch_size, data_parallel_size, False, rank, log)
         self.seq_length = seq_length
@@ -288,7 +348,9 @@ class StepBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         return self.schedule[-1][0]
 
     def batch_sizes_from(self, consumed_samples: int) -> list[int]:
-        return [self.global_batch_size_at(consumed_samples)] + [b for t, b in self.schedule if t > consumed_samples]
+        return [self.global_batch_size_at(consumed_samples)] + [
+            b for t, b in self.schedule if t > consumed_samples
+        ]
 
     def iterations_for_samples(self, train_samples: int) -> int:
         """As the base class's step-by-step count, a stretch of equal steps at a time."""
@@ -335,28 +397,39 @@ def parse_step_batch_size_schedule(schedule: str, seq_length: int | None = None)
     params = ("step_batch_size_schedule",)
     entries = schedule.replace(",", " ").split()
     if not entries:
-        raise ConfigError(f"{flag} is empty; give 'THRESHOLD:BATCH' entries, e.g. \"0:16 2.4B:320\"", params=params)
+        raise ConfigError(
+            f"{flag} is empty; give 'THRESHOLD:BATCH' entries, e.g. \"0:16 2.4B:320\"", params=params
+        )
     parsed = []
     for entry in entries:
         threshold, sep, batch = entry.partition(":")
         if not sep:
-            raise ConfigError(f"{flag}: entry {entry!r} is not THRESHOLD:BATCH (e.g. 2.4B:320)", params=params)
+            raise ConfigError(
+                f"{flag}: entry {entry!r} is not THRESHOLD:BATCH (e.g. 2.4B:320)", params=params
+            )
         try:
             t, b = parse_count(threshold), parse_count(batch)
         except ValueError as e:
             raise ConfigError(f"{flag}: entry {entry!r}: {e}", params=params) from None
         if b <= 0:
-            raise ConfigError(f"{flag}: entry {entry!r} has batch size {b}; batch sizes must be > 0", params=params)
+            raise ConfigError(
+                f"{flag}: entry {entry!r} has batch size {b}; batch sizes must be > 0", params=params
+            )
         parsed.append((t // seq_length if seq_length else t, b))
     parsed.sort(key=lambda e: e[0])
     unit = f"samples ({seq_length} tokens each)" if seq_length else "samples"
     if parsed[0][0] != 0:
-        raise ConfigError(f"{flag}: the first threshold is {parsed[0][0]} {unit}; the schedule must start with a "
-                          "0:BATCH entry", params=params)
+        raise ConfigError(
+            f"{flag}: the first threshold is {parsed[0][0]} {unit}; the schedule must start with a "
+            "0:BATCH entry",
+            params=params,
+        )
     for (t0, _), (t1, _) in zip(parsed, parsed[1:]):
         if t1 == t0:
-            raise ConfigError(f"{flag}: two entries fall at {t0} {unit}; thresholds must be strictly increasing",
-                              params=params)
+            raise ConfigError(
+                f"{flag}: two entries fall at {t0} {unit}; thresholds must be strictly increasing",
+                params=params,
+            )
     return parsed
 
 
@@ -385,25 +458,47 @@ def build_num_microbatches_calculator(
     assert micro_batch_size is not None and data_parallel_size is not None
     if step_batch_size_schedule is not None:
         if rampup_batch_size is not None:
-            raise ConfigError("step_batch_size_schedule and rampup_batch_size are exclusive; give one",
-                              params=("step_batch_size_schedule", "rampup_batch_size"))
-        return StepBatchsizeNumMicroBatchesCalculator(micro_batch_size, data_parallel_size,
-                                                      decrease_batch_size_if_needed, rank, step_batch_size_schedule,
-                                                      seq_length, log=log)
+            raise ConfigError(
+                "step_batch_size_schedule and rampup_batch_size are exclusive; give one",
+                params=("step_batch_size_schedule", "rampup_batch_size"),
+            )
+        return StepBatchsizeNumMicroBatchesCalculator(
+            micro_batch_size,
+            data_parallel_size,
+            decrease_batch_size_if_needed,
+            rank,
+            step_batch_size_schedule,
+            seq_length,
+            log=log,
+        )
     if global_batch_size is None:
-        raise ConfigError("global_batch_size is required without a step_batch_size_schedule",
-                          params=("global_batch_size", "step_batch_size_schedule"))
+        raise ConfigError(
+            "global_batch_size is required without a step_batch_size_schedule",
+            params=("global_batch_size", "step_batch_size_schedule"),
+        )
     if rampup_batch_size is None:
-        calc = ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
-                                                 decrease_batch_size_if_needed, rank, log)
+        calc = ConstantNumMicroBatchesCalculator(
+            global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank, log
+        )
         return calc
     if len(rampup_batch_size) != 3:
-        raise ConfigError(f"rampup_batch_size takes 3 values (<start> <increment> <ramp-up samples>), got "
-                          f"{list(rampup_batch_size)}", params=("rampup_batch_size",))
+        raise ConfigError(
+            f"rampup_batch_size takes 3 values (<start> <increment> <ramp-up samples>), got "
+            f"{list(rampup_batch_size)}",
+            params=("rampup_batch_size",),
+        )
     start, increment, samples = (int(v) for v in rampup_batch_size)
-    return RampupBatchsizeNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
-                                                    decrease_batch_size_if_needed, rank, start, increment, samples,
-                                                    log=log)
+    return RampupBatchsizeNumMicroBatchesCalculator(
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        decrease_batch_size_if_needed,
+        rank,
+        start,
+        increment,
+        samples,
+        log=log,
+    )
 
 
 # ---------------------------------------------------------------------- the default instance
@@ -435,10 +530,19 @@ def init_num_microbatches_calculator(
     Raises:
         AssertionError: one is already initialized (``destroy_num_microbatches_calculator`` first).
     """
-    assert get_runtime().num_microbatches_calculator is None, "num microbatches calculator is already initialized"
-    reconfigure_num_microbatches_calculator(rank, rampup_batch_size, global_batch_size, micro_batch_size,
-                                            data_parallel_size, decrease_batch_size_if_needed,
-                                            step_batch_size_schedule, seq_length)
+    assert get_runtime().num_microbatches_calculator is None, (
+        "num microbatches calculator is already initialized"
+    )
+    reconfigure_num_microbatches_calculator(
+        rank,
+        rampup_batch_size,
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        decrease_batch_size_if_needed,
+        step_batch_size_schedule,
+        seq_length,
+    )
 
 
 def reconfigure_num_microbatches_calculator(
@@ -452,9 +556,18 @@ def reconfigure_num_microbatches_calculator(
     seq_length: int | None = None,
 ) -> None:
     """Replace the default calculator."""
-    set_num_microbatches_calculator(build_num_microbatches_calculator(
-        rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size,
-        decrease_batch_size_if_needed, step_batch_size_schedule, seq_length))
+    set_num_microbatches_calculator(
+        build_num_microbatches_calculator(
+            rank,
+            rampup_batch_size,
+            global_batch_size,
+            micro_batch_size,
+            data_parallel_size,
+            decrease_batch_size_if_needed,
+            step_batch_size_schedule,
+            seq_length,
+        )
+    )
 
 
 def destroy_num_microbatches_calculator() -> None:
@@ -480,5 +593,7 @@ def get_micro_batch_size() -> int:
     return _default().get_micro_batch_size()
 
 
-def update_num_microbatches(consumed_samples: int, consistency_check: bool = True, verbose: bool = False) -> None:
+def update_num_microbatches(
+    consumed_samples: int, consistency_check: bool = True, verbose: bool = False
+) -> None:
     _default().update(consumed_samples, consistency_check, verbose)

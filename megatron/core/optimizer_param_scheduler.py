@@ -26,9 +26,21 @@ WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 # The schedule's fields a checkpoint records, checked against this run's at load, in that order
 # (lr_decay_style is settled before the WSD fields).
-_CHECKED_FIELDS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
-                   "wd_incr_steps", "wd_incr_style", "wsd_decay_steps", "lr_wsd_decay_style", "decoupled_lr",
-                   "decoupled_min_lr")
+_CHECKED_FIELDS = (
+    "max_lr",
+    "min_lr",
+    "lr_warmup_steps",
+    "lr_decay_steps",
+    "lr_decay_style",
+    "start_wd",
+    "end_wd",
+    "wd_incr_steps",
+    "wd_incr_style",
+    "wsd_decay_steps",
+    "lr_wsd_decay_style",
+    "decoupled_lr",
+    "decoupled_min_lr",
+)
 # Fields that checkpoints saved before they existed lack; there they were None.
 _NEWER_FIELDS = ("decoupled_lr", "decoupled_min_lr")
 
@@ -88,54 +100,75 @@ class OptimizerParamScheduler:
 
     def _validate(self) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ConfigError(f"lr_decay_style {self.lr_decay_style!r} is not valid; choose one of "
-                              f"{list(LR_DECAY_STYLES)}", params=("lr_decay_style",))
+            raise ConfigError(
+                f"lr_decay_style {self.lr_decay_style!r} is not valid; choose one of {list(LR_DECAY_STYLES)}",
+                params=("lr_decay_style",),
+            )
         if self.wd_incr_style not in WD_INCR_STYLES:
-            raise ConfigError(f"wd_incr_style {self.wd_incr_style!r} is not valid; choose one of {list(WD_INCR_STYLES)}",
-                              params=("wd_incr_style",))
+            raise ConfigError(
+                f"wd_incr_style {self.wd_incr_style!r} is not valid; choose one of {list(WD_INCR_STYLES)}",
+                params=("wd_incr_style",),
+            )
         if self.min_lr < 0.0:
             raise ConfigError(f"min_lr must be >= 0, got {self.min_lr}", params=("min_lr",))
         if self.max_lr < self.min_lr:
-            raise ConfigError(f"max_lr ({self.max_lr}) must be >= min_lr ({self.min_lr})", params=("max_lr", "min_lr"))
+            raise ConfigError(
+                f"max_lr ({self.max_lr}) must be >= min_lr ({self.min_lr})", params=("max_lr", "min_lr")
+            )
         if self.init_lr > self.max_lr:
-            raise ConfigError(f"init_lr ({self.init_lr}) must be <= max_lr ({self.max_lr})",
-                              params=("init_lr", "max_lr"))
+            raise ConfigError(
+                f"init_lr ({self.init_lr}) must be <= max_lr ({self.max_lr})", params=("init_lr", "max_lr")
+            )
         if self.decoupled_lr is not None and self.decoupled_lr < self._decoupled_floor():
-            raise ConfigError(f"decoupled_lr ({self.decoupled_lr}) must be >= its floor {self._decoupled_floor()} "
-                              "(decoupled_min_lr, default min_lr); pass decoupled_min_lr <= decoupled_lr",
-                              params=("decoupled_lr", "decoupled_min_lr", "min_lr"))
+            raise ConfigError(
+                f"decoupled_lr ({self.decoupled_lr}) must be >= its floor {self._decoupled_floor()} "
+                "(decoupled_min_lr, default min_lr); pass decoupled_min_lr <= decoupled_lr",
+                params=("decoupled_lr", "decoupled_min_lr", "min_lr"),
+            )
         if self.lr_decay_steps <= 0:
-            raise ConfigError(f"lr_decay_steps must be > 0, got {self.lr_decay_steps}", params=("lr_decay_steps",))
+            raise ConfigError(
+                f"lr_decay_steps must be > 0, got {self.lr_decay_steps}", params=("lr_decay_steps",)
+            )
         if not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
             raise ConfigError(
                 f"LR warm-up ({self.lr_warmup_steps} samples, lr_warmup_steps) must be "
                 f"in [0, LR decay length {self.lr_decay_steps}) (lr_decay_steps)",
-                params=("lr_warmup_steps", "lr_decay_steps"))
+                params=("lr_warmup_steps", "lr_decay_steps"),
+            )
         if self.lr_decay_style == "WSD":
             if self.wsd_decay_steps is None or not 0 < self.wsd_decay_steps <= self.lr_decay_steps:
                 raise ConfigError(
                     f"lr_decay_style WSD needs wsd_decay_steps in (0, {self.lr_decay_steps}], got {self.wsd_decay_steps}",
-                    params=("lr_decay_style", "wsd_decay_steps"))
+                    params=("lr_decay_style", "wsd_decay_steps"),
+                )
             if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
                 raise ConfigError(
                     f"lr_wsd_decay_style {self.lr_wsd_decay_style!r} is not valid; "
-                    f"choose one of {list(WSD_DECAY_STYLES)}", params=("lr_wsd_decay_style",))
+                    f"choose one of {list(WSD_DECAY_STYLES)}",
+                    params=("lr_wsd_decay_style",),
+                )
         if self.start_wd < 0.0:
             raise ConfigError(f"start_wd must be >= 0, got {self.start_wd}", params=("start_wd",))
         if self.end_wd < self.start_wd:
-            raise ConfigError(f"end_wd ({self.end_wd}) must be >= start_wd ({self.start_wd})",
-                              params=("end_wd", "start_wd"))
+            raise ConfigError(
+                f"end_wd ({self.end_wd}) must be >= start_wd ({self.start_wd})", params=("end_wd", "start_wd")
+            )
         if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
             raise ConfigError(
                 f"wd_incr_style constant needs start_wd == end_wd, got {self.start_wd} and {self.end_wd}",
-                params=("wd_incr_style", "start_wd", "end_wd"))
+                params=("wd_incr_style", "start_wd", "end_wd"),
+            )
         if self.wd_incr_style != "constant" and self.wd_incr_steps <= 0:
-            raise ConfigError(f"wd_incr_steps (the weight-decay increment length) must be > 0 samples, got "
-                              f"{self.wd_incr_steps}", params=("wd_incr_steps",))
+            raise ConfigError(
+                f"wd_incr_steps (the weight-decay increment length) must be > 0 samples, got "
+                f"{self.wd_incr_steps}",
+                params=("wd_incr_steps",),
+            )
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ConfigError(
                 "override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are mutually exclusive",
-                params=("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"))
+                params=("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"),
+            )
 
     def _decoupled_floor(self) -> float:
         return self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
@@ -171,7 +204,9 @@ class OptimizerParamScheduler:
         max_lr = param_group.get("max_lr", self.max_lr)
         min_lr = param_group.get("min_lr", self.min_lr)
         if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            return self.init_lr + (max_lr - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps)
+            return self.init_lr + (max_lr - self.init_lr) * float(self.num_steps) / float(
+                self.lr_warmup_steps
+            )
         if self.lr_decay_style == "constant":
             return max_lr
         if self.num_steps > self.lr_decay_steps:
@@ -180,7 +215,9 @@ class OptimizerParamScheduler:
             warmup = max(self.lr_warmup_steps, 1)
             steps = max(self.num_steps, 1)
             return max(min_lr, max_lr * warmup**0.5 / steps**0.5)
-        ratio = float(self.num_steps - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)
+        ratio = float(self.num_steps - self.lr_warmup_steps) / float(
+            self.lr_decay_steps - self.lr_warmup_steps
+        )
         if self.lr_decay_style == "linear":
             coeff = 1.0 - ratio
         elif self.lr_decay_style == "cosine":
@@ -239,7 +276,8 @@ class OptimizerParamScheduler:
             f"{name}: this run's value ({current!r}) differs from the checkpoint's ({saved!r}); "
             "set override_opt_param_scheduler to use this run's values or "
             "use_checkpoint_opt_param_scheduler to use the checkpoint's",
-            params=(name, "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"))
+            params=(name, "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"),
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the sample count; take the schedule from the flags or the checkpoint.
@@ -250,9 +288,15 @@ class OptimizerParamScheduler:
         Raises:
             ConfigError: a value differs and neither option is set (the message names the parameter).
         """
-        renames = {"start_lr": "max_lr", "warmup_iter": "lr_warmup_steps", "warmup_steps": "lr_warmup_steps",
-                   "end_iter": "lr_decay_steps", "decay_steps": "lr_decay_steps", "decay_style": "lr_decay_style",
-                   "num_iters": "num_steps"}  # names used by older Megatron checkpoints
+        renames = {
+            "start_lr": "max_lr",
+            "warmup_iter": "lr_warmup_steps",
+            "warmup_steps": "lr_warmup_steps",
+            "end_iter": "lr_decay_steps",
+            "decay_steps": "lr_decay_steps",
+            "decay_style": "lr_decay_style",
+            "num_iters": "num_steps",
+        }  # names used by older Megatron checkpoints
         saved = {renames.get(k, k): v for k, v in state_dict.items()}
         for name in _NEWER_FIELDS:
             saved.setdefault(name, None)

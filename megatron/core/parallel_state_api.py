@@ -56,9 +56,11 @@ def _rank(name: str) -> int:
 
 def _dp_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
     if partial_data_parallel and not with_context_parallel:
-        raise ConfigError("partial_data_parallel=True needs with_context_parallel=True (the optimizer's partial "
-                          "data-parallel groups include context parallelism)",
-                          params=("partial_data_parallel", "with_context_parallel"))
+        raise ConfigError(
+            "partial_data_parallel=True needs with_context_parallel=True (the optimizer's partial "
+            "data-parallel groups include context parallelism)",
+            params=("partial_data_parallel", "with_context_parallel"),
+        )
     return "dp_cp" if with_context_parallel else "dp"
 
 
@@ -76,8 +78,9 @@ def get_pipeline_model_parallel_group(check_initialized: bool = True) -> Process
     return _group("pp", check_initialized, "pipeline model parallel")
 
 
-def get_data_parallel_group(with_context_parallel: bool = False, with_gtp_remat: bool = True,
-                            partial_data_parallel: bool = False) -> ProcessGroup | None:
+def get_data_parallel_group(
+    with_context_parallel: bool = False, with_gtp_remat: bool = True, partial_data_parallel: bool = False
+) -> ProcessGroup | None:
     """The data-parallel group (with the context-parallel ranks when ``with_context_parallel``).
 
     ``with_gtp_remat`` has no effect (GTP is not built, so both groups coincide); with one
@@ -86,9 +89,13 @@ def get_data_parallel_group(with_context_parallel: bool = False, with_gtp_remat:
     return _group(_dp_name(with_context_parallel, partial_data_parallel), True, "data parallel")
 
 
-def get_data_parallel_group_gloo(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> ProcessGroup | None:
+def get_data_parallel_group_gloo(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> ProcessGroup | None:
     """The gloo twin of :func:`get_data_parallel_group` (the same group under a gloo backend)."""
-    return _group(_dp_name(with_context_parallel, partial_data_parallel) + "_gloo", True, "data parallel gloo")
+    return _group(
+        _dp_name(with_context_parallel, partial_data_parallel) + "_gloo", True, "data parallel gloo"
+    )
 
 
 def get_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
@@ -115,15 +122,21 @@ def get_position_embedding_group(check_initialized: bool = True) -> ProcessGroup
     return _group("position_embedding", check_initialized, "position embedding")
 
 
-def get_tensor_and_data_parallel_group(check_initialized: bool = True, with_context_parallel: bool = False) -> ProcessGroup | None:
-    return _group("tp_dp_cp" if with_context_parallel else "tp_dp", check_initialized, "tensor and data parallel")
+def get_tensor_and_data_parallel_group(
+    check_initialized: bool = True, with_context_parallel: bool = False
+) -> ProcessGroup | None:
+    return _group(
+        "tp_dp_cp" if with_context_parallel else "tp_dp", check_initialized, "tensor and data parallel"
+    )
 
 
 def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> ProcessGroup | None:
     return _group("tp_cp", check_initialized, "tensor and context parallel")
 
 
-def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> ProcessGroup | None:
+def get_amax_reduction_group(
+    with_context_parallel: bool = False, tp_only_amax_red: bool = False
+) -> ProcessGroup | None:
     """The FP8 amax reduction group: tp x dp (x cp), or tp (x cp) with ``tp_only_amax_red``."""
     if tp_only_amax_red:
         return _group("tp_cp" if with_context_parallel else "tp", True, "FP8 amax reduction")
@@ -142,14 +155,16 @@ def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True) -
     return _group("tp_ep", check_initialized, "expert tensor and model parallel")
 
 
-def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True,
-                                                    with_egtp_remat: bool = False) -> ProcessGroup | None:
+def get_expert_tensor_model_pipeline_parallel_group(
+    check_initialized: bool = True, with_egtp_remat: bool = False
+) -> ProcessGroup | None:
     """Expert tensor x expert x pipeline group (``with_egtp_remat`` has no effect: GTP is not built)."""
     return _group("tp_ep_pp", check_initialized, "expert tensor-model-pipeline parallel")
 
 
-def get_expert_data_parallel_group(check_initialized: bool = True, with_gtp_remat: bool = True,
-                                   partial_expert_data_parallel: bool = False) -> ProcessGroup | None:
+def get_expert_data_parallel_group(
+    check_initialized: bool = True, with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False
+) -> ProcessGroup | None:
     """The expert-data-parallel group (the partial group is the whole one: a single optimizer instance)."""
     return _group("expt_dp", check_initialized, "expert data parallel")
 
@@ -216,18 +231,24 @@ def get_virtual_pipeline_model_parallel_rank() -> int | None:
 
 def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
     """Deprecated in Megatron-Core (pass ``vp_stage`` instead); warns as it does."""
-    warnings.warn("set_virtual_pipeline_model_parallel_rank is deprecated: pass vp_stage to "
-                  "is_pipeline_first_stage / is_pipeline_last_stage", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "set_virtual_pipeline_model_parallel_rank is deprecated: pass vp_stage to "
+        "is_pipeline_first_stage / is_pipeline_last_stage",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     _ovr()["vpp_rank"] = rank
 
 
-def get_data_parallel_world_size(with_context_parallel: bool = False, with_gtp_remat: bool = True,
-                                 partial_data_parallel: bool = False) -> int:
+def get_data_parallel_world_size(
+    with_context_parallel: bool = False, with_gtp_remat: bool = True, partial_data_parallel: bool = False
+) -> int:
     return _size(_dp_name(with_context_parallel, partial_data_parallel))
 
 
-def get_data_parallel_rank(with_context_parallel: bool = False, with_gtp_remat: bool = True,
-                           partial_data_parallel: bool = False) -> int:
+def get_data_parallel_rank(
+    with_context_parallel: bool = False, with_gtp_remat: bool = True, partial_data_parallel: bool = False
+) -> int:
     if _ovr().get("dp_rank") is not None:
         return _ovr()["dp_rank"]
     return _rank(_dp_name(with_context_parallel, partial_data_parallel))
@@ -293,11 +314,15 @@ def get_expert_tensor_and_model_parallel_rank() -> int:
     return _rank("tp_ep")
 
 
-def get_expert_data_parallel_world_size(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
+def get_expert_data_parallel_world_size(
+    with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False
+) -> int:
     return _size("expt_dp")
 
 
-def get_expert_data_parallel_rank(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
+def get_expert_data_parallel_rank(
+    with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False
+) -> int:
     return _rank("expt_dp")
 
 
@@ -307,8 +332,10 @@ def _check_vp_stage(ignore_virtual: bool, vp_stage: int | None) -> bool:
     if ignore_virtual or get_virtual_pipeline_model_parallel_world_size() is None:
         return False
     if vp_stage is None:
-        raise ConfigError("vp_stage must be passed when virtual pipelining is on (ignore_virtual=False)",
-                          params=("vp_stage",))
+        raise ConfigError(
+            "vp_stage must be passed when virtual pipelining is on (ignore_virtual=False)",
+            params=("vp_stage",),
+        )
     return True
 
 
@@ -385,8 +412,14 @@ def get_pipeline_model_parallel_prev_rank() -> int:
 
 def get_all_ranks() -> str:
     """``"tp_gtp_dp_cp_pp_ep"`` ranks of this rank joined by underscores (gtp is always 0 here)."""
-    ranks = [get_tensor_model_parallel_rank(), 0, get_data_parallel_rank(), get_context_parallel_rank(),
-             get_pipeline_model_parallel_rank(), get_expert_model_parallel_rank()]
+    ranks = [
+        get_tensor_model_parallel_rank(),
+        0,
+        get_data_parallel_rank(),
+        get_context_parallel_rank(),
+        get_pipeline_model_parallel_rank(),
+        get_expert_model_parallel_rank(),
+    ]
     return "_".join(str(r or 0) for r in ranks)
 
 
@@ -397,7 +430,11 @@ def update_pg_timeout(timeout: timedelta, pg: Any = None) -> None:
     if set_timeout is None:
         return
     dist.barrier(pg)
-    groups = [pg] if pg is not None else [None, *{id(g): g for g in _state().groups.values() if g is not None}.values()]
+    groups = (
+        [pg]
+        if pg is not None
+        else [None, *{id(g): g for g in _state().groups.values() if g is not None}.values()]
+    )
     for group in groups:
         set_timeout(timeout, group)
 

@@ -32,8 +32,12 @@ if TYPE_CHECKING:  # annotation only: importing tensor_parallel imports this mod
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 # The parameter (initialize_model_parallel's, the config field's) that sets each axis's size.
-SIZE_PARAMS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-               "cp": "context_parallel_size", "ep": "expert_model_parallel_size"}
+SIZE_PARAMS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "cp": "context_parallel_size",
+    "ep": "expert_model_parallel_size",
+}
 
 
 class ParallelLayoutError(ConfigError, RuntimeError):
@@ -51,7 +55,9 @@ def parse_order(order: str | Sequence[str]) -> tuple[str, ...]:
     if unknown or len(set(tokens)) != len(tokens):
         raise ParallelLayoutError(
             f"order {order!r} is not valid: use each of {'-'.join(AXES)} at most once, separated by '-' "
-            f"(e.g. 'tp-cp-ep-dp-pp' or 'tp-cp-ep-pp-dp')", params=("order",))
+            f"(e.g. 'tp-cp-ep-dp-pp' or 'tp-cp-ep-pp-dp')",
+            params=("order",),
+        )
     return tuple(tokens) + tuple(a for a in AXES if a not in tokens)
 
 
@@ -120,24 +126,30 @@ class RankGrid:
         return result
 
 
-def make_grid(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-              order: str | Sequence[str] = AXES) -> RankGrid:
+def make_grid(
+    world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, order: str | Sequence[str] = AXES
+) -> RankGrid:
     """Derive the data-parallel degree; raise one error naming every degree when they do not divide."""
     model = tp * pp * cp * ep
     sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
     for axis, value in sizes.items():
         if value < 1:
-            raise ParallelLayoutError(f"{SIZE_PARAMS[axis]} must be >= 1 (e.g. 1), got {value}",
-                                      params=(SIZE_PARAMS[axis],))
+            raise ParallelLayoutError(
+                f"{SIZE_PARAMS[axis]} must be >= 1 (e.g. 1), got {value}", params=(SIZE_PARAMS[axis],)
+            )
     if world_size % model != 0:
         product = " x ".join(f"{SIZE_PARAMS[axis]} ({value})" for axis, value in sizes.items())
         raise ParallelLayoutError(
             f"world size {world_size} is not divisible by {product} = {model}; choose sizes whose product "
-            f"divides {world_size}", params=tuple(SIZE_PARAMS[axis] for axis in sizes))
+            f"divides {world_size}",
+            params=tuple(SIZE_PARAMS[axis] for axis in sizes),
+        )
     return RankGrid(tp=tp, cp=cp, ep=ep, dp=world_size // model, pp=pp, order=parse_order(order))
 
 
-def make_expert_grid(world_size: int, etp: int, ep: int, pp: int, order: str | Sequence[str] = AXES) -> RankGrid:
+def make_expert_grid(
+    world_size: int, etp: int, ep: int, pp: int, order: str | Sequence[str] = AXES
+) -> RankGrid:
     """The expert decomposition: expert-tensor (``tp`` axis) x expert (``ep``) x expert-data (``dp``)
     x pipeline, in the dense grid's order (``cp`` is 1)."""
     for name, value in (("expert_tensor_parallel_size", etp), ("expert_model_parallel_size", ep)):
@@ -148,7 +160,12 @@ def make_expert_grid(world_size: int, etp: int, ep: int, pp: int, order: str | S
             f"world size {world_size} is not divisible by expert_tensor_parallel_size ({etp}) x "
             f"expert_model_parallel_size ({ep}) x pipeline_model_parallel_size ({pp}) = {etp * ep * pp}; "
             f"choose sizes whose product divides {world_size}",
-            params=("expert_tensor_parallel_size", "expert_model_parallel_size", "pipeline_model_parallel_size"))
+            params=(
+                "expert_tensor_parallel_size",
+                "expert_model_parallel_size",
+                "pipeline_model_parallel_size",
+            ),
+        )
     return RankGrid(tp=etp, cp=1, ep=ep, dp=world_size // (etp * ep * pp), pp=pp, order=parse_order(order))
 
 
@@ -322,9 +339,12 @@ def default_position_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     return [pp_ranks[0]]
 
 
-def _named_rank_lists(grid: RankGrid, expert_grid: RankGrid,
-                      embedding_ranks: Callable[[list[int]], list[int]],
-                      position_embedding_ranks: Callable[[list[int]], list[int]]) -> dict[str, list[list[int]]]:
+def _named_rank_lists(
+    grid: RankGrid,
+    expert_grid: RankGrid,
+    embedding_ranks: Callable[[list[int]], list[int]],
+    position_embedding_ranks: Callable[[list[int]], list[int]],
+) -> dict[str, list[list[int]]]:
     named = {name: grid.groups(axes) for name, axes in _GROUP_AXES.items()}
     named.update({name: expert_grid.groups(axes) for name, axes in _EXPERT_GROUP_AXES.items()})
     named["embedding"] = [sorted(embedding_ranks(list(g))) for g in named["pp"]]
@@ -333,12 +353,19 @@ def _named_rank_lists(grid: RankGrid, expert_grid: RankGrid,
     return named
 
 
-def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                         timeout: timedelta | None = None, *, etp: int | None = None,
-                         order: str | Sequence[str] = AXES,
-                         embedding_ranks: Callable[[list[int]], list[int]] | None = None,
-                         position_embedding_ranks: Callable[[list[int]], list[int]] | None = None,
-                         gloo_groups: bool = True) -> ParallelState:
+def build_parallel_state(
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    timeout: timedelta | None = None,
+    *,
+    etp: int | None = None,
+    order: str | Sequence[str] = AXES,
+    embedding_ranks: Callable[[list[int]], list[int]] | None = None,
+    position_embedding_ranks: Callable[[list[int]], list[int]] | None = None,
+    gloo_groups: bool = True,
+) -> ParallelState:
     """Create every group of both grids collectively (all ranks must call this in the same order).
 
     Args:
@@ -365,9 +392,14 @@ def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
     if grid.order[-1] != "pp" and pp > 1 and expert_grid.dp != grid.dp:
         raise ParallelLayoutError(
             f"order {'-'.join(grid.order)!r} does not end with pp: the data-parallel size of dense "
-            f"({grid.dp}) and expert ({expert_grid.dp}) layers must then be equal")
-    named = _named_rank_lists(grid, expert_grid, embedding_ranks or default_embedding_ranks,
-                              position_embedding_ranks or default_position_embedding_ranks)
+            f"({grid.dp}) and expert ({expert_grid.dp}) layers must then be equal"
+        )
+    named = _named_rank_lists(
+        grid,
+        expert_grid,
+        embedding_ranks or default_embedding_ranks,
+        position_embedding_ranks or default_position_embedding_ranks,
+    )
     assert named["pp"] == expert_grid.groups("pp"), "dense and expert pipelines must coincide"
     state = ParallelState(grid=grid, rank=rank, expert_grid=expert_grid)
     created: dict[tuple[tuple[int, ...], str | None], ProcessGroup | None] = {}
@@ -385,7 +417,7 @@ def build_parallel_state(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                 state.groups[name] = group
                 state.group_ranks[name] = ranks
     separate_gloo = initialized and dist.get_backend() != "gloo"
-    for gloo_name, name in (_GLOO_GROUPS.items() if gloo_groups else ()):
+    for gloo_name, name in _GLOO_GROUPS.items() if gloo_groups else ():
         for ranks in named[name]:
             group = group_of(ranks, "gloo") if separate_gloo else created[(tuple(ranks), None)]
             if rank in ranks:
@@ -403,12 +435,22 @@ class RankGenerator:
     ``gtp_remat`` axis is accepted with size 1 only (weight rematerialisation is not built here).
     """
 
-    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0,
-                 gtp_remat: int = 1) -> None:
+    def __init__(
+        self,
+        tp: int,
+        ep: int,
+        dp: int,
+        pp: int,
+        cp: int,
+        order: str,
+        rank_offset: int = 0,
+        gtp_remat: int = 1,
+    ) -> None:
         if ep != 1 and cp != 1:
             raise ParallelLayoutError(
                 f"RankGenerator takes ep ({ep}) or cp ({cp}) > 1, not both: cp belongs to the dense "
-                "generator, ep to the expert one")
+                "generator, ep to the expert one"
+            )
         if gtp_remat != 1:
             raise ParallelLayoutError(f"gtp_remat={gtp_remat}: weight rematerialisation is not built; use 1")
         self.tp, self.ep, self.dp, self.pp, self.cp, self.gtp_remat = tp, ep, dp, pp, cp, gtp_remat
@@ -420,12 +462,14 @@ class RankGenerator:
             if name not in tokens:
                 if size != 1:
                     raise ParallelLayoutError(
-                        f"order {order!r} leaves out {name}, whose size is {size}; add it to the order")
+                        f"order {order!r} leaves out {name}, whose size is {size}; add it to the order"
+                    )
                 tokens.append(name)
         self.order = "-".join(tokens)
         self.ordered_size = [self.name_to_size[t] for t in tokens]
-        self._grid = RankGrid(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp,
-                              order=parse_order([t for t in tokens if t != "gtp_remat"]))
+        self._grid = RankGrid(
+            tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, order=parse_order([t for t in tokens if t != "gtp_remat"])
+        )
 
     def get_mask(self, order: str, token: str) -> list[bool]:
         """Which axes of ``order`` the hyphen-separated ``token`` names."""
@@ -449,13 +493,15 @@ class RankGenerator:
         return self.get_ranks("gtp_remat")
 
 
-def generate_masked_orthogonal_rank_groups(world_size: int, parallel_size: list[int],
-                                           mask: list[bool]) -> list[list[int]]:
+def generate_masked_orthogonal_rank_groups(
+    world_size: int, parallel_size: list[int], mask: list[bool]
+) -> list[list[int]]:
     """Megatron-Core's group enumeration over unnamed axes (fastest first): the groups spanning the
     axes where ``mask`` is True. Up to five axes (they are laid on the grid's axes in order)."""
     if len(parallel_size) != len(mask) or len(parallel_size) > len(AXES):
-        raise ParallelLayoutError(f"parallel_size {parallel_size} and mask {mask} must have the same length "
-                                  f"(at most {len(AXES)})")
+        raise ParallelLayoutError(
+            f"parallel_size {parallel_size} and mask {mask} must have the same length (at most {len(AXES)})"
+        )
     sizes: dict[str, Any] = dict(zip(AXES, parallel_size))
     grid = RankGrid(**sizes)
     assert grid.world_size == world_size, f"world_size {world_size} != prod({parallel_size})"

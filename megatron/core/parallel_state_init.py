@@ -21,42 +21,79 @@ from megatron.core.runtime import get_runtime
 
 
 def _refusals(
-    pipeline_model_parallel_comm_backend: str | None, use_sharp: bool, hierarchical_context_parallel_sizes: Any,
-    hybrid_context_parallel: bool, gtp_remat_size: int, expert_gtp_remat_size: int,
-    num_distributed_optimizer_instances: int, sharp_enabled_group: str | None, rank_offset: int,
+    pipeline_model_parallel_comm_backend: str | None,
+    use_sharp: bool,
+    hierarchical_context_parallel_sizes: Any,
+    hybrid_context_parallel: bool,
+    gtp_remat_size: int,
+    expert_gtp_remat_size: int,
+    num_distributed_optimizer_instances: int,
+    sharp_enabled_group: str | None,
+    rank_offset: int,
     local_world_size: int | None,
 ) -> list[tuple[str, str]]:
     """(parameter, explanation) for each argument asking for something this package does not build."""
     out: list[tuple[str, str]] = []
     if pipeline_model_parallel_comm_backend not in (None, "nccl"):
-        out.append(("pipeline_model_parallel_comm_backend",
-                    f"pipeline_model_parallel_comm_backend={pipeline_model_parallel_comm_backend!r}: pipeline "
-                    "transfers use the default backend; pass None"))
+        out.append(
+            (
+                "pipeline_model_parallel_comm_backend",
+                f"pipeline_model_parallel_comm_backend={pipeline_model_parallel_comm_backend!r}: pipeline "
+                "transfers use the default backend; pass None",
+            )
+        )
     if hierarchical_context_parallel_sizes:
-        out.append(("hierarchical_context_parallel_sizes", "hierarchical_context_parallel_sizes: hierarchical "
-                    "context parallelism is not built; pass None"))
+        out.append(
+            (
+                "hierarchical_context_parallel_sizes",
+                "hierarchical_context_parallel_sizes: hierarchical "
+                "context parallelism is not built; pass None",
+            )
+        )
     if hybrid_context_parallel:
-        out.append(("hybrid_context_parallel", "hybrid_context_parallel=True: hybrid data x context parallel "
-                    "groups are not built; pass False"))
+        out.append(
+            (
+                "hybrid_context_parallel",
+                "hybrid_context_parallel=True: hybrid data x context parallel "
+                "groups are not built; pass False",
+            )
+        )
     for name, value in (("gtp_remat_size", gtp_remat_size), ("expert_gtp_remat_size", expert_gtp_remat_size)):
         if value != 1:
             out.append((name, f"{name}={value}: weight rematerialisation (GTP) is not built; pass 1"))
     if num_distributed_optimizer_instances != 1:
-        out.append(("num_distributed_optimizer_instances",
-                    f"num_distributed_optimizer_instances={num_distributed_optimizer_instances}: partial "
-                    "distributed-optimizer instances are not built; pass 1"))
+        out.append(
+            (
+                "num_distributed_optimizer_instances",
+                f"num_distributed_optimizer_instances={num_distributed_optimizer_instances}: partial "
+                "distributed-optimizer instances are not built; pass 1",
+            )
+        )
     if sharp_enabled_group is not None and not use_sharp:
-        out.append(("sharp_enabled_group", f"sharp_enabled_group={sharp_enabled_group!r} is only valid with "
-                    "use_sharp=True; pass None"))
+        out.append(
+            (
+                "sharp_enabled_group",
+                f"sharp_enabled_group={sharp_enabled_group!r} is only valid with use_sharp=True; pass None",
+            )
+        )
     elif sharp_enabled_group not in (None, "dp"):
-        out.append(("sharp_enabled_group", f"sharp_enabled_group={sharp_enabled_group!r}: choose 'dp' "
-                    "(dp_replica needs num_distributed_optimizer_instances > 1)"))
+        out.append(
+            (
+                "sharp_enabled_group",
+                f"sharp_enabled_group={sharp_enabled_group!r}: choose 'dp' "
+                "(dp_replica needs num_distributed_optimizer_instances > 1)",
+            )
+        )
     if rank_offset != 0:
         out.append(("rank_offset", f"rank_offset={rank_offset}: the grid spans the whole world here; pass 0"))
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if local_world_size is not None and local_world_size != world:
-        out.append(("local_world_size", f"local_world_size={local_world_size}: the grid spans the whole world "
-                    f"({world}); pass None"))
+        out.append(
+            (
+                "local_world_size",
+                f"local_world_size={local_world_size}: the grid spans the whole world ({world}); pass None",
+            )
+        )
     return out
 
 
@@ -108,27 +145,43 @@ def initialize_model_parallel(
             last ones are also RuntimeErrors, as in Megatron-Core).
     """
     del nccl_communicator_config_path, high_priority_stream_groups  # NCCL tuning: no effect here
-    refused = _refusals(pipeline_model_parallel_comm_backend, use_sharp, hierarchical_context_parallel_sizes,
-                        hybrid_context_parallel, gtp_remat_size, expert_gtp_remat_size,
-                        num_distributed_optimizer_instances, sharp_enabled_group, rank_offset, local_world_size)
+    refused = _refusals(
+        pipeline_model_parallel_comm_backend,
+        use_sharp,
+        hierarchical_context_parallel_sizes,
+        hybrid_context_parallel,
+        gtp_remat_size,
+        expert_gtp_remat_size,
+        num_distributed_optimizer_instances,
+        sharp_enabled_group,
+        rank_offset,
+        local_world_size,
+    )
     if refused:
-        raise ConfigError("initialize_model_parallel: " + "; ".join(line for _, line in refused),
-                          params=tuple(name for name, _ in refused))
+        raise ConfigError(
+            "initialize_model_parallel: " + "; ".join(line for _, line in refused),
+            params=tuple(name for name, _ in refused),
+        )
     if virtual_pipeline_model_parallel_size is not None and pipeline_model_parallel_size <= 1:
         raise ParallelLayoutError(
             f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size} needs "
             f"pipeline_model_parallel_size > 1 (got {pipeline_model_parallel_size}); pass None",
-            params=("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size"))
+            params=("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size"),
+        )
     if distributed_timeout_minutes is not None and distributed_timeout_minutes <= 0:
-        raise ConfigError(f"distributed_timeout_minutes must be > 0 (e.g. 30), got {distributed_timeout_minutes}",
-                          params=("distributed_timeout_minutes",))
+        raise ConfigError(
+            f"distributed_timeout_minutes must be > 0 (e.g. 30), got {distributed_timeout_minutes}",
+            params=("distributed_timeout_minutes",),
+        )
     state = build_parallel_state(
         tp=tensor_model_parallel_size,
         pp=pipeline_model_parallel_size,
         cp=context_parallel_size,
         ep=expert_model_parallel_size,
         etp=expert_tensor_parallel_size,
-        timeout=None if distributed_timeout_minutes is None else timedelta(minutes=distributed_timeout_minutes),
+        timeout=None
+        if distributed_timeout_minutes is None
+        else timedelta(minutes=distributed_timeout_minutes),
         order=order,
         embedding_ranks=get_embedding_ranks,
         position_embedding_ranks=get_position_embedding_ranks,
@@ -155,9 +208,16 @@ def initialized_state() -> ParallelState:
     """The default instance for Megatron's getters: the recorded one, or a one-rank state where the
     world has one rank. In a larger world before ``initialize_model_parallel`` this is an error
     (building groups lazily there would be a collective only one caller enters)."""
-    if not get_runtime().layout.initialized and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError("the model-parallel groups are not initialized: call "
-                           "parallel_state.initialize_model_parallel(...) on every rank first")
+    if (
+        not get_runtime().layout.initialized
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    ):
+        raise RuntimeError(
+            "the model-parallel groups are not initialized: call "
+            "parallel_state.initialize_model_parallel(...) on every rank first"
+        )
     return get_parallel_state()
 
 
@@ -181,10 +241,20 @@ def destroy_model_parallel() -> None:
     get_runtime().reset_layout()
 
 
-def create_group(ranks: list[int] | None = None, timeout: timedelta | None = None, backend: str | None = None,
-                 pg_options: Any = None, use_local_synchronization: bool = False,
-                 group_desc: str | None = None) -> Any:
+def create_group(
+    ranks: list[int] | None = None,
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+    pg_options: Any = None,
+    use_local_synchronization: bool = False,
+    group_desc: str | None = None,
+) -> Any:
     """``torch.distributed.new_group`` as Megatron-Core calls it (every rank must call it)."""
-    return dist.new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options,
-                          use_local_synchronization=use_local_synchronization, group_desc=group_desc)
-
+    return dist.new_group(
+        ranks,
+        timeout=timeout,
+        backend=backend,
+        pg_options=pg_options,
+        use_local_synchronization=use_local_synchronization,
+        group_desc=group_desc,
+    )

@@ -16,12 +16,33 @@ from megatron.core.parallel_state_init import initialized_state
 
 # Field -> the ParallelState group name it is (None: not built here).
 _STATE_NAMES: dict[str, str | None] = {
-    "tp": "tp", "pp": "pp", "mp": "mp", "embd": "embedding", "pos_embd": "position_embedding",
-    "cp": "cp", "tp_cp": "tp_cp", "hcp": None, "ep": "ep", "expt_tp": "expt_tp", "tp_ep": "tp_ep",
-    "tp_ep_pp": "tp_ep_pp", "tp_ep_pp_with_egtp_remat": "tp_ep_pp", "tp_dp_cp": "tp_dp_cp", "dp": "dp",
-    "dp_cp": "dp_cp", "dp_cp_gtp_remat": "dp_cp", "dp_cp_ag": None, "gtp_remat": None, "expt_gtp_remat": None,
-    "expt_dp": "expt_dp", "expt_dp_gtp_remat": "expt_dp", "expt_dp_ag": None, "intra_dp_cp": "dp_cp",
-    "intra_expt_dp": "expt_dp", "inter_dist_opt": None, "intra_dist_opt": "intra_dist_opt",
+    "tp": "tp",
+    "pp": "pp",
+    "mp": "mp",
+    "embd": "embedding",
+    "pos_embd": "position_embedding",
+    "cp": "cp",
+    "tp_cp": "tp_cp",
+    "hcp": None,
+    "ep": "ep",
+    "expt_tp": "expt_tp",
+    "tp_ep": "tp_ep",
+    "tp_ep_pp": "tp_ep_pp",
+    "tp_ep_pp_with_egtp_remat": "tp_ep_pp",
+    "tp_dp_cp": "tp_dp_cp",
+    "dp": "dp",
+    "dp_cp": "dp_cp",
+    "dp_cp_gtp_remat": "dp_cp",
+    "dp_cp_ag": None,
+    "gtp_remat": None,
+    "expt_gtp_remat": None,
+    "expt_dp": "expt_dp",
+    "expt_dp_gtp_remat": "expt_dp",
+    "expt_dp_ag": None,
+    "intra_dp_cp": "dp_cp",
+    "intra_expt_dp": "expt_dp",
+    "inter_dist_opt": None,
+    "intra_dist_opt": "intra_dist_opt",
 }
 
 
@@ -89,12 +110,16 @@ class ProcessGroupCollection:
         return f"ProcessGroupCollection({', '.join(parts)})" if parts else "ProcessGroupCollection(empty)"
 
     @classmethod
-    def from_parallel_state(cls, state: ParallelState, required_pgs: list[str] | None = None) -> ProcessGroupCollection:
+    def from_parallel_state(
+        cls, state: ParallelState, required_pgs: list[str] | None = None
+    ) -> ProcessGroupCollection:
         """The groups of ``state`` under Megatron's names (all fields, or those in ``required_pgs``)."""
         names = list(_STATE_NAMES) if required_pgs is None else list(required_pgs)
         invalid = [n for n in names if n not in _STATE_NAMES]
         if invalid:
-            raise ValueError(f"Invalid process groups requested: {invalid}; valid names are {sorted(_STATE_NAMES)}")
+            raise ValueError(
+                f"Invalid process groups requested: {invalid}; valid names are {sorted(_STATE_NAMES)}"
+            )
         return cls(**{n: state.groups.get(_STATE_NAMES[n]) if _STATE_NAMES[n] else None for n in names})
 
     @classmethod

@@ -49,8 +49,13 @@ class GlobalMemoryBuffer:
     def __init__(self) -> None:
         self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
-    def get_tensor(self, tensor_shape: Sequence[int], dtype: torch.dtype, name: str,
-                   mem_alloc_context: Callable[[], AbstractContextManager[Any]] | None = None) -> torch.Tensor:
+    def get_tensor(
+        self,
+        tensor_shape: Sequence[int],
+        dtype: torch.dtype,
+        name: str,
+        mem_alloc_context: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> torch.Tensor:
         """A view of shape ``tensor_shape`` into the buffer (grown when too small), on the current
         CUDA device or else the CPU."""
         needed = functools.reduce(operator.mul, tensor_shape, 1)

@@ -44,7 +44,9 @@ def get_torch_version() -> Version:
 
 def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
     """torch >= ``version`` (> with ``check_equality=False``)."""
-    return get_torch_version() >= Version(version) if check_equality else get_torch_version() > Version(version)
+    return (
+        get_torch_version() >= Version(version) if check_equality else get_torch_version() > Version(version)
+    )
 
 
 def get_te_version() -> Version:
@@ -89,8 +91,9 @@ def accepts_parameter(func: Callable, name: str) -> bool:
 
 
 # --- process groups -----------------------------------------------------------------------------
-def get_tensor_model_parallel_group_if_none(tp_group: Any, is_expert: bool = False,
-                                            check_initialized: bool = True) -> Any:
+def get_tensor_model_parallel_group_if_none(
+    tp_group: Any, is_expert: bool = False, check_initialized: bool = True
+) -> Any:
     """``tp_group``, or parallel_state's (expert) tensor-parallel group when it is None.
 
     None when torch.distributed is not initialised; ``tp_group`` unchanged before
@@ -101,8 +104,11 @@ def get_tensor_model_parallel_group_if_none(tp_group: Any, is_expert: bool = Fal
     if not parallel_state.is_initialized() or tp_group is not None:
         return tp_group
     if dist.get_rank() == 0:
-        warnings.warn("tp_group is None: using parallel_state's tensor-parallel group; pass the group",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "tp_group is None: using parallel_state's tensor-parallel group; pass the group",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     if is_expert:
         return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
     return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
@@ -124,7 +130,9 @@ def get_pg_src_rank(group: Any = None) -> int:
 
 
 # --- wrapped models -----------------------------------------------------------------------------
-def get_attr_wrapped_model(model: Any, attr: str, allow_none: bool = True, return_model_obj: bool = False) -> Any:
+def get_attr_wrapped_model(
+    model: Any, attr: str, allow_none: bool = True, return_model_obj: bool = False
+) -> Any:
     """``attr`` of the first of ``model``, ``model.module``, ``model.module.module``, ... having it
     (with ``allow_none=False``: having it not None); that object itself with ``return_model_obj``.
 
@@ -225,7 +233,9 @@ def assert_viewless_tensor(tensor: Any, extra_msg: str | None = None) -> Any:
             assert_viewless_tensor(t, extra_msg)
         return tensor
     if isinstance(tensor, torch.Tensor):
-        assert tensor._base is None, f"tensor is a view (its ._base is set): it would keep the viewed memory. {extra_msg}"
+        assert tensor._base is None, (
+            f"tensor is a view (its ._base is set): it would keep the viewed memory. {extra_msg}"
+        )
     return tensor
 
 
@@ -245,21 +255,25 @@ def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return functools.partial(torch.nn.init.normal_, mean=0.0, std=sigma)
 
 
-def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float = 2.0) -> Callable[[torch.Tensor], torch.Tensor]:
+def scaled_init_method_normal(
+    sigma: float, num_layers: int, multiplier: float = 2.0
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """In-place N(0, sigma / sqrt(multiplier * num_layers)) init (output projections)."""
     return functools.partial(torch.nn.init.normal_, mean=0.0, std=sigma / math.sqrt(multiplier * num_layers))
 
 
-def mup_scaled_init_method_normal(sigma: float, num_layers: int, width_mult: float,
-                                  multiplier: float = 2.0) -> Callable[[torch.Tensor], torch.Tensor]:
+def mup_scaled_init_method_normal(
+    sigma: float, num_layers: int, width_mult: float, multiplier: float = 2.0
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """In-place N(0, sigma / (sqrt(multiplier * num_layers) * sqrt(width_mult))) init."""
     std = sigma / (math.sqrt(multiplier * num_layers) * math.sqrt(width_mult))
     return functools.partial(torch.nn.init.normal_, mean=0.0, std=std)
 
 
 # --- logging ------------------------------------------------------------------------------------
-def log_on_each_pipeline_stage(logger: logging.Logger, *args: Any, tp_group: Any = None, dp_cp_group: Any = None,
-                               **kwargs: Any) -> None:
+def log_on_each_pipeline_stage(
+    logger: logging.Logger, *args: Any, tp_group: Any = None, dp_cp_group: Any = None, **kwargs: Any
+) -> None:
     """Log on tensor-parallel rank 0 and data x context rank 0 of each pipeline stage.
 
     Both groups, or neither (then parallel_state's), must be given.

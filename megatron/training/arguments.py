@@ -24,7 +24,22 @@ from megatron.training.run_config import (
 )
 
 __all__ = [
-    "ALIASES", "REQUIRED", "SECTIONS", "SPELLINGS", "ModelImplConfig", "RunConfig", "attach_negative_values",
-    "build_parser", "configs_from_namespace", "default_text", "flag_list", "flag_name", "format_arguments",
-    "parse_args", "parse_namespace", "parse_run_config", "run_config_from_values", "validate_args",
+    "ALIASES",
+    "REQUIRED",
+    "SECTIONS",
+    "SPELLINGS",
+    "ModelImplConfig",
+    "RunConfig",
+    "attach_negative_values",
+    "build_parser",
+    "configs_from_namespace",
+    "default_text",
+    "flag_list",
+    "flag_name",
+    "format_arguments",
+    "parse_args",
+    "parse_namespace",
+    "parse_run_config",
+    "run_config_from_values",
+    "validate_args",
 ]

@@ -78,11 +78,15 @@ def resume_advice(roots: list[str], before: int) -> str:
         return "it was the first step: no checkpoint can help"
     found = newest_finite_checkpoint(roots, before)
     if found is None:
-        return (f"no checkpoint before iteration {before} with finite weights is in {' or '.join(roots)}: start "
-                "again from scratch (without --load)")
+        return (
+            f"no checkpoint before iteration {before} with finite weights is in {' or '.join(roots)}: start "
+            "again from scratch (without --load)"
+        )
     root, it = found
-    return (f"the newest checkpoint before it with finite weights, iteration {it} in {root}, is intact: resume from "
-            f"it with --load {root} --ckpt-step {it}")
+    return (
+        f"the newest checkpoint before it with finite weights, iteration {it} in {root}, is intact: resume from "
+        f"it with --load {root} --ckpt-step {it}"
+    )
 
 
 _PRECISION = {torch.bfloat16: ("bf16", "--bf16"), torch.float16: ("fp16", "--fp16")}
@@ -98,7 +102,11 @@ def _resume_with(saved: torch.dtype, current: torch.dtype) -> str:
     """How to train in the checkpoint's precision again: ``with --bf16``, ``without --fp16``, ..."""
     if saved in _PRECISION:
         flag = _PRECISION[saved][1]
-        return f"with {flag}" if current not in _PRECISION else f"with {flag} instead of {_PRECISION[current][1]}"
+        return (
+            f"with {flag}"
+            if current not in _PRECISION
+            else f"with {flag} instead of {_PRECISION[current][1]}"
+        )
     return f"without {_PRECISION[current][1]}" if current in _PRECISION else "in the checkpoint's precision"
 
 
@@ -107,7 +115,9 @@ def _common_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
     return counts[0][0] if counts else None
 
 
-def check_optimizer_precision(ckpt_dir: str, model: list[ShardedTensor], optimizer: list[ShardedTensor]) -> None:
+def check_optimizer_precision(
+    ckpt_dir: str, model: list[ShardedTensor], optimizer: list[ShardedTensor]
+) -> None:
     """Refuse, naming the flag, an optimizer state the checkpoint lacks because it was trained in
     another precision (an fp32 run keeps no fp32 main-parameter copies; a --bf16 run does).
 
@@ -127,4 +137,5 @@ def check_optimizer_precision(ckpt_dir: str, model: list[ShardedTensor], optimiz
         f"{ckpt_dir} was trained in {_precision(saved)} and this run trains in {_precision(current)}: its optimizer "
         f"state lacks the {len(missing)} tensors this precision keeps (e.g. {missing[0]}); resume "
         f"{_resume_with(saved, current)} to load it, or pass --no-load-optim to start the optimizer from the "
-        "loaded weights")
+        "loaded weights"
+    )

@@ -13,7 +13,10 @@ from megatron.core.dist_checkpointing import CheckpointError
 
 # Values of the saved ``extra_state`` that a --finetune load (or a release checkpoint) sets to 0.
 RESET_ON_FINETUNE = (
-    "iteration", "consumed_train_samples", "consumed_valid_samples", "num_floating_point_operations_so_far"
+    "iteration",
+    "consumed_train_samples",
+    "consumed_valid_samples",
+    "num_floating_point_operations_so_far",
 )
 
 
@@ -70,6 +73,7 @@ def check_model_args(
         log(f"note: {ckpt_dir} does not record {', '.join(unrecorded)}; not checked")
     if mismatches:
         raise CheckpointError(
-            f"checkpoint {ckpt_dir} was saved for a different model:\n" + "\n".join(mismatches)
+            f"checkpoint {ckpt_dir} was saved for a different model:\n"
+            + "\n".join(mismatches)
             + "\nset these flags to the checkpoint's values, or --load a checkpoint of this model"
         )

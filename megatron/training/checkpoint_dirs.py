@@ -162,8 +162,10 @@ def repair(ckpt_dir: str, log: Callable[[str], None]) -> None:
         _rename(found, ckpt_dir)
         fsync_dir(os.path.dirname(ckpt_dir) or ".")
     except OSError as e:
-        log(f"note: a save that was killed left {ckpt_dir} as {found}; reading it there (cannot rename it "
-            f"back: {e})")
+        log(
+            f"note: a save that was killed left {ckpt_dir} as {found}; reading it there (cannot rename it "
+            f"back: {e})"
+        )
         return
     log(f"note: a save that was killed left {ckpt_dir} as {found}; renamed it back")
     if found == staging_dir(ckpt_dir):
@@ -193,7 +195,10 @@ def _holds_checkpoint_files(path: str) -> bool:
         return False
     if TRACKER_FILENAME in names:
         return False
-    return any(n in ("metadata.json", ".metadata") or n.endswith(".distcp") or n.startswith("mp_rank_") for n in names)
+    return any(
+        n in ("metadata.json", ".metadata") or n.endswith(".distcp") or n.startswith("mp_rank_")
+        for n in names
+    )
 
 
 def split_iteration_dir(path: str) -> tuple[str, int | None]:
@@ -221,14 +226,19 @@ def check_save_dir(path: str) -> None:
         ConfigError: naming the path and what is wrong with it.
     """
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"--save {path} is a file, not a directory; pass a directory (it is created if missing)")
+        raise ConfigError(
+            f"--save {path} is a file, not a directory; pass a directory (it is created if missing)"
+        )
     if os.path.isdir(path):
         if is_complete_checkpoint(path):
-            raise ConfigError(f"--save {path} is one checkpoint (it holds metadata.json); pass the directory that "
-                             f"holds the checkpoints, {os.path.dirname(os.path.normpath(path)) or '.'}")
+            raise ConfigError(
+                f"--save {path} is one checkpoint (it holds metadata.json); pass the directory that "
+                f"holds the checkpoints, {os.path.dirname(os.path.normpath(path)) or '.'}"
+            )
         if not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(f"--save {path} is not writable ({_why_not_writable(path)}); pass a directory you can "
-                             "write")
+            raise ConfigError(
+                f"--save {path} is not writable ({_why_not_writable(path)}); pass a directory you can write"
+            )
         return
     ancestor = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(ancestor):
@@ -236,5 +246,7 @@ def check_save_dir(path: str) -> None:
     if not os.path.isdir(ancestor):
         raise ConfigError(f"--save {path} cannot be created: {ancestor} is a file, not a directory")
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ConfigError(f"--save {path} cannot be created: {ancestor} is not writable ({_why_not_writable(ancestor)}); "
-                         "pass a directory you can write")
+        raise ConfigError(
+            f"--save {path} cannot be created: {ancestor} is not writable ({_why_not_writable(ancestor)}); "
+            "pass a directory you can write"
+        )

@@ -52,13 +52,30 @@ from megatron.training.checkpoint_common import (
 from megatron.training.checkpoint_dirs import TRACKER_FILENAME, read_tracker, write_tracker
 
 __all__ = [
-    "TRACKER_FILENAME", "NonFiniteStateError", "check_model_args", "find_arg", "get_checkpoint_name",
-    "get_rng_state", "load_checkpoint", "read_tracker", "save_checkpoint", "set_rng_state", "write_tracker",
+    "TRACKER_FILENAME",
+    "NonFiniteStateError",
+    "check_model_args",
+    "find_arg",
+    "get_checkpoint_name",
+    "get_rng_state",
+    "load_checkpoint",
+    "read_tracker",
+    "save_checkpoint",
+    "set_rng_state",
+    "write_tracker",
 ]
 
 CKPT_FORMAT = "torch_dist"
 CONTENTS_KEY = "checkpoint_contents"
-_RESERVED_KEYS = ("model", "optimizer", "opt_param_scheduler", "rng_state", "fp8_state", CONTENTS_KEY, FINITE_KEY)
+_RESERVED_KEYS = (
+    "model",
+    "optimizer",
+    "opt_param_scheduler",
+    "rng_state",
+    "fp8_state",
+    CONTENTS_KEY,
+    FINITE_KEY,
+)
 
 
 def get_checkpoint_name(root: str, iteration: int) -> str:
@@ -76,7 +93,9 @@ def _rng_object(parallel_state: Any, data: Any) -> ShardedObject:
     tp, tp_size = getattr(parallel_state, "tp_rank", 0), getattr(parallel_state, "tp_size", 1)
     pp, pp_size = getattr(parallel_state, "pp_rank", 0), getattr(parallel_state, "pp_size", 1)
     replica = tuple(int(getattr(parallel_state, f"{axis}_rank", 0)) for axis in ("dp", "cp", "ep"))
-    return ShardedObject("rng_state", data, replica_id=replica, shard_key=f"tp_{tp}_of_{tp_size}.pp_{pp}_of_{pp_size}")
+    return ShardedObject(
+        "rng_state", data, replica_id=replica, shard_key=f"tp_{tp}_of_{tp_size}.pp_{pp}_of_{pp_size}"
+    )
 
 
 def get_rng_state(rng_state_fn: Callable[[], Any] | None = None) -> dict[str, Any]:
@@ -150,12 +169,25 @@ def save_checkpoint(
     if clash:
         raise ValueError(f"extra_state keys {clash} are reserved for the checkpoint layout")
     ckpt_dir = get_checkpoint_name(save_dir, iteration)
-    state, common = _state_to_save(model_sharded_state_dict, optimizer, opt_param_scheduler, extra_state,
-                                   save_optim, save_rng, parallel_state, rng_state_fn, fp8_state)
-    common[FINITE_KEY] = dist_checkpointing.all_finite({"model": state["model"], "optimizer": state.get("optimizer")})
+    state, common = _state_to_save(
+        model_sharded_state_dict,
+        optimizer,
+        opt_param_scheduler,
+        extra_state,
+        save_optim,
+        save_rng,
+        parallel_state,
+        rng_state_fn,
+        fp8_state,
+    )
+    common[FINITE_KEY] = dist_checkpointing.all_finite(
+        {"model": state["model"], "optimizer": state.get("optimizer")}
+    )
     if require_finite and not common[FINITE_KEY]:
-        raise NonFiniteStateError(f"the model or optimizer state at iteration {iteration} holds NaN or Inf, so "
-                                  f"{ckpt_dir} was not written")
+        raise NonFiniteStateError(
+            f"the model or optimizer state at iteration {iteration} holds NaN or Inf, so "
+            f"{ckpt_dir} was not written"
+        )
     is_rank0 = rank() == 0
     if is_rank0:
         log(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in {CKPT_FORMAT} format")
@@ -176,8 +208,15 @@ def save_checkpoint(
 
 
 def _state_to_save(
-    model_sharded_state_dict: dict, optimizer: Any, opt_param_scheduler: Any, extra_state: dict, save_optim: bool,
-    save_rng: bool, parallel_state: Any, rng_state_fn: Callable[[], Any] | None, fp8_state: dict | None,
+    model_sharded_state_dict: dict,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    extra_state: dict,
+    save_optim: bool,
+    save_rng: bool,
+    parallel_state: Any,
+    rng_state_fn: Callable[[], Any] | None,
+    fp8_state: dict | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the sharded state, the common values) of one checkpoint."""
     state: dict[str, Any] = {"model": model_sharded_state_dict}
@@ -190,7 +229,9 @@ def _state_to_save(
         state["rng_state"] = _rng_object(parallel_state, get_rng_state(rng_state_fn))
     if fp8_state:
         state["fp8_state"] = fp8_state
-    common[CONTENTS_KEY] = sorted([*state, *(["opt_param_scheduler"] if opt_param_scheduler is not None else [])])
+    common[CONTENTS_KEY] = sorted(
+        [*state, *(["opt_param_scheduler"] if opt_param_scheduler is not None else [])]
+    )
     return state, common
 
 
@@ -203,8 +244,10 @@ def _prepare_save(save_dir: str, ckpt_dir: str, iteration: int, log: Callable[[s
     except OSError as e:
         raise CheckpointWriteError(save_dir, str(e)) from None
     if os.path.isdir(ckpt_dir) and read_tracker(save_dir) == iteration:
-        log(f"warning: replacing {ckpt_dir}, the checkpoint named by {TRACKER_FILENAME}; it stays until the new "
-            "one is complete")
+        log(
+            f"warning: replacing {ckpt_dir}, the checkpoint named by {TRACKER_FILENAME}; it stays until the new "
+            "one is complete"
+        )
 
 
 def _failed_save_reason(error: CheckpointWriteError, save_dir: str, iteration: int, staging: str) -> str:
@@ -212,10 +255,15 @@ def _failed_save_reason(error: CheckpointWriteError, save_dir: str, iteration: i
         newest = read_tracker(save_dir)
     except CheckpointError:
         newest = None
-    kept = (f"{TRACKER_FILENAME} still names iteration {newest}" if newest is not None
-            else "no earlier checkpoint is named by a tracker")
-    return (f"saving iteration {iteration} failed: {error.reason}; removed the partial {staging}; {kept}. Fix that "
-            "(free space or quota, permissions), or pass --save a directory on another file system, and resume")
+    kept = (
+        f"{TRACKER_FILENAME} still names iteration {newest}"
+        if newest is not None
+        else "no earlier checkpoint is named by a tracker"
+    )
+    return (
+        f"saving iteration {iteration} failed: {error.reason}; removed the partial {staging}; {kept}. Fix that "
+        "(free space or quota, permissions), or pass --save a directory on another file system, and resume"
+    )
 
 
 def _publish(save_dir: str, ckpt_dir: str, iteration: int) -> None:
@@ -224,8 +272,11 @@ def _publish(save_dir: str, ckpt_dir: str, iteration: int) -> None:
         checkpoint_dirs.swap_in(ckpt_dir)
         write_tracker(save_dir, iteration)
     except OSError as e:
-        raise CheckpointWriteError(save_dir, f"saving iteration {iteration}: {e} (after every file was written, "
-                                             "while renaming it into place or updating the tracker)") from None
+        raise CheckpointWriteError(
+            save_dir,
+            f"saving iteration {iteration}: {e} (after every file was written, "
+            "while renaming it into place or updating the tracker)",
+        ) from None
 
 
 def _agreed_iteration(iteration: int | None) -> int | None:
@@ -268,18 +319,24 @@ def _resolve_checkpoint(
     return iteration, ckpt_dir
 
 
-def _load_dir_and_step(load_dir: str, ckpt_step: int | None, log: Callable[[str], None]) -> tuple[str, int | None]:
+def _load_dir_and_step(
+    load_dir: str, ckpt_step: int | None, log: Callable[[str], None]
+) -> tuple[str, int | None]:
     """``--load .../iter_0000100`` (a checkpoint, not the directory of a run's checkpoints) means that
     checkpoint: Megatron users pass it, and its name and files say which one is meant."""
     parent, iteration = checkpoint_dirs.split_iteration_dir(load_dir)
     if iteration is None:
         return load_dir, ckpt_step
     if ckpt_step is not None and ckpt_step != iteration:
-        raise ConfigError(f"--load {load_dir} is the checkpoint of iteration {iteration} but --ckpt-step {ckpt_step} "
-                         f"asks for another: pass --load {parent} --ckpt-step {ckpt_step}, or drop --ckpt-step")
+        raise ConfigError(
+            f"--load {load_dir} is the checkpoint of iteration {iteration} but --ckpt-step {ckpt_step} "
+            f"asks for another: pass --load {parent} --ckpt-step {ckpt_step}, or drop --ckpt-step"
+        )
     if rank() == 0:
-        log(f"--load {load_dir} is the checkpoint of iteration {iteration}: loading it as --load {parent} "
-            f"--ckpt-step {iteration}")
+        log(
+            f"--load {load_dir} is the checkpoint of iteration {iteration}: loading it as --load {parent} "
+            f"--ckpt-step {iteration}"
+        )
     return parent, iteration
 
 
@@ -330,8 +387,17 @@ def load_checkpoint(
     legacy = legacy_checkpoint.find_legacy_checkpoint(load_dir, ckpt_step)
     if legacy is not None:  # the format is told by the files, as Megatron's --auto-detect-ckpt-format
         return legacy_checkpoint.load_legacy_checkpoint(
-            legacy, model_sharded_state_dict, optimizer, opt_param_scheduler, load_optim=load_optim,
-            load_rng=load_rng, finetune=finetune, model_args_check=model_args_check, fp8_state=fp8_state, log=log)
+            legacy,
+            model_sharded_state_dict,
+            optimizer,
+            opt_param_scheduler,
+            load_optim=load_optim,
+            load_rng=load_rng,
+            finetune=finetune,
+            model_args_check=model_args_check,
+            fp8_state=fp8_state,
+            log=log,
+        )
     found = _resolve_checkpoint(load_dir, ckpt_step, exit_on_missing_checkpoint, log)
     if found is None:
         return None
@@ -342,14 +408,22 @@ def load_checkpoint(
     restore_optim = optimizer is not None and load_optim and not finetune
     say = log if is_rank0 else quiet
     try:
-        common = _load_state(ckpt_dir, model_sharded_state_dict, optimizer if restore_optim else None,
-                             opt_param_scheduler, model_args_check, say)
+        common = _load_state(
+            ckpt_dir,
+            model_sharded_state_dict,
+            optimizer if restore_optim else None,
+            opt_param_scheduler,
+            model_args_check,
+            say,
+        )
         if load_rng and not finetune:
             _load_rng(ckpt_dir, parallel_state, rng_restore_fn, say)
         if fp8_state and not finetune:
             _load_fp8_state(ckpt_dir, fp8_state, say)
     except CheckpointReadError as e:
-        raise CheckpointReadError(f"{e}; {checkpoint_advice.another_checkpoint(load_dir, iteration)}") from None
+        raise CheckpointReadError(
+            f"{e}; {checkpoint_advice.another_checkpoint(load_dir, iteration)}"
+        ) from None
 
     extra = {k: v for k, v in common.items() if k not in _RESERVED_KEYS}
     if finetune:
@@ -359,16 +433,24 @@ def load_checkpoint(
     return extra
 
 
-def _load_state(ckpt_dir: str, model_sharded_state_dict: dict, optimizer: Any, opt_param_scheduler: Any,
-                model_args_check: dict[str, Any] | None, log: Callable[[str], None]) -> dict:
+def _load_state(
+    ckpt_dir: str,
+    model_sharded_state_dict: dict,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    model_args_check: dict[str, Any] | None,
+    log: Callable[[str], None],
+) -> dict:
     """Check the saved args, fill the model (and, given one, the optimizer and scheduler) in place;
     return the checkpoint's common values."""
     common = dist_checkpointing.load_common_state(ckpt_dir)
     if model_args_check:
         check_model_args(common.get("args", {}), model_args_check, ckpt_dir, log)
     if common.get(FINITE_KEY) is False:
-        log(f"warning: {ckpt_dir} holds NaN or Inf in its model or optimizer tensors (saved with "
-            "--no-check-for-nan-in-loss-and-grad); training from it gives NaN")
+        log(
+            f"warning: {ckpt_dir} holds NaN or Inf in its model or optimizer tensors (saved with "
+            "--no-check-for-nan-in-loss-and-grad); training from it gives NaN"
+        )
     request: dict[str, Any] = {"model": model_sharded_state_dict}
     if optimizer is not None:
         if "optimizer" not in common.get(CONTENTS_KEY, list(_RESERVED_KEYS)):
@@ -378,8 +460,10 @@ def _load_state(ckpt_dir: str, model_sharded_state_dict: dict, optimizer: Any, o
             )
         request["optimizer"] = optimizer.sharded_state_dict(model_sharded_state_dict)
         checkpoint_advice.check_optimizer_precision(
-            ckpt_dir, dist_checkpointing.sharded_tensors(model_sharded_state_dict),
-            dist_checkpointing.sharded_tensors(request["optimizer"]))
+            ckpt_dir,
+            dist_checkpointing.sharded_tensors(model_sharded_state_dict),
+            dist_checkpointing.sharded_tensors(request["optimizer"]),
+        )
     loaded = dist_checkpointing.load(request, ckpt_dir)
     if optimizer is not None:
         optimizer.load_sharded_state_dict(loaded["optimizer"])
@@ -389,13 +473,18 @@ def _load_state(ckpt_dir: str, model_sharded_state_dict: dict, optimizer: Any, o
 
 
 def _load_rng(
-    ckpt_dir: str, parallel_state: Any, rng_restore_fn: Callable[[Any], None] | None, log: Callable[[str], None]
+    ckpt_dir: str,
+    parallel_state: Any,
+    rng_restore_fn: Callable[[Any], None] | None,
+    log: Callable[[str], None],
 ) -> None:
     wanted = _rng_object(parallel_state, None)
     got = dist_checkpointing.load({"rng_state": wanted}, ckpt_dir, strict=False)
     if "rng_state" not in got:
-        log(f"not loading RNG state: {ckpt_dir} has none for {wanted.unique_key} "
-            "(saved with --no-save-rng or under another (tp, pp) layout)")
+        log(
+            f"not loading RNG state: {ckpt_dir} has none for {wanted.unique_key} "
+            "(saved with --no-save-rng or under another (tp, pp) layout)"
+        )
         return
     set_rng_state(got["rng_state"], rng_restore_fn)
 
@@ -404,9 +493,13 @@ def _load_fp8_state(ckpt_dir: str, fp8_state: dict, log: Callable[[str], None]) 
     """Fill the FP8 amax histories in place from the checkpoint, where it holds every one of them with
     the same shape (same model, same --fp8-amax-history-len); otherwise say that they restart."""
     saved = read_dcp_metadata(ckpt_dir).state_dict_metadata
-    ok = all(tuple(getattr(saved.get(t.key), "size", ())) == tuple(t.global_shape) for t in fp8_state.values())
+    ok = all(
+        tuple(getattr(saved.get(t.key), "size", ())) == tuple(t.global_shape) for t in fp8_state.values()
+    )
     if not ok:
-        log("  FP8 amax histories: not in the checkpoint (saved without FP8, with another --fp8-amax-history-len "
-            "or with other layers in FP8, --first-last-layers-bf16); they restart with the first step")
+        log(
+            "  FP8 amax histories: not in the checkpoint (saved without FP8, with another --fp8-amax-history-len "
+            "or with other layers in FP8, --first-last-layers-bf16); they restart with the first step"
+        )
         return
     dist_checkpointing.load({"fp8_state": fp8_state}, ckpt_dir)

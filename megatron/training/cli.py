@@ -51,8 +51,12 @@ def run(argv: list[str] | None = None) -> int:
         return stop_job(str(e), 3)
     except KeyboardInterrupt:
         if _rank_from_env() == 0:
-            print("pretrain_gpt.py: aborted; the checkpoints saved before remain (an interrupted save is "
-                  "never loaded)", file=sys.stderr, flush=True)
+            print(
+                "pretrain_gpt.py: aborted; the checkpoints saved before remain (an interrupted save is "
+                "never loaded)",
+                file=sys.stderr,
+                flush=True,
+            )
         return 130
     except Exception:
         wait_if_leaving()

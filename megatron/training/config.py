@@ -25,67 +25,107 @@ class TrainingConfig:
 
     micro_batch_size: int | None = doc(None, "Samples per micro-batch per data-parallel rank.")
     global_batch_size: int | None = doc(
-        None, "Samples per optimizer step across all data-parallel ranks; default micro-batch x DP. "
-        "Gradient accumulation runs global / (micro x DP) micro-batches."
+        None,
+        "Samples per optimizer step across all data-parallel ranks; default micro-batch x DP. "
+        "Gradient accumulation runs global / (micro x DP) micro-batches.",
     )
     seq_length: int | None = doc(None, "Tokens per sample.")
     train_iters: int | None = doc(None, "Optimizer steps to train (exclusive with --train-samples).")
-    train_samples: int | None = doc(None, "Samples to train; steps = samples / global batch (with a batch-size "
-                                          "ramp, its steps counted one by one; a last partial batch is dropped).")
+    train_samples: int | None = doc(
+        None,
+        "Samples to train; steps = samples / global batch (with a batch-size "
+        "ramp, its steps counted one by one; a last partial batch is dropped).",
+    )
     rampup_batch_size: list[int] | None = doc(
-        None, "Batch-size ramp-up <start> <increment> <ramp-up samples>: the global batch size starts at <start> "
+        None,
+        "Batch-size ramp-up <start> <increment> <ramp-up samples>: the global batch size starts at <start> "
         "and grows by <increment> in (global - start) / increment equal intervals of consumed samples, reaching "
         "--global-batch-size after <ramp-up samples> samples. Every batch size used must be a multiple of "
         "--micro-batch-size x data-parallel size. With --train-iters (as in Megatron-LM's gpt3 example) the run "
         "takes that many steps and the LR schedule's iteration lengths are converted to samples at the final "
-        "batch size; --train-samples counts the ramp's steps exactly.", nargs="*")
+        "batch size; --train-samples counts the ramp's steps exactly.",
+        nargs="*",
+    )
     step_batch_size_schedule: str | None = doc(
-        None, "Step-wise global batch size, e.g. \"0:16 2.4B:320 4.8B:624\": THRESHOLD:BATCH entries (K/M/B/T "
+        None,
+        'Step-wise global batch size, e.g. "0:16 2.4B:320 4.8B:624": THRESHOLD:BATCH entries (K/M/B/T '
         "suffixes = 1e3/1e6/1e9/1e12); the batch of the last threshold reached applies, thresholds counting "
         "consumed tokens (samples x --seq-length). The first threshold is 0; the last batch is the final global "
         "batch size (--global-batch-size may be omitted, or must equal it). With --train-iters, iteration "
-        "lengths of the LR schedule are converted to samples at the final batch size, as in Megatron.")
-    skip_train: bool = doc(False, "Build everything and load --load, train nothing: evaluate the validation and "
-                                  "test sets at the loaded iteration, save nothing.")
+        "lengths of the LR schedule are converted to samples at the final batch size, as in Megatron.",
+    )
+    skip_train: bool = doc(
+        False,
+        "Build everything and load --load, train nothing: evaluate the validation and "
+        "test sets at the loaded iteration, save nothing.",
+    )
     seed: int = doc(1234, "Random seed for weights, dropout and data order.")
-    exit_interval: int | None = doc(None, "Save (if --save) and exit when the iteration is a multiple of this.")
+    exit_interval: int | None = doc(
+        None, "Save (if --save) and exit when the iteration is a multiple of this."
+    )
     exit_duration_in_mins: float | None = doc(
-        None, "Save (if --save) and exit after this many minutes of training (checked after every step; the "
-              "step already queued behind it finishes first).")
+        None,
+        "Save (if --save) and exit after this many minutes of training (checked after every step; the "
+        "step already queued behind it finishes first).",
+    )
     exit_signal_handler: bool = doc(
-        False, "On SIGTERM (or the --exit-signal) or Ctrl-C (SIGINT), finish the running step (and the one queued "
+        False,
+        "On SIGTERM (or the --exit-signal) or Ctrl-C (SIGINT), finish the running step (and the one queued "
         "behind it), save a checkpoint and exit 0; a second Ctrl-C aborts. DataLoader workers ignore these signals, "
-        "so a signal sent to the whole process group (torchrun, Slurm) stops the run the same way.")
-    exit_signal: str = doc("SIGTERM", "The signal --exit-signal-handler saves and exits on, besides SIGINT "
-                                      "(e.g. SIGUSR1 for Slurm's --signal=USR1@120).", choices=EXIT_SIGNALS)
+        "so a signal sent to the whole process group (torchrun, Slurm) stops the run the same way.",
+    )
+    exit_signal: str = doc(
+        "SIGTERM",
+        "The signal --exit-signal-handler saves and exits on, besides SIGINT "
+        "(e.g. SIGUSR1 for Slurm's --signal=USR1@120).",
+        choices=EXIT_SIGNALS,
+    )
     check_for_nan_in_loss_and_grad: bool = doc(
-        True, "Stop (exit code 3, nothing saved) when the gradient norm is NaN or Inf; "
-        "--no-check-for-nan-in-loss-and-grad keeps going. fp16 overflow steps are skipped instead.")
-    make_vocab_size_divisible_by: int = doc(128, "Pad the vocabulary to a multiple of this times the TP size.")
-    max_position_embeddings: int | None = doc(None, "Positions in the learned position table; >= --seq-length.")
-    distributed_backend: str = doc("auto", "torch.distributed backend; auto = nccl with CUDA, else gloo.",
-                                   choices=("auto", "nccl", "gloo"))
+        True,
+        "Stop (exit code 3, nothing saved) when the gradient norm is NaN or Inf; "
+        "--no-check-for-nan-in-loss-and-grad keeps going. fp16 overflow steps are skipped instead.",
+    )
+    make_vocab_size_divisible_by: int = doc(
+        128, "Pad the vocabulary to a multiple of this times the TP size."
+    )
+    max_position_embeddings: int | None = doc(
+        None, "Positions in the learned position table; >= --seq-length."
+    )
+    distributed_backend: str = doc(
+        "auto",
+        "torch.distributed backend; auto = nccl with CUDA, else gloo.",
+        choices=("auto", "nccl", "gloo"),
+    )
     distributed_timeout_minutes: int = doc(10, "Timeout of collectives in minutes.")
-    dry_run: bool = doc(False, "Validate the configuration, build the model on the meta device, print the "
-                               "parameter count and estimated memory, and exit before any training.")
+    dry_run: bool = doc(
+        False,
+        "Validate the configuration, build the model on the meta device, print the "
+        "parameter count and estimated memory, and exit before any training.",
+    )
     world_size: int | None = doc(
-        None, "Processes the run is planned for: with --dry-run, the world size to validate the layout and "
+        None,
+        "Processes the run is planned for: with --dry-run, the world size to validate the layout and "
         "estimate memory for (tensor x pipeline x data parallel). Default: the launcher's (WORLD_SIZE from torchrun, "
-        "SLURM_NTASKS from srun), else 1. A real run takes it from the launcher; if given, it must agree.")
+        "SLURM_NTASKS from srun), else 1. A real run takes it from the launcher; if given, it must agree.",
+    )
 
     def __post_init__(self) -> None:
         check_positive("micro_batch_size", self.micro_batch_size)
         check_positive("global_batch_size", self.global_batch_size, allow_none=True)
         check_positive("seq_length", self.seq_length)
         if (self.train_iters is None) == (self.train_samples is None):
-            raise ConfigError("give exactly one of --train-iters or --train-samples (e.g. --train-iters 1000)")
+            raise ConfigError(
+                "give exactly one of --train-iters or --train-samples (e.g. --train-iters 1000)"
+            )
         check_positive("train_iters", self.train_iters, allow_none=True, allow_zero=True)
         check_positive("train_samples", self.train_samples, allow_none=True, allow_zero=True)
         check_positive("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
         check_positive("world_size", self.world_size, allow_none=True)
         if self.distributed_timeout_minutes < 1:  # an int of minutes, as in Megatron-LM
-            raise ConfigError(f"--distributed-timeout-minutes must be a whole number of minutes >= 1, got "
-                             f"{self.distributed_timeout_minutes} (e.g. --distributed-timeout-minutes 10, the default)")
+            raise ConfigError(
+                f"--distributed-timeout-minutes must be a whole number of minutes >= 1, got "
+                f"{self.distributed_timeout_minutes} (e.g. --distributed-timeout-minutes 10, the default)"
+            )
         self._check_batch_schedule()
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
@@ -98,13 +138,17 @@ class TrainingConfig:
             raise ConfigError("--rampup-batch-size and --step-batch-size-schedule are exclusive; give one")
         if ramp is not None:
             if len(ramp) != 3:
-                raise ConfigError(f"--rampup-batch-size takes 3 values <start> <increment> <ramp-up samples>, got "
-                                 f"{len(ramp)} (e.g. --rampup-batch-size 16 16 5859375)")
+                raise ConfigError(
+                    f"--rampup-batch-size takes 3 values <start> <increment> <ramp-up samples>, got "
+                    f"{len(ramp)} (e.g. --rampup-batch-size 16 16 5859375)"
+                )
         if steps is not None:
             final = parse_step_batch_size_schedule(steps, self.seq_length)[-1][1]
             if self.global_batch_size is not None and self.global_batch_size != final:
-                raise ConfigError(f"--global-batch-size {self.global_batch_size} differs from the last batch size of "
-                                 f"--step-batch-size-schedule ({final}); drop --global-batch-size or set it to {final}")
+                raise ConfigError(
+                    f"--global-batch-size {self.global_batch_size} differs from the last batch size of "
+                    f"--step-batch-size-schedule ({final}); drop --global-batch-size or set it to {final}"
+                )
             self.global_batch_size = final
 
 
@@ -119,21 +163,31 @@ class SchedulerConfig:
     lr_warmup_init: float = doc(0.0, "Learning rate at the start of warm-up.")
     lr_decay_iters: int | None = doc(None, "Decay length in iterations; default: the training length.")
     lr_decay_samples: int | None = doc(None, "Decay length in samples; default: the training length.")
-    lr_wsd_decay_style: str = doc("exponential", "Annealing shape of the WSD schedule.", choices=WSD_DECAY_STYLES)
+    lr_wsd_decay_style: str = doc(
+        "exponential", "Annealing shape of the WSD schedule.", choices=WSD_DECAY_STYLES
+    )
     lr_wsd_decay_iters: int | None = doc(None, "Annealing length of WSD in iterations.")
     lr_wsd_decay_samples: int | None = doc(None, "Annealing length of WSD in samples.")
     start_weight_decay: float | None = doc(None, "Weight decay at step 0; default --weight-decay.")
     end_weight_decay: float | None = doc(None, "Weight decay at the end; default --weight-decay.")
-    weight_decay_incr_style: str = doc("constant", "Weight-decay schedule from start to end.", choices=WD_INCR_STYLES)
-    override_opt_param_scheduler: bool = doc(False, "Ignore the scheduler state in the checkpoint; use the flags.")
-    use_checkpoint_opt_param_scheduler: bool = doc(False, "Take the schedule from the checkpoint, not the flags.")
+    weight_decay_incr_style: str = doc(
+        "constant", "Weight-decay schedule from start to end.", choices=WD_INCR_STYLES
+    )
+    override_opt_param_scheduler: bool = doc(
+        False, "Ignore the scheduler state in the checkpoint; use the flags."
+    )
+    use_checkpoint_opt_param_scheduler: bool = doc(
+        False, "Take the schedule from the checkpoint, not the flags."
+    )
 
     def __post_init__(self) -> None:
         check_choice("lr_decay_style", self.lr_decay_style, LR_DECAY_STYLES)
         if self.lr_warmup_fraction is not None and not 0.0 <= self.lr_warmup_fraction <= 1.0:
             raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got {self.lr_warmup_fraction}")
         if self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples):
-            raise ConfigError("--lr-warmup-fraction cannot be combined with --lr-warmup-iters/--lr-warmup-samples")
+            raise ConfigError(
+                "--lr-warmup-fraction cannot be combined with --lr-warmup-iters/--lr-warmup-samples"
+            )
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ConfigError(
                 "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are exclusive; give one"
@@ -152,11 +206,15 @@ class DataConfig:
     valid_data_path: list[str] | None = doc(None, "Blend for the validation split only.", nargs="*")
     test_data_path: list[str] | None = doc(None, "Blend for the test split only.", nargs="*")
     data_args_path: str | None = doc(
-        None, "A text file holding the --data-path value (prefixes, optionally weighted, separated by white "
-        "space), for blends too long for a command line.")
+        None,
+        "A text file holding the --data-path value (prefixes, optionally weighted, separated by white "
+        "space), for blends too long for a command line.",
+    )
     per_split_data_args_path: str | None = doc(
-        None, "A JSON file with keys 'train', 'valid' and 'test', each the value of --train-data-path, "
-        "--valid-data-path, --test-data-path (a string or a list), for blends too long for a command line.")
+        None,
+        "A JSON file with keys 'train', 'valid' and 'test', each the value of --train-data-path, "
+        "--valid-data-path, --test-data-path (a string or a list), for blends too long for a command line.",
+    )
     data_cache_path: str | None = doc(None, "Directory for cached dataset indices.")
     mock_data: bool = doc(False, "Synthetic data (no files); needs a tokenizer with a vocabulary size.")
     mmap_bin_files: bool = doc(True, "Memory-map .bin files; --no-mmap-bin-files reads them with plain I/O.")
@@ -165,19 +223,26 @@ class DataConfig:
     reset_attention_mask: bool = doc(False, "Block-diagonal attention mask per document.")
     eod_mask_loss: bool = doc(False, "Do not compute loss on end-of-document tokens.")
     create_attention_mask_in_dataloader: bool = doc(
-        True, "With --reset-attention-mask, the data loader builds the [b, 1, s, s] mask and tensor-parallel "
+        True,
+        "With --reset-attention-mask, the data loader builds the [b, 1, s, s] mask and tensor-parallel "
         "rank 0 broadcasts it each micro-batch; --no-create-attention-mask-in-dataloader builds it on the device "
         "from the tokens instead (the same mask, no transfer). Without --reset-attention-mask the mask is the plain "
-        "causal one: neither way materialises it and the model runs fused causal attention.")
+        "causal one: neither way materialises it and the model runs fused causal attention.",
+    )
     mid_level_dataset_surplus: float = doc(0.005, "Extra samples requested from each blended dataset.")
-    dataloader_type: str = doc("single", "single: sequential from the consumed sample; cyclic: endless.",
-                               choices=("single", "cyclic"))
+    dataloader_type: str = doc(
+        "single",
+        "single: sequential from the consumed sample; cyclic: endless.",
+        choices=("single", "cyclic"),
+    )
 
     def __post_init__(self) -> None:
         self._read_data_args()
         given = [n for n in ("mock_data", "data_path", "train_data_path") if getattr(self, n)]
         if len(given) > 1:
-            raise ConfigError(f"give only one data source, got {', '.join('--' + g.replace('_', '-') for g in given)}")
+            raise ConfigError(
+                f"give only one data source, got {', '.join('--' + g.replace('_', '-') for g in given)}"
+            )
         check_positive("num_workers", self.num_workers, allow_zero=True)
 
     def _read_data_args(self) -> None:
@@ -195,11 +260,15 @@ class DataConfig:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{flag} {self.per_split_data_args_path}: not JSON ({e})") from None
             if not isinstance(splits, dict) or "train" not in splits:
-                raise ConfigError(f"{flag} {self.per_split_data_args_path}: give an object with a 'train' key "
-                                 "(and 'valid', 'test'), e.g. {\"train\": \"0.7 a 0.3 b\", \"valid\": \"c\"}")
+                raise ConfigError(
+                    f"{flag} {self.per_split_data_args_path}: give an object with a 'train' key "
+                    '(and \'valid\', \'test\'), e.g. {"train": "0.7 a 0.3 b", "valid": "c"}'
+                )
             for name in ("train", "valid", "test"):
                 value = splits.get(name)
-                words = value.split() if isinstance(value, str) else ([str(v) for v in value] if value else None)
+                words = (
+                    value.split() if isinstance(value, str) else ([str(v) for v in value] if value else None)
+                )
                 setattr(self, f"{name}_data_path", words)
 
 
@@ -215,18 +284,26 @@ def _read_text(path: str, flag: str) -> str:
 class TokenizerConfig:
     """Which tokenizer turns text into ids (files are local; nothing is downloaded)."""
 
-    tokenizer_type: str | None = doc(None, "Tokenizer; NullTokenizer for --mock-data.", choices=TOKENIZER_TYPES)
+    tokenizer_type: str | None = doc(
+        None, "Tokenizer; NullTokenizer for --mock-data.", choices=TOKENIZER_TYPES
+    )
     vocab_file: str | None = doc(None, "GPT-2 BPE vocab.json (GPT2BPETokenizer).")
     merge_file: str | None = doc(None, "GPT-2 BPE merges.txt (GPT2BPETokenizer).")
-    tokenizer_model: str | None = doc(None, "SentencePiece .model, TikToken ranks file, or HF tokenizer dir/json.")
+    tokenizer_model: str | None = doc(
+        None, "SentencePiece .model, TikToken ranks file, or HF tokenizer dir/json."
+    )
     vocab_size: int | None = doc(None, "Vocabulary size of NullTokenizer (and TikTokenizer's cap).")
-    null_tokenizer_eod_id: int | None = doc(None, "End-of-document id of NullTokenizer; default vocab_size - 1.")
+    null_tokenizer_eod_id: int | None = doc(
+        None, "End-of-document id of NullTokenizer; default vocab_size - 1."
+    )
     tiktoken_pattern: str = doc("v2", "TikTokenizer split pattern.", choices=("v1", "v2"))
     tiktoken_num_special_tokens: int = doc(1000, "Ids reserved for special tokens by TikTokenizer.")
     padded_vocab_size: int | None = doc(None, "Use this padded vocabulary size instead of computing it.")
     pad_vocab_size: bool = doc(
-        True, "Pad the vocabulary to a multiple of --make-vocab-size-divisible-by x the tensor-parallel size; "
-        "--no-pad-vocab-size keeps the tokenizer's size (which the tensor-parallel size must then divide).")
+        True,
+        "Pad the vocabulary to a multiple of --make-vocab-size-divisible-by x the tensor-parallel size; "
+        "--no-pad-vocab-size keeps the tokenizer's size (which the tensor-parallel size must then divide).",
+    )
 
 
 @dataclass
@@ -244,18 +321,22 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = doc(False, "Exit with an error when --load holds no checkpoint.")
     ckpt_step: int | None = doc(None, "Load this iteration instead of the latest.")
     ckpt_format: str = doc(
-        "torch_dist", "Checkpoint format. torch_dist: Megatron's distributed format, saved and loaded under any "
+        "torch_dist",
+        "Checkpoint format. torch_dist: Megatron's distributed format, saved and loaded under any "
         "layout. torch: Megatron-LM's legacy per-rank files (mp_rank_XX[_YYY]/model_optim_rng.pt), read only: "
         "weights (under any layout), iteration, consumed samples and LR schedule; the optimizer state is not read "
         "(it restarts from the weights, as with --no-load-optim) nor are RNG states; saves are always torch_dist, so "
         "torch with --save is refused. Either way the format of --load is detected from its files.",
-        choices=("torch_dist", "torch"))
+        choices=("torch_dist", "torch"),
+    )
 
     def __post_init__(self) -> None:
         check_positive("save_interval", self.save_interval, allow_none=True)
         if self.ckpt_format == "torch" and self.save:
-            raise ConfigError("--ckpt-format torch with --save: saves are written as torch_dist only; drop "
-                             "--ckpt-format torch (a legacy --load directory is detected from its files)")
+            raise ConfigError(
+                "--ckpt-format torch with --save: saves are written as torch_dist only; drop "
+                "--ckpt-format torch (a legacy --load directory is detected from its files)"
+            )
 
 
 @dataclass
@@ -266,42 +347,64 @@ class LoggerConfig:
     eval_interval: int | None = doc(None, "Evaluate on the validation set every this many iterations.")
     eval_iters: int = doc(100, "Validation batches per evaluation; 0 turns evaluation off.")
     start_eval_at_iter: int | None = doc(
-        None, "Evaluate during training only at iterations from this one on (--eval-interval still picks them); "
-        "default: from the first.")
+        None,
+        "Evaluate during training only at iterations from this one on (--eval-interval still picks them); "
+        "default: from the first.",
+    )
     log_throughput: bool = doc(False, "Accepted for compatibility; throughput is always logged.")
     tensorboard_dir: str | None = doc(None, "Write TensorBoard scalars here.")
-    wandb_project: str | None = doc(None, "Weights & Biases project (WANDB_MODE=offline works without network).")
+    wandb_project: str | None = doc(
+        None, "Weights & Biases project (WANDB_MODE=offline works without network)."
+    )
     wandb_exp_name: str | None = doc(None, "Weights & Biases run name.")
     wandb_save_dir: str | None = doc(None, "Weights & Biases local directory.")
-    wandb_entity: str | None = doc(None, "Weights & Biases team or user the run belongs to (wandb.init's entity); "
-                                         "default: the account's default entity.")
+    wandb_entity: str | None = doc(
+        None,
+        "Weights & Biases team or user the run belongs to (wandb.init's entity); "
+        "default: the account's default entity.",
+    )
     log_loss_scale_to_tensorboard: bool = doc(
-        True, "Write the loss scale with the other scalars (TensorBoard, W&B, the metrics file); "
-        "--no-log-loss-scale-to-tensorboard leaves it out (the log line always shows it).")
+        True,
+        "Write the loss scale with the other scalars (TensorBoard, W&B, the metrics file); "
+        "--no-log-loss-scale-to-tensorboard leaves it out (the log line always shows it).",
+    )
     log_params_norm: bool = doc(
-        False, "Compute the L2 norm of all parameters at every log line (one all-reduce over the model-parallel "
-        "ranks) and show it as 'params norm' beside the gradient norm, and in the scalars.")
+        False,
+        "Compute the L2 norm of all parameters at every log line (one all-reduce over the model-parallel "
+        "ranks) and show it as 'params norm' beside the gradient norm, and in the scalars.",
+    )
     log_progress: bool = doc(
-        False, "Append one line to <save>/progress.txt at start-up and after every checkpoint: iteration, "
-        "consumed samples, tokens and floating-point operations so far, and the job's throughput.")
+        False,
+        "Append one line to <save>/progress.txt at start-up and after every checkpoint: iteration, "
+        "consumed samples, tokens and floating-point operations so far, and the job's throughput.",
+    )
     log_world_size_to_tensorboard: bool = doc(
-        False, "Also write the world size (number of processes) with the scalars of every logged iteration.")
+        False, "Also write the world size (number of processes) with the scalars of every logged iteration."
+    )
     metrics_file: str | None = doc(
         None, "JSON-lines metrics file; default metrics.jsonl in --tensorboard-dir, else --save, else none."
     )
-    profile: bool = doc(False, "Profile iterations --profile-step-start to --profile-step-end - 1 on --profile-ranks: "
-                               "with --use-pytorch-profiler a torch.profiler trace and a kernel-time summary, "
-                               "otherwise cudaProfilerStart/Stop around them for nsys --capture-range=cudaProfilerApi.")
+    profile: bool = doc(
+        False,
+        "Profile iterations --profile-step-start to --profile-step-end - 1 on --profile-ranks: "
+        "with --use-pytorch-profiler a torch.profiler trace and a kernel-time summary, "
+        "otherwise cudaProfilerStart/Stop around them for nsys --capture-range=cudaProfilerApi.",
+    )
     use_pytorch_profiler: bool = doc(False, "Use torch.profiler for --profile.")
     profile_step_start: int = doc(10, "First profiled iteration (1-based, as in the log line).")
     profile_step_end: int = doc(12, "Profiling stops before this iteration.")
     profile_ranks: list[int] = doc(default_factory=lambda: [0], help="Global ranks that profile.", nargs="+")
     pytorch_profiler_collect_shapes: bool = doc(
-        False, "--use-pytorch-profiler: record each operator's input shapes in the trace (larger trace).")
+        False, "--use-pytorch-profiler: record each operator's input shapes in the trace (larger trace)."
+    )
     pytorch_profiler_collect_callstack: bool = doc(
-        False, "--use-pytorch-profiler: record the Python call stack of each operator in the trace (slower).")
-    profile_dir: str | None = doc(None, "Where --use-pytorch-profiler writes its Chrome trace and kernel summary; "
-                                        "default --tensorboard-dir, else --save, else ./profile.")
+        False, "--use-pytorch-profiler: record the Python call stack of each operator in the trace (slower)."
+    )
+    profile_dir: str | None = doc(
+        None,
+        "Where --use-pytorch-profiler writes its Chrome trace and kernel summary; "
+        "default --tensorboard-dir, else --save, else ./profile.",
+    )
 
     def __post_init__(self) -> None:
         check_positive("log_interval", self.log_interval)
@@ -309,5 +412,7 @@ class LoggerConfig:
         check_positive("eval_iters", self.eval_iters, allow_zero=True)
         check_positive("profile_step_start", self.profile_step_start)
         if self.profile and self.profile_step_end <= self.profile_step_start:
-            raise ConfigError(f"--profile-step-end ({self.profile_step_end}) must be greater than --profile-step-start "
-                             f"({self.profile_step_start}), e.g. --profile-step-end {self.profile_step_start + 2}")
+            raise ConfigError(
+                f"--profile-step-end ({self.profile_step_end}) must be greater than --profile-step-start "
+                f"({self.profile_step_start}), e.g. --profile-step-end {self.profile_step_start + 2}"
+            )

@@ -27,18 +27,25 @@ from megatron.training.config import (
 class ModelImplConfig:
     """Implementation choices that are not part of the model's mathematics."""
 
-    transformer_impl: str = doc("local", "Layer implementation. Only 'local' (this package's own modules "
-                                "and SDPA attention) is supported; a Transformer Engine path is not shipped.",
-                                choices=("local", "transformer_engine"))
+    transformer_impl: str = doc(
+        "local",
+        "Layer implementation. Only 'local' (this package's own modules "
+        "and SDPA attention) is supported; a Transformer Engine path is not shipped.",
+        choices=("local", "transformer_engine"),
+    )
     torch_compile: str = doc(
-        "auto", "torch.compile each transformer layer (and the fused cross entropy's elementwise steps). "
+        "auto",
+        "torch.compile each transformer layer (and the fused cross entropy's elementwise steps). "
         "'auto' and 'on': compiled on CUDA, at any tensor-parallel size; 'off': eager everywhere. "
         "Has no effect on CPU. Compilation adds about a minute at start-up.",
-        choices=("auto", "on", "off"))
+        choices=("auto", "on", "off"),
+    )
     disable_bf16_reduced_precision_matmul: bool = doc(
-        False, "Make cuBLAS accumulate bf16 GEMMs without reduced-precision reductions "
+        False,
+        "Make cuBLAS accumulate bf16 GEMMs without reduced-precision reductions "
         "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False); slower, closer to fp32. "
-        "Set once at start-up; no effect on the CPU.")
+        "Set once at start-up; no effect on the CPU.",
+    )
 
 
 # (section title, config class) in --help order.
@@ -54,6 +61,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("checkpointing", CheckpointConfig),
     ("logging and evaluation", LoggerConfig),
 )
+
 
 def flag_name(f: dataclasses.Field) -> str | None:
     """The command-line flag of a config field (None: not a flag): its metadata's spelling, else

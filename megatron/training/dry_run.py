@@ -34,7 +34,9 @@ def estimate_memory_bytes(cfg, num_params: int, padded_vocab_size: int) -> dict[
     ffn_scale = m.ffn_hidden_size / (4 * m.hidden_size) * (1.5 if m.activation == "swiglu" else 1.0)
     per_layer = tokens * m.hidden_size * (18 + 16 * ffn_scale)
     per_layer /= tp if m.sequence_parallel else 2.0 / (1.0 + 1.0 / tp)
-    logits = min(tokens * padded_vocab_size / tp, 2**30) * 2  # fused CE: bf16 logits overwritten by their grads
+    logits = (
+        min(tokens * padded_vocab_size / tp, 2**30) * 2
+    )  # fused CE: bf16 logits overwritten by their grads
     dp = planned_world_size(cfg) // (tp * pp) if cfg.ddp.use_distributed_optimizer else 1
     return {
         "weights": local_params * p_bytes,
@@ -48,20 +50,33 @@ def dry_run(cfg, padded_vocab_size: int, log=print) -> None:
 
     # The whole model in one process, so without the pipeline split (uneven first/last stage sizes
     # only describe a split over several pipeline ranks); the parameter count is the same.
-    whole = dataclasses.replace(cfg, model=dataclasses.replace(
-        cfg.model, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-        num_layers_per_virtual_pipeline_stage=None, decoder_first_pipeline_num_layers=None,
-        decoder_last_pipeline_num_layers=None, pipeline_model_parallel_layout=None,
-        account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
-        microbatch_group_size_per_virtual_pipeline_stage=None, num_layers_in_first_pipeline_stage=None,
-        num_layers_in_last_pipeline_stage=None, microbatch_group_size_per_vp_stage=None))
+    whole = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(
+            cfg.model,
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            virtual_pipeline_model_parallel_size=None,
+            num_layers_per_virtual_pipeline_stage=None,
+            decoder_first_pipeline_num_layers=None,
+            decoder_last_pipeline_num_layers=None,
+            pipeline_model_parallel_layout=None,
+            account_for_embedding_in_pipeline_split=False,
+            account_for_loss_in_pipeline_split=False,
+            microbatch_group_size_per_virtual_pipeline_stage=None,
+            num_layers_in_first_pipeline_stage=None,
+            num_layers_in_last_pipeline_stage=None,
+            microbatch_group_size_per_vp_stage=None,
+        ),
+    )
     chunks = model_provider(whole, padded_vocab_size, ParallelState(grid=RankGrid(), rank=0), "meta")
     num_params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     mem = estimate_memory_bytes(cfg, num_params, padded_vocab_size)
     world = planned_world_size(cfg)
     t = cfg.training
-    flops = num_floating_point_operations(shape_from_config(cfg.model, padded_vocab_size),
-                                          t.global_batch_size, t.seq_length)
+    flops = num_floating_point_operations(
+        shape_from_config(cfg.model, padded_vocab_size), t.global_batch_size, t.seq_length
+    )
     log(f"dry run: configuration is valid for {world} process(es)")
     log(f"  parameters: {num_params:,} (padded vocabulary {padded_vocab_size})")
     for k, v in mem.items():
@@ -69,4 +84,6 @@ def dry_run(cfg, padded_vocab_size: int, log=print) -> None:
     log(f"  {'total (estimate)':<20} {sum(mem.values()) / 2**30:10.2f} GiB per GPU")
     log(f"  model FLOPs per step: {flops:.4e} ({t.global_batch_size} samples x {t.seq_length} tokens)")
     for name, peak in (("H100/H200 SXM", 989e12), ("A100", 312e12)):
-        log(f"  predicted step time at 45% MFU on {world} x {name}: {flops / (0.45 * peak * world) * 1e3:.1f} ms")
+        log(
+            f"  predicted step time at 45% MFU on {world} x {name}: {flops / (0.45 * peak * world) * 1e3:.1f} ms"
+        )

@@ -44,11 +44,15 @@ class Value(argparse.Action):
             try:
                 value = self.convert(raw)
             except ValueError:
-                parser.mistakes.append(f"{option_string} {raw}: not a valid {self.convert.__name__}, e.g. "
-                                       f"{option_string} {_EXAMPLE[self.convert]}")
+                parser.mistakes.append(
+                    f"{option_string} {raw}: not a valid {self.convert.__name__}, e.g. "
+                    f"{option_string} {_EXAMPLE[self.convert]}"
+                )
                 continue
             if self.allowed and value not in self.allowed:
-                parser.mistakes.append(f"{option_string} {raw}: choose one of {', '.join(map(str, self.allowed))}")
+                parser.mistakes.append(
+                    f"{option_string} {raw}: choose one of {', '.join(map(str, self.allowed))}"
+                )
                 continue
             out.append(value)
         setattr(namespace, self.dest, out if many else (out[0] if out else None))

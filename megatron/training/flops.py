@@ -26,9 +26,16 @@ class FlopsShape:
 
 
 def shape_from_config(config, padded_vocab_size: int) -> FlopsShape:
-    return FlopsShape(config.num_layers, config.hidden_size, config.num_attention_heads, config.num_query_groups,
-                      config.kv_channels, config.ffn_hidden_size, padded_vocab_size,
-                      config.activation == "swiglu")
+    return FlopsShape(
+        config.num_layers,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_query_groups,
+        config.kv_channels,
+        config.ffn_hidden_size,
+        padded_vocab_size,
+        config.activation == "swiglu",
+    )
 
 
 def num_floating_point_operations(shape: FlopsShape, batch_size: int, seq_length: int) -> int:

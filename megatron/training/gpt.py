@@ -25,15 +25,24 @@ def tokenizer_provider(cfg, pg):
         return tokenizer, cfg.tokenizer.padded_vocab_size
     if not cfg.tokenizer.pad_vocab_size:
         if tokenizer.vocab_size % pg.tp_size:
-            raise ConfigError(f"--no-pad-vocab-size: the vocabulary of {tokenizer.vocab_size} tokens does not split "
-                             f"over --tensor-model-parallel-size {pg.tp_size}; drop --no-pad-vocab-size")
+            raise ConfigError(
+                f"--no-pad-vocab-size: the vocabulary of {tokenizer.vocab_size} tokens does not split "
+                f"over --tensor-model-parallel-size {pg.tp_size}; drop --no-pad-vocab-size"
+            )
         return tokenizer, tokenizer.vocab_size
-    return tokenizer, vocab_size_with_padding(tokenizer.vocab_size, cfg.training.make_vocab_size_divisible_by,
-                                              pg.tp_size, log=print_rank_0)
+    return tokenizer, vocab_size_with_padding(
+        tokenizer.vocab_size, cfg.training.make_vocab_size_divisible_by, pg.tp_size, log=print_rank_0
+    )
 
 
-def model_provider(cfg, padded_vocab_size: int, pg, device, plan: ExecutionPlan | None = None,
-                   amax_reducer: AmaxReducer | None = None) -> list[GPTModel]:
+def model_provider(
+    cfg,
+    padded_vocab_size: int,
+    pg,
+    device,
+    plan: ExecutionPlan | None = None,
+    amax_reducer: AmaxReducer | None = None,
+) -> list[GPTModel]:
     """This rank's model chunks: one per virtual pipeline stage (one without interleaving), built
     with ``plan``'s implementations (default: ``ExecutionPlan.plain``, the torch code).
 
@@ -48,21 +57,36 @@ def model_provider(cfg, padded_vocab_size: int, pg, device, plan: ExecutionPlan 
     layout = m.pipeline_layout(pg.pp_size, vpp)
     chunks = []
     for c in range(vpp):
-        chunks.append(GPTModel(
-            config=m, transformer_layer_spec=spec, vocab_size=padded_vocab_size, execution_plan=plan,
-            max_sequence_length=cfg.training.max_position_embeddings, parallel_state=pg, device=device,
-            seed=cfg.training.seed, sequence_parallel=m.sequence_parallel,
-            pre_process=pg.pp_rank == 0 and c == 0, post_process=pg.pp_rank == pg.pp_size - 1 and c == vpp - 1,
-            num_layers=layout.num_layers_of(pg.pp_rank, c), layer_offset=layout.offset_of(pg.pp_rank, c),
-        ))
+        chunks.append(
+            GPTModel(
+                config=m,
+                transformer_layer_spec=spec,
+                vocab_size=padded_vocab_size,
+                execution_plan=plan,
+                max_sequence_length=cfg.training.max_position_embeddings,
+                parallel_state=pg,
+                device=device,
+                seed=cfg.training.seed,
+                sequence_parallel=m.sequence_parallel,
+                pre_process=pg.pp_rank == 0 and c == 0,
+                post_process=pg.pp_rank == pg.pp_size - 1 and c == vpp - 1,
+                num_layers=layout.num_layers_of(pg.pp_rank, c),
+                layer_offset=layout.offset_of(pg.pp_rank, c),
+            )
+        )
     return chunks
 
 
 # Keys each pipeline role reads (Megatron's get_batch: nothing on middle stages).
 FIRST_STAGE_KEYS = ("tokens", "position_ids")
 LAST_STAGE_KEYS = ("labels", "loss_mask")
-DTYPES = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32, "position_ids": torch.int64,
-          "attention_mask": torch.bool}
+DTYPES = {
+    "tokens": torch.int64,
+    "labels": torch.int64,
+    "loss_mask": torch.float32,
+    "position_ids": torch.int64,
+    "attention_mask": torch.bool,
+}
 
 
 # Where the attention mask of a batch comes from (``attention_mask_source``).
@@ -100,8 +124,14 @@ def batch_keys(pre_process: bool, post_process: bool, attention_mask: bool = Fal
     return keys
 
 
-def _broadcast(batch: dict | None, keys: tuple[str, ...], seq_length: int, micro_batch_size: int, pg,
-               device: torch.device) -> dict:
+def _broadcast(
+    batch: dict | None,
+    keys: tuple[str, ...],
+    seq_length: int,
+    micro_batch_size: int,
+    pg,
+    device: torch.device,
+) -> dict:
     """tp rank 0's tensors to the other tp ranks (shapes known in advance: no metadata exchange)."""
     specs = {}
     for key in keys:
@@ -110,13 +140,20 @@ def _broadcast(batch: dict | None, keys: tuple[str, ...], seq_length: int, micro
         specs[key] = (shape, torch.uint8 if mask else DTYPES[key])  # gloo has no bool broadcast
     if batch is not None and "attention_mask" in batch:
         batch = {**batch, "attention_mask": batch["attention_mask"].to(torch.uint8)}
-    out = broadcast_batch(list(keys), batch, specs, pg.tp_group, src_rank=pg.group_ranks["tp"][0], device=device)
+    out = broadcast_batch(
+        list(keys), batch, specs, pg.tp_group, src_rank=pg.group_ranks["tp"][0], device=device
+    )
     return {k: v.to(DTYPES[k]) for k, v in out.items()}
 
 
-def get_batch(data_iterator, device: torch.device, pg=None, seq_length: int | None = None,
-              micro_batch_size: int | None = None, keys: tuple[str, ...] = ("tokens", "labels", "loss_mask",
-                                                                            "position_ids")) -> dict:
+def get_batch(
+    data_iterator,
+    device: torch.device,
+    pg=None,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    keys: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids"),
+) -> dict:
     """Next micro-batch's ``keys`` on ``device`` (an empty dict when ``keys`` is empty: a middle
     pipeline stage reads nothing). With tensor parallelism only tp rank 0 reads data; the other tp
     ranks receive the same tensors."""
@@ -124,8 +161,11 @@ def get_batch(data_iterator, device: torch.device, pg=None, seq_length: int | No
         return {}
     batch = None
     if data_iterator is not None and (pg is None or pg.tp_rank == 0):
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()
-                 if isinstance(v, torch.Tensor) and k in keys}
+        batch = {
+            k: v.to(device, non_blocking=True)
+            for k, v in next(data_iterator).items()
+            if isinstance(v, torch.Tensor) and k in keys
+        }
     if pg is None or pg.tp_size == 1:
         return batch
     return _broadcast(batch, keys, seq_length, micro_batch_size, pg, device)
@@ -140,8 +180,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach()])}
 
 
-def forward_step(data_iterator, model, seq_length: int | None = None, micro_batch_size: int | None = None,
-                 attention_mask: str = CAUSAL, eod: int | None = None):
+def forward_step(
+    data_iterator,
+    model,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    attention_mask: str = CAUSAL,
+    eod: int | None = None,
+):
     """Megatron's ``forward_step``: (per-token losses [b, s] on the last stage, else the activation
     [s, b, h] for the next stage; loss_func). ``attention_mask`` is an ``attention_mask_source``;
     ``eod`` (the tokenizer's end-of-document id) is needed with ``ON_DEVICE``."""
@@ -155,8 +201,13 @@ def forward_step(data_iterator, model, seq_length: int | None = None, micro_batc
     if attention_mask == ON_DEVICE and "tokens" in batch:  # --reset-attention-mask runs with pp 1 only
         assert eod is not None, "forward_step builds the document mask from the tokens: give eod"
         mask = document_attention_mask(batch["tokens"], eod)
-    output = model(batch.get("tokens"), batch.get("position_ids"), mask,
-                   labels=batch.get("labels"), loss_mask=batch.get("loss_mask"))
+    output = model(
+        batch.get("tokens"),
+        batch.get("position_ids"),
+        mask,
+        labels=batch.get("labels"),
+        loss_mask=batch.get("loss_mask"),
+    )
     return output, partial(loss_func, batch.get("loss_mask"))
 
 
@@ -175,8 +226,14 @@ def data_iterators(trainer):
     """
     cfg, pg = trainer.cfg, trainer.pg
     datasets = build_train_valid_test_datasets(
-        cfg.data, trainer.tokenizer, cfg.training.seq_length, cfg.training.seed, _samples(trainer),
-        parallel_state=pg, log=print_rank_0, padded_vocab_size=trainer.padded_vocab_size,
+        cfg.data,
+        trainer.tokenizer,
+        cfg.training.seq_length,
+        cfg.training.seed,
+        _samples(trainer),
+        parallel_state=pg,
+        log=print_rank_0,
+        padded_vocab_size=trainer.padded_vocab_size,
     )
     consumed = [trainer.state.consumed_train_samples, trainer.state.consumed_valid_samples, 0]
     chunks = [c.module if hasattr(c, "module") else c for c in trainer.model]
@@ -188,8 +245,14 @@ def data_iterators(trainer):
         loader = None
         if any(reads):
             loader = build_pretraining_data_loader(
-                ds, done, cfg.training.micro_batch_size, pg.dp_rank, pg.dp_size, cfg.data.num_workers,
-                dataloader_type=cfg.data.dataloader_type, seed=cfg.training.seed,
+                ds,
+                done,
+                cfg.training.micro_batch_size,
+                pg.dp_rank,
+                pg.dp_size,
+                cfg.data.num_workers,
+                dataloader_type=cfg.data.dataloader_type,
+                seed=cfg.training.seed,
             )
         it = iter(loader) if loader is not None else None
         iterators.append([it if r else None for r in reads])
@@ -204,8 +267,12 @@ class GPTProviders:
 
     def __init__(self, cfg):
         self.mask_source = attention_mask_source(cfg.data)
-        self.forward_step = partial(forward_step, seq_length=cfg.training.seq_length,
-                                    micro_batch_size=cfg.training.micro_batch_size, attention_mask=self.mask_source)
+        self.forward_step = partial(
+            forward_step,
+            seq_length=cfg.training.seq_length,
+            micro_batch_size=cfg.training.micro_batch_size,
+            attention_mask=self.mask_source,
+        )
 
     def data_iterators(self, trainer):
         """``data_iterators(trainer)``; it also hands ``forward_step`` the tokenizer's end-of-document

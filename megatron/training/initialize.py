@@ -30,8 +30,9 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
-def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10, tp: int = 1,
-                           pp: int = 1) -> tuple[torch.device, ParallelState]:
+def initialize_distributed(
+    backend: str = "auto", timeout_minutes: int = 10, tp: int = 1, pp: int = 1
+) -> tuple[torch.device, ParallelState]:
     """Join the process group torchrun (or srun) describes, or run alone.
 
     Without CUDA the backend is gloo on the CPU; with CUDA, NCCL on ``cuda:LOCAL_RANK``. A single
@@ -46,8 +47,10 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10, tp:
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
     if backend == "nccl" and not use_cuda:
-        raise ConfigError("distributed_backend 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on the CPU",
-                          params=("distributed_backend",))
+        raise ConfigError(
+            "distributed_backend 'nccl' needs CUDA GPUs; use 'gloo' (or 'auto') on the CPU",
+            params=("distributed_backend",),
+        )
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -57,17 +60,27 @@ def initialize_distributed(backend: str = "auto", timeout_minutes: int = 10, tp:
         elif world == 1:
             init_method = f"tcp://127.0.0.1:{_free_port()}"  # plain `python pretrain_gpt.py`
         else:
-            raise ConfigError(f"{world} processes but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun, "
-                              "or export MASTER_ADDR=<first node> MASTER_PORT=29500 in the srun script")
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world,
-                                timeout=timedelta(minutes=timeout_minutes),
-                                device_id=device if backend == "nccl" else None)
+            raise ConfigError(
+                f"{world} processes but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun, "
+                "or export MASTER_ADDR=<first node> MASTER_PORT=29500 in the srun script"
+            )
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(minutes=timeout_minutes),
+            device_id=device if backend == "nccl" else None,
+        )
         if world > 1 and init_method == "env://":
             local_world = _env_int("LOCAL_WORLD_SIZE", default=0) or None
             _start_error_channel(world, rank, 60.0 * timeout_minutes, local_world)
-    return device, initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             distributed_timeout_minutes=timeout_minutes,
-                                             create_gloo_process_groups=False)  # the trainer uses none
+    return device, initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=False,
+    )  # the trainer uses none
 
 
 def _free_port() -> int:
@@ -175,8 +188,11 @@ class ErrorChannel:
         """Main thread, with ``error`` in hand. A collective that failed or timed out: if a rank was
         lost (or a peer already reported the job's end), leave as ``lose`` (or ``stop``) does; else
         return, and the error keeps its traceback."""
-        if (self.peers is None or not _is_communication_error(error)
-                or threading.current_thread() is not threading.main_thread()):
+        if (
+            self.peers is None
+            or not _is_communication_error(error)
+            or threading.current_thread() is not threading.main_thread()
+        ):
             return
         previous = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as in ``lose``: while looking for the lost rank
@@ -300,9 +316,20 @@ def _is_communication_error(error: BaseException) -> bool:
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
     text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(  # gloo's async work says "Application timeout caused pair closure"
-        s in text for s in ("gloo", "nccl", "connection reset", "connection closed", "timed out", "timeout",
-                            "pair closure"))
+    return isinstance(
+        error, RuntimeError
+    ) and any(  # gloo's async work says "Application timeout caused pair closure"
+        s in text
+        for s in (
+            "gloo",
+            "nccl",
+            "connection reset",
+            "connection closed",
+            "timed out",
+            "timeout",
+            "pair closure",
+        )
+    )
 
 
 def _print_error(message: str) -> None:
@@ -311,8 +338,13 @@ def _print_error(message: str) -> None:
 
 def _store_client(prefix: str) -> dist.Store:
     """A new connection to the job's store server (MASTER_ADDR:MASTER_PORT), keys under ``prefix``."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=JOIN_TIMEOUT_S),
+        wait_for_workers=False,
+    )
     return dist.PrefixStore(prefix, store)
 
 

@@ -51,11 +51,15 @@ _RANK_DIR = re.compile(r"^mp_rank_\d{2}(_\d{3}){0,2}$")
 # Megatron-LM features that change what the weights mean: refused unless this build's shape check
 # (``model_args_for_check``) compares the flag, i.e. implements it.
 _UNSUPPORTED = (
-    ("num_experts", "--num-experts"), ("multi_latent_attention", "--multi-latent-attention"),
-    ("apply_layernorm_1p", "--apply-layernorm-1p"), ("rotary_interleaved", "--rotary-interleaved"),
-    ("use_rope_scaling", "--use-rope-scaling"), ("squared_relu", "--squared-relu"),
+    ("num_experts", "--num-experts"),
+    ("multi_latent_attention", "--multi-latent-attention"),
+    ("apply_layernorm_1p", "--apply-layernorm-1p"),
+    ("rotary_interleaved", "--rotary-interleaved"),
+    ("use_rope_scaling", "--use-rope-scaling"),
+    ("squared_relu", "--squared-relu"),
     ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm"),
-    ("mtp_num_layers", "--mtp-num-layers"), ("expert_model_parallel_size", "--expert-model-parallel-size"),
+    ("mtp_num_layers", "--mtp-num-layers"),
+    ("expert_model_parallel_size", "--expert-model-parallel-size"),
 )
 
 
@@ -79,7 +83,9 @@ def find_legacy_checkpoint(load_dir: str, ckpt_step: int | None = None) -> Legac
         tracker = os.path.join(load_dir, TRACKER_FILENAME)
         if not os.path.isfile(tracker):
             return None
-        with open(tracker, errors="replace") as f:  # bytes that are not text: the torch_dist reader names them
+        with open(
+            tracker, errors="replace"
+        ) as f:  # bytes that are not text: the torch_dist reader names them
             text = f.read().strip()
         release = text == "release"
         if not release and not text.isdigit():
@@ -116,7 +122,10 @@ class Unpickled:
         return f"<{self.qualname} (not loaded)>"
 
 
-_REAL_CLASSES: dict[str, Any] = {"argparse.Namespace": argparse.Namespace, "types.SimpleNamespace": types.SimpleNamespace}
+_REAL_CLASSES: dict[str, Any] = {
+    "argparse.Namespace": argparse.Namespace,
+    "types.SimpleNamespace": types.SimpleNamespace,
+}
 
 
 def _allow(name: str) -> tuple[Any, str]:
@@ -138,7 +147,9 @@ def read_rank_file(path: str) -> dict:
             unpickled; CheckpointError: it holds something other than Megatron's checkpoint dict.
     """
     if not zipfile.is_zipfile(path):
-        raise CheckpointReadError(f"{path} is missing or not a torch.save zip archive (saved by PyTorch < 1.6?)")
+        raise CheckpointReadError(
+            f"{path} is missing or not a torch.save zip archive (saved by PyTorch < 1.6?)"
+        )
     allowed: list[Any] = [_allow(n) for n in torch.serialization.get_unsafe_globals_in_checkpoint(path)]
     try:
         with torch.serialization.safe_globals(allowed):
@@ -156,8 +167,10 @@ def _args_of(state: dict, path: str) -> dict:
         return vars(args)
     if isinstance(args, dict):
         return args
-    raise CheckpointError(f"{path} holds no readable 'args' (found {type(args).__name__}); it is not a checkpoint "
-                     "written by Megatron-LM's pretrain_gpt.py")
+    raise CheckpointError(
+        f"{path} holds no readable 'args' (found {type(args).__name__}); it is not a checkpoint "
+        "written by Megatron-LM's pretrain_gpt.py"
+    )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -173,12 +186,31 @@ def model_args(a: dict) -> dict:
     """Megatron-LM's saved args under the names ``loop_utils.model_args_for_check`` checks (its
     ``--disable-bias-linear`` is stored as ``add_bias_linear``; without ``--group-query-attention``
     the groups are the heads; ``--kv-channels`` defaults to hidden / heads)."""
-    out = {k: a[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "kv_channels", "ffn_hidden_size",
-                             "normalization", "swiglu", "qk_layernorm", "untie_embeddings_and_output_weights",
-                             "padded_vocab_size", "max_position_embeddings", "bias_gelu_fusion", "apply_layernorm_1p")
-           if a.get(k) is not None}
-    if a.get("layernorm_zero_centered_gamma") is not None:  # where newer Megatron-LM stores --apply-layernorm-1p
-        out["apply_layernorm_1p"] = bool(out.get("apply_layernorm_1p")) or bool(a["layernorm_zero_centered_gamma"])
+    out = {
+        k: a[k]
+        for k in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "kv_channels",
+            "ffn_hidden_size",
+            "normalization",
+            "swiglu",
+            "qk_layernorm",
+            "untie_embeddings_and_output_weights",
+            "padded_vocab_size",
+            "max_position_embeddings",
+            "bias_gelu_fusion",
+            "apply_layernorm_1p",
+        )
+        if a.get(k) is not None
+    }
+    if (
+        a.get("layernorm_zero_centered_gamma") is not None
+    ):  # where newer Megatron-LM stores --apply-layernorm-1p
+        out["apply_layernorm_1p"] = bool(out.get("apply_layernorm_1p")) or bool(
+            a["layernorm_zero_centered_gamma"]
+        )
     heads = a.get("num_attention_heads")
     if heads and a.get("hidden_size") and "kv_channels" not in out:
         out["kv_channels"] = a["hidden_size"] // heads
@@ -197,12 +229,20 @@ def check_args(state: dict, path: str, model_args_check: dict | None, log: Calla
     a = _args_of(state, path)
     version = state.get("checkpoint_version", 0)
     if not isinstance(version, (int, float)) or version < MIN_CHECKPOINT_VERSION:
-        raise CheckpointError(f"{path} has checkpoint_version {version!r}; only version {MIN_CHECKPOINT_VERSION} or "
-                         "newer is read (convert it with Megatron-LM's tools/checkpoint first)")
+        raise CheckpointError(
+            f"{path} has checkpoint_version {version!r}; only version {MIN_CHECKPOINT_VERSION} or "
+            "newer is read (convert it with Megatron-LM's tools/checkpoint first)"
+        )
     for name, flag in _UNSUPPORTED:
-        if flag not in (model_args_check or {}) and a.get(name) and (name != "expert_model_parallel_size" or a[name] > 1):
-            raise CheckpointError(f"{os.path.dirname(os.path.dirname(path))} was trained with {flag} {a[name]}, which "
-                             "this package does not implement; it cannot be loaded here")
+        if (
+            flag not in (model_args_check or {})
+            and a.get(name)
+            and (name != "expert_model_parallel_size" or a[name] > 1)
+        ):
+            raise CheckpointError(
+                f"{os.path.dirname(os.path.dirname(path))} was trained with {flag} {a[name]}, which "
+                "this package does not implement; it cannot be loaded here"
+            )
     if model_args_check:
         check_model_args(model_args(a), model_args_check, os.path.dirname(os.path.dirname(path)), log)
     return a
@@ -215,17 +255,23 @@ def rank_files(ckpt: LegacyCheckpoint, a: dict) -> dict[tuple[int, int], str]:
         CheckpointError: a rank's file is missing, or the directory holds folders of another layout.
     """
     tp, pp = int(a.get("tensor_model_parallel_size") or 1), int(a.get("pipeline_model_parallel_size") or 1)
-    names = {(t, p): f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp)}
+    names = {
+        (t, p): f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t in range(tp) for p in range(pp)
+    }
     present = {n for n in os.listdir(ckpt.path) if _RANK_DIR.match(n)}
     stray = sorted(present - set(names.values()))
     if stray:
-        raise CheckpointError(f"{ckpt.path} holds {stray[0]}, which a tp {tp} x pp {pp} checkpoint (its args) does not "
-                         "write; expert-parallel checkpoints are not supported")
+        raise CheckpointError(
+            f"{ckpt.path} holds {stray[0]}, which a tp {tp} x pp {pp} checkpoint (its args) does not "
+            "write; expert-parallel checkpoints are not supported"
+        )
     paths = {key: os.path.join(ckpt.path, name, FILENAME) for key, name in names.items()}
     missing = [path for path in paths.values() if not os.path.isfile(path)]
     if missing:
-        raise CheckpointError(f"legacy checkpoint file {missing[0]} is missing (the checkpoint's args say tensor-parallel "
-                         f"size {tp}, pipeline size {pp}); copy the whole {os.path.basename(ckpt.path)} directory")
+        raise CheckpointError(
+            f"legacy checkpoint file {missing[0]} is missing (the checkpoint's args say tensor-parallel "
+            f"size {tp}, pipeline size {pp}); copy the whole {os.path.basename(ckpt.path)} directory"
+        )
     return paths
 
 
@@ -243,11 +289,15 @@ def _first_file(ckpt: LegacyCheckpoint) -> str:
         path = os.path.join(ckpt.path, name, FILENAME)
         if os.path.isfile(path):
             return path
-    raise CheckpointError(f"legacy checkpoint file {os.path.join(ckpt.path, 'mp_rank_00', FILENAME)} (or mp_rank_00_000/) "
-                     "is missing; copy the whole directory the saving run wrote")
+    raise CheckpointError(
+        f"legacy checkpoint file {os.path.join(ckpt.path, 'mp_rank_00', FILENAME)} (or mp_rank_00_000/) "
+        "is missing; copy the whole directory the saving run wrote"
+    )
 
 
-def load_weights(ckpt: LegacyCheckpoint, first: tuple[str, dict], a: dict, model_sharded_state_dict: dict) -> None:
+def load_weights(
+    ckpt: LegacyCheckpoint, first: tuple[str, dict], a: dict, model_sharded_state_dict: dict
+) -> None:
     """Fill every tensor of ``model_sharded_state_dict`` (any current layout) from the files.
 
     Raises:
@@ -264,9 +314,11 @@ def load_weights(ckpt: LegacyCheckpoint, first: tuple[str, dict], a: dict, model
     found = sorted(set().union(*_gather(set(problems + unfit + extra))))
     if found:
         shown = "\n  ".join(found[:8]) + (f"\n  ... and {len(found) - 8} more" if len(found) > 8 else "")
-        raise CheckpointError(f"legacy checkpoint {ckpt.path} does not fit this model:\n  {shown}\n"
-                         "check the model flags (--swiglu, --disable-bias-linear, --qk-layernorm, ...) against the "
-                         "saving run's")
+        raise CheckpointError(
+            f"legacy checkpoint {ckpt.path} does not fit this model:\n  {shown}\n"
+            "check the model flags (--swiglu, --disable-bias-linear, --qk-layernorm, ...) against the "
+            "saving run's"
+        )
     fill(pairs)
 
 
@@ -295,33 +347,44 @@ def load_legacy_checkpoint(
     """
     say = log if rank() == 0 else quiet
     finetune = finetune or ckpt.release
-    say(f"loading legacy torch checkpoint (Megatron-LM's --ckpt-format torch) from {ckpt.path}"
-        + (" (release: weights only, starting at iteration 0)" if ckpt.release else ""))
+    say(
+        f"loading legacy torch checkpoint (Megatron-LM's --ckpt-format torch) from {ckpt.path}"
+        + (" (release: weights only, starting at iteration 0)" if ckpt.release else "")
+    )
     first_path = _first_file(ckpt)
     first = read_rank_file(first_path)
     a = check_args(first, first_path, model_args_check, say)
     load_weights(ckpt, (first_path, first), a, model_sharded_state_dict)
     if optimizer is not None:
         if load_optim and not finetune:
-            say("  optimizer state: not read from a legacy checkpoint (Megatron orders it by its own parameter "
-                "groups); the optimizer starts from the loaded weights, as with --no-load-optim")
+            say(
+                "  optimizer state: not read from a legacy checkpoint (Megatron orders it by its own parameter "
+                "groups); the optimizer starts from the loaded weights, as with --no-load-optim"
+            )
         optimizer.reload_model_params()
     if opt_param_scheduler is not None and load_optim and not finetune:
         sched = first.get("opt_param_scheduler", first.get("lr_scheduler"))
         if not isinstance(sched, dict):
-            raise CheckpointError(f"{first_path} holds no LR-scheduler state (saved with --no-save-optim); resume with "
-                             "--no-load-optim or --finetune")
+            raise CheckpointError(
+                f"{first_path} holds no LR-scheduler state (saved with --no-save-optim); resume with "
+                "--no-load-optim or --finetune"
+            )
         opt_param_scheduler.load_state_dict(dict(sched))
     if load_rng and not finetune:
-        say("  RNG states: not restored from a legacy checkpoint (CUDA generator states); dropout masks differ "
-            "from the saving run's")
+        say(
+            "  RNG states: not restored from a legacy checkpoint (CUDA generator states); dropout masks differ "
+            "from the saving run's"
+        )
     if fp8_state and not finetune:
         say("  FP8 amax histories: not in a legacy checkpoint; they restart with the first step")
-    extra = {"iteration": int(first.get("iteration", first.get("total_iters", ckpt.iteration))),
-             "consumed_train_samples": int(a.get("consumed_train_samples") or 0),
-             "consumed_valid_samples": int(a.get("consumed_valid_samples") or 0),
-             "num_floating_point_operations_so_far": int(first.get("num_floating_point_operations_so_far") or 0),
-             "args": model_args(a), "checkpoint_version": first.get("checkpoint_version")}
+    extra = {
+        "iteration": int(first.get("iteration", first.get("total_iters", ckpt.iteration))),
+        "consumed_train_samples": int(a.get("consumed_train_samples") or 0),
+        "consumed_valid_samples": int(a.get("consumed_valid_samples") or 0),
+        "num_floating_point_operations_so_far": int(first.get("num_floating_point_operations_so_far") or 0),
+        "args": model_args(a),
+        "checkpoint_version": first.get("checkpoint_version"),
+    }
     if finetune:
         extra.update({k: 0 for k in RESET_ON_FINETUNE})
     say(f"  successfully loaded checkpoint from {ckpt.path} at iteration {extra['iteration']}")

@@ -44,6 +44,7 @@ _TOP_RENAMES = (
     ("language_model.output_layer.", "output_layer."),
 )
 
+
 def our_name(key: str, tied: bool) -> tuple[int | None, str] | None:
     """``(stage-local layer index or None, our name within the layer or the model)`` of a saved key;
     None for keys that hold nothing of this model: TE's ``_extra_state``, old rotary ``inv_freq``
@@ -55,12 +56,12 @@ def our_name(key: str, tied: bool) -> tuple[int | None, str] | None:
         rest = "self_" + m.group(2) if m.group(2).startswith("attention.") else m.group(2)
         for src, ours in _LAYER_RENAMES:
             if rest.startswith(src):
-                rest = ours + rest[len(src):]
+                rest = ours + rest[len(src) :]
                 break
         return int(m.group(1)), rest
     for src, ours in _TOP_RENAMES:
         if key.startswith(src):
-            key = ours + key[len(src):]
+            key = ours + key[len(src) :]
             break
     if tied and key == "output_layer.weight":
         return None
@@ -70,7 +71,8 @@ def our_name(key: str, tied: bool) -> tuple[int | None, str] | None:
 def split_rule(name: str, swiglu: bool) -> tuple[int | None, int]:
     """(tp split dim or None when replicated, stride) of one of our tensors, as Megatron shards it."""
     if name in ("embedding.word_embeddings.weight", "output_layer.weight") or name.endswith(
-            ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+        ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+    ):
         return 0, 1
     if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
         return 0, 2 if swiglu else 1
@@ -105,8 +107,9 @@ def _flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield f"{prefix}{k}", v
 
 
-def _layer_offsets(chunks: dict[tuple[int, int], list[dict]], pp: int, tied: bool,
-                   problems: list[str]) -> dict[tuple[int, int], int]:
+def _layer_offsets(
+    chunks: dict[tuple[int, int], list[dict]], pp: int, tied: bool, problems: list[str]
+) -> dict[tuple[int, int], int]:
     """Global index of each (pipeline rank, virtual stage)'s first layer: layers run in virtual-stage
     order, stage v = chunk * pp + pipeline rank, each holding its own 0-based numbers."""
     counts = {}
@@ -114,7 +117,9 @@ def _layer_offsets(chunks: dict[tuple[int, int], list[dict]], pp: int, tied: boo
         for c, chunk in enumerate(chunks[(0, p)]):
             local = {m[0] for k, _ in _flatten(chunk) if (m := our_name(k, tied)) and m[0] is not None}
             if local != set(range(len(local))):
-                problems.append(f"pipeline rank {p}, virtual stage {c}: layer numbers {sorted(local)} are not 0..n-1")
+                problems.append(
+                    f"pipeline rank {p}, virtual stage {c}: layer numbers {sorted(local)} are not 0..n-1"
+                )
             counts[(p, c)] = len(local)
     offsets, total = {}, 0
     for c in range(len(chunks[(0, 0)])):
@@ -124,8 +129,9 @@ def _layer_offsets(chunks: dict[tuple[int, int], list[dict]], pp: int, tied: boo
     return offsets
 
 
-def collect_sources(states: dict[tuple[int, int], dict], paths: dict[tuple[int, int], str], tied: bool
-                    ) -> tuple[dict[str, list[Any]], list[str]]:
+def collect_sources(
+    states: dict[tuple[int, int], dict], paths: dict[tuple[int, int], str], tied: bool
+) -> tuple[dict[str, list[Any]], list[str]]:
     """``{our global name: [tensor of tp rank 0, 1, ...]}`` over every file, plus the problems found."""
     tp = 1 + max(t for t, _ in states)
     pp = 1 + max(p for _, p in states)
@@ -146,8 +152,14 @@ def collect_sources(states: dict[tuple[int, int], dict], paths: dict[tuple[int, 
                 name = rest if layer is None else f"decoder.layers.{offsets[(p, c)] + layer}.{rest}"
                 slot = sources.setdefault(name, [None] * tp)
                 if slot[t] is not None or not isinstance(value, torch.Tensor):
-                    problems.append(f"{key} in {paths[(t, p)]}: " + (
-                        "a second copy" if slot[t] is not None else f"a {type(value).__name__}, not a tensor"))
+                    problems.append(
+                        f"{key} in {paths[(t, p)]}: "
+                        + (
+                            "a second copy"
+                            if slot[t] is not None
+                            else f"a {type(value).__name__}, not a tensor"
+                        )
+                    )
                 else:
                     slot[t] = value
     return sources, problems
@@ -165,8 +177,9 @@ def targets(sharded: dict) -> list[ShardedTensor]:
     return out
 
 
-def plan_fill(targets: list[ShardedTensor], sources: dict[str, list[Any]], swiglu: bool
-              ) -> tuple[list[tuple[ShardedTensor, torch.Tensor]], list[str]]:
+def plan_fill(
+    targets: list[ShardedTensor], sources: dict[str, list[Any]], swiglu: bool
+) -> tuple[list[tuple[ShardedTensor, torch.Tensor]], list[str]]:
     """Each target with the global tensor it is a slice of (shaped like ``global_shape``), plus the
     targets that cannot be filled: absent from the checkpoint, or of another shape."""
     pairs, problems = [], []
@@ -178,7 +191,9 @@ def plan_fill(targets: list[ShardedTensor], sources: dict[str, list[Any]], swigl
             continue
         full = merge_shards(shards, *split_rule(st.key, swiglu))
         shape = tuple(st.global_shape)
-        flat = (shape[0] * shape[1], *shape[2:]) if len(shape) == full.dim() + 1 else shape  # [2, F, h] of SwiGLU
+        flat = (
+            (shape[0] * shape[1], *shape[2:]) if len(shape) == full.dim() + 1 else shape
+        )  # [2, F, h] of SwiGLU
         if tuple(full.shape) != flat:
             problems.append(f"{st.key}: checkpoint shape {list(full.shape)} vs this model's {list(flat)}")
             continue

@@ -57,8 +57,10 @@ class DistributedSignalHandler:
     def _handle(self, signum: int, frame) -> None:
         if not self.received:
             self.received = signum
-            _notice(f"received {signal_name(signum)}: finishing the step, saving and exiting"
-                    + (" (Ctrl-C again aborts)" if signum == signal.SIGINT else ""))
+            _notice(
+                f"received {signal_name(signum)}: finishing the step, saving and exiting"
+                + (" (Ctrl-C again aborts)" if signum == signal.SIGINT else "")
+            )
             return
         if signal.SIGINT in (signum, self.received):
             self.release()
@@ -105,15 +107,23 @@ def build_scheduler(cfg, optimizer, train_iters: int) -> OptimizerParamScheduler
         warmup = int(s.lr_warmup_fraction * decay)
     wd = o.weight_decay
     return OptimizerParamScheduler(
-        optimizer, init_lr=s.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=decay, lr_decay_style=s.lr_decay_style,
+        optimizer,
+        init_lr=s.lr_warmup_init,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        lr_decay_style=s.lr_decay_style,
         start_wd=wd if s.start_weight_decay is None else s.start_weight_decay,
-        end_wd=wd if s.end_weight_decay is None else s.end_weight_decay, wd_incr_steps=total,
+        end_wd=wd if s.end_weight_decay is None else s.end_weight_decay,
+        wd_incr_steps=total,
         wd_incr_style=s.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=s.override_opt_param_scheduler,
-        wsd_decay_steps=wsd or None, lr_wsd_decay_style=s.lr_wsd_decay_style,
-        decoupled_lr=o.decoupled_lr, decoupled_min_lr=o.decoupled_min_lr,
+        wsd_decay_steps=wsd or None,
+        lr_wsd_decay_style=s.lr_wsd_decay_style,
+        decoupled_lr=o.decoupled_lr,
+        decoupled_min_lr=o.decoupled_min_lr,
     )
 
 
@@ -122,8 +132,15 @@ def build_batch_calculator(cfg, dp_size: int, rank: int = 0, log=None) -> NumMic
     --step-batch-size-schedule in tokens of --seq-length) for ``dp_size`` data-parallel ranks."""
     t = cfg.training
     return build_num_microbatches_calculator(
-        rank, t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, dp_size,
-        step_batch_size_schedule=t.step_batch_size_schedule, seq_length=t.seq_length, log=log)
+        rank,
+        t.rampup_batch_size,
+        t.global_batch_size,
+        t.micro_batch_size,
+        dp_size,
+        step_batch_size_schedule=t.step_batch_size_schedule,
+        seq_length=t.seq_length,
+        log=log,
+    )
 
 
 def train_iters_of(cfg, batches: NumMicroBatchesCalculator) -> int:
@@ -173,8 +190,10 @@ def gelu_change_note(saved_args, model) -> str | None:
         return None
     names = {"tanh": "Megatron-LM's tanh approximation of GELU", "none": "the exact (erf) GELU"}
     fix = "drop --no-bias-gelu-fusion" if saved == "tanh" else "pass --no-bias-gelu-fusion"
-    return (f"note: the checkpoint was trained with {names[saved]}{'' if found else ' (it predates the flag)'}; "
-            f"this run computes {names[model.gelu_approximation]}. To keep the checkpoint's, {fix}")
+    return (
+        f"note: the checkpoint was trained with {names[saved]}{'' if found else ' (it predates the flag)'}; "
+        f"this run computes {names[model.gelu_approximation]}. To keep the checkpoint's, {fix}"
+    )
 
 
 def params_l2_norm(model_chunks: list, parallel_state, device: torch.device) -> float:
@@ -182,8 +201,12 @@ def params_l2_norm(model_chunks: list, parallel_state, device: torch.device) -> 
     layout: tensor-parallel shards and pipeline stages are summed over the model-parallel group,
     while tp-replicated parameters and the last stage's copy of a tied embedding count once. Every
     rank of the model-parallel group must call it (one all-reduce)."""
-    params = [p.detach() for chunk in model_chunks for p in chunk.parameters()
-              if param_is_not_duplicate(p, parallel_state.tp_rank)]
+    params = [
+        p.detach()
+        for chunk in model_chunks
+        for p in chunk.parameters()
+        if param_is_not_duplicate(p, parallel_state.tp_rank)
+    ]
     total = grad_norm_sq(params, device)  # the squared norm of any tensors, in fp32
     if parallel_state.tp_size * parallel_state.pp_size > 1:
         dist.all_reduce(total, group=parallel_state.mp_group)
@@ -242,9 +265,20 @@ class IntervalLog:
         self.grad_norm: float | None = None
         self.num_zeros: float | None = None
 
-    def record(self, losses: dict, success: bool, grad_norm, lr: float, loss_scale: float, done: float,
-               num_zeros: float | None = None, event=None, global_batch_size: int | None = None,
-               flops: float | None = None, decoupled_lr: float | None = None) -> None:
+    def record(
+        self,
+        losses: dict,
+        success: bool,
+        grad_norm,
+        lr: float,
+        loss_scale: float,
+        done: float,
+        num_zeros: float | None = None,
+        event=None,
+        global_batch_size: int | None = None,
+        flops: float | None = None,
+        decoupled_lr: float | None = None,
+    ) -> None:
         """One step's results: ``losses`` {name: (sum, count)}, the learning rate and loss scale that
         the step left behind, ``done`` (the ``perf_counter()`` time the step was seen finished), with
         ``--log-num-zeros-in-grad`` the number of zero gradient elements, and on a GPU the timing
@@ -252,8 +286,12 @@ class IntervalLog:
         the trainer's constant ones); ``decoupled_lr`` the --decoupled-lr groups' learning rate."""
         self.steps.append((losses, success))
         tr = self.trainer
-        self.batches.append((tr.global_batch_size if global_batch_size is None else global_batch_size,
-                             tr.flops_per_step if flops is None else flops))
+        self.batches.append(
+            (
+                tr.global_batch_size if global_batch_size is None else global_batch_size,
+                tr.flops_per_step if flops is None else flops,
+            )
+        )
         self.lr, self.loss_scale, self.done, self.event = lr, loss_scale, done, event
         self.decoupled_lr = decoupled_lr
         if grad_norm is not None:
@@ -275,25 +313,43 @@ class IntervalLog:
         # Per step on average: with a batch-size ramp the steps of one line differ.
         flops = sum(f for _, f in self.batches) / max(n, 1)
         samples = sum(b for b, _ in self.batches) / max(n, 1)
-        batch = self.batches[-1][0] if self.batches else tr.global_batch_size  # the last step's, as Megatron logs
+        batch = (
+            self.batches[-1][0] if self.batches else tr.global_batch_size
+        )  # the last step's, as Megatron logs
         tflops = flops / (elapsed * 1e12 * tr.world_size)
         params_norm = params_l2_norm(tr.model, tr.pg, tr.device) if tr.cfg.logger.log_params_norm else None
         stats = dict(
-            consumed_samples=tr.state.consumed_train_samples, iteration_time_ms=elapsed * 1000.0,
+            consumed_samples=tr.state.consumed_train_samples,
+            iteration_time_ms=elapsed * 1000.0,
             tflops_per_gpu=tflops,
             tokens_per_sec_per_gpu=samples * tr.cfg.training.seq_length / elapsed / tr.world_size,
             mfu=(tflops / tr.peak_tflops) if tr.peak_tflops else None,
-            learning_rate=self.lr, decoupled_learning_rate=self.decoupled_lr,
-            global_batch_size=batch, losses=avg, loss_scale=self.loss_scale, grad_norm=self.grad_norm, num_zeros=self.num_zeros,
-            skipped_iterations=skipped, nan_iterations=nan, params_norm=params_norm,
+            learning_rate=self.lr,
+            decoupled_learning_rate=self.decoupled_lr,
+            global_batch_size=batch,
+            losses=avg,
+            loss_scale=self.loss_scale,
+            grad_norm=self.grad_norm,
+            num_zeros=self.num_zeros,
+            skipped_iterations=skipped,
+            nan_iterations=nan,
+            params_norm=params_norm,
         )
         print_rank_last(format_iteration_line(tr.state.iteration, tr.train_iters, stats))
-        scalars = {"learning-rate": stats["learning_rate"], "decoupled-learning-rate": stats["decoupled_learning_rate"],
-                   "batch-size": batch,
-                   "loss-scale": stats["loss_scale"], "grad-norm": self.grad_norm,
-                   "iteration-time": elapsed, "throughput": tflops,
-                   "tokens-per-sec-per-gpu": stats["tokens_per_sec_per_gpu"], "mfu": stats["mfu"],
-                   "skipped-iterations": skipped, "nan-iterations": nan, **avg}
+        scalars = {
+            "learning-rate": stats["learning_rate"],
+            "decoupled-learning-rate": stats["decoupled_learning_rate"],
+            "batch-size": batch,
+            "loss-scale": stats["loss_scale"],
+            "grad-norm": self.grad_norm,
+            "iteration-time": elapsed,
+            "throughput": tflops,
+            "tokens-per-sec-per-gpu": stats["tokens_per_sec_per_gpu"],
+            "mfu": stats["mfu"],
+            "skipped-iterations": skipped,
+            "nan-iterations": nan,
+            **avg,
+        }
         if self.num_zeros is not None:
             scalars["num-zeros"] = self.num_zeros
         if params_norm is not None:
@@ -315,8 +371,17 @@ class InFlightStep:
     ``[signal number, time is up]`` tensor or None; ``lr`` and ``loss_scale`` are what the step left behind.
     """
 
-    def __init__(self, iteration: int, losses: dict, success: bool, scalars: dict, flags, device: torch.device,
-                 lr: float, loss_scale: float):
+    def __init__(
+        self,
+        iteration: int,
+        losses: dict,
+        success: bool,
+        scalars: dict,
+        flags,
+        device: torch.device,
+        lr: float,
+        loss_scale: float,
+    ):
         self.iteration, self.success = iteration, success
         self.lr, self.loss_scale = lr, loss_scale
         self.keys = list(losses)
@@ -351,5 +416,5 @@ class InFlightStep:
         for k in self.queued:
             scalars[k] = values[pos]
             pos += 1
-        flags = values[pos:pos + 2] if self.has_flags else None
+        flags = values[pos : pos + 2] if self.has_flags else None
         return losses, scalars, flags

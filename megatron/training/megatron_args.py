@@ -94,7 +94,9 @@ def _our_defaults() -> dict[str, Any]:
     return _dest_defaults(run_config.build_parser())
 
 
-def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args: bool = False) -> argparse.Namespace:
+def parse_args(
+    extra_args_provider: Callable | None = None, ignore_unknown_args: bool = False
+) -> argparse.Namespace:
     """Parse ``sys.argv[1:]`` as Megatron-LM's ``parse_args`` does: no cross-flag checks, no derived values.
 
     Args:
@@ -113,8 +115,9 @@ def parse_args(extra_args_provider: Callable | None = None, ignore_unknown_args:
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     foreign: list = []
-    values, notes = run_config.parse_namespace(sys.argv[1:], parser=parser, ignore_unknown=ignore_unknown_args,
-                                               foreign_given=foreign)
+    values, notes = run_config.parse_namespace(
+        sys.argv[1:], parser=parser, ignore_unknown=ignore_unknown_args, foreign_given=foreign
+    )
     merged = {**copy.deepcopy(_dest_defaults(parser)), **values}
     args = argparse.Namespace(**merged)
     for m in MIRRORS:
@@ -199,17 +202,21 @@ def _fill_derived(args: argparse.Namespace, cfg: run_config.RunConfig, world_siz
     model, training = cfg.model, cfg.training
     cp = getattr(args, "context_parallel_size", None) or 1
     args.world_size = world_size
-    args.data_parallel_size = world_size // (model.tensor_model_parallel_size * model.pipeline_model_parallel_size * cp)
+    args.data_parallel_size = world_size // (
+        model.tensor_model_parallel_size * model.pipeline_model_parallel_size * cp
+    )
     args.transformer_pipeline_model_parallel_size = model.pipeline_model_parallel_size
     args.params_dtype = model.params_dtype
     args.ffn_hidden_size, args.kv_channels = model.ffn_hidden_size, model.kv_channels
     args.global_batch_size = training.global_batch_size
     args.encoder_num_layers, args.encoder_seq_length = model.num_layers, training.seq_length
-    for name, value in (("expert_tensor_parallel_size", model.tensor_model_parallel_size),
-                        ("eval_micro_batch_size", training.micro_batch_size),
-                        ("eval_global_batch_size", training.global_batch_size),
-                        ("start_weight_decay", cfg.optimizer.weight_decay),
-                        ("end_weight_decay", cfg.optimizer.weight_decay)):
+    for name, value in (
+        ("expert_tensor_parallel_size", model.tensor_model_parallel_size),
+        ("eval_micro_batch_size", training.micro_batch_size),
+        ("eval_global_batch_size", training.global_batch_size),
+        ("start_weight_decay", cfg.optimizer.weight_decay),
+        ("end_weight_decay", cfg.optimizer.weight_decay),
+    ):
         if getattr(args, name, None) is None:
             setattr(args, name, value)
     args.consumed_train_samples = args.skipped_train_samples = args.consumed_valid_samples = 0

@@ -6,161 +6,258 @@ what to use.
 """
 
 MCORE = "the model is always this package's own Megatron-Core-style GPTModel"
-FLASH = ("attention always runs through torch's scaled_dot_product_attention, which picks cuDNN's or "
-         "FlashAttention's fused kernel on the GPU")
-SOFTMAX32 = 'the fused attention kernels accumulate the scores and softmax in fp32'
-FUSED = ('there is no hand-written Megatron kernel to turn off here; torch.compile fuses each layer on the GPU '
-         '(--torch-compile off runs them unfused)')
-WGRAD_ACC = 'weight gradients are always added into the main gradients (no APEX fusion to turn off)'
-FP32_GRADS = 'main gradients are accumulated and reduced in fp32 unless --grad-reduce-in-bf16'
-MEM_TB = 'GPU memory (allocated, peak allocated, peak reserved) is always written with the scalars'
-PPL_TB = 'validation perplexity is always written with the scalars'
-LOCAL_RANK = 'the local rank is read from LOCAL_RANK (torchrun) or SLURM_LOCALID (srun)'
-DIST_CKPT = 'checkpoints are always distributed (torch.distributed.checkpoint); the format is --ckpt-format'
-AUTO_FORMAT = ("the format of the checkpoint to load is always read from its files (torch_dist, or Megatron-LM's legacy "
-               'torch format)')
-LOADER_SIGNALS = ('DataLoader workers always ignore the stop signals and the rank decides; with --exit-signal-handler it '
-                  'finishes the step and saves')
-RESHARD = ('optimizer state is always stored per parameter in global coordinates, so it reshards across tensor, '
-           'pipeline and data parallelism')
-MAIN_PARAMS = ("the fp32 main parameters are restored from the checkpoint's optimizer state, or from its weights when that"
-               ' is skipped')
-NO_MSC = 'files are read from the local (or mounted) file system'
-NO_GLOO = 'no gloo process groups are created beside NCCL on GPUs'
+FLASH = (
+    "attention always runs through torch's scaled_dot_product_attention, which picks cuDNN's or "
+    "FlashAttention's fused kernel on the GPU"
+)
+SOFTMAX32 = "the fused attention kernels accumulate the scores and softmax in fp32"
+FUSED = (
+    "there is no hand-written Megatron kernel to turn off here; torch.compile fuses each layer on the GPU "
+    "(--torch-compile off runs them unfused)"
+)
+WGRAD_ACC = "weight gradients are always added into the main gradients (no APEX fusion to turn off)"
+FP32_GRADS = "main gradients are accumulated and reduced in fp32 unless --grad-reduce-in-bf16"
+MEM_TB = "GPU memory (allocated, peak allocated, peak reserved) is always written with the scalars"
+PPL_TB = "validation perplexity is always written with the scalars"
+LOCAL_RANK = "the local rank is read from LOCAL_RANK (torchrun) or SLURM_LOCALID (srun)"
+DIST_CKPT = "checkpoints are always distributed (torch.distributed.checkpoint); the format is --ckpt-format"
+AUTO_FORMAT = (
+    "the format of the checkpoint to load is always read from its files (torch_dist, or Megatron-LM's legacy "
+    "torch format)"
+)
+LOADER_SIGNALS = (
+    "DataLoader workers always ignore the stop signals and the rank decides; with --exit-signal-handler it "
+    "finishes the step and saves"
+)
+RESHARD = (
+    "optimizer state is always stored per parameter in global coordinates, so it reshards across tensor, "
+    "pipeline and data parallelism"
+)
+MAIN_PARAMS = (
+    "the fp32 main parameters are restored from the checkpoint's optimizer state, or from its weights when that"
+    " is skipped"
+)
+NO_MSC = "files are read from the local (or mounted) file system"
+NO_GLOO = "no gloo process groups are created beside NCCL on GPUs"
 NO_TOK_CKPT = "the tokenizer always comes from this launch's flags, never from a checkpoint"
-TOKENS_READY = ('pretraining reads token ids written by tools/preprocess_data.py; the tokenizer gives only the vocabulary '
-                'size and the end-of-document id, so its encoding options change nothing')
-GC = ("Python's garbage collector runs as usual; the training loop allocates no Python objects per step that "
-      'would make a collection costly')
-EMPTY_CACHE = 'the CUDA caching allocator is never emptied during training (that only costs time)'
-CKPT_PARALLEL = ('every rank writes and reads only its own shards through torch.distributed.checkpoint, already spread over '
-                 'all ranks')
-STRICT_LOAD = ('loading is strict: a tensor the model needs and the checkpoint lacks is an error naming it, extra tensors '
-               'in the checkpoint are ignored')
+TOKENS_READY = (
+    "pretraining reads token ids written by tools/preprocess_data.py; the tokenizer gives only the vocabulary "
+    "size and the end-of-document id, so its encoding options change nothing"
+)
+GC = (
+    "Python's garbage collector runs as usual; the training loop allocates no Python objects per step that "
+    "would make a collection costly"
+)
+EMPTY_CACHE = "the CUDA caching allocator is never emptied during training (that only costs time)"
+CKPT_PARALLEL = (
+    "every rank writes and reads only its own shards through torch.distributed.checkpoint, already spread over "
+    "all ranks"
+)
+STRICT_LOAD = (
+    "loading is strict: a tensor the model needs and the checkpoint lacks is an error naming it, extra tensors "
+    "in the checkpoint are ignored"
+)
 LOGLEVEL = "the log lines are fixed; warnings come through Python's warnings module"
-TIMERS = ('per-phase timers are not kept: the log line has the iteration time, and --profile --use-pytorch-profiler '
-          'breaks a step down')
-TB_INTERVAL = 'scalars are written every --log-interval iterations'
-CUDA_GRAPHS = ("CUDA graphs are not captured; the loop queues the next step before reading the last one, so the host's "
-               'launch time stays hidden')
-TE_KNOB = 'a Transformer Engine setting; there is no Transformer Engine path (--transformer-impl local)'
-TP_OVERLAP = ("Transformer Engine's overlap of tensor-parallel collectives with GEMMs is not used: there is no "
-              "Transformer Engine path, and PyTorch's micro-pipelined tensor parallelism measured slower "
-              '(docs/performance.md)')
-FP8_PARAMS = ('FP8 here casts the bf16 weights in each forward (docs/fp8.md); parameters and their gathers stay bf16')
-DDP_KNOB = 'gradient buckets are sized by --ddp-bucket-size and reduced as they fill'
-PP_KNOB = ("the pipeline's sends and receives are torch.distributed's batched point-to-point operations, overlapped by"
-           ' the schedule (--no-overlap-p2p-communication)')
-WGRAD_DEFER = 'weight gradients are computed in the backward pass where autograd schedules them'
-NCCL = 'NCCL is used with its defaults; tune it through its environment variables (NCCL_*)'
-FLIGHT = ("this package does not configure PyTorch's NCCL flight recorder; set TORCH_NCCL_TRACE_BUFFER_SIZE and "
-          'TORCH_FR_DUMP_TEMP_FILE in the environment for it')
-OFFLOAD = ('activations are not offloaded to the CPU; --recompute-granularity full trades compute for activation '
-           'memory instead')
-OPT_OFFLOAD_KNOB = 'tunes optimizer CPU offload, which is not built (--optimizer-cpu-offload is refused)'
-ASYNC_KNOB = 'tunes --async-save, which is not built (checkpoints are written synchronously and atomically)'
-LOCAL_CKPT_KNOB = ('tunes non-persistent local checkpoints, which are not built (--non-persistent-save-interval is refused)')
-FSDP_KNOB = 'tunes FSDP, which is not built yet (--use-torch-fsdp2 and --use-megatron-fsdp are refused)'
-DATA_KNOB = ('dataset indices are built once by global rank 0 and cached (--data-cache-path); loading a cache is already'
-             ' a memory map')
-PAD_TOKENS = 'GPT samples here are never padded, so no pad token reaches the loss'
+TIMERS = (
+    "per-phase timers are not kept: the log line has the iteration time, and --profile --use-pytorch-profiler "
+    "breaks a step down"
+)
+TB_INTERVAL = "scalars are written every --log-interval iterations"
+CUDA_GRAPHS = (
+    "CUDA graphs are not captured; the loop queues the next step before reading the last one, so the host's "
+    "launch time stays hidden"
+)
+TE_KNOB = "a Transformer Engine setting; there is no Transformer Engine path (--transformer-impl local)"
+TP_OVERLAP = (
+    "Transformer Engine's overlap of tensor-parallel collectives with GEMMs is not used: there is no "
+    "Transformer Engine path, and PyTorch's micro-pipelined tensor parallelism measured slower "
+    "(docs/performance.md)"
+)
+FP8_PARAMS = (
+    "FP8 here casts the bf16 weights in each forward (docs/fp8.md); parameters and their gathers stay bf16"
+)
+DDP_KNOB = "gradient buckets are sized by --ddp-bucket-size and reduced as they fill"
+PP_KNOB = (
+    "the pipeline's sends and receives are torch.distributed's batched point-to-point operations, overlapped by"
+    " the schedule (--no-overlap-p2p-communication)"
+)
+WGRAD_DEFER = "weight gradients are computed in the backward pass where autograd schedules them"
+NCCL = "NCCL is used with its defaults; tune it through its environment variables (NCCL_*)"
+FLIGHT = (
+    "this package does not configure PyTorch's NCCL flight recorder; set TORCH_NCCL_TRACE_BUFFER_SIZE and "
+    "TORCH_FR_DUMP_TEMP_FILE in the environment for it"
+)
+OFFLOAD = (
+    "activations are not offloaded to the CPU; --recompute-granularity full trades compute for activation "
+    "memory instead"
+)
+OPT_OFFLOAD_KNOB = "tunes optimizer CPU offload, which is not built (--optimizer-cpu-offload is refused)"
+ASYNC_KNOB = "tunes --async-save, which is not built (checkpoints are written synchronously and atomically)"
+LOCAL_CKPT_KNOB = (
+    "tunes non-persistent local checkpoints, which are not built (--non-persistent-save-interval is refused)"
+)
+FSDP_KNOB = "tunes FSDP, which is not built yet (--use-torch-fsdp2 and --use-megatron-fsdp are refused)"
+DATA_KNOB = (
+    "dataset indices are built once by global rank 0 and cached (--data-cache-path); loading a cache is already"
+    " a memory map"
+)
+PAD_TOKENS = "GPT samples here are never padded, so no pad token reaches the loss"
 INIT = "weights are initialised from the seed and each parameter's global name, then overwritten by --load"
-META_INIT = 'the model is always built on the meta device and then materialised on its device'
-SYNC = 'the loop waits only for the step whose results it reads, so the host never runs far ahead'
-SIGNAL_SHUTDOWN = ('without --exit-signal-handler a stop signal ends the run (the newest complete checkpoint stays the '
-                   'latest); --exit-signal-handler also saves first')
-TIMEOUT = '--distributed-timeout-minutes applies from start to end'
+META_INIT = "the model is always built on the meta device and then materialised on its device"
+SYNC = "the loop waits only for the step whose results it reads, so the host never runs far ahead"
+SIGNAL_SHUTDOWN = (
+    "without --exit-signal-handler a stop signal ends the run (the newest complete checkpoint stays the "
+    "latest); --exit-signal-handler also saves first"
+)
+TIMEOUT = "--distributed-timeout-minutes applies from start to end"
 CLONE = "an internal copy in Megatron's embedding that this package does not make"
-RERUN = ('steps are never re-run: a NaN/Inf gradient norm stops the run before anything is saved '
-         '(--no-check-for-nan-in-loss-and-grad keeps going)')
+RERUN = (
+    "steps are never re-run: a NaN/Inf gradient norm stops the run before anything is saved "
+    "(--no-check-for-nan-in-loss-and-grad keeps going)"
+)
 TELEMETRY = "NVIDIA's internal telemetry (one-logger) is not used"
-FT = ("NVIDIA's fault-tolerance and autoresume services are not used; a hung collective fails after "
-      '--distributed-timeout-minutes and --exit-signal-handler saves on SIGTERM')
-INPROCESS_KNOB = 'tunes in-process restart, which is not built (--inprocess-restart is refused)'
-STRAGGLER = ('no straggler detector runs; --profile --use-pytorch-profiler on --profile-ranks shows slow ranks')
+FT = (
+    "NVIDIA's fault-tolerance and autoresume services are not used; a hung collective fails after "
+    "--distributed-timeout-minutes and --exit-signal-handler saves on SIGTERM"
+)
+INPROCESS_KNOB = "tunes in-process restart, which is not built (--inprocess-restart is refused)"
+STRAGGLER = "no straggler detector runs; --profile --use-pytorch-profiler on --profile-ranks shows slow ranks"
 NVTX = "no NVTX ranges are emitted; the PyTorch profiler's trace (--use-pytorch-profiler) names every op"
 CONFIG_DUMP = "the run's whole configuration is printed at start and stored in every checkpoint"
-EXPERIMENTAL = 'there are no experimental features to unlock'
-ONNX = 'no ONNX export happens during pretraining'
-EXPERTS_OFF = ('there are no expert layers (--num-experts is refused), so an expert parallel size changes nothing')
-ENERGY = ("energy and nvidia-smi memory are not read; GPU memory from PyTorch's allocator is written with the scalars")
-INFERENCE = ("an inference setting; pretrain_gpt.py runs no inference (Megatron-LM's pretrain_gpt.py ignores it too)")
-RL = 'a reinforcement-learning setting, used only with --perform-rl-step (refused here)'
-BERT_T5 = ("a setting of Megatron-LM's BERT, T5 and retrieval models; pretrain_gpt.py ignores it (in Megatron-LM too)")
+EXPERIMENTAL = "there are no experimental features to unlock"
+ONNX = "no ONNX export happens during pretraining"
+EXPERTS_OFF = (
+    "there are no expert layers (--num-experts is refused), so an expert parallel size changes nothing"
+)
+ENERGY = "energy and nvidia-smi memory are not read; GPU memory from PyTorch's allocator is written with the scalars"
+INFERENCE = (
+    "an inference setting; pretrain_gpt.py runs no inference (Megatron-LM's pretrain_gpt.py ignores it too)"
+)
+RL = "a reinforcement-learning setting, used only with --perform-rl-step (refused here)"
+BERT_T5 = "a setting of Megatron-LM's BERT, T5 and retrieval models; pretrain_gpt.py ignores it (in Megatron-LM too)"
 VISION = "a setting of Megatron-LM's vision models; pretrain_gpt.py ignores it (in Megatron-LM too)"
-OTHER_OPT = 'a setting of --optimizer muon or lion, which are not built (--optimizer takes adam or sgd)'
-MAMBA_KNOB = 'a setting of Mamba layers, which exist only in hybrid models (refused here)'
-MSC_KNOB = 'the Multi-Storage Client is not used; files are read from the local (or mounted) file system'
-CP = ('context parallelism is not built yet; for long sequences use --sequence-parallel with '
-      '--tensor-model-parallel-size, or --recompute-granularity full')
-MOE = 'mixture-of-experts layers are not built yet (dense models only)'
-FSDP = ('FSDP is not built yet; --use-distributed-optimizer shards the optimizer state and fp32 main parameters '
-        'over the data-parallel ranks')
-OPT_DTYPES = ('the optimizer keeps fp32 main parameters and Adam moments (main gradients fp32, or bf16 with '
-              '--grad-reduce-in-bf16); drop it, or pass fp32')
-OPT_OFFLOAD = ('optimizer CPU offload is not built yet; --use-distributed-optimizer shards the optimizer state over the '
-               'data-parallel ranks')
-ASYNC = ('asynchronous checkpoint saving is not built yet: checkpoints are written synchronously and atomically '
-         '(docs/checkpoints.md); drop it')
-LOCAL_CKPT = 'non-persistent (local) checkpoints are not built; use --save-interval'
-RETAIN = ('checkpoint retention is not built yet: every saved checkpoint is kept; delete old iter_* directories by '
-          'hand')
-CKPT_ARGS = ('pass the model flags again: a checkpoint saved for a different model is refused at load with one line per '
-             'flag that differs')
-CONVERT = ('checkpoints are not converted at load; a torch_dist checkpoint loads under any parallel layout as it is')
+OTHER_OPT = "a setting of --optimizer muon or lion, which are not built (--optimizer takes adam or sgd)"
+MAMBA_KNOB = "a setting of Mamba layers, which exist only in hybrid models (refused here)"
+MSC_KNOB = "the Multi-Storage Client is not used; files are read from the local (or mounted) file system"
+CP = (
+    "context parallelism is not built yet; for long sequences use --sequence-parallel with "
+    "--tensor-model-parallel-size, or --recompute-granularity full"
+)
+MOE = "mixture-of-experts layers are not built yet (dense models only)"
+FSDP = (
+    "FSDP is not built yet; --use-distributed-optimizer shards the optimizer state and fp32 main parameters "
+    "over the data-parallel ranks"
+)
+OPT_DTYPES = (
+    "the optimizer keeps fp32 main parameters and Adam moments (main gradients fp32, or bf16 with "
+    "--grad-reduce-in-bf16); drop it, or pass fp32"
+)
+OPT_OFFLOAD = (
+    "optimizer CPU offload is not built yet; --use-distributed-optimizer shards the optimizer state over the "
+    "data-parallel ranks"
+)
+ASYNC = (
+    "asynchronous checkpoint saving is not built yet: checkpoints are written synchronously and atomically "
+    "(docs/checkpoints.md); drop it"
+)
+LOCAL_CKPT = "non-persistent (local) checkpoints are not built; use --save-interval"
+RETAIN = (
+    "checkpoint retention is not built yet: every saved checkpoint is kept; delete old iter_* directories by "
+    "hand"
+)
+CKPT_ARGS = (
+    "pass the model flags again: a checkpoint saved for a different model is refused at load with one line per "
+    "flag that differs"
+)
+CONVERT = (
+    "checkpoints are not converted at load; a torch_dist checkpoint loads under any parallel layout as it is"
+)
 PRETRAINED = "to start from another run's weights use --load DIR --finetune (weights only, iteration 0)"
-OVERRIDE_IT = ('the iteration and consumed samples always come from the checkpoint; --ckpt-step N loads another saved '
-               'iteration')
-VERIFY = ('checkpoint hashing is not built; the tracker names only complete checkpoints (written last, atomically)')
-TP_PP_DP = 'the rank grid is always ordered tp-cp-ep-dp-pp; drop it'
-DP_RANDOM = 'weights are identical on every data-parallel rank (layout invariance); drop it'
-DIST_OPT_INST = 'one distributed optimizer instance spans the data-parallel ranks; drop it'
-FAKE_PG = 'use --dry-run to see parameters and memory without running on GPUs'
-LAZY_MPU = ('pretrain_gpt.py always sets up its own process groups; from your own code, use the library '
-            '(megatron.core.parallel_state)')
-NAN_CHECKS = ("Megatron-LM's loss-spike and large-gradient checks (re-running the step) are not built yet; a NaN/Inf "
-              'gradient norm stops the run (see --no-check-for-nan-in-loss-and-grad) and a logged loss far above its '
-              'recent median prints a one-line warning')
-FAULTS = 'fault injection is not built'
-HASH = ('weight-hash checks across replicas are not built; data-parallel replicas start from identical weights and '
-        'apply identical reduced gradients')
-INPROCESS = ("in-process restart is not built; restart the job (torchrun --max-restarts, or Slurm's requeue) and it "
-             'resumes from --load')
-DUMPS = 'dumping tensors, gradients or parameter maps is not built; use the library from your own code'
-MEM_HISTORY = ('CUDA memory-history snapshots are not built; --profile --use-pytorch-profiler records a trace, and the '
-               'scalars hold allocated and peak memory')
-CHAKRA = 'Chakra traces are not built; --use-pytorch-profiler writes a Chrome trace'
+OVERRIDE_IT = (
+    "the iteration and consumed samples always come from the checkpoint; --ckpt-step N loads another saved "
+    "iteration"
+)
+VERIFY = (
+    "checkpoint hashing is not built; the tracker names only complete checkpoints (written last, atomically)"
+)
+TP_PP_DP = "the rank grid is always ordered tp-cp-ep-dp-pp; drop it"
+DP_RANDOM = "weights are identical on every data-parallel rank (layout invariance); drop it"
+DIST_OPT_INST = "one distributed optimizer instance spans the data-parallel ranks; drop it"
+FAKE_PG = "use --dry-run to see parameters and memory without running on GPUs"
+LAZY_MPU = (
+    "pretrain_gpt.py always sets up its own process groups; from your own code, use the library "
+    "(megatron.core.parallel_state)"
+)
+NAN_CHECKS = (
+    "Megatron-LM's loss-spike and large-gradient checks (re-running the step) are not built yet; a NaN/Inf "
+    "gradient norm stops the run (see --no-check-for-nan-in-loss-and-grad) and a logged loss far above its "
+    "recent median prints a one-line warning"
+)
+FAULTS = "fault injection is not built"
+HASH = (
+    "weight-hash checks across replicas are not built; data-parallel replicas start from identical weights and "
+    "apply identical reduced gradients"
+)
+INPROCESS = (
+    "in-process restart is not built; restart the job (torchrun --max-restarts, or Slurm's requeue) and it "
+    "resumes from --load"
+)
+DUMPS = "dumping tensors, gradients or parameter maps is not built; use the library from your own code"
+MEM_HISTORY = (
+    "CUDA memory-history snapshots are not built; --profile --use-pytorch-profiler records a trace, and the "
+    "scalars hold allocated and peak memory"
+)
+CHAKRA = "Chakra traces are not built; --use-pytorch-profiler writes a Chrome trace"
 YAML = "give the flags on the command line (a shell array, as Megatron-LM's example scripts do)"
-SPEC = ('custom layer specs are a library feature: build GPTModel with your spec in your own training loop '
-        '(examples/run_simple_mcore_train_loop.py)')
-HYBRID = 'hybrid Mamba / linear-attention models are not built; pretrain_gpt.py trains attention-only GPTs'
-MLA = 'multi-latent attention is not built; use --group-query-attention --num-query-groups N'
-MTP = 'multi-token prediction is not built'
-ROPE_VARIANTS = ('only plain RoPE is built (--position-embedding-type rope with --rotary-base, --rotary-percent and '
-                 '--rotary-seq-len-interpolation-factor)')
-ATTN_VARIANTS = 'this attention variant is not built (standard causal softmax attention only)'
-ACTIVATIONS = 'this activation is not built; use the default GELU or --swiglu'
-ARCH = 'this architecture change is not built (pre-norm GPT blocks with the residual in the compute dtype)'
-INIT_VARIANTS = ('weights are initialised normal(0, --init-method-std), output projections with std/sqrt(2 x layers); other '
-                 'initialisations are not built')
-LOSS_PRECISION = 'the cross entropy is always computed in fp32'
-WD_QK = 'weight decay never applies to norms or biases (1-D parameters), QK-norm included'
-FP8_VARIANTS = ('this FP8 setting is not built: FP8 here is --fp8-format with --fp8-recipe tensorwise or delayed, weight '
-                'gradients in FP8, margin 0 (docs/fp8.md)')
-FP4 = 'FP4 is not built; FP8 (--fp8-format) is the lowest precision here'
-DATA_VARIANTS = ('this dataset type is not built; pretrain_gpt.py reads .bin/.idx GPT data (--data-path) or --mock-data')
-VALID_SETS = ('one validation set per run: --valid-data-path (or the --split share) evaluated for --eval-iters batches')
-EVAL_BATCH = 'evaluation uses the training batch sizes; set how much it reads with --eval-iters'
-SPECIAL_TOKENS = ('added special tokens would change the vocabulary; add them when training the tokenizer instead')
-SAMPLE_RATE = 'sampling a fraction of the data is not built; use --data-path weights or --split'
-SKIP_ITERS = 'skipping chosen iterations is not built'
-RL_STEP = 'reinforcement learning is not built; pretrain_gpt.py pretrains'
-DISTILL = 'knowledge distillation from saved logits is not built'
-FREEZE = 'freezing layers is not built; pretrain_gpt.py trains every parameter'
-DETERMINISTIC = 'deterministic GPU kernels are not selectable; on the CPU every run is bitwise repeatable'
-BATCH_DECREASE = ('the global batch is never changed silently; pick one divisible by micro-batch x data-parallel size')
-MLP_CHUNKS = ('chunking the MLP over the sequence is not built; use --recompute-granularity to save activation memory')
-TP_SHARDS = 'only one tensor-parallel axis is built (--tensor-model-parallel-size)'
+SPEC = (
+    "custom layer specs are a library feature: build GPTModel with your spec in your own training loop "
+    "(examples/run_simple_mcore_train_loop.py)"
+)
+HYBRID = "hybrid Mamba / linear-attention models are not built; pretrain_gpt.py trains attention-only GPTs"
+MLA = "multi-latent attention is not built; use --group-query-attention --num-query-groups N"
+MTP = "multi-token prediction is not built"
+ROPE_VARIANTS = (
+    "only plain RoPE is built (--position-embedding-type rope with --rotary-base, --rotary-percent and "
+    "--rotary-seq-len-interpolation-factor)"
+)
+ATTN_VARIANTS = "this attention variant is not built (standard causal softmax attention only)"
+ACTIVATIONS = "this activation is not built; use the default GELU or --swiglu"
+ARCH = "this architecture change is not built (pre-norm GPT blocks with the residual in the compute dtype)"
+INIT_VARIANTS = (
+    "weights are initialised normal(0, --init-method-std), output projections with std/sqrt(2 x layers); other "
+    "initialisations are not built"
+)
+LOSS_PRECISION = "the cross entropy is always computed in fp32"
+WD_QK = "weight decay never applies to norms or biases (1-D parameters), QK-norm included"
+FP8_VARIANTS = (
+    "this FP8 setting is not built: FP8 here is --fp8-format with --fp8-recipe tensorwise or delayed, weight "
+    "gradients in FP8, margin 0 (docs/fp8.md)"
+)
+FP4 = "FP4 is not built; FP8 (--fp8-format) is the lowest precision here"
+DATA_VARIANTS = (
+    "this dataset type is not built; pretrain_gpt.py reads .bin/.idx GPT data (--data-path) or --mock-data"
+)
+VALID_SETS = (
+    "one validation set per run: --valid-data-path (or the --split share) evaluated for --eval-iters batches"
+)
+EVAL_BATCH = "evaluation uses the training batch sizes; set how much it reads with --eval-iters"
+SPECIAL_TOKENS = (
+    "added special tokens would change the vocabulary; add them when training the tokenizer instead"
+)
+SAMPLE_RATE = "sampling a fraction of the data is not built; use --data-path weights or --split"
+SKIP_ITERS = "skipping chosen iterations is not built"
+RL_STEP = "reinforcement learning is not built; pretrain_gpt.py pretrains"
+DISTILL = "knowledge distillation from saved logits is not built"
+FREEZE = "freezing layers is not built; pretrain_gpt.py trains every parameter"
+DETERMINISTIC = "deterministic GPU kernels are not selectable; on the CPU every run is bitwise repeatable"
+BATCH_DECREASE = (
+    "the global batch is never changed silently; pick one divisible by micro-batch x data-parallel size"
+)
+MLP_CHUNKS = (
+    "chunking the MLP over the sequence is not built; use --recompute-granularity to save activation memory"
+)
+TP_SHARDS = "only one tensor-parallel axis is built (--tensor-model-parallel-size)"
 TEST_MODE = "Megatron-LM's own real-time test harness is not built"
-SDPA = ("attention always runs through torch's scaled_dot_product_attention (cuDNN's fused "
-        "attention on Hopper)")
+SDPA = (
+    "attention always runs through torch's scaled_dot_product_attention (cuDNN's fused attention on Hopper)"
+)

@@ -14,166 +14,277 @@ from megatron.training import megatron_flag_reasons as why
 from megatron.training.megatron_flags import ALWAYS, NO_EFFECT, REFUSED, ForeignFlag, entries, index
 
 _TABLE: list[ForeignFlag] = [
-    *entries(ALWAYS, why.MCORE, '--use-mcore-models'),
-    *entries(ALWAYS, why.FLASH, '--use-flash-attn --flash-attention-version=1'),
-    *entries(ALWAYS, why.SOFTMAX32, '--attention-softmax-in-fp32 --apply-query-key-layer-scaling'),
-    *entries(ALWAYS, why.FUSED, """
+    *entries(ALWAYS, why.MCORE, "--use-mcore-models"),
+    *entries(ALWAYS, why.FLASH, "--use-flash-attn --flash-attention-version=1"),
+    *entries(ALWAYS, why.SOFTMAX32, "--attention-softmax-in-fp32 --apply-query-key-layer-scaling"),
+    *entries(
+        ALWAYS,
+        why.FUSED,
+        """
         --no-masked-softmax-fusion --no-bias-dropout-fusion --no-bias-swiglu-fusion --no-rope-fusion
         --disable-jit-fuser --no-persist-layer-norm --no-gradient-reduce-div-fusion --fused-residual-rmsnorm
-    """),
-    *entries(ALWAYS, why.WGRAD_ACC, '--no-gradient-accumulation-fusion'),
-    *entries(ALWAYS, why.FP32_GRADS, """
+    """,
+    ),
+    *entries(ALWAYS, why.WGRAD_ACC, "--no-gradient-accumulation-fusion"),
+    *entries(
+        ALWAYS,
+        why.FP32_GRADS,
+        """
         --accumulate-allreduce-grads-in-fp32 --ddp-reduce-scatter-with-fp32-accumulation
         --ddp-param-name-patterns-for-fp32-local-accumulation=+
-    """),
-    *entries(ALWAYS, why.MEM_TB, '--log-memory-to-tensorboard'),
-    *entries(ALWAYS, why.PPL_TB, '--log-validation-ppl-to-tensorboard'),
-    *entries(ALWAYS, why.LOCAL_RANK, '--local-rank=1'),
-    *entries(ALWAYS, why.DIST_CKPT, '--use-dist-ckpt --dist-ckpt-format=1'),
-    *entries(ALWAYS, why.AUTO_FORMAT, '--auto-detect-ckpt-format'),
-    *entries(ALWAYS, why.LOADER_SIGNALS, '--exit-signal-handler-for-dataloader'),
-    *entries(ALWAYS, why.RESHARD, '--dist-ckpt-optim-fully-reshardable'),
-    *entries(ALWAYS, why.MAIN_PARAMS, '--load-main-params-from-ckpt'),
-    *entries(ALWAYS, why.NO_MSC, '--disable-msc'),
-    *entries(ALWAYS, why.NO_GLOO, '--disable-gloo-process-groups'),
-    *entries(ALWAYS, why.NO_TOK_CKPT, """
+    """,
+    ),
+    *entries(ALWAYS, why.MEM_TB, "--log-memory-to-tensorboard"),
+    *entries(ALWAYS, why.PPL_TB, "--log-validation-ppl-to-tensorboard"),
+    *entries(ALWAYS, why.LOCAL_RANK, "--local-rank=1"),
+    *entries(ALWAYS, why.DIST_CKPT, "--use-dist-ckpt --dist-ckpt-format=1"),
+    *entries(ALWAYS, why.AUTO_FORMAT, "--auto-detect-ckpt-format"),
+    *entries(ALWAYS, why.LOADER_SIGNALS, "--exit-signal-handler-for-dataloader"),
+    *entries(ALWAYS, why.RESHARD, "--dist-ckpt-optim-fully-reshardable"),
+    *entries(ALWAYS, why.MAIN_PARAMS, "--load-main-params-from-ckpt"),
+    *entries(ALWAYS, why.NO_MSC, "--disable-msc"),
+    *entries(ALWAYS, why.NO_GLOO, "--disable-gloo-process-groups"),
+    *entries(
+        ALWAYS,
+        why.NO_TOK_CKPT,
+        """
         --no-use-tokenizer-model-from-checkpoint-args --disable-use-tokenizer-model-from-checkpoint-args
-    """),
-    *entries(ALWAYS, why.TOKENS_READY, """
+    """,
+    ),
+    *entries(
+        ALWAYS,
+        why.TOKENS_READY,
+        """
         --tokenizer-hf-no-use-fast --tokenizer-hf-no-include-special-tokens --tokenizer-sentencepiece-legacy
         --no-tokenizer-sentencepiece-ignore-extra-whitespaces
         --disable-tokenizer-sentencepiece-ignore-extra-whitespaces --trust-remote-code --chat-template=1
         --tokenizer-metadata=1
-    """),
-    *entries(NO_EFFECT, why.GC, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.GC,
+        """
         --manual-gc --manual-gc-interval=1 --no-manual-gc-eval --disable-manual-gc-eval
-    """),
-    *entries(NO_EFFECT, why.EMPTY_CACHE, '--empty-unused-memory-level=1'),
-    *entries(NO_EFFECT, why.CKPT_PARALLEL, """
+    """,
+    ),
+    *entries(NO_EFFECT, why.EMPTY_CACHE, "--empty-unused-memory-level=1"),
+    *entries(
+        NO_EFFECT,
+        why.CKPT_PARALLEL,
+        """
         --ckpt-fully-parallel-save --no-ckpt-fully-parallel-save --ckpt-fully-parallel-load
         --ckpt-fully-parallel-load-exchange-algo=1 --ckpt-fully-parallel-load-process-group=1
         --ckpt-fully-parallel-save-process-group=1 --ckpt-assume-constant-structure --dist-ckpt-workers=1
         --distrib-optim-fully-reshardable-mem-efficient --disable-ckpt-load-validate-sharding-integrity
         --no-ckpt-load-validate-sharding-integrity --dist-ckpt-save-pre-mcore-014 --no-stream-ckpt-dequant
         --disable-stream-ckpt-dequant
-    """),
-    *entries(NO_EFFECT, why.STRICT_LOAD, '--dist-ckpt-strictness=1'),
-    *entries(NO_EFFECT, why.LOGLEVEL, '--logging-level=1'),
-    *entries(NO_EFFECT, why.TIMERS, """
+    """,
+    ),
+    *entries(NO_EFFECT, why.STRICT_LOAD, "--dist-ckpt-strictness=1"),
+    *entries(NO_EFFECT, why.LOGLEVEL, "--logging-level=1"),
+    *entries(
+        NO_EFFECT,
+        why.TIMERS,
+        """
         --timing-log-level=1 --timing-log-option=1 --log-timers-to-tensorboard
         --no-barrier-with-level-1-timing
-    """),
-    *entries(NO_EFFECT, why.TB_INTERVAL, '--tensorboard-log-interval=1 --tensorboard-queue-size=1'),
-    *entries(NO_EFFECT, why.CUDA_GRAPHS, """
+    """,
+    ),
+    *entries(NO_EFFECT, why.TB_INTERVAL, "--tensorboard-log-interval=1 --tensorboard-queue-size=1"),
+    *entries(
+        NO_EFFECT,
+        why.CUDA_GRAPHS,
+        """
         --cuda-graph-impl=1 --cuda-graph-modules=+ --cuda-graph-scope=+ --cuda-graph-warmup-steps=1
         --enable-cuda-graph --external-cuda-graph --optimizer-cuda-graph --te-rng-tracker
         --delay-offload-until-cuda-graph
-    """),
-    *entries(NO_EFFECT, why.TE_KNOB, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.TE_KNOB,
+        """
         --use-te-activation-func --use-transformer-engine-op-fuser --keep-fp8-transpose-cache
         --fp8-interval=1 --tp-comm-bootstrap-backend=1 --cross-entropy-fusion-impl=1
         --use-grouped-gemm-for-dense-mlp
-    """),
-    *entries(NO_EFFECT, why.TP_OVERLAP, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.TP_OVERLAP,
+        """
         --tp-comm-overlap --tp-comm-overlap-cfg=1 --tp-comm-overlap-rs-dgrad --disable-tp-comm-bulk-dgrad
         --disable-tp-comm-bulk-wgrad --disable-tp-comm-overlap-ag --disable-tp-comm-overlap-rs
         --disable-tp-comm-split-ag --disable-tp-comm-split-rs --no-tp-comm-bulk-dgrad
         --no-tp-comm-bulk-wgrad --no-tp-comm-overlap-ag --no-tp-comm-overlap-rs --no-tp-comm-split-ag
         --no-tp-comm-split-rs
-    """),
-    *entries(NO_EFFECT, why.FP8_PARAMS, '--fp8-param-gather --reuse-grad-buf-for-mxfp8-param-ag'),
-    *entries(NO_EFFECT, why.DDP_KNOB, """
+    """,
+    ),
+    *entries(NO_EFFECT, why.FP8_PARAMS, "--fp8-param-gather --reuse-grad-buf-for-mxfp8-param-ag"),
+    *entries(
+        NO_EFFECT,
+        why.DDP_KNOB,
+        """
         --ddp-num-buckets=1 --ddp-pad-buckets-for-high-nccl-busbw --no-align-grad-reduce
         --disable-align-grad-reduce --no-align-param-gather --overlap-param-gather-with-optimizer-step
         --create-all-gather-group --suggested-communication-unit-size=1
-    """),
-    *entries(NO_EFFECT, why.PP_KNOB, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.PP_KNOB,
+        """
         --overlap-p2p-communication-warmup-flush --use-ring-exchange-p2p
         --pipeline-model-parallel-comm-backend=1
-    """),
-    *entries(NO_EFFECT, why.WGRAD_DEFER, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.WGRAD_DEFER,
+        """
         --defer-embedding-wgrad-compute --wgrad-deferral-limit=1 --delay-wgrad-compute
-    """),
-    *entries(NO_EFFECT, why.NCCL, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.NCCL,
+        """
         --nccl-communicator-config-path=1 --use-sharp --sharp-enabled-group=1
         --high-priority-stream-groups=+ --use-nccl-ub --symmetric-ar-type=1 --disable-symmetric-registration
-    """),
-    *entries(NO_EFFECT, why.FLIGHT, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.FLIGHT,
+        """
         --disable-flight-recorder-dump-on-timeout --disable-flight-recorder-extra-dump-on-exec
         --disable-flight-recorder-include-only-active --flight-recorder-dump-path=1
         --flight-recorder-include-stack-trace --flight-recorder-trace-buffer-size=1
         --no-flight-recorder-dump-on-timeout --no-flight-recorder-extra-dump-on-exec
         --no-flight-recorder-include-only-active
-    """),
-    *entries(NO_EFFECT, why.OFFLOAD, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.OFFLOAD,
+        """
         --cpu-offloading-num-layers=1 --cpu-offloading-retain-pinned-cpu-buffers
         --fine-grained-activation-offloading --offload-modules=+ --activation-offload-fraction=1
         --min-offloaded-tensor-size=1 --fine-grained-offloading-max-inflight-offloads=1
         --delta-offload-bytes-across-pp-ranks=1 --distribute-saved-activations
-    """),
-    *entries(NO_EFFECT, why.OPT_OFFLOAD_KNOB, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.OPT_OFFLOAD_KNOB,
+        """
         --optimizer-offload-fraction=1 --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d
         --no-pin-cpu-grads --no-pin-cpu-params
-    """),
-    *entries(NO_EFFECT, why.ASYNC_KNOB, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.ASYNC_KNOB,
+        """
         --async-strategy=1 --async-ckpt-cpu-priority=1 --async-ckpt-io-priority=1 --async-ckpt-use-cpu-shm
         --use-persistent-ckpt-worker
-    """),
-    *entries(NO_EFFECT, why.LOCAL_CKPT_KNOB, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.LOCAL_CKPT_KNOB,
+        """
         --non-persistent-ckpt-type=1 --non-persistent-global-ckpt-dir=1 --non-persistent-local-ckpt-algo=1
         --non-persistent-local-ckpt-dir=1 --replication --replication-factor=1 --replication-jump=1
-    """),
-    *entries(NO_EFFECT, why.FSDP_KNOB, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.FSDP_KNOB,
+        """
         --torch-fsdp2-no-reshard-after-forward --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail
         --fsdp-manual-registration --enable-full-sharding-in-hsdp --outer-dp-sharding-strategy=1
         --disable-strict-fsdp-dtensor-load --no-strict-fsdp-dtensor-load --no-use-layer-wise-param-layout
         --megatron-fsdp-enable-fine-grained-param-gather --megatron-fsdp-grad-comm-dtype=1
         --megatron-fsdp-main-grads-dtype=1 --megatron-fsdp-main-params-dtype=1
         --megatron-fsdp-max-pool-double-buffer
-    """),
-    *entries(NO_EFFECT, why.DATA_KNOB, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.DATA_KNOB,
+        """
         --num-dataset-builder-threads=1 --dataloader-fast-cache-load --dataloader-defer-npy-index-mmap
         --per-dataset-sequences-path=1 --object-storage-cache-path=1
-    """),
-    *entries(NO_EFFECT, why.PAD_TOKENS, '--allow-ambiguous-pad-tokens --null-tokenizer-pad-id=1'),
-    *entries(NO_EFFECT, why.INIT, '--no-initialization'),
-    *entries(ALWAYS, why.META_INIT, '--init-model-with-meta-device'),
-    *entries(NO_EFFECT, why.SYNC, '--train-sync-interval=1'),
-    *entries(NO_EFFECT, why.SIGNAL_SHUTDOWN, '--exit-signal-handler-for-training'),
-    *entries(NO_EFFECT, why.TIMEOUT, '--distributed-timeout-seconds-after-init=1'),
-    *entries(NO_EFFECT, why.CLONE, """
+    """,
+    ),
+    *entries(NO_EFFECT, why.PAD_TOKENS, "--allow-ambiguous-pad-tokens --null-tokenizer-pad-id=1"),
+    *entries(NO_EFFECT, why.INIT, "--no-initialization"),
+    *entries(ALWAYS, why.META_INIT, "--init-model-with-meta-device"),
+    *entries(NO_EFFECT, why.SYNC, "--train-sync-interval=1"),
+    *entries(NO_EFFECT, why.SIGNAL_SHUTDOWN, "--exit-signal-handler-for-training"),
+    *entries(NO_EFFECT, why.TIMEOUT, "--distributed-timeout-seconds-after-init=1"),
+    *entries(
+        NO_EFFECT,
+        why.CLONE,
+        """
         --no-clone-scatter-output-in-embedding --disable-clone-scatter-output-in-embedding
-    """),
-    *entries(NO_EFFECT, why.RERUN, '--rerun-mode=1 --result-rejected-tracker-filename=1'),
-    *entries(NO_EFFECT, why.TELEMETRY, """
+    """,
+    ),
+    *entries(NO_EFFECT, why.RERUN, "--rerun-mode=1 --result-rejected-tracker-filename=1"),
+    *entries(
+        NO_EFFECT,
+        why.TELEMETRY,
+        """
         --one-logger-async --one-logger-project=1 --one-logger-run-name=1 --no-one-logger
         --app-tag-run-name=1 --app-tag-run-version=1
-    """),
-    *entries(NO_EFFECT, why.FT, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.FT,
+        """
         --enable-ft-package --calc-ft-timeouts --ft-num-warmup-iters=1 --adlr-autoresume
         --adlr-autoresume-interval=1
-    """),
-    *entries(NO_EFFECT, why.INPROCESS_KNOB, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.INPROCESS_KNOB,
+        """
         --inprocess-active-world-size=1 --inprocess-barrier-timeout=1 --inprocess-completion-timeout=1
         --inprocess-empty-cuda-cache --inprocess-granularity=1 --inprocess-hard-timeout=1
         --inprocess-heartbeat-interval=1 --inprocess-heartbeat-timeout=1 --inprocess-last-call-wait=1
         --inprocess-max-iterations=1 --inprocess-monitor-process-interval=1
         --inprocess-monitor-thread-interval=1 --inprocess-progress-watchdog-interval=1
         --inprocess-soft-timeout=1 --inprocess-termination-grace-time=1
-    """),
-    *entries(NO_EFFECT, why.STRAGGLER, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.STRAGGLER,
+        """
         --log-straggler --disable-straggler-on-startup --straggler-ctrlr-port=1 --straggler-minmax-count=1
         --gpu-sniff-test-interval=1 --run-workload-inspector-server
-    """),
-    *entries(NO_EFFECT, why.NVTX, '--nvtx-ranges --record-shapes'),
-    *entries(NO_EFFECT, why.CONFIG_DUMP, '--config-logger-dir=1'),
-    *entries(NO_EFFECT, why.EXPERIMENTAL, '--enable-experimental'),
-    *entries(NO_EFFECT, why.ONNX, '--onnx-safe=1'),
-    *entries(NO_EFFECT, why.EXPERTS_OFF, """
+    """,
+    ),
+    *entries(NO_EFFECT, why.NVTX, "--nvtx-ranges --record-shapes"),
+    *entries(NO_EFFECT, why.CONFIG_DUMP, "--config-logger-dir=1"),
+    *entries(NO_EFFECT, why.EXPERIMENTAL, "--enable-experimental"),
+    *entries(NO_EFFECT, why.ONNX, "--onnx-safe=1"),
+    *entries(
+        NO_EFFECT,
+        why.EXPERTS_OFF,
+        """
         --expert-tensor-parallel-size=1 --expert-tensor-parallel-num-weight-shards=1
-    """),
-    *entries(NO_EFFECT, why.ENERGY, '--log-energy --log-device-memory-used --log-memory-interval=1'),
-    *entries(NO_EFFECT, why.INFERENCE, """
+    """,
+    ),
+    *entries(NO_EFFECT, why.ENERGY, "--log-energy --log-device-memory-used --log-memory-interval=1"),
+    *entries(
+        NO_EFFECT,
+        why.INFERENCE,
+        """
         --inference-batch-times-seqlen-threshold=1 --inference-coordinator-port=1
         --inference-cuda-graph-all-prefills --inference-cuda-graph-max-tokens=1
         --inference-cuda-graph-scope=1 --inference-disable-ep-consensus
@@ -206,8 +317,12 @@ _TABLE: list[ForeignFlag] = [
         --use-legacy-static-engine --cache-mla-latents --moe-pad-experts-for-cuda-graph-inference
         --mamba-inference-conv-states-dtype=1 --mamba-inference-ssm-states-dtype=1
         --use-same-sampling-seed-across-dp-ranks
-    """),
-    *entries(NO_EFFECT, why.RL, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.RL,
+        """
         --no-rl-inference-logprobs-is-correction --no-rl-offload-inference-model-weights-when-idle
         --no-rl-partial-rollouts --no-rl-persist-cuda-graphs --no-rl-skip-bos-token
         --no-rl-training-cuda-graphs --no-rl-use-sequence-packing --no-rl-verify-model-weights-swap
@@ -225,8 +340,12 @@ _TABLE: list[ForeignFlag] = [
         --grpo-clamp-eps-upper=1 --grpo-entropy-term-weight=1 --grpo-filter-groups-with-same-reward
         --grpo-group-size=1 --grpo-iterations=1 --grpo-kl-beta=1 --grpo-prompts-per-step=1
         --langrl-env-config=1 --refit-method=1
-    """),
-    *entries(NO_EFFECT, why.BERT_T5, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.BERT_T5,
+        """
         --mask-prob=1 --short-seq-prob=1 --bert-embedder-type=1 --bert-load=1 --bert-no-binary-head
         --biencoder-projection-dim=1 --biencoder-shared-query-context-model --ict-head-size=1 --ict-load=1
         --retriever-report-topk-accuracies=+ --retriever-score-scaling --block-data-path=1
@@ -234,30 +353,50 @@ _TABLE: list[ForeignFlag] = [
         --indexer-log-interval=1 --query-in-block-prob=1 --use-one-sent-docs --output-bert-embeddings
         --encoder-num-layers=1 --encoder-seq-length=1 --decoder-num-layers=1 --decoder-seq-length=1
         --vocab-extra-ids=1 --relative-attention-num-buckets=1 --relative-attention-max-distance=1
-    """),
-    *entries(NO_EFFECT, why.VISION, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.VISION,
+        """
         --dino-bottleneck-size=1 --dino-freeze-last-layer=1 --dino-head-hidden-size=1
         --dino-local-crops-number=1 --dino-local-img-size=1 --dino-norm-last-layer --dino-teacher-temp=1
         --dino-warmup-teacher-temp=1 --dino-warmup-teacher-temp-epochs=1 --img-h=1 --img-w=1 --patch-dim=1
         --num-channels=1 --num-classes=1 --classes-fraction=1 --data-per-class-fraction=1 --mask-type=1
         --mask-factor=1 --swin-backbone-type=1 --vision-backbone-type=1 --vision-pretraining
         --vision-pretraining-type=1 --iter-per-epoch=1 --no-data-sharding --head-lr-mult=1
-    """),
-    *entries(NO_EFFECT, why.OTHER_OPT, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.OTHER_OPT,
+        """
         --muon-coefficient-type=1 --muon-extra-scale-factor=1 --muon-fp32-matmul-prec=1 --muon-momentum=1
         --muon-nesterov --muon-no-split-qkv --muon-num-ns-steps=1 --muon-scalar-optimizer=1
         --muon-scale-mode=1 --muon-tp-mode=1 --lion-beta1=1 --lion-beta2=1
-    """),
-    *entries(NO_EFFECT, why.MAMBA_KNOB, """
+    """,
+    ),
+    *entries(
+        NO_EFFECT,
+        why.MAMBA_KNOB,
+        """
         --mamba-head-dim=1 --mamba-num-groups=1 --mamba-num-heads=1 --mamba-state-dim=1
         --mamba-training-ssm-states-dtype=1 --disable-mamba-mem-eff-path
-    """),
-    *entries(NO_EFFECT, why.MSC_KNOB, '--enable-msc'),
-    *entries(REFUSED, why.CP, """
+    """,
+    ),
+    *entries(NO_EFFECT, why.MSC_KNOB, "--enable-msc"),
+    *entries(
+        REFUSED,
+        why.CP,
+        """
         --cp-comm-type=+ --hierarchical-context-parallel-sizes=+ --hybrid-context-parallel
         --max-seqlen-per-dp-cp-rank=1
-    """),
-    *entries(REFUSED, why.MOE, """
+    """,
+    ),
+    *entries(
+        REFUSED,
+        why.MOE,
+        """
         --num-experts=1 --moe-apply-probs-on-input --moe-aux-loss-coeff=+ --moe-deepep-num-sms=1
         --moe-enable-deepep --moe-enable-routing-replay --moe-expert-capacity-factor=1
         --moe-expert-rank-capacity-factor=1 --moe-ffn-hidden-size=1 --moe-flex-dispatcher-backend=1
@@ -283,45 +422,65 @@ _TABLE: list[ForeignFlag] = [
         --overlap-moe-expert-parallel-comm --ep-overlap-early-attn-memory-release
         --overlap-dispatch-backward-with-experts-wgrad --high-priority-a2a-comm-stream
         --use-grouped-gemm-for-shared-expert --use-fused-weighted-squared-relu
-    """),
-    *entries(REFUSED, why.FSDP, '--use-torch-fsdp2 --use-megatron-fsdp --data-parallel-sharding-strategy=1'),
-    *entries(REFUSED, why.OPT_DTYPES, '--use-precision-aware-optimizer'),
-    *entries(REFUSED, why.OPT_OFFLOAD, '--optimizer-cpu-offload'),
-    *entries(REFUSED, why.ASYNC, '--async-save'),
-    *entries(REFUSED, why.LOCAL_CKPT, '--non-persistent-save-interval=1'),
-    *entries(REFUSED, why.RETAIN, '--save-retain-interval=1'),
-    *entries(REFUSED, why.CKPT_ARGS, '--use-checkpoint-args --use-mp-args-from-checkpoint-args'),
-    *entries(REFUSED, why.CONVERT, """
+    """,
+    ),
+    *entries(REFUSED, why.FSDP, "--use-torch-fsdp2 --use-megatron-fsdp --data-parallel-sharding-strategy=1"),
+    *entries(REFUSED, why.OPT_DTYPES, "--use-precision-aware-optimizer"),
+    *entries(REFUSED, why.OPT_OFFLOAD, "--optimizer-cpu-offload"),
+    *entries(REFUSED, why.ASYNC, "--async-save"),
+    *entries(REFUSED, why.LOCAL_CKPT, "--non-persistent-save-interval=1"),
+    *entries(REFUSED, why.RETAIN, "--save-retain-interval=1"),
+    *entries(REFUSED, why.CKPT_ARGS, "--use-checkpoint-args --use-mp-args-from-checkpoint-args"),
+    *entries(
+        REFUSED,
+        why.CONVERT,
+        """
         --ckpt-convert-format=1 --ckpt-convert-save=1 --ckpt-convert-update-legacy-dist-opt-format
-    """),
-    *entries(REFUSED, why.PRETRAINED, '--pretrained-checkpoint=1'),
-    *entries(REFUSED, why.OVERRIDE_IT, '--override-ckpt-iteration=1'),
-    *entries(REFUSED, why.VERIFY, '--verify-integrity'),
-    *entries(REFUSED, why.TP_PP_DP, '--use-tp-pp-dp-mapping'),
-    *entries(REFUSED, why.DP_RANDOM, '--data-parallel-random-init'),
-    *entries(REFUSED, why.DIST_OPT_INST, '--num-distributed-optimizer-instances=1'),
-    *entries(REFUSED, why.FAKE_PG, '--fake-process-group'),
-    *entries(REFUSED, why.LAZY_MPU, '--lazy-mpu-init'),
-    *entries(REFUSED, why.NAN_CHECKS, '--check-for-spiky-loss --check-for-large-grads'),
-    *entries(REFUSED, why.FAULTS, """
+    """,
+    ),
+    *entries(REFUSED, why.PRETRAINED, "--pretrained-checkpoint=1"),
+    *entries(REFUSED, why.OVERRIDE_IT, "--override-ckpt-iteration=1"),
+    *entries(REFUSED, why.VERIFY, "--verify-integrity"),
+    *entries(REFUSED, why.TP_PP_DP, "--use-tp-pp-dp-mapping"),
+    *entries(REFUSED, why.DP_RANDOM, "--data-parallel-random-init"),
+    *entries(REFUSED, why.DIST_OPT_INST, "--num-distributed-optimizer-instances=1"),
+    *entries(REFUSED, why.FAKE_PG, "--fake-process-group"),
+    *entries(REFUSED, why.LAZY_MPU, "--lazy-mpu-init"),
+    *entries(REFUSED, why.NAN_CHECKS, "--check-for-spiky-loss --check-for-large-grads"),
+    *entries(
+        REFUSED,
+        why.FAULTS,
+        """
         --fault-injector-delay-start-iteration=1 --fault-injector-fault-delay=1
         --fault-injector-fault-probabilities=1 --fault-injector-fault-types=1
         --fault-injector-mtti-seconds=1 --fault-injector-num-ranks=1 --fault-injector-offset-seconds=1
         --fault-injector-ranks=1 --fault-injector-seed=1 --error-injection-rate=1 --error-injection-type=1
-    """),
-    *entries(REFUSED, why.HASH, '--check-weight-hash-across-dp-replicas-interval=1'),
-    *entries(REFUSED, why.INPROCESS, '--inprocess-restart'),
-    *entries(REFUSED, why.DUMPS, """
+    """,
+    ),
+    *entries(REFUSED, why.HASH, "--check-weight-hash-across-dp-replicas-interval=1"),
+    *entries(REFUSED, why.INPROCESS, "--inprocess-restart"),
+    *entries(
+        REFUSED,
+        why.DUMPS,
+        """
         --save-activations-interval=1 --save-dgrads-interval=1 --save-params-interval=1
         --save-wgrads-interval=1 --save-tokens-per-expert-interval=1 --dump-param-to-param-group-map=1
-    """),
-    *entries(REFUSED, why.MEM_HISTORY, '--record-memory-history --memory-snapshot-path=1'),
-    *entries(REFUSED, why.CHAKRA, '--pytorch-profiler-collect-chakra'),
-    *entries(REFUSED, why.YAML, '--yaml-cfg=1'),
-    *entries(REFUSED, why.SPEC, """
+    """,
+    ),
+    *entries(REFUSED, why.MEM_HISTORY, "--record-memory-history --memory-snapshot-path=1"),
+    *entries(REFUSED, why.CHAKRA, "--pytorch-profiler-collect-chakra"),
+    *entries(REFUSED, why.YAML, "--yaml-cfg=1"),
+    *entries(
+        REFUSED,
+        why.SPEC,
+        """
         --spec=* --heterogeneous-layers-config-encoded-json=1 --heterogeneous-layers-config-path=1
-    """),
-    *entries(REFUSED, why.HYBRID, """
+    """,
+    ),
+    *entries(
+        REFUSED,
+        why.HYBRID,
+        """
         --is-hybrid-model --hybrid-layer-pattern=1 --hybrid-override-pattern=1
         --experimental-attention-variant=1 --linear-attention-freq=1 --linear-conv-kernel-dim=1
         --linear-key-head-dim=1 --linear-num-key-heads=1 --linear-num-value-heads=1
@@ -331,87 +490,173 @@ _TABLE: list[ForeignFlag] = [
         --dsa-indexer-skip-topk-offset=1 --dsa-indexer-topk=1 --dsa-indexer-topk-freq=1
         --dsa-indexer-use-sparse-loss --dsa-kernel-backend=1 --no-dsa-indexer-rotate-activation
         --no-dsa-indexer-scoring-relu
-    """),
-    *entries(REFUSED, why.MLA, """
+    """,
+    ),
+    *entries(
+        REFUSED,
+        why.MLA,
+        """
         --multi-latent-attention --q-lora-rank=1 --kv-lora-rank=1 --qk-head-dim=1 --qk-pos-emb-head-dim=1
         --v-head-dim=1 --mla-down-proj-fusion --mscale=1 --mscale-all-dim=1
-    """),
-    *entries(REFUSED, why.MTP, """
+    """,
+    ),
+    *entries(
+        REFUSED,
+        why.MTP,
+        """
         --mtp-detach-heads --mtp-hybrid-override-pattern=1 --mtp-loss-scaling-factor=1 --mtp-num-layers=1
         --mtp-standalone --mtp-use-repeated-layer
-    """),
-    *entries(REFUSED, why.ROPE_VARIANTS, """
+    """,
+    ),
+    *entries(
+        REFUSED,
+        why.ROPE_VARIANTS,
+        """
         --use-rope-scaling --rope-scaling-factor=1 --rope-type=1 --rotary-interleaved
         --rotary-scaling-factor=1 --mrope-section=+ --no-rope-freq=1 --no-yarn-correction-range-round-to-int
         --yarn-beta-fast=1 --yarn-beta-slow=1 --yarn-correction-range-round-to-int
         --yarn-original-max-position-embeddings=1
-    """),
-    *entries(REFUSED, why.ATTN_VARIANTS, """
+    """,
+    ),
+    *entries(
+        REFUSED,
+        why.ATTN_VARIANTS,
+        """
         --attention-output-gate --softmax-type=1 --window-size=1 --window-attn-skip-freq=1 --qk-l2-norm
         --qk-clip --qk-clip-alpha=1 --qk-clip-threshold=1 --log-max-attention-logit --use-kitchen-attention
         --kitchen-attention-backend=1 --dataloader-inter-document-masking
-    """),
-    *entries(REFUSED, why.ACTIVATIONS, """
+    """,
+    ),
+    *entries(
+        REFUSED,
+        why.ACTIVATIONS,
+        """
         --squared-relu --openai-gelu --quick-geglu --glu-linear-offset=1 --activation-func-clamp-value=1
-    """),
-    *entries(REFUSED, why.ARCH, '--apply-residual-connection-post-layernorm --fp32-residual-connection'),
-    *entries(REFUSED, why.INIT_VARIANTS, """
+    """,
+    ),
+    *entries(REFUSED, why.ARCH, "--apply-residual-connection-post-layernorm --fp32-residual-connection"),
+    *entries(
+        REFUSED,
+        why.INIT_VARIANTS,
+        """
         --init-method-xavier-uniform --embedding-init-method-std=1 --use-mup --mup-attn-scale-power=1
         --mup-base-head-dim=1 --mup-base-hidden-size=1 --mup-embedding-mult=1 --mup-output-mult=1
         --mup-width-mult=1
-    """),
-    *entries(REFUSED, why.LOSS_PRECISION, '--fp16-lm-cross-entropy'),
-    *entries(REFUSED, why.WD_QK, '--apply-wd-to-qk-layernorm --no-weight-decay-cond-type=1'),
-    *entries(REFUSED, why.FP8_VARIANTS, """
+    """,
+    ),
+    *entries(REFUSED, why.LOSS_PRECISION, "--fp16-lm-cross-entropy"),
+    *entries(REFUSED, why.WD_QK, "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type=1"),
+    *entries(
+        REFUSED,
+        why.FP8_VARIANTS,
+        """
         --fp8-margin=1 --no-fp8-wgrad --disable-fp8-wgrad --fp8-output-proj --fp8-quantizer-factory=1
         --te-precision-config-file=1
-    """),
-    *entries(REFUSED, why.FP4, '--fp4-format=1 --fp4-param-gather --fp4-quantizer-factory=1 --fp4-recipe=1'),
-    *entries(REFUSED, why.DATA_VARIANTS, """
+    """,
+    ),
+    *entries(REFUSED, why.FP4, "--fp4-format=1 --fp4-param-gather --fp4-quantizer-factory=1 --fp4-recipe=1"),
+    *entries(
+        REFUSED,
+        why.DATA_VARIANTS,
+        """
         --sft --sft-tokenizer-prompt-format=1 --fim-data --fim-eod-token=1 --fim-fragment-rate=1
         --fim-middle-token=1 --fim-no-prefix=1 --fim-pad-token=1 --fim-prefix-token=1 --fim-rate=1
         --fim-split-sample=1 --fim-spm-rate=1 --fim-suffix-token=1 --phase-transition-iterations=1
-    """),
-    *entries(REFUSED, why.VALID_SETS, '--multiple-validation-sets --validation-set-names=+ --full-validation'),
-    *entries(REFUSED, why.EVAL_BATCH, '--eval-micro-batch-size=1 --eval-global-batch-size=1'),
-    *entries(REFUSED, why.SPECIAL_TOKENS, '--tokenizer-special-tokens=+'),
-    *entries(REFUSED, why.SAMPLE_RATE, '--sample-rate=1'),
-    *entries(REFUSED, why.SKIP_ITERS, '--iterations-to-skip=+'),
-    *entries(REFUSED, why.RL_STEP, '--perform-rl-step'),
-    *entries(REFUSED, why.DISTILL, """
+    """,
+    ),
+    *entries(
+        REFUSED, why.VALID_SETS, "--multiple-validation-sets --validation-set-names=+ --full-validation"
+    ),
+    *entries(REFUSED, why.EVAL_BATCH, "--eval-micro-batch-size=1 --eval-global-batch-size=1"),
+    *entries(REFUSED, why.SPECIAL_TOKENS, "--tokenizer-special-tokens=+"),
+    *entries(REFUSED, why.SAMPLE_RATE, "--sample-rate=1"),
+    *entries(REFUSED, why.SKIP_ITERS, "--iterations-to-skip=+"),
+    *entries(REFUSED, why.RL_STEP, "--perform-rl-step"),
+    *entries(
+        REFUSED,
+        why.DISTILL,
+        """
         --logits-load-decode-threads=1 --logits-load-dir=1 --logits-load-ignore-errors
         --logits-load-kd-loss-alpha=1 --logits-load-msc-prefetch-depth=1 --logits-load-prefetch-factor=1
         --logits-save-dir=1 --logits-save-dtype=1 --logits-save-top-k=1 --logits-save-top-p=1
         --logits-save-top-p-min-k=1
-    """),
-    *entries(REFUSED, why.FREEZE, '--freeze-all-layers'),
-    *entries(REFUSED, why.DETERMINISTIC, '--deterministic-mode --batch-invariant-mode'),
-    *entries(REFUSED, why.BATCH_DECREASE, '--decrease-batch-size-if-needed'),
-    *entries(REFUSED, why.MLP_CHUNKS, '--mlp-chunks-for-training=1'),
-    *entries(REFUSED, why.TP_SHARDS, '--tensor-parallel-num-weight-shards=1'),
-    *entries(REFUSED, why.TEST_MODE, '--test-mode'),
-    ForeignFlag("--checkpoint-activations", REFUSED, "Megatron-LM removed it; use --recompute-granularity full"),
+    """,
+    ),
+    *entries(REFUSED, why.FREEZE, "--freeze-all-layers"),
+    *entries(REFUSED, why.DETERMINISTIC, "--deterministic-mode --batch-invariant-mode"),
+    *entries(REFUSED, why.BATCH_DECREASE, "--decrease-batch-size-if-needed"),
+    *entries(REFUSED, why.MLP_CHUNKS, "--mlp-chunks-for-training=1"),
+    *entries(REFUSED, why.TP_SHARDS, "--tensor-parallel-num-weight-shards=1"),
+    *entries(REFUSED, why.TEST_MODE, "--test-mode"),
+    ForeignFlag(
+        "--checkpoint-activations", REFUSED, "Megatron-LM removed it; use --recompute-granularity full"
+    ),
     ForeignFlag("--batch-size", REFUSED, "Megatron-LM removed it; use --micro-batch-size", None),
-    ForeignFlag("--warmup", REFUSED, "Megatron-LM removed it; use --lr-warmup-fraction, --lr-warmup-iters or "
-                "--lr-warmup-samples", None),
-    ForeignFlag("--model-parallel-size", REFUSED, "Megatron-LM removed it; use --tensor-model-parallel-size", None),
+    ForeignFlag(
+        "--warmup",
+        REFUSED,
+        "Megatron-LM removed it; use --lr-warmup-fraction, --lr-warmup-iters or --lr-warmup-samples",
+        None,
+    ),
+    ForeignFlag(
+        "--model-parallel-size", REFUSED, "Megatron-LM removed it; use --tensor-model-parallel-size", None
+    ),
     # Accepted at the values that ask for what this package does, refused at any other.
-    ForeignFlag("--context-parallel-size", ALWAYS, "the run has no context parallelism (size 1)", None,
-                accepted=("1",), otherwise=why.CP + "; pass --context-parallel-size 1 or drop it"),
-    ForeignFlag("--expert-model-parallel-size", ALWAYS, "the run has no expert parallelism (size 1)", None,
-                accepted=("1",), otherwise=why.MOE + "; pass --expert-model-parallel-size 1 or drop it"),
-    ForeignFlag("--attention-backend", ALWAYS, why.SDPA, None, accepted=("auto", "flash", "fused"),
-                otherwise=why.SDPA + "; pass auto or drop it"),
-    ForeignFlag("--main-grads-dtype", ALWAYS, "main gradients are fp32 unless --grad-reduce-in-bf16", None,
-                accepted=("fp32",), otherwise="main gradients are fp32 (bf16 with --grad-reduce-in-bf16); pass fp32 "
-                "or drop it"),
-    *[ForeignFlag(flag, ALWAYS, what + " fp32", None, accepted=("fp32",),
-                  otherwise=what + " fp32; pass fp32 or drop it")
-      for flag, what in (("--main-params-dtype", "the optimizer's main parameters are"),
-                         ("--exp-avg-dtype", "Adam's moments are"), ("--exp-avg-sq-dtype", "Adam's moments are"))],
-    ForeignFlag("--recompute-modules", ALWAYS, "selective recompute recomputes the core attention", "+",
-                accepted=("core_attn",), otherwise="selective recompute recomputes the core attention only; pass "
-                "core_attn or drop it"),
+    ForeignFlag(
+        "--context-parallel-size",
+        ALWAYS,
+        "the run has no context parallelism (size 1)",
+        None,
+        accepted=("1",),
+        otherwise=why.CP + "; pass --context-parallel-size 1 or drop it",
+    ),
+    ForeignFlag(
+        "--expert-model-parallel-size",
+        ALWAYS,
+        "the run has no expert parallelism (size 1)",
+        None,
+        accepted=("1",),
+        otherwise=why.MOE + "; pass --expert-model-parallel-size 1 or drop it",
+    ),
+    ForeignFlag(
+        "--attention-backend",
+        ALWAYS,
+        why.SDPA,
+        None,
+        accepted=("auto", "flash", "fused"),
+        otherwise=why.SDPA + "; pass auto or drop it",
+    ),
+    ForeignFlag(
+        "--main-grads-dtype",
+        ALWAYS,
+        "main gradients are fp32 unless --grad-reduce-in-bf16",
+        None,
+        accepted=("fp32",),
+        otherwise="main gradients are fp32 (bf16 with --grad-reduce-in-bf16); pass fp32 or drop it",
+    ),
+    *[
+        ForeignFlag(
+            flag,
+            ALWAYS,
+            what + " fp32",
+            None,
+            accepted=("fp32",),
+            otherwise=what + " fp32; pass fp32 or drop it",
+        )
+        for flag, what in (
+            ("--main-params-dtype", "the optimizer's main parameters are"),
+            ("--exp-avg-dtype", "Adam's moments are"),
+            ("--exp-avg-sq-dtype", "Adam's moments are"),
+        )
+    ],
+    ForeignFlag(
+        "--recompute-modules",
+        ALWAYS,
+        "selective recompute recomputes the core attention",
+        "+",
+        accepted=("core_attn",),
+        otherwise="selective recompute recomputes the core attention only; pass core_attn or drop it",
+    ),
 ]
 
 FOREIGN: dict[str, ForeignFlag] = index(_TABLE)
@@ -427,18 +672,23 @@ def refusal_for_unlisted(flag: str) -> str | None:
 
 def describe() -> str:
     """The table as text for ``--help-megatron``: each class, its reasons and their flags."""
-    titles = {ALWAYS: "Accepted: they ask for what this package always does",
-              NO_EFFECT: "Accepted with a note: no effect here",
-              REFUSED: "Refused, with what to use instead"}
+    titles = {
+        ALWAYS: "Accepted: they ask for what this package always does",
+        NO_EFFECT: "Accepted with a note: no effect here",
+        REFUSED: "Refused, with what to use instead",
+    }
     lines = ["Megatron-LM flags that are not implemented as such (the implemented ones are in --help):"]
     for kind, title in titles.items():
         lines += ["", f"{title}:"]
         by_reason: dict[str, list[str]] = {}
         for e in FOREIGN.values():
             if e.kind == kind:
-                by_reason.setdefault(e.why, []).append(e.flag + (f" (at {', '.join(e.accepted)})" if e.accepted else ""))
+                by_reason.setdefault(e.why, []).append(
+                    e.flag + (f" (at {', '.join(e.accepted)})" if e.accepted else "")
+                )
         for reason, flags in by_reason.items():
-            lines += textwrap.wrap(" ".join(flags), 100, initial_indent="  ", subsequent_indent="  ",
-                                   break_on_hyphens=False)
+            lines += textwrap.wrap(
+                " ".join(flags), 100, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False
+            )
             lines += textwrap.wrap(reason, 100, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)

@@ -103,8 +103,15 @@ class _Record(argparse.Action):
 def register(parser: argparse.ArgumentParser, table: dict[str, ForeignFlag]) -> None:
     """Add every entry as a hidden flag of ``parser`` with Megatron's arity (--help-megatron lists them)."""
     for e in table.values():
-        parser.add_argument(e.flag, action=_Record, entry=e, nargs=e.nargs, dest=GIVEN, default=argparse.SUPPRESS,
-                            help=argparse.SUPPRESS)
+        parser.add_argument(
+            e.flag,
+            action=_Record,
+            entry=e,
+            nargs=e.nargs,
+            dest=GIVEN,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
 
 
 def _shown(values) -> str:

@@ -75,7 +75,8 @@ class LossSpikeWatch:
                     lines.append(
                         f"warning: loss spike: {name} {value:.6E} over {steps} is {value / max(level, 1e-12):.1f}x "
                         f"the median {level:.6E} of the last {len(past)} logged values; the run continues (check "
-                        "the data of those steps; a lower --lr or a --clip-grad helps against spikes)")
+                        "the data of those steps; a lower --lr or a --clip-grad helps against spikes)"
+                    )
             past.append(value)
         return lines
 
@@ -98,10 +99,19 @@ def format_validation(prefix: str, losses: dict) -> str:
 class MetricsWriter:
     """Fans scalars out to TensorBoard, Weights & Biases and a JSON-lines file (each optional)."""
 
-    def __init__(self, enabled: bool, tensorboard_dir: str | None = None, wandb_project: str | None = None,
-                 wandb_exp_name: str | None = None, wandb_save_dir: str | None = None,
-                 metrics_file: str | None = None, run_config: dict | None = None, wandb_entity: str | None = None,
-                 log_loss_scale: bool = True, world_size: int | None = None):
+    def __init__(
+        self,
+        enabled: bool,
+        tensorboard_dir: str | None = None,
+        wandb_project: str | None = None,
+        wandb_exp_name: str | None = None,
+        wandb_save_dir: str | None = None,
+        metrics_file: str | None = None,
+        run_config: dict | None = None,
+        wandb_entity: str | None = None,
+        log_loss_scale: bool = True,
+        world_size: int | None = None,
+    ):
         """``log_loss_scale`` False drops the "loss-scale" scalar; ``world_size`` (when given) is added
         as "world-size" to every record that carries the training scalars (those with a learning rate)."""
         self.enabled = enabled
@@ -118,8 +128,13 @@ class MetricsWriter:
 
             save_dir = wandb_save_dir or tensorboard_dir or "."
             os.makedirs(save_dir, exist_ok=True)
-            self.wandb = wandb.init(project=wandb_project, name=wandb_exp_name, dir=save_dir, config=run_config,
-                                    entity=wandb_entity)
+            self.wandb = wandb.init(
+                project=wandb_project,
+                name=wandb_exp_name,
+                dir=save_dir,
+                config=run_config,
+                entity=wandb_entity,
+            )
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             self.jsonl = open(metrics_file, "a", buffering=1)
@@ -139,7 +154,12 @@ class MetricsWriter:
         if self.wandb is not None:
             self.wandb.log(clean, step=iteration)
         if self.jsonl is not None:
-            record = {"iteration": iteration, "consumed_samples": consumed_samples, "time": time.time(), **clean}
+            record = {
+                "iteration": iteration,
+                "consumed_samples": consumed_samples,
+                "time": time.time(),
+                **clean,
+            }
             self.jsonl.write(json.dumps(record) + "\n")
 
     def close(self) -> None:

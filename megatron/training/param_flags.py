@@ -27,7 +27,9 @@ def rewrite_params(message: str, params: Sequence[str], flag_of: FlagOf) -> str:
 
 
 def _rewrite(message: str, param: str, flag: str, sets: bool | None) -> str:
-    pattern = re.compile(rf"(?<![\w.-])(?:[A-Z]\w*\.)?{re.escape(param)}(?![\w-])(=(?:'(\w+)'|([^\s,;:)]+)))?")
+    pattern = re.compile(
+        rf"(?<![\w.-])(?:[A-Z]\w*\.)?{re.escape(param)}(?![\w-])(=(?:'(\w+)'|([^\s,;:)]+)))?"
+    )
 
     def one(m: re.Match[str]) -> str:
         if m.group(1) is None:

@@ -116,8 +116,9 @@ class PeerWatch:
     ``timeout_s`` is --distributed-timeout-minutes in seconds; ``local_world`` the ranks on this host
     when the launcher says (LOCAL_WORLD_SIZE), else None."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int, timeout_s: float,
-                 local_world: int | None) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, world: int, timeout_s: float, local_world: int | None
+    ) -> None:
         self.store, self.rank, self.world, self.timeout_s = store, rank, world, timeout_s
         self.local_world = local_world
         self.iteration: int | None = None  # the last iteration this rank finished (note_iteration)
@@ -137,8 +138,12 @@ class PeerWatch:
     def register(self) -> None:
         pid = os.getpid()
         state = _proc_state(pid)
-        me = {"pid": pid, "host": socket.gethostname(), "machine": self.machine,
-              "start": state.start if state else 0}
+        me = {
+            "pid": pid,
+            "host": socket.gethostname(),
+            "machine": self.machine,
+            "start": state.start if state else 0,
+        }
         self.store.set(f"who/{self.rank}", json.dumps(me))
         if self.machine:
             index = self.store.add(f"local/{self.machine}/n", 1) - 1
@@ -224,8 +229,9 @@ class PeerWatch:
             self._open_local_peers()
         local = list(self._local)
         near = {r for r in (self._watched, *local) if r is not None}
-        candidates = [r for r in (range(self.world) if self.world <= SCAN_ALL_UP_TO else sorted(near))
-                      if r != self.rank]
+        candidates = [
+            r for r in (range(self.world) if self.world <= SCAN_ALL_UP_TO else sorted(near)) if r != self.rank
+        ]
         first = {r: self._beat(r) for r in candidates}
         start = time.monotonic()
         while not failed():
@@ -268,17 +274,26 @@ class PeerWatch:
         ago = max(time.time() - float(wall), 0.0) if beat else 0.0  # its last beat, by this host's clock
         who = f"rank {r} (pid {peer.pid}, host {peer.host})"
         rest = f"the job stops, every other rank with exit code {LOST_RANK_CODE}"
-        stalled = (f"{who} stopped responding {silent if silent is not None else ago:.0f} s ago, {at}{{}}; no rank "
-                   f"waits longer than --distributed-timeout-minutes {self.timeout_s / 60:g}: {rest}")
+        stalled = (
+            f"{who} stopped responding {silent if silent is not None else ago:.0f} s ago, {at}{{}}; no rank "
+            f"waits longer than --distributed-timeout-minutes {self.timeout_s / 60:g}: {rest}"
+        )
         if not (self.machine and peer.machine == self.machine):
             return Loss(r, stalled.format(""))
         state = state if state is not None else _proc_state(peer.pid)
         if state is None or not _is_running(peer, state):
-            return Loss(r, f"{who} {_how_it_ended(state)}; its last heartbeat, {ago:.1f} s before, was {at}; {rest}",
-                        reap=peer)
+            return Loss(
+                r,
+                f"{who} {_how_it_ended(state)}; its last heartbeat, {ago:.1f} s before, was {at}; {rest}",
+                reap=peer,
+            )
         if state.state == "T":
-            return Loss(r, stalled.format(": its process is stopped (SIGSTOP or Ctrl-Z), and is killed"),
-                        kill=peer, reap=peer)
+            return Loss(
+                r,
+                stalled.format(": its process is stopped (SIGSTOP or Ctrl-Z), and is killed"),
+                kill=peer,
+                reap=peer,
+            )
         return Loss(r, stalled.format(" (stopped in a debugger)" if state.state == "t" else ""))
 
 

@@ -21,8 +21,10 @@ import torch
 CATEGORIES = (
     ("communication", ("nccl",)),
     ("attention", ("fmha", "flash", "cudnn", "attn", "sdpa")),
-    ("elementwise (triton)", ("triton", "_swiglu_bwd_kernel", "_ce_grad_kernel", "_cast_transpose_kernel",
-                              "_amax_kernel")),
+    (
+        "elementwise (triton)",
+        ("triton", "_swiglu_bwd_kernel", "_ce_grad_kernel", "_cast_transpose_kernel", "_amax_kernel"),
+    ),
     ("optimizer", ("adam", "sgd", "multi_tensor", "foreach", "clip")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "cublas", "matmul")),
     ("copies", ("memcpy", "memset", "copy_kernel")),
@@ -40,7 +42,7 @@ def categorize(name: str) -> str:
     """The category of a kernel name; one marked as launched by the optimizer step is ``optimizer``
     unless it is communication (the distributed optimizer's collectives stay communication)."""
     marked = name.startswith(OPTIMIZER_MARK)
-    low = name[len(OPTIMIZER_MARK):].lower() if marked else name.lower()
+    low = name[len(OPTIMIZER_MARK) :].lower() if marked else name.lower()
     for category, keys in CATEGORIES:
         if any(k in low for k in keys):
             return "optimizer" if marked and category != "communication" else category
@@ -68,22 +70,35 @@ def trace_kernels(path: str, events: list[dict] | None = None) -> list[Kernel]:
     """
     events = trace_events(path) if events is None else events
     in_optimizer = _optimizer_launches(events)
-    kernels = [((OPTIMIZER_MARK if e.get("args", {}).get("correlation") in in_optimizer else "") + e["name"],
-                float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-               if e.get("cat") in GPU_EVENT_CATEGORIES and e.get("ph", "X") == "X"]
+    kernels = [
+        (
+            (OPTIMIZER_MARK if e.get("args", {}).get("correlation") in in_optimizer else "") + e["name"],
+            float(e["ts"]),
+            float(e["ts"]) + float(e.get("dur", 0.0)),
+        )
+        for e in events
+        if e.get("cat") in GPU_EVENT_CATEGORIES and e.get("ph", "X") == "X"
+    ]
     return sorted(kernels, key=lambda k: k[1])
 
 
 def _optimizer_launches(events: list[dict]) -> set:
     """Correlation ids of the launches (runtime or driver API) the host made inside an
     ``OPTIMIZER_RANGE`` annotation."""
-    ranges = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-              if e.get("cat") == "user_annotation" and e.get("name") == OPTIMIZER_RANGE]
+    ranges = [
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name") == OPTIMIZER_RANGE
+    ]
     if not ranges:
         return set()
-    return {e["args"]["correlation"] for e in events
-            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
-            and any(a <= float(e["ts"]) <= b for a, b in ranges)}
+    return {
+        e["args"]["correlation"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and "correlation" in e.get("args", {})
+        and any(a <= float(e["ts"]) <= b for a, b in ranges)
+    }
 
 
 def host_summary(events: list[dict], steps: int, top: int = 6) -> tuple[str, dict[str, float]]:
@@ -105,10 +120,14 @@ def host_summary(events: list[dict], steps: int, top: int = 6) -> tuple[str, dic
     busy = {tid: ms for tid, ms in sorted(busy.items(), key=lambda kv: -kv[1]) if ms >= 1.0}
     if not busy:
         return "host: no operators recorded", {}
-    lines = ["host time in operators per step (outermost ops; not waiting): "
-             + ", ".join(f"thread {tid} {ms:.1f} ms" for tid, ms in list(busy.items())[:top])]
+    lines = [
+        "host time in operators per step (outermost ops; not waiting): "
+        + ", ".join(f"thread {tid} {ms:.1f} ms" for tid, ms in list(busy.items())[:top])
+    ]
     for name, durs in sorted(ours.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        lines.append(f"  {name}: {len(durs) // max(steps, 1)} calls per step, {sum(durs) / len(durs):.0f} us each")
+        lines.append(
+            f"  {name}: {len(durs) // max(steps, 1)} calls per step, {sum(durs) / len(durs):.0f} us each"
+        )
     return "\n".join(lines), busy
 
 
@@ -119,7 +138,9 @@ def kernel_summary(kernels: list[Kernel], steps: int, top: int = 25) -> tuple[st
         entry = per_name.setdefault(name, [0.0, 0])
         entry[0] += end - start
         entry[1] += 1
-    rows = [(us / 1000.0 / steps, int(count) // max(steps, 1), name) for name, (us, count) in per_name.items()]
+    rows = [
+        (us / 1000.0 / steps, int(count) // max(steps, 1), name) for name, (us, count) in per_name.items()
+    ]
     by_cat: dict[str, float] = {}
     for ms, _, name in rows:
         cat = categorize(name)
@@ -148,8 +169,10 @@ def idle_summary(kernels: list[Kernel], steps: int, top: int = 8) -> tuple[str, 
             busy_end, prev = end, name
     window = (busy_end - spans[0][0]) / 1000.0
     idle = sum(g for g, _, _ in gaps) / 1000.0
-    lines = [f"GPU idle between kernels: {idle / steps:.2f} ms per step ({100 * idle / max(window, 1e-9):.1f}% of "
-             f"{window / steps:.1f} ms); largest gaps (ms, after -> before):"]
+    lines = [
+        f"GPU idle between kernels: {idle / steps:.2f} ms per step ({100 * idle / max(window, 1e-9):.1f}% of "
+        f"{window / steps:.1f} ms); largest gaps (ms, after -> before):"
+    ]
     for gap, before, after in sorted(gaps, reverse=True)[:top]:
         lines.append(f"  {gap / 1000.0:7.2f}  {before[:70]} -> {after[:70]}")
     return "\n".join(lines), idle / steps
@@ -177,8 +200,12 @@ def exposed_communication(kernels: list[Kernel], steps: int) -> tuple[str, float
         return "communication: none on this rank", 0.0, 0.0
     comm_ms = _union_length(comm) / 1000.0 / steps
     exposed_ms = (_union_length(comm + compute) - _union_length(compute)) / 1000.0 / steps
-    return (f"communication: {comm_ms:.2f} ms per step on the GPU, {exposed_ms:.2f} ms of it exposed "
-            "(no other kernel running)", comm_ms, exposed_ms)
+    return (
+        f"communication: {comm_ms:.2f} ms per step on the GPU, {exposed_ms:.2f} ms of it exposed "
+        "(no other kernel running)",
+        comm_ms,
+        exposed_ms,
+    )
 
 
 def _is_p2p(name: str) -> bool:
@@ -195,7 +222,10 @@ def exposed_pipeline_wait(kernels: list[Kernel], steps: int) -> tuple[str, float
         return "", 0.0
     compute = [(start, end) for name, start, end in kernels if categorize(name) != "communication"]
     ms = (_union_length(p2p + compute) - _union_length(compute)) / 1000.0 / steps
-    return (f"  of it waiting in pipeline sends/receives (bubble and stage imbalance): {ms:.2f} ms per step", ms)
+    return (
+        f"  of it waiting in pipeline sends/receives (bubble and stage imbalance): {ms:.2f} ms per step",
+        ms,
+    )
 
 
 class StepProfiler:
@@ -211,8 +241,11 @@ class StepProfiler:
         self.prof: torch.profiler.profile | None = None
         self.active = False
         if self.enabled and not self.cuda and not logger_cfg.use_pytorch_profiler:
-            print(" > --profile without --use-pytorch-profiler only marks a capture range for nsys on a GPU, so on the "
-                  "CPU nothing is recorded; add --use-pytorch-profiler for a trace and a time summary", flush=True)
+            print(
+                " > --profile without --use-pytorch-profiler only marks a capture range for nsys on a GPU, so on the "
+                "CPU nothing is recorded; add --use-pytorch-profiler for a trace and a time summary",
+                flush=True,
+            )
 
     def before_step(self, iteration: int) -> None:
         if not self.enabled or self.active or iteration != self.cfg.profile_step_start:
@@ -221,9 +254,11 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.cuda:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities,
-                                               record_shapes=self.cfg.pytorch_profiler_collect_shapes,
-                                               with_stack=self.cfg.pytorch_profiler_collect_callstack)
+            self.prof = torch.profiler.profile(
+                activities=activities,
+                record_shapes=self.cfg.pytorch_profiler_collect_shapes,
+                with_stack=self.cfg.pytorch_profiler_collect_callstack,
+            )
             self.prof.__enter__()
         elif self.cuda:
             torch.cuda.cudart().cudaProfilerStart()
@@ -255,12 +290,19 @@ class StepProfiler:
         text += "\n" + idle_text + "\n" + comm_text + ("\n" + p2p_text if p2p_text else "") + "\n" + host_text
         with open(os.path.join(self.dir, f"kernels_rank{self.rank}.txt"), "w") as f:
             f.write(text + "\n")
-        breakdown = {"kernel_ms": sum(by_category.values()), "by_category_ms": by_category, "idle_ms": idle_ms,
-                     "communication_ms": comm_ms, "exposed_communication_ms": exposed_ms,
-                     "exposed_pipeline_wait_ms": p2p_ms,
-                     "host_ops_ms": list(host_ms.values())}
+        breakdown = {
+            "kernel_ms": sum(by_category.values()),
+            "by_category_ms": by_category,
+            "idle_ms": idle_ms,
+            "communication_ms": comm_ms,
+            "exposed_communication_ms": exposed_ms,
+            "exposed_pipeline_wait_ms": p2p_ms,
+            "host_ops_ms": list(host_ms.values()),
+        }
         with open(os.path.join(self.dir, f"breakdown_rank{self.rank}.json"), "w") as f:
             json.dump(breakdown, f, indent=1)
         self.prof = None
-        return f" > profile of iterations {self.cfg.profile_step_start}-{self.cfg.profile_step_end - 1} " \
-               f"(rank {self.rank}) written to {trace}\n{text}"
+        return (
+            f" > profile of iterations {self.cfg.profile_step_start}-{self.cfg.profile_step_end - 1} "
+            f"(rank {self.rank}) written to {trace}\n{text}"
+        )

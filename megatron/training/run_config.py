@@ -89,22 +89,49 @@ ALIASES: dict[str, tuple[str, dict]] = {
     "--swiglu": ("model", dict(action="store_true", help="SwiGLU MLP (sets activation to swiglu).")),
     "--disable-bias-linear": ("model", dict(action="store_true", help="No biases in linear layers.")),
     "--untie-embeddings-and-output-weights": (
-        "model", dict(action="store_true", help="Separate output-layer weight instead of the word embedding.")),
+        "model",
+        dict(action="store_true", help="Separate output-layer weight instead of the word embedding."),
+    ),
     "--group-query-attention": (
-        "model", dict(action="store_true", help="Grouped-query attention with --num-query-groups groups.")),
-    "--use-rotary-position-embeddings": ("model", dict(
-        action="store_true", help="Megatron-LM's older spelling of --position-embedding-type rope.")),
-    "--no-position-embedding": ("model", dict(
-        action="store_true", help="No learned position table: --position-embedding-type none, unless rope is chosen "
-                                  "(which has none anyway).")),
-    "--recompute-activations": ("model", dict(action="store_true", help="Same as --recompute-granularity selective.")),
-    "--cross-entropy-loss-fusion": ("model", dict(action="store_true", dest="cross_entropy_loss_fusion_on", help=(
-        "Megatron-LM's switch for the fused output layer and cross entropy, which is on here by default "
-        "(see --no-cross-entropy-loss-fusion)."))),
-    "--grad-reduce-in-bf16": ("data-parallel", dict(
-        action="store_true", help="With --bf16: keep the main gradients in bf16 and reduce them across data-parallel "
-                                  "ranks in bf16 (half the communication and gradient memory; accumulation over "
-                                  "micro-batches also in bf16). Default: fp32.")),
+        "model",
+        dict(action="store_true", help="Grouped-query attention with --num-query-groups groups."),
+    ),
+    "--use-rotary-position-embeddings": (
+        "model",
+        dict(action="store_true", help="Megatron-LM's older spelling of --position-embedding-type rope."),
+    ),
+    "--no-position-embedding": (
+        "model",
+        dict(
+            action="store_true",
+            help="No learned position table: --position-embedding-type none, unless rope is chosen "
+            "(which has none anyway).",
+        ),
+    ),
+    "--recompute-activations": (
+        "model",
+        dict(action="store_true", help="Same as --recompute-granularity selective."),
+    ),
+    "--cross-entropy-loss-fusion": (
+        "model",
+        dict(
+            action="store_true",
+            dest="cross_entropy_loss_fusion_on",
+            help=(
+                "Megatron-LM's switch for the fused output layer and cross entropy, which is on here by default "
+                "(see --no-cross-entropy-loss-fusion)."
+            ),
+        ),
+    ),
+    "--grad-reduce-in-bf16": (
+        "data-parallel",
+        dict(
+            action="store_true",
+            help="With --bf16: keep the main gradients in bf16 and reduce them across data-parallel "
+            "ranks in bf16 (half the communication and gradient memory; accumulation over "
+            "micro-batches also in bf16). Default: fp32.",
+        ),
+    ),
 }
 
 
@@ -171,10 +198,12 @@ class _HelpMegatron(argparse.Action):
 
 
 USAGE = "pretrain_gpt.py [--flag value ...]   (python pretrain_gpt.py, or torchrun ... pretrain_gpt.py)"
-EPILOG = ("Every flag of Megatron-LM's pretrain_gpt.py is taken: the ones above are implemented; the rest are "
-          "accepted with a note (they ask for what this package always does, or tune a Megatron internal it does "
-          "not have) or refused with what to use instead. `pretrain_gpt.py --help-megatron` lists them; "
-          "docs/flags.md has all of it.")
+EPILOG = (
+    "Every flag of Megatron-LM's pretrain_gpt.py is taken: the ones above are implemented; the rest are "
+    "accepted with a note (they ask for what this package always does, or tune a Megatron internal it does "
+    "not have) or refused with what to use instead. `pretrain_gpt.py --help-megatron` lists them; "
+    "docs/flags.md has all of it."
+)
 
 
 def _declared_order(cls) -> list[dataclasses.Field]:
@@ -186,10 +215,18 @@ def _declared_order(cls) -> list[dataclasses.Field]:
 
 def build_parser() -> Parser:
     """The full parser; ``--help`` groups flags by config and prints each field's documentation."""
-    parser = Parser(prog="pretrain_gpt.py", allow_abbrev=False, usage=USAGE, epilog=EPILOG,
-                     description="Pretrain a GPT model. Flags are spelled as in Megatron-LM.")
-    parser.add_argument("--help-megatron", action=_HelpMegatron,
-                        help="List Megatron-LM's flags that are accepted without effect or refused here, and why.")
+    parser = Parser(
+        prog="pretrain_gpt.py",
+        allow_abbrev=False,
+        usage=USAGE,
+        epilog=EPILOG,
+        description="Pretrain a GPT model. Flags are spelled as in Megatron-LM.",
+    )
+    parser.add_argument(
+        "--help-megatron",
+        action=_HelpMegatron,
+        help="List Megatron-LM's flags that are accepted without effect or refused here, and why.",
+    )
     groups = {}
     for title, cls in SECTIONS:
         group = parser.add_argument_group(title)
@@ -200,21 +237,28 @@ def build_parser() -> Parser:
             if flag is None:
                 continue
             switch = hints[f.name] is bool
-            kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS,
-                                help=_help_with_default(f, switch).replace("%", "%%"))
+            kwargs: dict = dict(
+                dest=f.name, default=argparse.SUPPRESS, help=_help_with_default(f, switch).replace("%", "%%")
+            )
             if switch:
                 kwargs["action"] = "store_false" if flag_default(f) is True else "store_true"
             else:
                 convert = _base_type(hints[f.name])
                 choices = f.metadata.get("choices")
-                kwargs.update(action=Value, convert=convert, allowed=choices,
-                              metavar=f.metadata.get("metavar") or ("{" + ",".join(choices) + "}" if choices
-                                                                     else convert.__name__.upper()))
+                kwargs.update(
+                    action=Value,
+                    convert=convert,
+                    allowed=choices,
+                    metavar=f.metadata.get("metavar")
+                    or ("{" + ",".join(choices) + "}" if choices else convert.__name__.upper()),
+                )
                 if f.metadata.get("nargs"):
                     kwargs["nargs"] = f.metadata["nargs"]
             group.add_argument(flag, *[s for s, name in SPELLINGS.items() if name == f.name], **kwargs)
     for flag, (section, kwargs) in ALIASES.items():
-        groups[section].add_argument(flag, default=False, **{**kwargs, "help": kwargs["help"] + " [default: off]"})
+        groups[section].add_argument(
+            flag, default=False, **{**kwargs, "help": kwargs["help"] + " [default: off]"}
+        )
     register(parser, FOREIGN)
     return parser
 
@@ -223,12 +267,21 @@ def flag_list() -> list[str]:
     """Every flag the parser implements (not the foreign ones it only notes or refuses), sorted;
     pinned by a snapshot test."""
     parser = build_parser()
-    return sorted(s for a in parser._actions if a.dest != GIVEN for s in a.option_strings
-                  if s.startswith("--") and s not in ("--help", "--help-megatron"))
+    return sorted(
+        s
+        for a in parser._actions
+        if a.dest != GIVEN
+        for s in a.option_strings
+        if s.startswith("--") and s not in ("--help", "--help-megatron")
+    )
 
 
-def parse_namespace(argv: list[str], parser: Parser | None = None, ignore_unknown: bool = False,
-                    foreign_given: list | None = None) -> tuple[dict, list[str]]:
+def parse_namespace(
+    argv: list[str],
+    parser: Parser | None = None,
+    ignore_unknown: bool = False,
+    foreign_given: list | None = None,
+) -> tuple[dict, list[str]]:
     """(flag values by config field, notes on the accepted foreign flags). Every mistake of the
     command line (unknown flags, refused Megatron-LM flags, bad values and choices) is reported
     together: one line each, then exit code 2. ``parser`` defaults to ``build_parser()``;
@@ -247,24 +300,41 @@ def parse_namespace(argv: list[str], parser: Parser | None = None, ignore_unknow
         foreign_given.extend(given)
     notes, refusals = judge(given)
     known = [s for a in parser._actions for s in a.option_strings]
-    mistakes = refusals + ([] if ignore_unknown else unknown(extras, known)) + parser.mistakes + ([stop] if stop else [])
+    mistakes = (
+        refusals
+        + ([] if ignore_unknown else unknown(extras, known))
+        + parser.mistakes
+        + ([stop] if stop else [])
+    )
     if mistakes:
         if len(mistakes) == 1:
             parser.exit(2, f"{parser.prog}: error: {mistakes[0]} (see --help)\n")
-        parser.exit(2, f"{parser.prog}: error: {len(mistakes)} problems with the flags (see --help; "
-                    "--help-megatron lists the Megatron-LM flags refused here):\n  " + "\n  ".join(mistakes) + "\n")
-    if values.get("grad_reduce_in_bf16") and any(e.flag == "--accumulate-allreduce-grads-in-fp32" for e, _ in given):
-        raise ConfigError("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16; keep one of them")
+        parser.exit(
+            2,
+            f"{parser.prog}: error: {len(mistakes)} problems with the flags (see --help; "
+            "--help-megatron lists the Megatron-LM flags refused here):\n  " + "\n  ".join(mistakes) + "\n",
+        )
+    if values.get("grad_reduce_in_bf16") and any(
+        e.flag == "--accumulate-allreduce-grads-in-fp32" for e, _ in given
+    ):
+        raise ConfigError(
+            "--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16; keep one of them"
+        )
     return values, notes
 
 
 def _apply_aliases(ns: dict) -> None:
     if ns.pop("use_rotary_position_embeddings", False):
         if ns.get("position_embedding_type", "rope") != "rope":
-            raise ConfigError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
-                             f"{ns['position_embedding_type']}; keep one of them")
+            raise ConfigError(
+                f"--use-rotary-position-embeddings contradicts --position-embedding-type "
+                f"{ns['position_embedding_type']}; keep one of them"
+            )
         ns["position_embedding_type"] = "rope"
-    if ns.pop("no_position_embedding", False) and ns.get("position_embedding_type", "learned_absolute") == "learned_absolute":
+    if (
+        ns.pop("no_position_embedding", False)
+        and ns.get("position_embedding_type", "learned_absolute") == "learned_absolute"
+    ):
         ns["position_embedding_type"] = "none"
     if ns.pop("swiglu", False):
         ns["activation"] = "swiglu"
@@ -273,24 +343,32 @@ def _apply_aliases(ns: dict) -> None:
     if ns.pop("untie_embeddings_and_output_weights", False):
         ns["share_embeddings_and_output_weights"] = False
     if ns.pop("cross_entropy_loss_fusion_on", False) and ns.get("cross_entropy_loss_fusion") is False:
-        raise ConfigError("--cross-entropy-loss-fusion contradicts --no-cross-entropy-loss-fusion; keep one of them")
+        raise ConfigError(
+            "--cross-entropy-loss-fusion contradicts --no-cross-entropy-loss-fusion; keep one of them"
+        )
     if ns.pop("recompute_activations", False):
         ns.setdefault("recompute_granularity", "selective")
     if ns.pop("grad_reduce_in_bf16", False):
         if not ns.get("bf16"):
-            raise ConfigError("--grad-reduce-in-bf16 needs --bf16 (the gradients are in the parameters' dtype); "
-                             "add --bf16 or drop --grad-reduce-in-bf16")
+            raise ConfigError(
+                "--grad-reduce-in-bf16 needs --bf16 (the gradients are in the parameters' dtype); "
+                "add --bf16 or drop --grad-reduce-in-bf16"
+            )
         ns["grad_reduce_in_fp32"] = False
     gqa = ns.pop("group_query_attention", False)
     if not gqa and ns.get("num_query_groups") is not None:
         raise ConfigError("--num-query-groups only takes effect with --group-query-attention; add that flag")
     if gqa and ns.get("num_query_groups") is None:
-        raise ConfigError("--group-query-attention needs --num-query-groups N (N divides --num-attention-heads)")
+        raise ConfigError(
+            "--group-query-attention needs --num-query-groups N (N divides --num-attention-heads)"
+        )
 
 
 def _build(cls, ns: dict, **derived):
     names = {f.name for f in dataclasses.fields(cls)}
-    values = {f.name: f.metadata["app_default"] for f in dataclasses.fields(cls) if "app_default" in f.metadata}
+    values = {
+        f.name: f.metadata["app_default"] for f in dataclasses.fields(cls) if "app_default" in f.metadata
+    }
     values.update({k: v for k, v in ns.items() if k in names})
     values.update({k: v for k, v in derived.items() if k in names})
     return cls(**values)
@@ -317,8 +395,13 @@ def configs_from_namespace(ns: dict) -> RunConfig:
         impl=_build(ModelImplConfig, ns),
         # Aliased single gradients pay only when the optimizer reads them in their own dtype (the
         # one-pass AdamW without a loss scaler); otherwise it would widen them into new fp32 tensors.
-        ddp=_build(DistributedDataParallelConfig, ns, alias_single_gradients=(
-            optimizer.optimizer == "adam" and optimizer.use_fused_adam and not model.fp16)),
+        ddp=_build(
+            DistributedDataParallelConfig,
+            ns,
+            alias_single_gradients=(
+                optimizer.optimizer == "adam" and optimizer.use_fused_adam and not model.fp16
+            ),
+        ),
     )
 
 

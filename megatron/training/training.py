@@ -65,9 +65,12 @@ class Trainer:
         self.start_time = time.time()
         self.job_id = os.environ.get("SLURM_JOB_ID", "local")  # for --log-progress, read once
         t = cfg.training
-        self.device, self.pg = initialize_distributed(t.distributed_backend, t.distributed_timeout_minutes,
-                                                      tp=cfg.model.tensor_model_parallel_size,
-                                                      pp=cfg.model.pipeline_model_parallel_size)
+        self.device, self.pg = initialize_distributed(
+            t.distributed_backend,
+            t.distributed_timeout_minutes,
+            tp=cfg.model.tensor_model_parallel_size,
+            pp=cfg.model.pipeline_model_parallel_size,
+        )
         self.world_size = dist.get_world_size()
         if cfg.impl.disable_bf16_reduced_precision_matmul:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
@@ -82,28 +85,37 @@ class Trainer:
         self.plan = resolve_plan(cfg, self.device, self.pg.tp_size)
         self.amax_reducer = amax_reducer(self.plan, self.pg, cfg.model.tp_only_amax_red)
         apply_compile_choice(cfg, self.plan)
-        chunks = providers.model(cfg, self.padded_vocab_size, self.pg, self.device, plan=self.plan,
-                                 amax_reducer=self.amax_reducer)
+        chunks = providers.model(
+            cfg, self.padded_vocab_size, self.pg, self.device, plan=self.plan, amax_reducer=self.amax_reducer
+        )
         chunks = chunks if isinstance(chunks, list) else [chunks]
         num_params = sum(p.numel() for c in chunks for p in c.parameters())
         if self.pg.dp_rank == 0:  # one line per (tp, pp) rank, as Megatron prints it
-            print(f" > number of parameters on (tensor, pipeline) model parallel rank "
-                  f"({self.pg.tp_rank}, {self.pg.pp_rank}): {num_params}", flush=True)
+            print(
+                f" > number of parameters on (tensor, pipeline) model parallel rank "
+                f"({self.pg.tp_rank}, {self.pg.pp_rank}): {num_params}",
+                flush=True,
+            )
         compile_model(self.plan, chunks)
         fp8_linears = sum(isinstance(m, Fp8Gemm) for c in chunks for m in c.modules())
         print_rank_0("\n".join(self.plan.report_lines(cfg.optimizer, fp8_linears)))
         # One DDP wrapper (gradient buffer) per model chunk, as Megatron-Core does for virtual stages.
         self.model = [DistributedDataParallel(cfg.model, cfg.ddp, c, self.pg) for c in chunks]
         cfg.model.finalize_model_grads_func = finalize_model_grads
-        cfg.model.no_sync_func = [c.no_sync for c in self.model] if len(self.model) > 1 else self.model[0].no_sync
-        self.optimizer = get_megatron_optimizer(cfg.optimizer, list(self.model), grad_stats_group=self.pg.mp_group,
-                                                tp_rank=self.pg.tp_rank)
+        cfg.model.no_sync_func = (
+            [c.no_sync for c in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        )
+        self.optimizer = get_megatron_optimizer(
+            cfg.optimizer, list(self.model), grad_stats_group=self.pg.mp_group, tp_rank=self.pg.tp_rank
+        )
         if self.optimizer.param_sync is not None:
             every = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
             mine = sum(p.numel() for p in self.optimizer.model_params)
-            print_rank_0(f" > distributed optimizer: data-parallel rank 0 of {self.pg.dp_size} holds the optimizer "
-                         f"state of {len(self.optimizer.model_params)} params, {100 * mine / every:.1f}% of the "
-                         f"elements (even share {100 / self.pg.dp_size:.1f}%)")
+            print_rank_0(
+                f" > distributed optimizer: data-parallel rank 0 of {self.pg.dp_size} holds the optimizer "
+                f"state of {len(self.optimizer.model_params)} params, {100 * mine / every:.1f}% of the "
+                f"elements (even share {100 / self.pg.dp_size:.1f}%)"
+            )
         if cfg.model.fp16:
             cfg.model.grad_scale_func = self.optimizer.scale_loss
         # The final global batch size; evaluation always runs it. Training steps follow the schedule.
@@ -122,12 +134,17 @@ class Trainer:
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.peak_tflops = peak_tflops(device_name)
         if self.peak_tflops is None:
-            print_rank_0(f" > MFU is not known for device {device_name or 'cpu'} (no dense bf16 peak on record)")
+            print_rank_0(
+                f" > MFU is not known for device {device_name or 'cpu'} (no dense bf16 peak on record)"
+            )
         self.forward_backward = get_forward_backward_func(self.pg.pp_size, len(self.model))
         (self.train_iter, self.valid_iter, self.test_iter), self.has_split = providers.data_iterators(self)
         self.writer = MetricsWriter(is_last_rank(), **self._writer_kwargs())
-        self.signal_handler = DistributedSignalHandler(
-            (getattr(signal, t.exit_signal), signal.SIGINT)) if t.exit_signal_handler else None
+        self.signal_handler = (
+            DistributedSignalHandler((getattr(signal, t.exit_signal), signal.SIGINT))
+            if t.exit_signal_handler
+            else None
+        )
 
     # ----------------------------------------------------------------------------------------------
     def _writer_kwargs(self) -> dict:
@@ -136,22 +153,36 @@ class Trainer:
         run_dir = lg.tensorboard_dir or ck.save
         if metrics_file is None and run_dir:
             metrics_file = os.path.join(run_dir, "metrics.jsonl")
-        return dict(tensorboard_dir=lg.tensorboard_dir, wandb_project=lg.wandb_project,
-                    wandb_exp_name=lg.wandb_exp_name, wandb_save_dir=lg.wandb_save_dir,
-                    metrics_file=metrics_file, run_config=self.cfg.to_dict(), wandb_entity=lg.wandb_entity,
-                    log_loss_scale=lg.log_loss_scale_to_tensorboard,
-                    world_size=self.world_size if lg.log_world_size_to_tensorboard else None)
+        return dict(
+            tensorboard_dir=lg.tensorboard_dir,
+            wandb_project=lg.wandb_project,
+            wandb_exp_name=lg.wandb_exp_name,
+            wandb_save_dir=lg.wandb_save_dir,
+            metrics_file=metrics_file,
+            run_config=self.cfg.to_dict(),
+            wandb_entity=lg.wandb_entity,
+            log_loss_scale=lg.log_loss_scale_to_tensorboard,
+            world_size=self.world_size if lg.log_world_size_to_tensorboard else None,
+        )
 
     def _load(self) -> None:
         ck = self.cfg.checkpoint
         if not ck.load:
             return
         extra = checkpointing.load_checkpoint(
-            ck.load, self.model_sharded_state_dict(), self.optimizer, self.scheduler, parallel_state=self.pg,
-            load_optim=ck.load_optim, load_rng=ck.load_rng, finetune=ck.finetune, ckpt_step=ck.ckpt_step,
+            ck.load,
+            self.model_sharded_state_dict(),
+            self.optimizer,
+            self.scheduler,
+            parallel_state=self.pg,
+            load_optim=ck.load_optim,
+            load_rng=ck.load_rng,
+            finetune=ck.finetune,
+            ckpt_step=ck.ckpt_step,
             rng_restore_fn=self.pg.rng_tracker.set_states,
             exit_on_missing_checkpoint=ck.exit_on_missing_checkpoint,
-            model_args_check=model_args_for_check(self.cfg, self.padded_vocab_size), log=print_rank_0,
+            model_args_check=model_args_for_check(self.cfg, self.padded_vocab_size),
+            log=print_rank_0,
             fp8_state=self.fp8_sharded_state_dict(),
         )
         if extra is None:
@@ -177,13 +208,17 @@ class Trainer:
         b.update(consumed, consistency_check=True)
         if b.final_from() == 0:
             return
-        print_rank_0(f" > {batch_schedule_flag(self.cfg)}: global batch size {b.get_current_global_batch_size()} "
-                     f"at {consumed} consumed samples, {b.global_batch_size} from {b.final_from()} samples on; "
-                     f"{self.train_iters} iterations")
+        print_rank_0(
+            f" > {batch_schedule_flag(self.cfg)}: global batch size {b.get_current_global_batch_size()} "
+            f"at {consumed} consumed samples, {b.global_batch_size} from {b.final_from()} samples on; "
+            f"{self.train_iters} iterations"
+        )
         if t.train_iters is not None:
-            print_rank_0(f" > note: with --train-iters, the iteration lengths of the LR schedule are converted to "
-                         f"samples at the final global batch size {b.global_batch_size} (as in Megatron); the "
-                         "ramp's smaller steps stretch them: use --train-samples and --lr-*-samples to avoid that")
+            print_rank_0(
+                f" > note: with --train-iters, the iteration lengths of the LR schedule are converted to "
+                f"samples at the final global batch size {b.global_batch_size} (as in Megatron); the "
+                "ramp's smaller steps stretch them: use --train-samples and --lr-*-samples to avoid that"
+            )
 
     def step_batch_size(self, consumed_samples: int) -> int:
         """The samples of the step that starts after ``consumed_samples`` (the schedule's running size)."""
@@ -214,10 +249,19 @@ class Trainer:
         check_nan = self.cfg.training.check_for_nan_in_loss_and_grad
         try:  # with the NaN check on, a state holding NaN/Inf is never saved: it cannot be trained on
             checkpointing.save_checkpoint(
-                ck.save, self.state.iteration, self.model_sharded_state_dict(), self.optimizer, self.scheduler,
-                extra_state=extra, parallel_state=self.pg, rng_state_fn=self.pg.rng_tracker.get_states,
-                save_optim=ck.save_optim, save_rng=ck.save_rng, fp8_state=self.fp8_sharded_state_dict(),
-                require_finite=check_nan, log=print_rank_0,
+                ck.save,
+                self.state.iteration,
+                self.model_sharded_state_dict(),
+                self.optimizer,
+                self.scheduler,
+                extra_state=extra,
+                parallel_state=self.pg,
+                rng_state_fn=self.pg.rng_tracker.get_states,
+                save_optim=ck.save_optim,
+                save_rng=ck.save_rng,
+                fp8_state=self.fp8_sharded_state_dict(),
+                require_finite=check_nan,
+                log=print_rank_0,
             )
         except checkpointing.NonFiniteStateError as e:
             roots = checkpointing.checkpoint_advice.checkpoint_roots((ck.save, ck.load))
@@ -225,7 +269,8 @@ class Trainer:
                 f"{e} (the step's gradient norm was finite: its update overflowed); "
                 f"{checkpointing.checkpoint_advice.resume_advice(roots, self.state.iteration)}. Lower --lr, raise "
                 "--lr-warmup-iters, check --clip-grad and the data, or pass --no-check-for-nan-in-loss-and-grad to "
-                "save it anyway") from None
+                "save it anyway"
+            ) from None
         self.log_progress("saved checkpoint")
 
     def log_progress(self, event: str) -> None:
@@ -235,19 +280,29 @@ class Trainer:
         if not (lg.log_progress and ck.save) or dist.get_rank() != 0:
             return
         seconds = max(time.time() - self.start_time, 1e-9)
-        tflops = (st.num_floating_point_operations_so_far - self.flops_at_start) / seconds / self.world_size / 1e12
+        tflops = (
+            (st.num_floating_point_operations_so_far - self.flops_at_start) / seconds / self.world_size / 1e12
+        )
         tokens = st.consumed_train_samples * self.cfg.training.seq_length
-        fields = [time.strftime("%Y-%m-%d %H:%M:%S"), f"job id: {self.job_id}", f"processes: {self.world_size}",
-                  event, f"iteration: {st.iteration}", f"consumed samples: {st.consumed_train_samples}",
-                  f"tokens: {tokens}", f"floating-point operations: {st.num_floating_point_operations_so_far}",
-                  f"job throughput: {tflops:.3g} TFLOP/s per process"]
+        fields = [
+            time.strftime("%Y-%m-%d %H:%M:%S"),
+            f"job id: {self.job_id}",
+            f"processes: {self.world_size}",
+            event,
+            f"iteration: {st.iteration}",
+            f"consumed samples: {st.consumed_train_samples}",
+            f"tokens: {tokens}",
+            f"floating-point operations: {st.num_floating_point_operations_so_far}",
+            f"job throughput: {tflops:.3g} TFLOP/s per process",
+        ]
         os.makedirs(ck.save, exist_ok=True)
         with open(os.path.join(ck.save, "progress.txt"), "a") as f:
             f.write("\t".join(fields) + "\n")
 
     # ----------------------------------------------------------------------------------------------
-    def train_step(self, sync: bool = True, num_microbatches: int | None = None,
-                   global_batch_size: int | None = None):
+    def train_step(
+        self, sync: bool = True, num_microbatches: int | None = None, global_batch_size: int | None = None
+    ):
         """One optimizer step over ``num_microbatches`` micro-batches of ``global_batch_size`` samples
         in all (default: the final batch size's). Returns (loss sum/count tensors, update_successful,
         grad_norm, num_zeros); with ``sync=False`` the grad norm and zero count are device tensors
@@ -260,8 +315,12 @@ class Trainer:
         self.optimizer.zero_grad()
         t = self.cfg.training
         metrics = self.forward_backward(
-            forward_step_func=self.providers.forward_step, data_iterator=self.train_iter, model=self.model,
-            num_microbatches=num_microbatches, seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
+            forward_step_func=self.providers.forward_step,
+            data_iterator=self.train_iter,
+            model=self.model,
+            num_microbatches=num_microbatches,
+            seq_length=t.seq_length,
+            micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
         # Before the step: NCCL runs a communicator's collectives in the order they were issued, and
@@ -293,9 +352,13 @@ class Trainer:
         with torch.no_grad():
             for _ in range(num_iters):
                 metrics = self.forward_backward(
-                    forward_step_func=self.providers.forward_step, data_iterator=data_iter, model=self.model,
-                    num_microbatches=self.num_microbatches, seq_length=t.seq_length,
-                    micro_batch_size=t.micro_batch_size, forward_only=True,
+                    forward_step_func=self.providers.forward_step,
+                    data_iterator=data_iter,
+                    model=self.model,
+                    num_microbatches=self.num_microbatches,
+                    seq_length=t.seq_length,
+                    micro_batch_size=t.micro_batch_size,
+                    forward_only=True,
                 )
                 for k, v in self._reduce_losses(metrics).items():
                     sums[k] = sums.get(k, 0) + v
@@ -324,7 +387,11 @@ class Trainer:
         """A NaN/Inf gradient norm at step k + 1 was computed from the weights of iteration k: stop before
         they are trained on or saved again, and name the newest checkpoint older than k whose tensors
         were finite (the checkpoint of k itself would repeat the NaN: resuming is exact)."""
-        if not self.cfg.training.check_for_nan_in_loss_and_grad or grad_norm is None or math.isfinite(grad_norm):
+        if (
+            not self.cfg.training.check_for_nan_in_loss_and_grad
+            or grad_norm is None
+            or math.isfinite(grad_norm)
+        ):
             return
         loss = {k: v[0] / max(v[1], 1.0) for k, v in losses.items()}
         it, advice = self.state.iteration, checkpointing.checkpoint_advice
@@ -344,7 +411,10 @@ class Trainer:
         t = self.cfg.training
         if self.signal_handler is None and t.exit_duration_in_mins is None:
             return None
-        late = t.exit_duration_in_mins is not None and (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins
+        late = (
+            t.exit_duration_in_mins is not None
+            and (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins
+        )
         received = self.signal_handler is not None and self.signal_handler.received
         flags = torch.zeros(2, device=self.device)  # filled in place: no blocking host-to-device copy
         flags[0], flags[1] = float(received), float(late)
@@ -378,20 +448,32 @@ class Trainer:
     def _needs_barrier(self, iteration: int) -> bool:
         """Iterations after which the loop evaluates, saves or stops: the next step must not have
         started, so nothing is queued behind them."""
-        return (iteration >= self.train_iters or self._evaluates_at(iteration) or self._saves_at(iteration)
-                or self._exits_at(iteration))
+        return (
+            iteration >= self.train_iters
+            or self._evaluates_at(iteration)
+            or self._saves_at(iteration)
+            or self._exits_at(iteration)
+        )
 
     def _launch(self, iteration: int, consumed_samples: int) -> InFlightStep:
         """Queue step ``iteration``, which starts after ``consumed_samples`` samples."""
         b = self.batch_sizes
         b.update(consumed_samples, consistency_check=True, verbose=True)
         losses, success, grad_norm, num_zeros = self.train_step(
-            sync=False, num_microbatches=b.get(), global_batch_size=b.get_current_running_global_batch_size())
+            sync=False, num_microbatches=b.get(), global_batch_size=b.get_current_running_global_batch_size()
+        )
         # The log line of this step shows the learning rates and loss scale as they are now.
         lr, decoupled_lr = self._learning_rates()
-        return InFlightStep(iteration, losses, success,
-                            {"grad_norm": grad_norm, "num_zeros": num_zeros, "decoupled_lr": decoupled_lr},
-                            self._exit_flags(), self.device, lr=lr, loss_scale=float(self.optimizer.get_loss_scale()))
+        return InFlightStep(
+            iteration,
+            losses,
+            success,
+            {"grad_norm": grad_norm, "num_zeros": num_zeros, "decoupled_lr": decoupled_lr},
+            self._exit_flags(),
+            self.device,
+            lr=lr,
+            loss_scale=float(self.optimizer.get_loss_scale()),
+        )
 
     def _learning_rates(self) -> tuple[float, float | None]:
         """(the learning rate, the --decoupled-lr groups' one or None) of the optimizer's groups."""
@@ -421,8 +503,11 @@ class Trainer:
             if pending is not None:
                 consumed += self.step_batch_size(consumed)
             step = None
-            if reason is None and launched < self.train_iters and (pending is None
-                                                                    or not self._needs_barrier(launched)):
+            if (
+                reason is None
+                and launched < self.train_iters
+                and (pending is None or not self._needs_barrier(launched))
+            ):
                 profiler.before_step(launched + 1)
                 step = self._launch(launched + 1, consumed)
                 summary = profiler.after_step(launched + 1)
@@ -438,9 +523,19 @@ class Trainer:
                 flops = self.step_flops(batch)
                 self.state.consumed_train_samples += batch  # skipped (fp16 overflow) steps consume theirs too
                 self.state.num_floating_point_operations_so_far += flops
-                interval.record(losses, success, grad_norm, pending.lr, pending.loss_scale, pending.done,
-                                scalars["num_zeros"], pending.event, global_batch_size=batch, flops=flops,
-                                decoupled_lr=scalars["decoupled_lr"])
+                interval.record(
+                    losses,
+                    success,
+                    grad_norm,
+                    pending.lr,
+                    pending.loss_scale,
+                    pending.done,
+                    scalars["num_zeros"],
+                    pending.event,
+                    global_batch_size=batch,
+                    flops=flops,
+                    decoupled_lr=scalars["decoupled_lr"],
+                )
                 if self.state.iteration % lg.log_interval == 0 or self.state.iteration == 1:
                     interval.flush()
                 if self._evaluates_at(self.state.iteration):

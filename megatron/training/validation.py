@@ -34,8 +34,10 @@ def planned_world_size(cfg) -> int:
     if given is None:
         return launcher
     if not cfg.training.dry_run and given != launcher:
-        raise ConfigError(f"--world-size {given} differs from the {launcher} process(es) this run was launched with; "
-                         f"drop --world-size (it plans --dry-run runs) or launch {given} processes")
+        raise ConfigError(
+            f"--world-size {given} differs from the {launcher} process(es) this run was launched with; "
+            f"drop --world-size (it plans --dry-run runs) or launch {given} processes"
+        )
     return given
 
 
@@ -43,8 +45,10 @@ def check_batch_sizes(cfg, world_size: int) -> None:
     t = cfg.training
     tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
     if world_size % (tp * pp) != 0:
-        raise ConfigError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                         f"--pipeline-model-parallel-size {pp}; use sizes whose product divides {world_size}")
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}; use sizes whose product divides {world_size}"
+        )
     dp = world_size // (tp * pp)
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
@@ -81,7 +85,8 @@ def check_batch_schedule(cfg, dp: int, consumed_samples: int) -> None:
             raise ConfigError(
                 f"{batch_schedule_flag(cfg)}: global batch size {size} is not divisible by --micro-batch-size "
                 f"{t.micro_batch_size} x data-parallel size {dp}; use batch sizes (a ramp's start and increment) "
-                f"that are multiples of {unit}")
+                f"that are multiples of {unit}"
+            )
 
 
 def check_training_length(cfg, world_size: int) -> None:
@@ -93,15 +98,21 @@ def check_training_length(cfg, world_size: int) -> None:
     batches = build_batch_calculator(cfg, world_size // (tp * pp))
     if train_iters_of(cfg, batches) > 0:
         return
-    evaluate = ("; --skip-train still builds the run's learning-rate schedule, which needs the run's length"
-                if t.skip_train else
-                "; to evaluate a checkpoint without training, keep the run's length and add --skip-train --load DIR")
+    evaluate = (
+        "; --skip-train still builds the run's learning-rate schedule, which needs the run's length"
+        if t.skip_train
+        else "; to evaluate a checkpoint without training, keep the run's length and add --skip-train --load DIR"
+    )
     if t.train_iters is not None:
-        raise ConfigError(f"--train-iters {t.train_iters} trains nothing; give 1 or more (e.g. --train-iters 1000)"
-                         + evaluate)
+        raise ConfigError(
+            f"--train-iters {t.train_iters} trains nothing; give 1 or more (e.g. --train-iters 1000)"
+            + evaluate
+        )
     first = batches.running_batch_size(batches.global_batch_size_at(0))
-    raise ConfigError(f"--train-samples {t.train_samples} is less than the first step's global batch of {first} samples "
-                     f"and trains nothing; give --train-samples {first} or more" + evaluate)
+    raise ConfigError(
+        f"--train-samples {t.train_samples} is less than the first step's global batch of {first} samples "
+        f"and trains nothing; give --train-samples {first} or more" + evaluate
+    )
 
 
 def check_pipeline(cfg, world_size: int) -> None:
@@ -111,24 +122,30 @@ def check_pipeline(cfg, world_size: int) -> None:
     if pp == 1:
         return
     if d.reset_attention_mask:
-        raise ConfigError("--reset-attention-mask is not supported with --pipeline-model-parallel-size > 1 "
-                         "(later stages never see the batch); drop it or use --pipeline-model-parallel-size 1")
+        raise ConfigError(
+            "--reset-attention-mask is not supported with --pipeline-model-parallel-size > 1 "
+            "(later stages never see the batch); drop it or use --pipeline-model-parallel-size 1"
+        )
     if d.reset_position_ids and m.position_embedding_type == "rope":
-        raise ConfigError("--reset-position-ids with --position-embedding-type rope is not supported with "
-                         "--pipeline-model-parallel-size > 1 (later stages rotate by positions 0..s-1)")
+        raise ConfigError(
+            "--reset-position-ids with --position-embedding-type rope is not supported with "
+            "--pipeline-model-parallel-size > 1 (later stages rotate by positions 0..s-1)"
+        )
     if m.virtual_pipeline_model_parallel_size:
-
         dp = world_size // (m.tensor_model_parallel_size * pp)
         for size in build_batch_calculator(cfg, dp).batch_sizes_from(0):  # each step's count must fit
-            check_interleaving(size // (t.micro_batch_size * dp), pp,
-                               m.microbatch_group_size_per_virtual_pipeline_stage)
+            check_interleaving(
+                size // (t.micro_batch_size * dp), pp, m.microbatch_group_size_per_virtual_pipeline_stage
+            )
 
 
 def check_sequence(cfg) -> None:
     t, m = cfg.training, cfg.model
     if m.sequence_parallel and t.seq_length % m.tensor_model_parallel_size != 0:
-        raise ConfigError(f"--sequence-parallel needs --seq-length ({t.seq_length}) divisible by "
-                         f"--tensor-model-parallel-size {m.tensor_model_parallel_size}")
+        raise ConfigError(
+            f"--sequence-parallel needs --seq-length ({t.seq_length}) divisible by "
+            f"--tensor-model-parallel-size {m.tensor_model_parallel_size}"
+        )
     if m.position_embedding_type == "learned_absolute" and t.seq_length > t.max_position_embeddings:
         raise ConfigError(
             f"--seq-length {t.seq_length} exceeds --max-position-embeddings {t.max_position_embeddings}; "
@@ -141,13 +158,17 @@ def check_schedule_units(cfg) -> None:
     if t.train_iters is not None:
         for name in ("lr_warmup_samples", "lr_decay_samples", "lr_wsd_decay_samples"):
             if getattr(s, name):
-                raise ConfigError(f"--{name.replace('_', '-')} needs --train-samples; with --train-iters use "
-                                 f"--{name.replace('_samples', '_iters').replace('_', '-')}")
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} needs --train-samples; with --train-iters use "
+                    f"--{name.replace('_samples', '_iters').replace('_', '-')}"
+                )
     else:
         for name in ("lr_warmup_iters", "lr_decay_iters", "lr_wsd_decay_iters"):
             if getattr(s, name):
-                raise ConfigError(f"--{name.replace('_', '-')} needs --train-iters; with --train-samples use "
-                                 f"--{name.replace('_iters', '_samples').replace('_', '-')}")
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} needs --train-iters; with --train-samples use "
+                    f"--{name.replace('_iters', '_samples').replace('_', '-')}"
+                )
     if s.lr_decay_style == "WSD" and not (s.lr_wsd_decay_iters or s.lr_wsd_decay_samples):
         raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
 
@@ -159,13 +180,19 @@ def check_optimizer(cfg) -> None:
     if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} is larger than --lr {o.lr}; use a value <= {o.lr}")
     if o.decoupled_min_lr is not None and o.decoupled_lr is None:
-        raise ConfigError("--decoupled-min-lr only applies with --decoupled-lr; add --decoupled-lr or drop it")
+        raise ConfigError(
+            "--decoupled-min-lr only applies with --decoupled-lr; add --decoupled-lr or drop it"
+        )
     if o.loss_scale is not None and not cfg.model.fp16:
-        raise ConfigError("--loss-scale only applies with --fp16; drop it (bf16 and fp32 need no loss scaling)")
+        raise ConfigError(
+            "--loss-scale only applies with --fp16; drop it (bf16 and fp32 need no loss scaling)"
+        )
     d = cfg.ddp
     if d.overlap_param_gather and not (d.use_distributed_optimizer and d.overlap_grad_reduce):
-        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce; "
-                         "add both or drop --overlap-param-gather")
+        raise ConfigError(
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce; "
+            "add both or drop --overlap-param-gather"
+        )
 
 
 def check_split(cfg) -> None:
@@ -175,24 +202,32 @@ def check_split(cfg) -> None:
     if split is None:
         return
     if re.search(r"(?:^|[^.0-9])-\s*[.0-9]", split):
-        raise ConfigError(f"--split {split}: a share is negative; give non-negative proportions of train, validation "
-                         "and test, e.g. --split 969,30,1")
+        raise ConfigError(
+            f"--split {split}: a share is negative; give non-negative proportions of train, validation "
+            "and test, e.g. --split 969,30,1"
+        )
     parse_and_normalize_split(split)  # raises naming --split
 
 
 def check_data_and_tokenizer(cfg) -> None:
     d, tok = cfg.data, cfg.tokenizer
     if not (d.mock_data or d.data_path or d.train_data_path):
-        raise ConfigError("no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
+        raise ConfigError(
+            "no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data"
+        )
     if tok.tokenizer_type is None:
         if tok.vocab_file and tok.merge_file:  # Megatron-LM's gpt3 example passes these two and no type
             tok.tokenizer_type = "GPT2BPETokenizer"
-            cfg.notes.append("note: --tokenizer-type GPT2BPETokenizer, the tokenizer of --vocab-file with "
-                             "--merge-file (no --tokenizer-type given)")
+            cfg.notes.append(
+                "note: --tokenizer-type GPT2BPETokenizer, the tokenizer of --vocab-file with "
+                "--merge-file (no --tokenizer-type given)"
+            )
         elif d.mock_data and tok.vocab_size:
             tok.tokenizer_type = "NullTokenizer"
         else:
-            raise ConfigError("--tokenizer-type is required (e.g. GPT2BPETokenizer, or NullTokenizer with --mock-data)")
+            raise ConfigError(
+                "--tokenizer-type is required (e.g. GPT2BPETokenizer, or NullTokenizer with --mock-data)"
+            )
     if tok.tokenizer_type == "NullTokenizer" and not tok.vocab_size:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size N (e.g. --vocab-size 32000)")
 
@@ -206,7 +241,6 @@ def check_checkpointing(cfg) -> None:
     if cfg.logger.log_progress and not c.save:
         raise ConfigError("--log-progress writes <save>/progress.txt and needs --save DIR")
     if c.save:  # before any training: a first save that cannot be written would end the run
-
         check_save_dir(c.save)
 
 
@@ -226,20 +260,25 @@ def check_fp8(cfg) -> None:
     """
     m = cfg.model
     if m.first_last_layers_bf16 and m.fp8_format is not None:
-        for flag, value in (("--num-layers-at-start-in-bf16", m.num_layers_at_start_in_bf16),
-                            ("--num-layers-at-end-in-bf16", m.num_layers_at_end_in_bf16)):
+        for flag, value in (
+            ("--num-layers-at-start-in-bf16", m.num_layers_at_start_in_bf16),
+            ("--num-layers-at-end-in-bf16", m.num_layers_at_end_in_bf16),
+        ):
             if value < 0:
                 raise ConfigError(f"{flag} {value}: give a count of transformer layers from 0 (e.g. 1)")
         if m.num_layers_at_start_in_bf16 + m.num_layers_at_end_in_bf16 >= m.num_layers:
             raise ConfigError(
                 f"--first-last-layers-bf16 with --num-layers-at-start-in-bf16 {m.num_layers_at_start_in_bf16} and "
                 f"--num-layers-at-end-in-bf16 {m.num_layers_at_end_in_bf16} keeps all {m.num_layers} layers in bf16; "
-                f"keep fewer (together at most {m.num_layers - 1}), or drop --fp8-format")
+                f"keep fewer (together at most {m.num_layers - 1}), or drop --fp8-format"
+            )
     if m.fp8_format is None or cfg.training.dry_run:
         return
     if not torch.cuda.is_available() and not fp8_emulated(torch.device("cpu")):
-        raise ConfigError(f"--fp8-format {m.fp8_format} needs an H100/H200-class GPU (Hopper, compute capability "
-                         "9.0 or newer) and this machine has no CUDA device; drop --fp8-format to train in bf16")
+        raise ConfigError(
+            f"--fp8-format {m.fp8_format} needs an H100/H200-class GPU (Hopper, compute capability "
+            "9.0 or newer) and this machine has no CUDA device; drop --fp8-format to train in bf16"
+        )
 
 
 def check_logging(cfg) -> None:
@@ -260,8 +299,17 @@ def check_lr_schedule(cfg, world_size: int) -> None:
 
 
 LAYOUT_CHECKS = (check_batch_sizes, check_training_length, check_pipeline)
-CHECKS = (check_sequence, check_schedule_units, check_optimizer, check_data_and_tokenizer, check_split,
-          check_checkpointing, check_implementation, check_fp8, check_logging)
+CHECKS = (
+    check_sequence,
+    check_schedule_units,
+    check_optimizer,
+    check_data_and_tokenizer,
+    check_split,
+    check_checkpointing,
+    check_implementation,
+    check_fp8,
+    check_logging,
+)
 # Last: the schedule is built from values the checks above vouch for (--lr given, units consistent).
 FINAL_CHECKS = (check_lr_schedule,)
 

@@ -85,17 +85,33 @@ def _resolve_body(module: str, qualname: str) -> Callable[..., Any]:
     return getattr(obj, _BODY_ATTR, obj)  # a @distributed_test wrapper carries the real body
 
 
-def _rank_main(rank: int, world_size: int, backend: str, port: int, grid: tuple[int, int, int],
-               body_ref: tuple[str, str], kwargs: dict[str, Any], results: Any, timeout_s: float) -> None:
+def _rank_main(
+    rank: int,
+    world_size: int,
+    backend: str,
+    port: int,
+    grid: tuple[int, int, int],
+    body_ref: tuple[str, str],
+    kwargs: dict[str, Any],
+    results: Any,
+    timeout_s: float,
+) -> None:
     """One rank: init the default group, build the grid's groups, run the body, report, tear down."""
     torch.set_num_threads(1)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
         tp, pp, cp = grid
-        ps = parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp, distributed_timeout_minutes=None)
+        ps = parallel_state.initialize_model_parallel(
+            tp, pp, context_parallel_size=cp, distributed_timeout_minutes=None
+        )
         value = _resolve_body(*body_ref)(ps, **kwargs)
         results.put((rank, True, value))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent, with its traceback
@@ -127,9 +143,18 @@ def _collect(procs: list[Any], results: Any, timeout_s: float) -> tuple[dict[int
     return values, errors
 
 
-def run_distributed(body: Callable[..., Any], world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                    backend: str = "auto", timeout_s: float = 120.0,
-                    kwargs: dict[str, Any] | None = None, start_method: str | None = None) -> list[Any]:
+def run_distributed(
+    body: Callable[..., Any],
+    world_size: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    backend: str = "auto",
+    timeout_s: float = 120.0,
+    kwargs: dict[str, Any] | None = None,
+    start_method: str | None = None,
+) -> list[Any]:
     """Run ``body(ps, **kwargs)`` on ``world_size`` ranks and return each rank's return value.
 
     Args:
@@ -154,11 +179,16 @@ def run_distributed(body: Callable[..., Any], world_size: int, *, tp: int = 1, p
     port = free_port()
     body_ref = (body.__module__, body.__qualname__)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if ctx.get_start_method() == "fork":  # pay torch.testing's lazy imports (~1 s) once here, not in every forked rank
+    if (
+        ctx.get_start_method() == "fork"
+    ):  # pay torch.testing's lazy imports (~1 s) once here, not in every forked rank
         torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
     procs = [
-        ctx.Process(target=_rank_main, daemon=True,
-                    args=(rank, world_size, backend, port, (tp, pp, cp), body_ref, kwargs, results, timeout_s))
+        ctx.Process(
+            target=_rank_main,
+            daemon=True,
+            args=(rank, world_size, backend, port, (tp, pp, cp), body_ref, kwargs, results, timeout_s),
+        )
         for rank in range(world_size)
     ]
     for p in procs:
@@ -177,7 +207,9 @@ def run_distributed(body: Callable[..., Any], world_size: int, *, tp: int = 1, p
     if errors or missing:
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
         if missing:
-            parts.append(f"ranks {missing} did not finish (killed after the failure or the {timeout_s:.0f} s timeout)")
+            parts.append(
+                f"ranks {missing} did not finish (killed after the failure or the {timeout_s:.0f} s timeout)"
+            )
         raise DistributedTestError(
             f"{body.__qualname__} failed on {world_size} {backend} ranks (tp={tp}, pp={pp}, cp={cp}):\n"
             + "\n".join(parts)
@@ -185,8 +217,15 @@ def run_distributed(body: Callable[..., Any], world_size: int, *, tp: int = 1, p
     return [values[r] for r in range(world_size)]
 
 
-def distributed_test(world_size: int | str, *, tp: int | str = 1, pp: int | str = 1, cp: int | str = 1,
-                     backend: str = "auto", timeout_s: float = 120.0) -> Callable[[Callable[..., Any]], Callable[..., None]]:
+def distributed_test(
+    world_size: int | str,
+    *,
+    tp: int | str = 1,
+    pp: int | str = 1,
+    cp: int | str = 1,
+    backend: str = "auto",
+    timeout_s: float = 120.0,
+) -> Callable[[Callable[..., Any]], Callable[..., None]]:
     """Decorator: the test body ``fn(ps, **params)`` runs on every rank via ``run_distributed``.
 
     Each size may be an int or the name of one of the test's (parametrized) arguments. pytest sees
@@ -200,8 +239,16 @@ def distributed_test(world_size: int | str, *, tp: int | str = 1, pp: int | str 
         @functools.wraps(fn)
         def wrapper(**params: Any) -> None:
             __tracebackhide__ = True
-            run_distributed(fn, size(world_size, params), tp=size(tp, params), pp=size(pp, params),
-                            cp=size(cp, params), backend=backend, timeout_s=timeout_s, kwargs=params)
+            run_distributed(
+                fn,
+                size(world_size, params),
+                tp=size(tp, params),
+                pp=size(pp, params),
+                cp=size(cp, params),
+                backend=backend,
+                timeout_s=timeout_s,
+                kwargs=params,
+            )
 
         sig = inspect.signature(fn)
         wrapper.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])  # type: ignore[attr-defined]

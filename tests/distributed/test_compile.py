@@ -25,15 +25,33 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 
 def _compiled_layers_match_eager(ps: ParallelState, backend: str, bf16: bool) -> None:
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                            hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm", activation="swiglu",
-                            position_embedding_type="rope", add_bias_linear=False, tensor_model_parallel_size=2,
-                            sequence_parallel=True, bf16=bf16)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        bf16=bf16,
+    )
     torch._dynamo.reset()
     results = []
     for compiled in (False, True):
-        model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16, parallel_state=ps,
-                         device=device(), seed=3)
+        model = GPTModel(
+            cfg,
+            get_gpt_layer_local_spec(),
+            vocab_size=64,
+            max_sequence_length=16,
+            parallel_state=ps,
+            device=device(),
+            seed=3,
+        )
         assert model.sequence_parallel  # from the config, as in Megatron-Core
         if compiled:
             assert compile_layers([model], TransformerLayer) == 2

@@ -23,16 +23,29 @@ VOCAB, SEQ, MBS, MICRO = 64, 16, 2, 2
 
 
 def _model(ps: ParallelState) -> GPTModel:
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
-                            attention_dropout=0.0, share_embeddings_and_output_weights=True)
-    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                    parallel_state=ps, device=device(), seed=7)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        share_embeddings_and_output_weights=True,
+    )
+    return GPTModel(
+        cfg,
+        get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        parallel_state=ps,
+        device=device(),
+        seed=7,
+    )
 
 
 def _batches(dp_rank: int, dp_size: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     full = torch.randint(0, VOCAB, (MICRO, MBS * dp_size, SEQ), generator=g)
-    return [full[m, dp_rank * MBS:(dp_rank + 1) * MBS].to(device()) for m in range(MICRO)]
+    return [full[m, dp_rank * MBS : (dp_rank + 1) * MBS].to(device()) for m in range(MICRO)]
 
 
 def _grads(ps: ParallelState, ddp_config: DistributedDataParallelConfig) -> torch.Tensor:
@@ -54,8 +67,10 @@ def test_overlap_matches_end_of_step_reduction_and_one_process(ps: ParallelState
     plain = _grads(ps, DistributedDataParallelConfig())
     overlapped = _grads(ps, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=3000))
     assert_close(overlapped, plain, rtol=0, atol=0)
-    averaged = _grads(ps, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=3000,
-                                                        average_in_collective=True))
+    averaged = _grads(
+        ps,
+        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=3000, average_in_collective=True),
+    )
     assert_close(averaged, plain)
     # One process seeing both ranks' samples in each micro-batch computes the same mean gradient.
     solo = ParallelState(grid=RankGrid(), rank=0)
@@ -75,14 +90,18 @@ def test_gradient_memory_appears_bucket_by_bucket_during_backward() -> None:
     their gradients arrive and returned when the next step starts."""
     solo = ParallelState(grid=RankGrid(), rank=0)
     # alias_single_gradients off: with one DP rank the buckets would otherwise not be needed at all.
-    model = DistributedDataParallel(_model(solo).config,
-                                    DistributedDataParallelConfig(bucket_size=3000, alias_single_gradients=False),
-                                    _model(solo), solo)
+    model = DistributedDataParallel(
+        _model(solo).config,
+        DistributedDataParallelConfig(bucket_size=3000, alias_single_gradients=False),
+        _model(solo),
+        solo,
+    )
     assert len(model.buckets) > 2 and all(b.view is None for b in model.buckets)
     allocated_when_first_grad_arrived = []
     first = model.buckets[0].params[0]
     first.register_post_accumulate_grad_hook(
-        lambda p: allocated_when_first_grad_arrived.append(sum(b.view is not None for b in model.buckets)))
+        lambda p: allocated_when_first_grad_arrived.append(sum(b.view is not None for b in model.buckets))
+    )
     ids = _batches(0, 1)[0]
     model(ids, None, None, labels=ids).mean().backward()
     assert allocated_when_first_grad_arrived == [1]
@@ -128,8 +147,9 @@ def test_distributed_optimizer_keeps_state_only_for_owned_params(ps: ParallelSta
 
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = DistributedDataParallel(_model(ps).config, DistributedDataParallelConfig(use_distributed_optimizer=True),
-                                    _model(ps), ps)
+    model = DistributedDataParallel(
+        _model(ps).config, DistributedDataParallelConfig(use_distributed_optimizer=True), _model(ps), ps
+    )
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
     every = list(model.module.parameters())
     mine = opt.model_params
@@ -152,23 +172,40 @@ def test_distributed_optimizer_keeps_state_only_for_owned_params(ps: ParallelSta
 
 
 def _bf16_model(ps: ParallelState) -> GPTModel:
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
-                            attention_dropout=0.0, bf16=True, share_embeddings_and_output_weights=True)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                     parallel_state=ps, device=device(), seed=7)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        share_embeddings_and_output_weights=True,
+    )
+    model = GPTModel(
+        cfg,
+        get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        parallel_state=ps,
+        device=device(),
+        seed=7,
+    )
     model.unused = torch.nn.Parameter(torch.ones(5, device=device(), dtype=torch.bfloat16))
     return model
 
 
-def _bf16_step(alias: bool, micro: int) -> tuple[DistributedDataParallel, list[torch.Tensor], list[torch.Tensor]]:
+def _bf16_step(
+    alias: bool, micro: int
+) -> tuple[DistributedDataParallel, list[torch.Tensor], list[torch.Tensor]]:
     """One optimizer step of the bf16 model over ``micro`` micro-batches; (model, main grads read by
     the optimizer, updated params)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     solo = ParallelState(grid=RankGrid(), rank=0)
     module = _bf16_model(solo)
-    model = DistributedDataParallel(module.config, DistributedDataParallelConfig(alias_single_gradients=alias),
-                                    module, solo)
+    model = DistributedDataParallel(
+        module.config, DistributedDataParallelConfig(alias_single_gradients=alias), module, solo
+    )
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True, clip_grad=0.05), [model])
     batches = (_batches(0, 1) * micro)[:micro]
     model.zero_grad_buffer()
@@ -213,7 +250,9 @@ def test_second_micro_batch_moves_aliased_gradient_into_fp32_buffer() -> None:
 
 @pytest.mark.parametrize("distopt", [False, True])
 @distributed_test(world_size=2)
-def test_gradients_reduced_where_autograd_left_them_match_the_bucket_copy(ps: ParallelState, distopt: bool) -> None:
+def test_gradients_reduced_where_autograd_left_them_match_the_bucket_copy(
+    ps: ParallelState, distopt: bool
+) -> None:
     """dp2, bf16 reduction, one micro-batch: each gradient is reduced in place where autograd left it
     (no bucket storage is ever allocated, no copy), except in the buckets kept apart for gradients that
     are summed again after the reduction (a sequence-parallel norm here); gradients and the weights
@@ -223,16 +262,23 @@ def test_gradients_reduced_where_autograd_left_them_match_the_bucket_copy(ps: Pa
     def run(alias: bool):
         module = _bf16_model(ps)
         module.decoder.final_layernorm.weight.sequence_parallel = True  # summed over tp later: not aliased
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=True,
-                                                   bucket_size=3000, alias_single_gradients=alias,
-                                                   use_distributed_optimizer=distopt)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=False,
+            overlap_grad_reduce=True,
+            bucket_size=3000,
+            alias_single_gradients=alias,
+            use_distributed_optimizer=distopt,
+        )
         model = DistributedDataParallel(module.config, ddp_config, module, ps)
         opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True, clip_grad=0.05), [model])
         ids = _batches(ps.dp_rank, ps.dp_size)[0]
         model.zero_grad_buffer()
         model(ids, None, None, labels=ids).float().mean().backward()
         finalize_model_grads([model])
-        storage = [(b.view is not None, [getattr(p, "sequence_parallel", False) for p in b.params]) for b in model.buckets]
+        storage = [
+            (b.view is not None, [getattr(p, "sequence_parallel", False) for p in b.params])
+            for b in model.buckets
+        ]
         grads = {n: p.main_grad.clone() for n, p in module.named_parameters()}
         assert opt.step()[0]
         opt.finish_param_sync()
@@ -251,13 +297,19 @@ def test_gradients_reduced_where_autograd_left_them_match_the_bucket_copy(ps: Pa
         assert torch.equal(w, r)
 
 
-def _distopt_run(ps: ParallelState, overlap: bool, steps: int = 3) -> tuple[list[float], torch.Tensor, list[int]]:
+def _distopt_run(
+    ps: ParallelState, overlap: bool, steps: int = 3
+) -> tuple[list[float], torch.Tensor, list[int]]:
     """``steps`` steps of the distributed optimizer; (losses, final weights, broadcasts still in flight
     right after each step)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
-                                               overlap_param_gather=overlap, bucket_size=3000)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=True,
+        overlap_param_gather=overlap,
+        bucket_size=3000,
+    )
     model = DistributedDataParallel(_model(ps).config, ddp_config, _model(ps), ps)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
     losses, in_flight = [], []
@@ -304,7 +356,9 @@ def test_bf16_gradient_reduction_keeps_bf16_buckets_and_matches_fp32_reduction(p
 
     def run(fp32: bool):
         module = _bf16_model(ps)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=fp32, overlap_grad_reduce=True, bucket_size=3000)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=fp32, overlap_grad_reduce=True, bucket_size=3000
+        )
         model = DistributedDataParallel(module.config, ddp_config, module, ps)
         opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True), [model])
         ids = _batches(ps.dp_rank, ps.dp_size)[0]
@@ -329,8 +383,9 @@ def test_bf16_gradient_reduction_keeps_bf16_buckets_and_matches_fp32_reduction(p
 STEP_LAYOUTS = {
     "fp32 reduction": dict(overlap_grad_reduce=True, bucket_size=3000),
     "bf16 reduction": dict(overlap_grad_reduce=True, bucket_size=3000, grad_reduce_in_fp32=False),
-    "distributed optimizer": dict(overlap_grad_reduce=True, bucket_size=3000, use_distributed_optimizer=True,
-                                  overlap_param_gather=True),
+    "distributed optimizer": dict(
+        overlap_grad_reduce=True, bucket_size=3000, use_distributed_optimizer=True, overlap_param_gather=True
+    ),
 }
 
 
@@ -344,7 +399,9 @@ def test_a_training_step_makes_no_host_transfer(ps: ParallelState, layout: str) 
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     module = _bf16_model(ps)
-    model = DistributedDataParallel(module.config, DistributedDataParallelConfig(**STEP_LAYOUTS[layout]), module, ps)
+    model = DistributedDataParallel(
+        module.config, DistributedDataParallelConfig(**STEP_LAYOUTS[layout]), module, ps
+    )
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True, clip_grad=1.0), [model])
     batches = _batches(ps.dp_rank, ps.dp_size)
 

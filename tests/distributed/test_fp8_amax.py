@@ -59,8 +59,13 @@ def test_one_amax_reduction_per_backward_for_all_gemms(ps: ParallelState) -> Non
     try:
         g = torch.Generator().manual_seed(rank)
         x = (torch.randn(32, 64, generator=g) * (rank + 1)).bfloat16().to(device()).requires_grad_()
-        ws = [(torch.randn(64, 64, generator=g) * 0.02 * (i + 1 + rank)).bfloat16().to(device()).requires_grad_()
-              for i in range(3)]
+        ws = [
+            (torch.randn(64, 64, generator=g) * 0.02 * (i + 1 + rank))
+            .bfloat16()
+            .to(device())
+            .requires_grad_()
+            for i in range(3)
+        ]
 
         def forward_backward() -> None:
             h = x

@@ -34,7 +34,8 @@ def _late_peer(ps: ParallelState) -> float | None:
     state = build_parallel_state(timeout=timedelta(seconds=2))
     if default_group_timeout() is not None:
         assert {name: _timeout_of(g) for name, g in state.groups.items()} == dict.fromkeys(
-            state.groups, timedelta(seconds=2))
+            state.groups, timedelta(seconds=2)
+        )
     if dist.get_rank() == 1:
         time.sleep(8)  # never joins: rank 0's collective must give up after 2 s, not 30 min
         return None

@@ -38,7 +38,9 @@ def _init(layer: torch.nn.Module, name: str, tp_rank: int) -> torch.nn.Module:
     return layer
 
 
-def _grad_step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _grad_step(
+    layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.clone().requires_grad_(True)
     out = layer(x)
     out = out[0] if isinstance(out, tuple) else out
@@ -55,8 +57,13 @@ GRID = [(tp, sp) for tp in (2, 4) for sp in (False, True)]
 def test_column_parallel_linear(ps: ParallelState, tp: int, sp: bool, gather_output: bool) -> None:
     r = ps.tp_rank
     ref = _init(ColumnParallelLinear(H_IN, H_OUT, init_std=0.1), "col", 0)
-    par = _init(ColumnParallelLinear(H_IN, H_OUT, init_std=0.1, tp_group=ps.tp_group, sequence_parallel=sp,
-                                     gather_output=gather_output), "col", r)
+    par = _init(
+        ColumnParallelLinear(
+            H_IN, H_OUT, init_std=0.1, tp_group=ps.tp_group, sequence_parallel=sp, gather_output=gather_output
+        ),
+        "col",
+        r,
+    )
     bias = _rand(H_OUT, seed=5)
     with torch.no_grad():
         ref.bias.copy_(bias)
@@ -80,7 +87,9 @@ def test_column_parallel_linear(ps: ParallelState, tp: int, sp: bool, gather_out
 def test_row_parallel_linear(ps: ParallelState, tp: int, sp: bool) -> None:
     r = ps.tp_rank
     ref = _init(RowParallelLinear(H_IN, H_OUT, init_std=0.1), "row", 0)
-    par = _init(RowParallelLinear(H_IN, H_OUT, init_std=0.1, tp_group=ps.tp_group, sequence_parallel=sp), "row", r)
+    par = _init(
+        RowParallelLinear(H_IN, H_OUT, init_std=0.1, tp_group=ps.tp_group, sequence_parallel=sp), "row", r
+    )
     bias = _rand(H_OUT, seed=6)
     with torch.no_grad():
         ref.bias.copy_(bias)
@@ -104,8 +113,9 @@ def test_row_parallel_linear(ps: ParallelState, tp: int, sp: bool) -> None:
 @pytest.mark.parametrize("tp,sp", GRID)
 @distributed_test(world_size="tp", tp="tp")
 def test_row_parallel_skip_bias_add(ps: ParallelState, tp: int, sp: bool) -> None:
-    par = RowParallelLinear(H_IN, H_OUT, init_std=0.1, tp_group=ps.tp_group, sequence_parallel=sp,
-                            skip_bias_add=True)
+    par = RowParallelLinear(
+        H_IN, H_OUT, init_std=0.1, tp_group=ps.tp_group, sequence_parallel=sp, skip_bias_add=True
+    )
     _init(par, "row", ps.tp_rank)
     out, bias = par(_rand(S, B, H_IN // tp, seed=7))
     assert bias is par.bias and out.shape == ((S // tp if sp else S), B, H_OUT)
@@ -116,8 +126,11 @@ def test_row_parallel_skip_bias_add(ps: ParallelState, tp: int, sp: bool) -> Non
 def test_vocab_parallel_embedding(ps: ParallelState, tp: int, sp: bool) -> None:
     r = ps.tp_rank
     ref = _init(VocabParallelEmbedding(VOCAB, H_IN, init_std=0.1), "emb", 0)
-    par = _init(VocabParallelEmbedding(VOCAB, H_IN, init_std=0.1, tp_group=ps.tp_group,
-                                       reduce_scatter_embeddings=sp), "emb", r)
+    par = _init(
+        VocabParallelEmbedding(VOCAB, H_IN, init_std=0.1, tp_group=ps.tp_group, reduce_scatter_embeddings=sp),
+        "emb",
+        r,
+    )
     assert_close(par.weight, ref.weight.chunk(tp, 0)[r], rtol=0, atol=0)
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(8)).to(device())
     ids[0, :4] = torch.tensor([0, VOCAB - 1, VOCAB // tp - 1, VOCAB // tp])  # the range edges
@@ -145,8 +158,9 @@ def test_vocab_parallel_cross_entropy(ps: ParallelState, tp: int, smoothing: flo
     grad = _rand(S, B, seed=12)
 
     full = logits.clone().requires_grad_(True)
-    loss_ref = F.cross_entropy(full.view(-1, VOCAB), target.view(-1), reduction="none",
-                               label_smoothing=smoothing).view(S, B)
+    loss_ref = F.cross_entropy(
+        full.view(-1, VOCAB), target.view(-1), reduction="none", label_smoothing=smoothing
+    ).view(S, B)
     loss_ref.backward(grad)
 
     shard = logits.chunk(tp, -1)[r].clone().requires_grad_(True)
@@ -158,7 +172,9 @@ def test_vocab_parallel_cross_entropy(ps: ParallelState, tp: int, smoothing: flo
 
     # A second backward through a retained graph gives the same gradient (saved tensors intact).
     shard.grad = None
-    loss = vocab_parallel_cross_entropy(shard.bfloat16(), target, label_smoothing=smoothing, tp_group=ps.tp_group)
+    loss = vocab_parallel_cross_entropy(
+        shard.bfloat16(), target, label_smoothing=smoothing, tp_group=ps.tp_group
+    )
     loss.backward(grad, retain_graph=True)
     first = shard.grad.clone()
     shard.grad = None
@@ -173,13 +189,19 @@ def test_column_parallel_strided_and_tied_weight(ps: ParallelState, tp: int) -> 
     weight passed to ``forward`` is used instead of an own one."""
     r = ps.tp_rank
     ref = _init(ColumnParallelLinear(H_IN, 2 * H_OUT, init_std=0.1, bias=False, partition_stride=2), "fc1", 0)
-    par = _init(ColumnParallelLinear(H_IN, 2 * H_OUT, init_std=0.1, bias=False, partition_stride=2,
-                                     tp_group=ps.tp_group), "fc1", r)
+    par = _init(
+        ColumnParallelLinear(
+            H_IN, 2 * H_OUT, init_std=0.1, bias=False, partition_stride=2, tp_group=ps.tp_group
+        ),
+        "fc1",
+        r,
+    )
     gate, up = ref.weight.chunk(2, 0)
     assert_close(par.weight, torch.cat([gate.chunk(tp, 0)[r], up.chunk(tp, 0)[r]]), rtol=0, atol=0)
 
-    tied = ColumnParallelLinear(H_IN, VOCAB, init_std=0.1, bias=False, tp_group=ps.tp_group,
-                                skip_weight_param_allocation=True)
+    tied = ColumnParallelLinear(
+        H_IN, VOCAB, init_std=0.1, bias=False, tp_group=ps.tp_group, skip_weight_param_allocation=True
+    )
     assert tied.weight is None and list(tied.parameters()) == []
     w = _rand(VOCAB, H_IN, seed=13).chunk(tp, 0)[r]
     x = _rand(S, B, H_IN, seed=14)
@@ -189,7 +211,9 @@ def test_column_parallel_strided_and_tied_weight(ps: ParallelState, tp: int) -> 
 
 @distributed_test(world_size=2, tp=2)
 def test_indivisible_sizes_name_the_flag(ps: ParallelState) -> None:
-    with pytest.raises(ValueError, match="output size \\(3\\) is not divisible by tensor_model_parallel_size 2"):
+    with pytest.raises(
+        ValueError, match="output size \\(3\\) is not divisible by tensor_model_parallel_size 2"
+    ):
         ColumnParallelLinear(4, 3, init_std=0.1, tp_group=ps.tp_group)
     with pytest.raises(ValueError, match="input size"):
         RowParallelLinear(3, 4, init_std=0.1, tp_group=ps.tp_group)

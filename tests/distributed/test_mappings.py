@@ -67,18 +67,25 @@ def test_sequence_collectives(ps: ParallelState, tp: int) -> None:
     assert_close(dx, grad, rtol=0, atol=0)
 
     # gather_from_sequence feeding a tp-parallel consumer: backward reduce-scatters.
-    y, dx = _run(lambda t: m.gather_from_sequence_parallel_region(t, group=g), x.chunk(tp, 0)[r], grad * (r + 1))
+    y, dx = _run(
+        lambda t: m.gather_from_sequence_parallel_region(t, group=g), x.chunk(tp, 0)[r], grad * (r + 1)
+    )
     assert_close(y, x, rtol=0, atol=0)
     assert_close(dx, (grad * scale).chunk(tp, 0)[r])
 
     # ... feeding a replicated consumer: backward only keeps this rank's slice.
-    y, dx = _run(lambda t: m.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False, group=g),
-                 x.chunk(tp, 0)[r], grad)
+    y, dx = _run(
+        lambda t: m.gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False, group=g),
+        x.chunk(tp, 0)[r],
+        grad,
+    )
     assert_close(y, x, rtol=0, atol=0)
     assert_close(dx, grad.chunk(tp, 0)[r], rtol=0, atol=0)
 
     # reduce_scatter_to_sequence: reduce-scatter forward; all-gather backward.
-    y, dx = _run(lambda t: m.reduce_scatter_to_sequence_parallel_region(t, g), x * (r + 1), grad.chunk(tp, 0)[r])
+    y, dx = _run(
+        lambda t: m.reduce_scatter_to_sequence_parallel_region(t, g), x * (r + 1), grad.chunk(tp, 0)[r]
+    )
     assert_close(y, (x * scale).chunk(tp, 0)[r])
     assert_close(dx, grad, rtol=0, atol=0)
 
@@ -120,9 +127,14 @@ def test_indivisible_split_is_a_clear_error(ps: ParallelState) -> None:
 
 def test_single_rank_group_is_identity() -> None:
     x = torch.randn(4, 2, 6)
-    fns = [m.copy_to_tensor_model_parallel_region, m.reduce_from_tensor_model_parallel_region,
-           m.scatter_to_tensor_model_parallel_region, m.gather_from_tensor_model_parallel_region,
-           m.scatter_to_sequence_parallel_region, m.gather_from_sequence_parallel_region,
-           m.reduce_scatter_to_sequence_parallel_region]
+    fns = [
+        m.copy_to_tensor_model_parallel_region,
+        m.reduce_from_tensor_model_parallel_region,
+        m.scatter_to_tensor_model_parallel_region,
+        m.gather_from_tensor_model_parallel_region,
+        m.scatter_to_sequence_parallel_region,
+        m.gather_from_sequence_parallel_region,
+        m.reduce_scatter_to_sequence_parallel_region,
+    ]
     for fn in fns:
         assert fn(x, None) is x

@@ -45,7 +45,10 @@ def _dense_tp2_pp2(rank: int) -> None:
     assert ps.is_rank_in_position_embedding_group() == (rank == pp[0])
     assert ps.get_tensor_model_parallel_src_rank() == tp[0]
     assert ps.get_model_parallel_src_rank() == mp[0]
-    assert (ps.get_pipeline_model_parallel_first_rank(), ps.get_pipeline_model_parallel_last_rank()) == (pp[0], pp[1])
+    assert (ps.get_pipeline_model_parallel_first_rank(), ps.get_pipeline_model_parallel_last_rank()) == (
+        pp[0],
+        pp[1],
+    )
     other = pp[1 - pp.index(rank)]
     assert ps.get_pipeline_model_parallel_next_rank() == ps.get_pipeline_model_parallel_prev_rank() == other
     assert ps.is_pipeline_first_stage() == (rank == pp[0]) and ps.is_pipeline_last_stage() == (rank == pp[1])
@@ -63,8 +66,12 @@ def _expert_ep2(rank: int) -> None:
     gen = RankGenerator(tp=1, ep=2, dp=2, pp=1, cp=1, order="tp-cp-ep-dp-pp")
     assert ps.get_data_parallel_world_size() == 4 and ps.get_data_parallel_rank() == rank
     ep, edp = _mine(gen.get_ranks("ep")), _mine(gen.get_ranks("dp"))
-    assert ps.get_expert_model_parallel_world_size() == 2 and ps.get_expert_model_parallel_rank() == ep.index(rank)
-    assert ps.get_expert_data_parallel_world_size() == 2 and ps.get_expert_data_parallel_rank() == edp.index(rank)
+    assert ps.get_expert_model_parallel_world_size() == 2 and ps.get_expert_model_parallel_rank() == ep.index(
+        rank
+    )
+    assert ps.get_expert_data_parallel_world_size() == 2 and ps.get_expert_data_parallel_rank() == edp.index(
+        rank
+    )
     assert ps.get_expert_tensor_parallel_world_size() == 1
     assert _spans(ps.get_expert_model_parallel_group(), ep)
     assert _spans(ps.get_expert_data_parallel_group(), edp)
@@ -77,14 +84,20 @@ def _expert_ep2(rank: int) -> None:
 
 def _order_tp_pp_dp(rank: int) -> None:
     """order tp-pp-dp, pp2: pipelines [0,1],[2,3] and data-parallel groups [0,2],[1,3]."""
-    ps.initialize_model_parallel(pipeline_model_parallel_size=2, order="tp-pp-dp", distributed_timeout_minutes=None)
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=2, order="tp-pp-dp", distributed_timeout_minutes=None
+    )
     assert _spans(ps.get_pipeline_model_parallel_group(), [0, 1] if rank < 2 else [2, 3])
     assert _spans(ps.get_data_parallel_group(), [rank % 2, rank % 2 + 2])
     assert _spans(ps.get_data_parallel_group(with_context_parallel=True), [rank % 2, rank % 2 + 2])
     assert ps.get_data_parallel_src_rank() == rank % 2
     with pytest.raises(ValueError, match="does not end with pp"):  # dense dp 2, expert dp 1
-        ps.initialize_model_parallel(pipeline_model_parallel_size=2, expert_model_parallel_size=2,
-                                     order="tp-ep-pp-dp", distributed_timeout_minutes=None)
+        ps.initialize_model_parallel(
+            pipeline_model_parallel_size=2,
+            expert_model_parallel_size=2,
+            order="tp-ep-pp-dp",
+            distributed_timeout_minutes=None,
+        )
 
 
 def _hyper_comm_grid(rank: int) -> None:

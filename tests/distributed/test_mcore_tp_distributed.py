@@ -23,12 +23,16 @@ def _full(seed: int, *shape: int) -> torch.Tensor:
 @pytest.mark.parametrize("tp", [2, 4])
 @distributed_test(world_size="tp", tp="tp")
 def test_cross_entropy_without_a_group_is_the_full_vocabulary_loss(ps: ParallelState, tp: int) -> None:
-    logits, target = _full(0, 3, 2, 16), torch.randint(0, 16, (3, 2), generator=torch.Generator().manual_seed(1))
+    logits, target = (
+        _full(0, 3, 2, 16),
+        torch.randint(0, 16, (3, 2), generator=torch.Generator().manual_seed(1)),
+    )
     target = target.to(device())
     for smoothing in (0.0, 0.1):
         full = logits.clone().requires_grad_(True)
-        want = F.cross_entropy(full.reshape(-1, 16), target.reshape(-1), reduction="none",
-                               label_smoothing=smoothing).view(3, 2)
+        want = F.cross_entropy(
+            full.reshape(-1, 16), target.reshape(-1), reduction="none", label_smoothing=smoothing
+        ).view(3, 2)
         want.sum().backward()
         shard = logits.chunk(tp, -1)[ps.tp_rank].clone().requires_grad_(True)
         got = tpl.vocab_parallel_cross_entropy(shard, target, smoothing)
@@ -72,7 +76,9 @@ def test_mappings_without_a_group_use_the_default_tp_group(ps: ParallelState) ->
     assert_close(dx, grad)
     # all_to_all: block j of rank i's input lands as block i on rank j.
     blocks = torch.arange(4.0, device=device()).view(4, 1) + 10 * r  # [rank*10 + 0..3]
-    y, dx = _run(lambda t: tpl.all_to_all(ps.tp_group, t), blocks, torch.ones(4, 1, device=device()) * (r + 1))
+    y, dx = _run(
+        lambda t: tpl.all_to_all(ps.tp_group, t), blocks, torch.ones(4, 1, device=device()) * (r + 1)
+    )
     want = torch.tensor([0.0, 1.0, 10.0, 11.0] if r == 0 else [2.0, 3.0, 12.0, 13.0], device=device())
     assert_close(y.view(-1), want)
     assert_close(dx.view(-1), torch.tensor([1.0, 1.0, 2.0, 2.0], device=device()))
@@ -95,9 +101,13 @@ def test_seed_tracker_and_checkpoint_at_tp2(ps: ParallelState) -> None:
     states = tracker.get_states()
     if not torch.cuda.is_available():
         gen = torch.Generator
-        assert torch.equal(states["model-parallel-rng"], gen().manual_seed(1234 + 2718 + ps.tp_rank).get_state())
+        assert torch.equal(
+            states["model-parallel-rng"], gen().manual_seed(1234 + 2718 + ps.tp_rank).get_state()
+        )
         assert torch.equal(states["data-parallel-rng"], gen().manual_seed(1234).get_state())
-        assert torch.equal(states["expert-parallel-rng"], gen().manual_seed(1234 + 1024 + ps.tp_rank).get_state())
+        assert torch.equal(
+            states["expert-parallel-rng"], gen().manual_seed(1234 + 1024 + ps.tp_rank).get_state()
+        )
     w = _full(4, 8, 8).requires_grad_(True)
     received: list[object] = []
 
@@ -138,28 +148,36 @@ def test_broadcast_data_and_layers_at_tp2(ps: ParallelState) -> None:
 
     from types import SimpleNamespace
 
-    config = SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False, perform_initialization=True,
-                             use_cpu_initialization=True)
+    config = SimpleNamespace(
+        params_dtype=torch.float32,
+        sequence_parallel=False,
+        perform_initialization=True,
+        use_cpu_initialization=True,
+    )
 
     def init(wt):
         return torch.nn.init.normal_(wt, generator=torch.Generator().manual_seed(11))
 
     master = init(torch.empty(8, 6))  # what use_cpu_initialization builds before splitting
-    col = tpl.ColumnParallelLinear(6, 8, config=config, init_method=init, gather_output=True, bias=False).to(device())
+    col = tpl.ColumnParallelLinear(6, 8, config=config, init_method=init, gather_output=True, bias=False).to(
+        device()
+    )
     assert col.weight.shape == (4, 6) and torch.equal(col.weight.detach().cpu(), master.chunk(2, 0)[r])
     x = _full(6, 3, 2, 6)
     out, bias = col(x)
     assert bias is None and out.shape == (3, 2, 8)
     assert_close(out.cpu(), (x @ master.t()).cpu())
     for disable, summed in ((False, True), (True, False)):
-        lin = tpl.ColumnParallelLinear(6, 8, config=config, init_method=init, bias=False,
-                                       disable_grad_reduce=disable).to(device())
+        lin = tpl.ColumnParallelLinear(
+            6, 8, config=config, init_method=init, bias=False, disable_grad_reduce=disable
+        ).to(device())
         xi = x.clone().requires_grad_(True)
         lin(xi)[0].sum().backward()
         want = (master.sum(0) if summed else master.chunk(2, 0)[r].sum(0)).expand(3, 2, 6)
         assert_close(xi.grad.cpu(), want)  # the input gradient all-reduced over tp, or this rank's part
-    row = tpl.RowParallelLinear(8, 6, config=config, init_method=init, bias=True, input_is_parallel=False,
-                                skip_bias_add=False).to(device())
+    row = tpl.RowParallelLinear(
+        8, 6, config=config, init_method=init, bias=True, input_is_parallel=False, skip_bias_add=False
+    ).to(device())
     master_row = init(torch.empty(6, 8))
     assert torch.equal(row.weight.detach().cpu(), master_row.chunk(2, 1)[r])
     y, _ = row(out)

@@ -19,13 +19,26 @@ S, B, VOCAB = 16, 2, 100
 
 
 def _config(**kw) -> TransformerConfig:
-    return TransformerConfig(num_layers=2, hidden_size=12, num_attention_heads=4, hidden_dropout=0.0,
-                             attention_dropout=0.0, **{"share_embeddings_and_output_weights": True, **kw})
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=12,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **{"share_embeddings_and_output_weights": True, **kw},
+    )
 
 
 def _build(cfg: TransformerConfig, **kw) -> GPTModel:
-    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                    max_sequence_length=S, seed=9, device=device(), **kw)
+    return GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=S,
+        seed=9,
+        device=device(),
+        **kw,
+    )
 
 
 @distributed_test(world_size=2, tp=2)
@@ -41,8 +54,11 @@ def test_default_config_is_split_by_the_tp_groups(ps: ParallelState) -> None:
     ref = _build(_config(), parallel_state=one_rank)(ids, None, None, labels=ids.roll(-1, 1))
     torch.testing.assert_close(loss, ref)
 
-    with pytest.raises(ValueError, match=r"tensor_model_parallel_size \(--tensor-model-parallel-size\) is 4 but the "
-                                         "model is built on process groups of size 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_model_parallel_size \(--tensor-model-parallel-size\) is 4 but the "
+        "model is built on process groups of size 2",
+    ):
         _build(_config(tensor_model_parallel_size=4))
     assert _build(_config(tensor_model_parallel_size=2)).pg.tp_size == 2  # an explicit, matching size
 

@@ -54,15 +54,28 @@ def _forward_step(data_iterator: Any, model: Stage) -> tuple[torch.Tensor, Any]:
 
 def _train(pp_rank: int, pp: int, vpp: int, pg_collection: Any) -> list[float]:
     """One step of the schedule over ``pg_collection``; this rank's chunks' weight gradients."""
-    config = SimpleNamespace(hidden_size=SHAPE[2], params_dtype=torch.float32, calculate_per_token_loss=False,
-                             no_sync_func=None, grad_scale_func=None, finalize_model_grads_func=None,
-                             microbatch_group_size_per_virtual_pipeline_stage=None, overlap_p2p_comm=False)
+    config = SimpleNamespace(
+        hidden_size=SHAPE[2],
+        params_dtype=torch.float32,
+        calculate_per_token_loss=False,
+        no_sync_func=None,
+        grad_scale_func=None,
+        finalize_model_grads_func=None,
+        microbatch_group_size_per_virtual_pipeline_stage=None,
+        overlap_p2p_comm=False,
+    )
     chunks = [Stage(c * pp + pp_rank, pp_rank == 0 and c == 0, config) for c in range(vpp)]
     data = iter([torch.full(SHAPE, float(i + 1)) for i in range(M)])
     func = get_forward_backward_func(pp, vpp)
-    func(forward_step_func=_forward_step, data_iterator=[data] + [None] * (vpp - 1),
-         model=chunks if vpp > 1 else chunks[0], num_microbatches=M, seq_length=SHAPE[0],
-         micro_batch_size=SHAPE[1], pg_collection=pg_collection)
+    func(
+        forward_step_func=_forward_step,
+        data_iterator=[data] + [None] * (vpp - 1),
+        model=chunks if vpp > 1 else chunks[0],
+        num_microbatches=M,
+        seq_length=SHAPE[0],
+        micro_batch_size=SHAPE[1],
+        pg_collection=pg_collection,
+    )
     return [float(c.weight.grad) for c in chunks]
 
 
@@ -92,7 +105,9 @@ def test_a_new_layout_warms_its_pipeline_group_again(ps: ParallelState) -> None:
     parallel_state.destroy_model_parallel()
     assert len(get_runtime().layout.warmed_p2p_groups) == 0
 
-    new = parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, distributed_timeout_minutes=None)
+    new = parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=2, distributed_timeout_minutes=None
+    )
     calls: list[Any] = []
     all_reduce = dist.all_reduce
 

@@ -89,8 +89,14 @@ def _train_step(recompute: bool, replay_tracker: bool = True) -> tuple[torch.Ten
         out = checkpoint(block, x, tracker=tracker if replay_tracker else None) if recompute else block(x)
         (out * torch.arange(8.0)).sum().backward()
         outs.append(out.detach())
-    return (*outs, x.grad, block.fc1.weight.grad, block.fc2.weight.grad,
-            tracker.get_states()[MODEL_PARALLEL_RNG], torch.get_rng_state())
+    return (
+        *outs,
+        x.grad,
+        block.fc1.weight.grad,
+        block.fc2.weight.grad,
+        tracker.get_states()[MODEL_PARALLEL_RNG],
+        torch.get_rng_state(),
+    )
 
 
 def test_checkpoint_recompute_is_bitwise_identical() -> None:

@@ -46,8 +46,9 @@ class FakeComm(P2PCommunicator):
             self.links[self.pp_rank, self.prev_rank].put(("grad", send_prev.detach().clone()))
             ops.append("s-")
         got = [None, None]
-        for i, (flag, peer, kind, tag) in enumerate(((recv_prev, self.prev_rank, "act", "r-"),
-                                                     (recv_next, self.next_rank, "grad", "r+"))):
+        for i, (flag, peer, kind, tag) in enumerate(
+            ((recv_prev, self.prev_rank, "act", "r-"), (recv_next, self.next_rank, "grad", "r+"))
+        ):
             if flag:
                 got_kind, tensor = self.links[peer, self.pp_rank].get(timeout=20)
                 assert got_kind == kind, f"rank {self.pp_rank} expected {kind} from {peer}, got {got_kind}"
@@ -55,8 +56,9 @@ class FakeComm(P2PCommunicator):
                 ops.append(tag)
         if ops:
             self.trace.append("|" + " ".join(ops) + "|")
-            self.batches.append({"s+": send_next is not None, "s-": send_prev is not None,
-                                 "r-": recv_prev, "r+": recv_next})
+            self.batches.append(
+                {"s+": send_next is not None, "s-": send_prev is not None, "r-": recv_prev, "r+": recv_next}
+            )
         return got[0], got[1]
 
     def post(self, **kwargs):
@@ -87,7 +89,9 @@ class _Track(torch.autograd.Function):
 class FakeChunk(torch.nn.Module):
     def __init__(self, rank: int, pp: int, chunk: int, num_chunks: int, config, stats):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(()))  # no process groups: the schedule takes them from the comm
+        self.weight = torch.nn.Parameter(
+            torch.ones(())
+        )  # no process groups: the schedule takes them from the comm
         self.config, self.stats, self.chunk = config, stats, chunk
         self.pre_process = rank == 0 and chunk == 0
         self.post_process = rank == pp - 1 and chunk == num_chunks - 1
@@ -108,9 +112,14 @@ def _forward_step(data_iterator, model):
 
 def _run_rank(rank, pp, v, m, links, results, forward_only, overlap=True):
     stats = {"live": 0, "peak": 0, "trace": [], "fwd": [], "bwd": [], "synced": [True] * v, "finalized": 0}
-    config = SimpleNamespace(calculate_per_token_loss=False, grad_scale_func=None, hidden_size=SHAPE[2],
-                             microbatch_group_size_per_virtual_pipeline_stage=None, overlap_p2p_comm=overlap,
-                             finalize_model_grads_func=lambda chunks, n: stats.__setitem__("finalized", 1 + stats["finalized"]))
+    config = SimpleNamespace(
+        calculate_per_token_loss=False,
+        grad_scale_func=None,
+        hidden_size=SHAPE[2],
+        microbatch_group_size_per_virtual_pipeline_stage=None,
+        overlap_p2p_comm=overlap,
+        finalize_model_grads_func=lambda chunks, n: stats.__setitem__("finalized", 1 + stats["finalized"]),
+    )
 
     def no_sync_for(c):
         class _Ctx:
@@ -119,6 +128,7 @@ def _run_rank(rank, pp, v, m, links, results, forward_only, overlap=True):
 
             def __exit__(self, *a):
                 stats["synced"][c] = True
+
         return _Ctx
 
     config.no_sync_func = [no_sync_for(c) for c in range(v)] if v > 1 else no_sync_for(0)
@@ -126,11 +136,22 @@ def _run_rank(rank, pp, v, m, links, results, forward_only, overlap=True):
     data = iter([torch.full(SHAPE, float(i)) for i in range(m)])
     comm = FakeComm(rank, pp, links, stats["trace"])
     func = get_forward_backward_func(pp, v)
-    metrics = func(forward_step_func=_forward_step, data_iterator=[data if c == 0 else None for c in range(v)],
-                   model=chunks, num_microbatches=m, seq_length=SHAPE[0], micro_batch_size=SHAPE[1],
-                   forward_only=forward_only, p2p_communicator=comm)
-    results[rank] = dict(stats, metrics=[int(x["mb"]) for x in metrics], batches=comm.batches,
-                         grads=[c.weight.grad for c in chunks])
+    metrics = func(
+        forward_step_func=_forward_step,
+        data_iterator=[data if c == 0 else None for c in range(v)],
+        model=chunks,
+        num_microbatches=m,
+        seq_length=SHAPE[0],
+        micro_batch_size=SHAPE[1],
+        forward_only=forward_only,
+        p2p_communicator=comm,
+    )
+    results[rank] = dict(
+        stats,
+        metrics=[int(x["mb"]) for x in metrics],
+        batches=comm.batches,
+        grads=[c.weight.grad for c in chunks],
+    )
 
 
 def run_pipeline(pp: int, v: int, m: int, forward_only: bool = False, overlap: bool = True) -> dict:
@@ -204,9 +225,11 @@ def test_1f1b_order_memory_and_grads(pp, m):
         warmup = min(pp - r - 1, m)
         assert out["trace"][0:1] != ["B0"]
         computes = [e for e in out["trace"] if e[0] in "FB"]
-        assert computes[:warmup + 1] == ["F0"] * (warmup + 1) or m == warmup
+        assert computes[: warmup + 1] == ["F0"] * (warmup + 1) or m == warmup
         assert out["peak"] == min(pp - r, m)  # the 1F1B bound: pp - rank in-flight micro-batches
-        assert [mb for mb, _ in out["fwd"]] == list(range(m)) and [mb for mb, _, _ in out["bwd"]] == list(range(m))
+        assert [mb for mb, _ in out["fwd"]] == list(range(m)) and [mb for mb, _, _ in out["bwd"]] == list(
+            range(m)
+        )
         assert [s for _, _, s in out["bwd"]] == [False] * (m - 1) + [True]  # sync only in the last backward
         assert out["finalized"] == 1
         # loss = sum over micro-batches of sum(y) / m; y = x * prod(weights) with weights 1
@@ -257,11 +280,14 @@ def test_dispatch_and_no_pipelining_contract():
         get_forward_backward_func(1, 2)
 
 
-@pytest.mark.parametrize("m, pp, g, message", [
-    (1, 2, None, "needs at least 2"),
-    (5, 4, None, "last group has 1 < pipeline_model_parallel_size 4"),
-    (8, 4, 2, "must be at least pipeline_model_parallel_size 4"),
-])
+@pytest.mark.parametrize(
+    "m, pp, g, message",
+    [
+        (1, 2, None, "needs at least 2"),
+        (5, 4, None, "last group has 1 < pipeline_model_parallel_size 4"),
+        (8, 4, 2, "must be at least pipeline_model_parallel_size 4"),
+    ],
+)
 def test_interleaving_micro_batch_checks(m, pp, g, message):
     with pytest.raises(ConfigError, match=message) as err:
         check_interleaving(m, pp, g)

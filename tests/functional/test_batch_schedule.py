@@ -8,11 +8,18 @@ from launch import metrics, torchrun
 from megatron.training import checkpointing
 from megatron.training.cli import run
 
-MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-         "--lr 3e-3 --min-lr 3e-4 --mock-data --vocab-size 128 --num-workers 0 --log-interval 1").split()
+MODEL = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--lr 3e-3 --min-lr 3e-4 --mock-data --vocab-size 128 --num-workers 0 --log-interval 1"
+).split()
 # 2 -> 8 by 2 over 12 samples (one increment every 4): steps of 2, 2, 4, 6, then 8; 10 steps fit in 64.
-RAMP = MODEL + ("--micro-batch-size 2 --global-batch-size 8 --rampup-batch-size 2 2 12 --train-samples 64 "
-                "--lr-warmup-samples 8 --lr-decay-style cosine --eval-iters 1").split()
+RAMP = (
+    MODEL
+    + (
+        "--micro-batch-size 2 --global-batch-size 8 --rampup-batch-size 2 2 12 --train-samples 64 "
+        "--lr-warmup-samples 8 --lr-decay-style cosine --eval-iters 1"
+    ).split()
+)
 RAMP_BATCHES = [2, 2, 4, 6, 8, 8, 8, 8, 8, 8]
 
 
@@ -31,17 +38,28 @@ def test_ramp_logs_each_step_and_resumes_mid_ramp_bitwise(tmp_path, capsys):
     line = next(ln for ln in out.splitlines() if "iteration        4/      10" in ln)
     assert "consumed samples:           14" in line and "global batch size:     6" in line
     # The LR schedule counts samples: 8 warm-up samples end with step 3 (2 + 2 + 4).
-    assert straight[3]["learning-rate"] == pytest.approx(3e-3) and straight[1]["learning-rate"] == pytest.approx(7.5e-4)
+    assert straight[3]["learning-rate"] == pytest.approx(3e-3) and straight[1][
+        "learning-rate"
+    ] == pytest.approx(7.5e-4)
 
     ck = tmp_path / "ck"  # saved after step 3 (8 samples), where the batch is about to grow to 6
-    assert run(RAMP + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {tmp_path}/r.jsonl".split()) == 0
+    assert (
+        run(
+            RAMP
+            + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {tmp_path}/r.jsonl".split()
+        )
+        == 0
+    )
     assert checkpointing.read_tracker(str(ck)) == 3
     assert run(RAMP + f"--load {ck} --metrics-file {tmp_path}/r.jsonl".split()) == 0
     assert "global batch size 6 at 8 consumed samples" in capsys.readouterr().out
     resumed = records(f"{tmp_path}/r.jsonl")
     assert sorted(resumed) == list(range(1, 11))
     for it in straight:  # bitwise: floats compared exactly
-        assert (resumed[it]["lm loss"], resumed[it]["batch-size"]) == (straight[it]["lm loss"], straight[it]["batch-size"])
+        assert (resumed[it]["lm loss"], resumed[it]["batch-size"]) == (
+            straight[it]["lm loss"],
+            straight[it]["batch-size"],
+        )
 
 
 def lr_at(samples: int, peak: float, floor: float) -> float:
@@ -55,9 +73,18 @@ def lr_at(samples: int, peak: float, floor: float) -> float:
 def test_step_schedule_and_decoupled_lr_match_under_dp2_with_the_distributed_optimizer(tmp_path):
     """The gpt3 example's form (--global-batch-size equal to the schedule's last batch, --train-iters):
     "0:2 256:4" in tokens of 32 = 2 samples a step up to 8 consumed samples, then 4."""
-    args = MODEL + ["--micro-batch-size", "1", "--global-batch-size", "4", "--step-batch-size-schedule", "0:2 256:4",
-                    *("--train-iters 6 --lr-warmup-iters 1 --lr-decay-style linear --decoupled-lr 1e-3 "
-                      "--decoupled-min-lr 1e-4 --hidden-dropout 0 --attention-dropout 0 --eval-iters 0").split()]
+    args = MODEL + [
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "4",
+        "--step-batch-size-schedule",
+        "0:2 256:4",
+        *(
+            "--train-iters 6 --lr-warmup-iters 1 --lr-decay-style linear --decoupled-lr 1e-3 "
+            "--decoupled-min-lr 1e-4 --hidden-dropout 0 --attention-dropout 0 --eval-iters 0"
+        ).split(),
+    ]
     assert run(args + f"--metrics-file {tmp_path}/one.jsonl".split()) == 0
     torchrun(2, args + f"--use-distributed-optimizer --metrics-file {tmp_path}/dp2.jsonl".split())
     one, dp2 = records(f"{tmp_path}/one.jsonl"), records(f"{tmp_path}/dp2.jsonl")

@@ -18,9 +18,11 @@ from megatron.training import checkpointing
 from megatron.training.cli import run
 from tests.disk_faults import tmpfs
 
-TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-        "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
-        "--lr-warmup-iters 2 --mock-data --vocab-size 128 --num-workers 0 --log-interval 1 --eval-iters 0").split()
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
+    "--lr-warmup-iters 2 --mock-data --vocab-size 128 --num-workers 0 --log-interval 1 --eval-iters 0"
+).split()
 
 
 def _one_error_line(err: str) -> str:
@@ -57,14 +59,39 @@ def test_kill9_while_resaving_the_tracked_iteration_keeps_it_loadable(tmp_path, 
     assert checkpointing.read_tracker(str(ck)) == 6
     # Back to iteration 3, train on, save iteration 6 again over the one the tracker names: killed.
     child = subprocess.run(
-        [sys.executable, "-c", _KILLED_IN_SAVE.format(root=ROOT), *TINY, "--train-iters", "6", "--save", str(ck),
-         "--load", str(ck), "--ckpt-step", "3", "--save-interval", "3"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-c",
+            _KILLED_IN_SAVE.format(root=ROOT),
+            *TINY,
+            "--train-iters",
+            "6",
+            "--save",
+            str(ck),
+            "--load",
+            str(ck),
+            "--ckpt-step",
+            "3",
+            "--save-interval",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert child.returncode == -9, child.stderr[-3000:]
     assert "saving checkpoint at iteration       6" in child.stdout
     capsys.readouterr()
-    assert run(TINY + f"--train-iters 8 --save {ck} --load {ck} --override-opt-param-scheduler "
-                      f"--metrics-file {tmp_path}/m.jsonl".split()) == 0
+    assert (
+        run(
+            TINY
+            + f"--train-iters 8 --save {ck} --load {ck} --override-opt-param-scheduler "
+            f"--metrics-file {tmp_path}/m.jsonl".split()
+        )
+        == 0
+    )
     assert f"successfully loaded checkpoint from {ck} at iteration 6" in capsys.readouterr().out
     assert sorted(_losses(tmp_path / "m.jsonl")) == [7, 8]
 
@@ -76,17 +103,27 @@ def test_nan_stop_names_a_checkpoint_that_resumes_with_finite_losses(tmp_path, c
     line = _one_error_line(capsys.readouterr().err)
     newest = checkpointing.read_tracker(str(ck))
     assert "non-finite gradient norm" in line and f"at iteration {newest + 1}" in line, line
-    assert f"computed from the weights of iteration {newest}, which {ck}/iter_{newest:07d} holds" in line, line
-    named = int(re.search(rf"resume from it with --load {re.escape(str(ck))} --ckpt-step (\d+)", line).group(1))
+    assert f"computed from the weights of iteration {newest}, which {ck}/iter_{newest:07d} holds" in line, (
+        line
+    )
+    named = int(
+        re.search(rf"resume from it with --load {re.escape(str(ck))} --ckpt-step (\d+)", line).group(1)
+    )
     assert named < newest
-    resume = TINY + (f"--lr 1e-3 --min-lr 1e-4 --override-opt-param-scheduler --train-iters {named + 4} "
-                     f"--load {ck}").split()
+    resume = (
+        TINY
+        + (
+            f"--lr 1e-3 --min-lr 1e-4 --override-opt-param-scheduler --train-iters {named + 4} --load {ck}"
+        ).split()
+    )
     # The newest checkpoint (the one called intact before) gives the NaN again at once, whatever --lr.
     assert run(resume + ["--ckpt-step", str(newest)]) == 3
     assert f"at iteration {newest + 1}" in _one_error_line(capsys.readouterr().err)
     assert run(resume + f"--ckpt-step {named} --metrics-file {tmp_path}/m.jsonl".split()) == 0
     curve = _losses(tmp_path / "m.jsonl")
-    assert sorted(curve) == list(range(named + 1, named + 5)) and all(map(math.isfinite, curve.values())), curve
+    assert sorted(curve) == list(range(named + 1, named + 5)) and all(map(math.isfinite, curve.values())), (
+        curve
+    )
 
 
 def test_a_state_holding_nan_is_not_saved_unless_the_check_is_off(tmp_path, capsys, monkeypatch):
@@ -107,13 +144,21 @@ def test_a_state_holding_nan_is_not_saved_unless_the_check_is_off(tmp_path, caps
     assert sorted(os.listdir(ck)) == ["iter_0000001", "latest_checkpointed_iteration.txt", "metrics.jsonl"]
     calls.clear()
     other = tmp_path / "other"
-    assert run(TINY + f"--train-iters 3 --save {other} --save-interval 1 --no-check-for-nan-in-loss-and-grad".split()) == 0
+    assert (
+        run(
+            TINY
+            + f"--train-iters 3 --save {other} --save-interval 1 --no-check-for-nan-in-loss-and-grad".split()
+        )
+        == 0
+    )
     assert checkpointing.read_tracker(str(other)) == 3  # saved, recorded as not finite: a load says so
     assert run(TINY + f"--train-iters 3 --load {other} --ckpt-step 2".split()) == 0
     assert f"warning: {other}/iter_0000002 holds NaN or Inf" in capsys.readouterr().out
 
 
-def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, one_mib_disk, capsys):
+def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(
+    tmp_path, one_mib_disk, capsys
+):
     ck = one_mib_disk / "ck"  # one checkpoint of TINY takes 570 KB: the second does not fit
     argv = TINY + f"--train-iters 3 --save {ck} --save-interval 1 --metrics-file {tmp_path}/m.jsonl".split()
     assert run(argv) == 2
@@ -129,9 +174,11 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(t
 def test_damaged_checkpoint_files_are_named_with_the_checkpoint_to_load_instead(tmp_path, capsys):
     pristine, ck = tmp_path / "pristine", tmp_path / "ck"
     assert run(TINY + f"--train-iters 4 --save {pristine} --save-interval 2".split()) == 0
-    for name, damage, says in (("__0_0.distcp", lambda p: os.truncate(p, os.path.getsize(p) // 2), "is truncated"),
-                               ("__0_0.distcp", os.remove, "is missing"),
-                               (".metadata", os.remove, "is missing")):
+    for name, damage, says in (
+        ("__0_0.distcp", lambda p: os.truncate(p, os.path.getsize(p) // 2), "is truncated"),
+        ("__0_0.distcp", os.remove, "is missing"),
+        (".metadata", os.remove, "is missing"),
+    ):
         shutil.rmtree(ck, ignore_errors=True)
         shutil.copytree(pristine, ck)
         damage(ck / "iter_0000004" / name)
@@ -155,7 +202,10 @@ def test_fp32_checkpoint_resumed_with_bf16_tracker_bytes_and_iteration_dir(tmp_p
     capsys.readouterr()
     assert run(TINY + f"--train-iters 3 --load {ck}/iter_0000002".split()) == 0
     out = capsys.readouterr().out
-    assert f"successfully loaded checkpoint from {ck} at iteration 2" in out and "starting from scratch" not in out
+    assert (
+        f"successfully loaded checkpoint from {ck} at iteration 2" in out
+        and "starting from scratch" not in out
+    )
     # a tracker that is not text: the file is named
     (ck / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe2")
     assert run(TINY + f"--train-iters 3 --load {ck}".split()) == 2
@@ -174,6 +224,7 @@ def test_save_that_cannot_be_written_fails_before_training(tmp_path, capsys):
             os.chmod(tmp_path / "ro", 0o555)
         assert run(TINY + f"--train-iters 3 --save {tmp_path}/ro/ck".split()) == 2
         captured = capsys.readouterr()
-        assert f"--save {tmp_path}/ro/ck cannot be created: {tmp_path}/ro is not writable" in \
-            _one_error_line(captured.err)
+        assert f"--save {tmp_path}/ro/ck cannot be created: {tmp_path}/ro is not writable" in _one_error_line(
+            captured.err
+        )
         assert "training from iteration" not in captured.out  # stopped at the start

@@ -15,9 +15,11 @@ from launch import ROOT, metrics, torchrun
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron.training.cli import run
 
-MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
-         "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --num-workers 0 --log-interval 1 "
-         "--hidden-dropout 0 --attention-dropout 0").split()
+MODEL = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --num-workers 0 --log-interval 1 "
+    "--hidden-dropout 0 --attention-dropout 0"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +28,27 @@ def trained(corpus, tmp_path_factory):
     none): its stdout and stderr."""
     flags, _ = corpus
     metrics_file = tmp_path_factory.mktemp("run") / "m.jsonl"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *flags, "--train-iters",
-                          "4", "--eval-interval", "2", "--eval-iters", "1", "--metrics-file", str(metrics_file)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    res = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "pretrain_gpt.py"),
+            *MODEL,
+            *flags,
+            "--train-iters",
+            "4",
+            "--eval-interval",
+            "2",
+            "--eval-iters",
+            "1",
+            "--metrics-file",
+            str(metrics_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-2000:])
     return res.stdout, res.stderr
 
@@ -50,8 +70,10 @@ def test_empty_train_split_is_refused_with_one_line(corpus, capsys):
     flags[flags.index("--split") + 1] = "0,50,50"
     assert run(MODEL + flags + ["--train-iters", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["pretrain_gpt.py: error: train split is empty (--split 0,50,50 gives it 0 of 399 documents); "
-                   "give it a share, e.g. --split 969,30,1"]
+    assert err == [
+        "pretrain_gpt.py: error: train split is empty (--split 0,50,50 gives it 0 of 399 documents); "
+        "give it a share, e.g. --split 969,30,1"
+    ]
 
 
 def test_merge_after_training_left_its_cache(corpus, trained, tmp_path):
@@ -65,8 +87,12 @@ def test_merge_after_training_left_its_cache(corpus, trained, tmp_path):
     tool = os.path.join(ROOT, "tools", "merge_datasets.py")
     for i, (inputs, n) in enumerate((([prefix], 1), ([prefix, copy], 2), ([os.path.dirname(prefix)], 2))):
         out = str(tmp_path / f"merged{i}")
-        res = subprocess.run([sys.executable, tool, "--input", *inputs, "--output-prefix", out],
-                             capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, tool, "--input", *inputs, "--output-prefix", out],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.returncode == 0, res.stderr
         assert len(IndexedDataset(out).document_indices) - 1 == n * docs, inputs
         assert res.stdout.strip().splitlines()[-1].startswith(f"merged {n} datasets:")
@@ -89,10 +115,27 @@ def mask_args(tmp_path, name: str, extra: list[str]) -> list[str]:
     prefix = str(tmp_path / "short")
     if not os.path.exists(prefix + ".idx"):
         short_documents(prefix)
-    return MODEL + ["--data-path", prefix, "--split", "90,10,0", "--tokenizer-type", "NullTokenizer",
-                    "--vocab-size", "128", "--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1",
-                    "--data-cache-path", str(tmp_path / "cache"), "--metrics-file", str(tmp_path / f"{name}.jsonl"),
-                    *extra]
+    return MODEL + [
+        "--data-path",
+        prefix,
+        "--split",
+        "90,10,0",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+        "--train-iters",
+        "6",
+        "--eval-interval",
+        "3",
+        "--eval-iters",
+        "1",
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+        "--metrics-file",
+        str(tmp_path / f"{name}.jsonl"),
+        *extra,
+    ]
 
 
 def lm_losses(path: str) -> dict[int, float]:
@@ -117,6 +160,9 @@ def test_mask_flag_under_tensor_parallelism(tmp_path):
     losses = []
     for flag in ([], ["--no-create-attention-mask-in-dataloader"]):
         name = f"tp2{len(flag)}"
-        torchrun(2, mask_args(tmp_path, name, ["--reset-attention-mask", "--tensor-model-parallel-size", "2", *flag]))
+        torchrun(
+            2,
+            mask_args(tmp_path, name, ["--reset-attention-mask", "--tensor-model-parallel-size", "2", *flag]),
+        )
         losses.append(lm_losses(str(tmp_path / f"{name}.jsonl")))
     assert sorted(losses[0]) == list(range(1, 7)) and losses[0] == losses[1]

@@ -20,15 +20,22 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 from megatron.training.cli import run
 
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
-MODEL = ("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 32 --max-position-embeddings 32 "
-         "--micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --num-workers 0 --log-interval 1 --train-iters 2 "
-         "--eval-iters 0").split()
+MODEL = (
+    "--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --num-workers 0 --log-interval 1 --train-iters 2 "
+    "--eval-iters 0"
+).split()
 ERROR = "pretrain_gpt.py: error: "
 
 
 def preprocess(*args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:
@@ -38,7 +45,9 @@ def finish(proc: subprocess.Popen) -> tuple[int, str]:
 
 def write_jsonl(path: str, n: int, words: int = 30, opener=open) -> None:
     """``n`` lines of ``words`` integers (NullTokenizer text), a cycle of 997 distinct lines."""
-    cycle = [json.dumps({"text": " ".join(str((i + j) % 997) for j in range(words))}) + "\n" for i in range(997)]
+    cycle = [
+        json.dumps({"text": " ".join(str((i + j) % 997) for j in range(words))}) + "\n" for i in range(997)
+    ]
     with opener(path, "wt") as f:
         f.write("".join(cycle) * (n // len(cycle)) + "".join(cycle[: n % len(cycle)]))
 
@@ -69,7 +78,9 @@ def assert_intact(tmp_path, prefix: str, md5s: tuple[str, str]) -> None:
     assert len(ds) == 200 and ds[0].tolist()[-1] == 999
     verify_dataset(ds)
     assert sorted(n for n in os.listdir(tmp_path) if n.endswith((".bin", ".idx"))) == [
-        "corpus_text_document.bin", "corpus_text_document.idx"]
+        "corpus_text_document.bin",
+        "corpus_text_document.idx",
+    ]
 
 
 @pytest.mark.slow
@@ -77,13 +88,24 @@ def test_kill_9_during_preprocessing_keeps_the_old_pair(tmp_path, old):
     out, prefix, md5s = old
     big = str(tmp_path / "big.jsonl")
     write_jsonl(big, 150_000, words=40)  # ~17 MB: many 1 MB batches, seconds of work
-    proc = preprocess("--input", big, "--output-prefix", out, *NULL, "--append-eod", "--log-interval", "1",
-                      start_new_session=True)
+    proc = preprocess(
+        "--input",
+        big,
+        "--output-prefix",
+        out,
+        *NULL,
+        "--append-eod",
+        "--log-interval",
+        "1",
+        start_new_session=True,
+    )
     try:
         line = proc.stderr.readline()  # the first batch has been written when its progress line comes
         assert line.startswith("Processed"), line
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the tool and its tokenizer workers, as kill -9 or the OOM killer
+        os.killpg(
+            proc.pid, signal.SIGKILL
+        )  # the tool and its tokenizer workers, as kill -9 or the OOM killer
         proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL  # killed mid-way, not finished
     assert_intact(tmp_path, prefix, md5s)
@@ -94,13 +116,16 @@ def test_sigterm_during_preprocessing_removes_its_temporary_files(tmp_path, old)
     out, prefix, md5s = old
     big = str(tmp_path / "big.jsonl")
     write_jsonl(big, 150_000, words=40)
-    proc = preprocess("--input", big, "--output-prefix", out, *NULL, "--log-interval", "1", start_new_session=True)
+    proc = preprocess(
+        "--input", big, "--output-prefix", out, *NULL, "--log-interval", "1", start_new_session=True
+    )
     assert proc.stderr.readline().startswith("Processed")
     os.killpg(proc.pid, signal.SIGTERM)  # as a terminal, torchrun or Slurm sends it
     rc, err = finish(proc)
     assert rc == 128 + signal.SIGTERM, err
-    assert err.strip().splitlines()[-1] == ("error: interrupted; nothing was written (a dataset already at "
-                                            "--output-prefix is unchanged)")
+    assert err.strip().splitlines()[-1] == (
+        "error: interrupted; nothing was written (a dataset already at --output-prefix is unchanged)"
+    )
     assert not [n for n in os.listdir(tmp_path) if ".tmp." in n]
     assert_intact(tmp_path, prefix, md5s)
 
@@ -116,7 +141,8 @@ def test_ids_outside_the_vocabulary_are_skipped_when_preprocessing(tmp_path):
     assert rc == 0, err
     assert err.strip().splitlines()[-1] == (
         "Skipped 2 lines (2 token id outside the vocabulary [0, 1000)); first: ids.jsonl:2: token id outside the "
-        "vocabulary [0, 1000); ids.jsonl:3: token id outside the vocabulary [0, 1000)")
+        "vocabulary [0, 1000); ids.jsonl:3: token id outside the vocabulary [0, 1000)"
+    )
     ds = IndexedDataset(out + "_text_document")
     assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3, 999], [7, 999, 999]]
 
@@ -145,14 +171,16 @@ def test_empty_input_is_an_error_and_writes_nothing(tmp_path, old):
     empty.write_text("")
     rc, err = finish(preprocess("--input", str(empty), "--output-prefix", str(tmp_path / "fresh"), *NULL))
     assert rc == 2 and err.strip().splitlines() == [
-        f"error: --input {str(empty)!r} holds no documents (0 lines); nothing was written"]
+        f"error: --input {str(empty)!r} holds no documents (0 lines); nothing was written"
+    ]
     assert not [n for n in os.listdir(tmp_path) if n.startswith("fresh")]
     # Into an existing prefix: that one stays as it was (every line skipped counts as empty too).
     empty.write_text("not json\n\n")
     rc, err = finish(preprocess("--input", str(empty), "--output-prefix", out, *NULL))
     assert rc == 2 and err.strip().splitlines() == [
         f"error: --input {str(empty)!r} holds no documents (2 lines, all skipped: 1 empty line, 1 malformed JSON; "
-        f"first: empty.jsonl:1: malformed JSON); nothing was written"]
+        f"first: empty.jsonl:1: malformed JSON); nothing was written"
+    ]
     assert_intact(tmp_path, prefix, md5s)
 
 
@@ -187,12 +215,15 @@ def test_out_of_vocabulary_ids_stop_the_run_before_training(tmp_path, capsys):
     assert rc == 2 and err == [
         f"{ERROR}--data-path: {prefix + '.bin'!r} holds token id 130, outside the vocabulary of NullTokenizer "
         f"(--vocab-size 128: ids 0 to 127); it would index past the model's embedding of 128 rows. "
-        f"Train with the tokenizer the data was made with, or preprocess the data again with this one"]
+        f"Train with the tokenizer the data was made with, or preprocess the data again with this one"
+    ]
     ok = documents(str(tmp_path / "ok"))  # ids 0 to 127, the end-of-document id 127 included
     rc, err = train(capsys, ok, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100")  # padded to 128
     assert rc == 2 and len(err) == 1, err
-    assert f"{ok + '.bin'!r} holds token id 127, outside the vocabulary of NullTokenizer (--vocab-size 100: ids 0 " \
+    assert (
+        f"{ok + '.bin'!r} holds token id 127, outside the vocabulary of NullTokenizer (--vocab-size 100: ids 0 "
         "to 99); it would train padding row 127 of the model's embedding of 128 rows" in err[0]
+    )
     assert train(capsys, ok, "--tokenizer-type", "NullTokenizer", "--vocab-size", "128")[0] == 0
 
 
@@ -203,8 +234,10 @@ def test_index_of_another_corpus_stops_the_run(tmp_path, capsys):
     os.replace(small + ".idx", big + ".idx")  # big.bin is now paired with the index of 30 documents
     rc, err = train(capsys, big, "--tokenizer-type", "NullTokenizer", "--vocab-size", "128")
     assert rc == 2 and len(err) == 1, err
-    assert err[0].startswith(f"{ERROR}--data-path: data file {big + '.bin'!r} holds 4800 bytes, but its index "
-                             f"{big + '.idx'!r} ends its last document at byte 2400"), err
+    assert err[0].startswith(
+        f"{ERROR}--data-path: data file {big + '.bin'!r} holds 4800 bytes, but its index "
+        f"{big + '.idx'!r} ends its last document at byte 2400"
+    ), err
 
 
 @pytest.mark.slow
@@ -213,11 +246,26 @@ def test_two_ranks_stop_alike_on_a_pair_that_fails_its_record(tmp_path):
     a = documents(str(tmp_path / "a"))
     b = documents(str(tmp_path / "b"), bad={3: 5})  # same sizes, other tokens
     os.replace(b + ".bin", a + ".bin")
-    args = MODEL + ["--data-path", a, "--split", "100,0,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-                    "--global-batch-size", "4", "--data-cache-path", str(tmp_path / "cache")]
+    args = MODEL + [
+        "--data-path",
+        a,
+        "--split",
+        "100,0,0",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+        "--global-batch-size",
+        "4",
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+    ]
     res = torchrun(2, args, expect_ok=False, timeout=300)
     out = res.stdout + res.stderr
-    assert out.count(ERROR) == 1 and f"{ERROR}--data-path: {a}.bin/.idx do not match their checksum record" in out
+    assert (
+        out.count(ERROR) == 1
+        and f"{ERROR}--data-path: {a}.bin/.idx do not match their checksum record" in out
+    )
     assert out.count("exitcode  : 2") == 2 and out.count("Traceback") == 1, out[-3000:]  # torchrun's own
 
 
@@ -229,4 +277,5 @@ def test_odd_blend_names_the_weights_and_prefixes(tmp_path, capsys):
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and err == [
         f"{ERROR}--data-path '0.5 {prefix} 0.5': weights and prefixes must alternate (WEIGHT PREFIX "
-        f"[WEIGHT PREFIX ...], e.g. 0.3 A 0.7 B) or be prefixes only; 3 entries cannot pair up"]
+        f"[WEIGHT PREFIX ...], e.g. 0.3 A 0.7 B) or be prefixes only; 3 entries cannot pair up"
+    ]

@@ -17,10 +17,12 @@ from test_signals import torchrun_ranks
 
 from megatron.training.cli import run
 
-TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-        "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
-        "--lr-warmup-iters 1 --vocab-size 128 --num-workers 0 --log-interval 1 --eval-iters 0 "
-        "--train-iters 2").split()
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
+    "--lr-warmup-iters 1 --vocab-size 128 --num-workers 0 --log-interval 1 --eval-iters 0 "
+    "--train-iters 2"
+).split()
 ERROR = "pretrain_gpt.py: error: "
 
 
@@ -84,7 +86,11 @@ def test_error_on_every_rank_after_init(tmp_path, made):
 def test_error_on_the_data_building_rank_only(tmp_path, made):
     """With tp 2 only tp rank 0 builds datasets and reads the (corrupt) index cache; rank 1 is
     waiting in a collective with it meanwhile."""
-    args = TINY + made["data"] + f"--tensor-model-parallel-size 2 --data-cache-path {made['dir']}/bad_cache".split()
+    args = (
+        TINY
+        + made["data"]
+        + f"--tensor-model-parallel-size 2 --data-cache-path {made['dir']}/bad_cache".split()
+    )
     ranks, out = _job(tmp_path, args)
     _check_one_line(ranks, out, "is corrupt")
     assert ERROR in ranks[0]

@@ -11,12 +11,16 @@ from launch import metrics, torchrun
 
 from megatron.training.cli import run
 
-MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --mock-data --vocab-size 256 "
-         "--num-workers 0 --log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 "
-         "--train-iters 10").split()
-LLAMA = "--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear " \
-        "--group-query-attention --num-query-groups 2 --untie-embeddings-and-output-weights".split()
+MODEL = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --mock-data --vocab-size 256 "
+    "--num-workers 0 --log-interval 1 --eval-iters 0 --hidden-dropout 0 --attention-dropout 0 "
+    "--train-iters 10"
+).split()
+LLAMA = (
+    "--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+    "--group-query-attention --num-query-groups 2 --untie-embeddings-and-output-weights".split()
+)
 
 
 def curves(path: str) -> dict[int, tuple[float, float]]:
@@ -37,7 +41,10 @@ def save_then_resume(tmp_path, save: tuple[int, str], load: tuple[int, str]) -> 
     args = (" ".join(MODEL).replace("--train-iters 10", "--train-iters 6") + " " + " ".join(LLAMA)).split()
     assert run(args + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
     ck = f"{tmp_path}/ck"
-    for (nproc, flags), extra in ((save, f"--save {ck} --save-interval 3 --exit-interval 3"), (load, f"--load {ck}")):
+    for (nproc, flags), extra in (
+        (save, f"--save {ck} --save-interval 3 --exit-interval 3"),
+        (load, f"--load {ck}"),
+    ):
         argv = args + f"--metrics-file {tmp_path}/r.jsonl {flags} {extra}".split()
         if nproc == 1:
             assert run(argv) == 0
@@ -56,7 +63,10 @@ LAYOUTS = {
     "dp2-overlap": (2, "--overlap-grad-reduce --ddp-bucket-size 2000"),
     "tp2xdp2-sp": (4, "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"),
     "dp2-distopt": (2, "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 2000"),
-    "tp2xdp2-sp-distopt": (4, "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer"),
+    "tp2xdp2-sp-distopt": (
+        4,
+        "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer",
+    ),
 }
 
 
@@ -80,22 +90,24 @@ def test_layouts_match_single_process(tmp_path, arch):
 # with 2 query heads per group, so tp8 leaves one group per rank; untied embeddings; 8 layers for
 # pp4 x 2 virtual stages). The vocabulary padding divisor is lowered so that every layout, tp8
 # included, pads 256 to 256 as the single process does (Megatron pads to a multiple of divisor x tp).
-EIGHT_RANK_MODEL = ("--num-layers 8 --hidden-size 64 --num-attention-heads 16 --group-query-attention "
-                    "--num-query-groups 8 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
-                    "--global-batch-size 16 --lr 3e-3 --lr-warmup-iters 2 --mock-data --vocab-size 256 "
-                    "--make-vocab-size-divisible-by 32 --num-workers 0 --log-interval 1 --eval-iters 0 "
-                    "--hidden-dropout 0 --attention-dropout 0 --train-iters 6 --swiglu --normalization RMSNorm "
-                    "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights").split()
+EIGHT_RANK_MODEL = (
+    "--num-layers 8 --hidden-size 64 --num-attention-heads 16 --group-query-attention "
+    "--num-query-groups 8 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2 "
+    "--global-batch-size 16 --lr 3e-3 --lr-warmup-iters 2 --mock-data --vocab-size 256 "
+    "--make-vocab-size-divisible-by 32 --num-workers 0 --log-interval 1 --eval-iters 0 "
+    "--hidden-dropout 0 --attention-dropout 0 --train-iters 6 --swiglu --normalization RMSNorm "
+    "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights"
+).split()
 EIGHT_RANK_LAYOUTS = {
     "dp8": "--overlap-grad-reduce",
     "tp2xdp4-sp": "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce",
     "tp4xdp2-sp-distopt": "--tensor-model-parallel-size 4 --sequence-parallel --overlap-grad-reduce "
-                          "--use-distributed-optimizer",
+    "--use-distributed-optimizer",
     "tp8-sp": "--tensor-model-parallel-size 8 --sequence-parallel",
     "tp2xpp2xdp2-sp-distopt": "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 "
-                              "--overlap-grad-reduce --use-distributed-optimizer",
+    "--overlap-grad-reduce --use-distributed-optimizer",
     "tp2xpp4-vpp2-sp": "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 4 "
-                       "--num-layers-per-virtual-pipeline-stage 1",
+    "--num-layers-per-virtual-pipeline-stage 1",
 }
 
 
@@ -117,10 +129,18 @@ def test_eight_rank_checkpoint_reshards_across_tp_pp_dp(tmp_path):
     the plain optimizer: the six steps are those of the uninterrupted single process."""
     assert run(EIGHT_RANK_MODEL + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
     ck, out = f"{tmp_path}/ck", f"{tmp_path}/resumed.jsonl"
-    torchrun(8, EIGHT_RANK_MODEL + EIGHT_RANK_LAYOUTS["tp2xpp2xdp2-sp-distopt"].split()
-             + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {out}".split())
-    torchrun(8, EIGHT_RANK_MODEL + "--tensor-model-parallel-size 4 --sequence-parallel --overlap-grad-reduce".split()
-             + f"--load {ck} --metrics-file {out}".split())
+    torchrun(
+        8,
+        EIGHT_RANK_MODEL
+        + EIGHT_RANK_LAYOUTS["tp2xpp2xdp2-sp-distopt"].split()
+        + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {out}".split(),
+    )
+    torchrun(
+        8,
+        EIGHT_RANK_MODEL
+        + "--tensor-model-parallel-size 4 --sequence-parallel --overlap-grad-reduce".split()
+        + f"--load {ck} --metrics-file {out}".split(),
+    )
     ref, got = curves(f"{tmp_path}/ref.jsonl"), curves(out)
     assert sorted(got) == list(range(1, 7))
     assert_curves_match(got, ref, "resumed")
@@ -138,12 +158,18 @@ def test_simple_train_loop_example():
 def test_exact_resume_with_tp_dropout(tmp_path):
     """tp2 + sequence parallel with dropout: the tensor-parallel RNG states are checkpointed too, so
     10 + 10 steps reproduce 20 straight steps bitwise."""
-    args = (" ".join(MODEL).replace("--hidden-dropout 0 --attention-dropout 0", "--hidden-dropout 0.1 "
-                                    "--attention-dropout 0.1").replace("--train-iters 10", "--train-iters 20")
-            + " --tensor-model-parallel-size 2 --sequence-parallel").split()
+    args = (
+        " ".join(MODEL)
+        .replace("--hidden-dropout 0 --attention-dropout 0", "--hidden-dropout 0.1 --attention-dropout 0.1")
+        .replace("--train-iters 10", "--train-iters 20")
+        + " --tensor-model-parallel-size 2 --sequence-parallel"
+    ).split()
     torchrun(2, args + ["--metrics-file", f"{tmp_path}/straight.jsonl"])
     ck = f"{tmp_path}/ck"
-    torchrun(2, args + f"--save {ck} --save-interval 10 --exit-interval 10 --metrics-file {tmp_path}/r.jsonl".split())
+    torchrun(
+        2,
+        args + f"--save {ck} --save-interval 10 --exit-interval 10 --metrics-file {tmp_path}/r.jsonl".split(),
+    )
     torchrun(2, args + f"--save {ck} --load {ck} --metrics-file {tmp_path}/r.jsonl".split())
     straight, resumed = curves(f"{tmp_path}/straight.jsonl"), curves(f"{tmp_path}/r.jsonl")
     assert sorted(resumed) == list(range(1, 21))
@@ -155,8 +181,11 @@ def test_exact_resume_with_tp_dropout(tmp_path):
 def test_checkpoint_reshards_across_tensor_parallel_sizes(tmp_path, save_tp, load_tp):
     """Save under one tp size, resume under another (weights and optimizer state): the continued
     losses equal the uninterrupted one-process run. SwiGLU exercises the stacked fc1 layout."""
-    save_then_resume(tmp_path, (save_tp, f"--tensor-model-parallel-size {save_tp}"),
-                     (load_tp, f"--tensor-model-parallel-size {load_tp}"))
+    save_then_resume(
+        tmp_path,
+        (save_tp, f"--tensor-model-parallel-size {save_tp}"),
+        (load_tp, f"--tensor-model-parallel-size {load_tp}"),
+    )
 
 
 @pytest.mark.slow
@@ -182,15 +211,25 @@ def test_distributed_optimizer_checkpoints_reshard(tmp_path, save, load):
 
 
 # The Llama-style model in bf16, wider and at a higher learning rate, so that FP8 moves its loss measurably
-FP8_BASE = (" ".join(MODEL + LLAMA).replace("--hidden-size 32", "--hidden-size 64").replace("--lr 3e-3", "--lr 1e-2")
-            + " --bf16").split()
+FP8_BASE = (
+    " ".join(MODEL + LLAMA).replace("--hidden-size 32", "--hidden-size 64").replace("--lr 3e-3", "--lr 1e-2")
+    + " --bf16"
+).split()
 DELAYED_FP8 = "--fp8-format hybrid --fp8-recipe delayed".split()
 FP8_LAYOUTS = {  # name: (processes, flags, FP8 linears on rank 0)
     "tp2-sp": (2, "--tensor-model-parallel-size 2 --sequence-parallel", 8),
     "dp2-overlap": (2, "--overlap-grad-reduce --ddp-bucket-size 2000", 8),
     "pp2": (2, "--pipeline-model-parallel-size 2", 4),
-    "tp2xdp2-sp-distopt": (4, "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer", 8),
-    "pp2xdp2": (4, "--pipeline-model-parallel-size 2 --overlap-grad-reduce", 4),  # amax reduction beside the schedule
+    "tp2xdp2-sp-distopt": (
+        4,
+        "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer",
+        8,
+    ),
+    "pp2xdp2": (
+        4,
+        "--pipeline-model-parallel-size 2 --overlap-grad-reduce",
+        4,
+    ),  # amax reduction beside the schedule
 }
 
 
@@ -228,7 +267,12 @@ def test_fp8_resume_continues_the_amax_histories(tmp_path, monkeypatch, capsys):
     fp8 = base + DELAYED_FP8
     assert run(fp8 + f"--metrics-file {tmp_path}/straight.jsonl".split()) == 0
     ck = f"{tmp_path}/ck"
-    assert run(fp8 + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {tmp_path}/r.jsonl".split()) == 0
+    assert (
+        run(
+            fp8 + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {tmp_path}/r.jsonl".split()
+        )
+        == 0
+    )
     capsys.readouterr()
     assert run(fp8 + f"--load {ck} --metrics-file {tmp_path}/r.jsonl".split()) == 0
     assert "FP8 amax histories" not in capsys.readouterr().out

@@ -27,30 +27,64 @@ def _legacy_copy(dcp_root, legacy_root, iteration: int) -> None:
     ckpt_dir = os.path.join(dcp_root, f"iter_{iteration:07d}")
     common = dist_checkpointing.load_common_state(ckpt_dir)
     a = common["args"]
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, bias_gelu_fusion=True,
-                            share_embeddings_and_output_weights=True)  # as the training application builds it
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=a["padded_vocab_size"],
-                     max_sequence_length=a["max_position_embeddings"])
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        bias_gelu_fusion=True,
+        share_embeddings_and_output_weights=True,
+    )  # as the training application builds it
+    model = GPTModel(
+        cfg,
+        get_gpt_layer_local_spec(),
+        vocab_size=a["padded_vocab_size"],
+        max_sequence_length=a["max_position_embeddings"],
+    )
     dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)  # fills the model in place
-    args = megatron_args(cfg, tp=2, pp=2, padded_vocab_size=a["padded_vocab_size"],
-                         max_position_embeddings=a["max_position_embeddings"],
-                         consumed_train_samples=common["consumed_train_samples"],
-                         consumed_valid_samples=common["consumed_valid_samples"])
-    write_megatron_checkpoint(legacy_root, model, args, spec="te", iteration=iteration,
-                              scheduler=common["opt_param_scheduler"])
+    args = megatron_args(
+        cfg,
+        tp=2,
+        pp=2,
+        padded_vocab_size=a["padded_vocab_size"],
+        max_position_embeddings=a["max_position_embeddings"],
+        consumed_train_samples=common["consumed_train_samples"],
+        consumed_valid_samples=common["consumed_valid_samples"],
+    )
+    write_megatron_checkpoint(
+        legacy_root, model, args, spec="te", iteration=iteration, scheduler=common["opt_param_scheduler"]
+    )
 
 
 @pytest.mark.slow
 def test_resumes_from_megatron_torch_format_and_trains_on(tmp_path, capsys):
     dcp, legacy = tmp_path / "dcp", tmp_path / "legacy"
-    assert run(TINY + NO_DROPOUT + f"--train-iters 20 --save {dcp} --save-interval 10 --exit-interval 10".split()) == 0
+    assert (
+        run(
+            TINY + NO_DROPOUT + f"--train-iters 20 --save {dcp} --save-interval 10 --exit-interval 10".split()
+        )
+        == 0
+    )
     _legacy_copy(dcp, legacy, 10)
     # The same weights and data position from our own checkpoint, optimizer fresh: the first step's loss.
-    assert run(TINY + NO_DROPOUT + f"--train-iters 20 --exit-interval 11 --load {dcp} --no-load-optim --no-load-rng "
-                                   f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
+    assert (
+        run(
+            TINY
+            + NO_DROPOUT
+            + f"--train-iters 20 --exit-interval 11 --load {dcp} --no-load-optim --no-load-rng "
+            f"--metrics-file {tmp_path}/ref.jsonl".split()
+        )
+        == 0
+    )
     capsys.readouterr()
-    assert run(TINY + NO_DROPOUT + f"--train-iters 20 --load {legacy} --ckpt-format torch "
-                                   f"--metrics-file {tmp_path}/legacy.jsonl".split()) == 0
+    assert (
+        run(
+            TINY
+            + NO_DROPOUT
+            + f"--train-iters 20 --load {legacy} --ckpt-format torch "
+            f"--metrics-file {tmp_path}/legacy.jsonl".split()
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "loading legacy torch checkpoint" in out and "optimizer state: not read" in out
     assert "successfully loaded checkpoint" in out and "at iteration 10" in out
@@ -64,5 +98,7 @@ def test_resumes_from_megatron_torch_format_and_trains_on(tmp_path, capsys):
     assert run(TINY + f"--train-iters 20 --load {legacy} --ckpt-format torch --hidden-size 64".split()) == 2
     err = capsys.readouterr().err
     assert "--hidden-size: checkpoint 32 vs current 64" in err and "Traceback" not in err
-    assert run(TINY + f"--train-iters 20 --load {legacy} --save {tmp_path}/x --ckpt-format torch".split()) == 2
+    assert (
+        run(TINY + f"--train-iters 20 --load {legacy} --save {tmp_path}/x --ckpt-format torch".split()) == 2
+    )
     assert "saves are written as torch_dist only" in capsys.readouterr().err

@@ -27,10 +27,19 @@ EVAL = re.compile(r"^(loaded eval|eval|reloaded eval) loss ([0-9.]+)$", re.MULTI
 def _run(cwd, nproc: int, *args: str) -> tuple[list[tuple[float, float]], dict[str, float]]:
     """Run the program; its per-step (loss, grad norm) and its eval losses by name."""
     cwd.mkdir()
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    res = subprocess.run([*launcher, EXAMPLE, *args], capture_output=True, text=True, cwd=cwd, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    )
+    res = subprocess.run(
+        [*launcher, EXAMPLE, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
     steps = [(float(loss), float(norm)) for _, loss, norm in STEP.findall(res.stdout)]
     evals = {name: float(v) for name, v in EVAL.findall(res.stdout)}

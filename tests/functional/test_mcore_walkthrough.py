@@ -25,12 +25,26 @@ LOSS = re.compile(r"^Iteration (\d): Losses reduced: \[\{'lm loss': tensor\(([0-
 def _run(cwd: str, *script: str) -> list[str]:
     """Each rank's stdout, rank 0 first (torchrun writes one log per rank, so lines never interleave)."""
     os.makedirs(cwd)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--log-dir", os.path.join(cwd, "logs"), "--redirects", "3", *script]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    logs = sorted(glob.glob(os.path.join(cwd, "logs", "**", "stdout.log"), recursive=True),
-                  key=lambda p: int(os.path.basename(os.path.dirname(p))))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        os.path.join(cwd, "logs"),
+        "--redirects",
+        "3",
+        *script,
+    ]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=cwd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    logs = sorted(
+        glob.glob(os.path.join(cwd, "logs", "**", "stdout.log"), recursive=True),
+        key=lambda p: int(os.path.basename(os.path.dirname(p))),
+    )
     outs = [open(p).read() for p in logs]
     errs = [open(p.replace("stdout.log", "stderr.log")).read()[-3000:] for p in logs]
     assert res.returncode == 0 and len(outs) == 2, (res.stderr[-3000:], errs)

@@ -22,17 +22,71 @@ def gpt3_175b(data_flags: list[str], ckpt: str, tb: str) -> list[str]:
     prefix = data_flags[data_flags.index("--data-path") + 1]
     vocab = data_flags[data_flags.index("--vocab-file") + 1]
     merges = data_flags[data_flags.index("--merge-file") + 1]
-    model = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-             "--max-position-embeddings", "64", "--attention-backend", "auto"]
-    training = ["--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "24",
-                "--train-iters", "30", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
-                "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5",
-                "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
-                "--lr-decay-iters", "24"]
+    model = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "64",
+        "--max-position-embeddings",
+        "64",
+        "--attention-backend",
+        "auto",
+    ]
+    training = [
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "8",
+        "--rampup-batch-size",
+        "2",
+        "2",
+        "24",
+        "--train-iters",
+        "30",
+        "--weight-decay",
+        "0.1",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--init-method-std",
+        "0.006",
+        "--clip-grad",
+        "1.0",
+        "--fp16",
+        "--lr",
+        "6.0e-5",
+        "--lr-decay-style",
+        "cosine",
+        "--min-lr",
+        "6.0e-6",
+        "--lr-warmup-fraction",
+        ".001",
+        "--lr-decay-iters",
+        "24",
+    ]
     parallel = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"]
     data = ["--data-path", prefix, "--vocab-file", vocab, "--merge-file", merges, "--split", "949,50,1"]
-    logging = ["--log-interval", "1", "--save-interval", "15", "--eval-interval", "15", "--save", ckpt, "--load", ckpt,
-               "--eval-iters", "1", "--tensorboard-dir", tb]
+    logging = [
+        "--log-interval",
+        "1",
+        "--save-interval",
+        "15",
+        "--eval-interval",
+        "15",
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+        "--eval-iters",
+        "1",
+        "--tensorboard-dir",
+        tb,
+    ]
     return model + training + parallel + data + logging
 
 
@@ -41,34 +95,140 @@ def llama3_8b(cache: str, ckpt: str, tb: str) -> list[str]:
 
     The script's bash arrays hold entries such as "--split '99,1,0'" expanded unquoted, so the
     launcher receives the quotes as part of the value: kept here as it arrives."""
-    model = ["--use-mcore-models", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "224",
-             "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16",
-             "--seq-length", "64", "--max-position-embeddings", "64", "--position-embedding-type", "rope",
-             "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0",
-             "--hidden-dropout", "0.0", "--swiglu", "--init-method-std", "0.0134", "--attention-backend", "fused",
-             "--apply-layernorm-1p", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
-    training = ["--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "48",
-                "--lr-decay-samples", "40", "--lr-warmup-samples", "8", "--lr", "0.00015", "--min-lr", "0.00001",
-                "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5", "--lr-decay-style", "cosine",
-                "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16",
-                "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--manual-gc",
-                "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
-                "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    model = [
+        "--use-mcore-models",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--ffn-hidden-size",
+        "224",
+        "--num-attention-heads",
+        "4",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--kv-channels",
+        "16",
+        "--seq-length",
+        "64",
+        "--max-position-embeddings",
+        "64",
+        "--position-embedding-type",
+        "rope",
+        "--rotary-base",
+        "1000000",
+        "--rotary-percent",
+        "1.0",
+        "--attention-dropout",
+        "0.0",
+        "--hidden-dropout",
+        "0.0",
+        "--swiglu",
+        "--init-method-std",
+        "0.0134",
+        "--attention-backend",
+        "fused",
+        "--apply-layernorm-1p",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+    ]
+    training = [
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "8",
+        "--train-samples",
+        "48",
+        "--lr-decay-samples",
+        "40",
+        "--lr-warmup-samples",
+        "8",
+        "--lr",
+        "0.00015",
+        "--min-lr",
+        "0.00001",
+        "--decoupled-lr",
+        "5.0e-4",
+        "--decoupled-min-lr",
+        "4.5e-5",
+        "--lr-decay-style",
+        "cosine",
+        "--clip-grad",
+        "1.0",
+        "--weight-decay",
+        "0.1",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--bf16",
+        "--grad-reduce-in-bf16",
+        "--cross-entropy-loss-fusion",
+        "--calculate-per-token-loss",
+        "--manual-gc",
+        "--empty-unused-memory-level",
+        "1",
+        "--exit-duration-in-mins",
+        "235",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+    ]
     parallel = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel"]
-    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--data-cache-path", cache,
-            "--tiktoken-pattern", "v2", "--split", "'99,1,0'", "--no-create-attention-mask-in-dataloader",
-            "--no-mmap-bin-files", "--num-workers", "1"]
-    logging = ["--log-interval", "1", "--eval-iters", "2", "--eval-interval", "3", "--save-interval", "3",
-               "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
-               "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60", "--save", ckpt, "--load", ckpt,
-               "--tensorboard-dir", tb]
+    data = [
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "512",
+        "--data-cache-path",
+        cache,
+        "--tiktoken-pattern",
+        "v2",
+        "--split",
+        "'99,1,0'",
+        "--no-create-attention-mask-in-dataloader",
+        "--no-mmap-bin-files",
+        "--num-workers",
+        "1",
+    ]
+    logging = [
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "2",
+        "--eval-interval",
+        "3",
+        "--save-interval",
+        "3",
+        "--log-throughput",
+        "--profile",
+        "--profile-step-start",
+        "4",
+        "--profile-step-end",
+        "6",
+        "--ckpt-format",
+        "torch_dist",
+        "--distributed-timeout-minutes",
+        "60",
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+        "--tensorboard-dir",
+        tb,
+    ]
     return model + training + parallel + data + logging
 
 
 def _train_stop_resume(flags: list[str], ckpt: str, tb: str, stop: int, end: int) -> tuple[str, str]:
     first = torchrun(2, flags + ["--exit-interval", str(stop)])
     assert checkpointing.read_tracker(ckpt) == stop
-    assert re.search(rf"iteration +{stop}/ +{end}", first.stdout) and f"iteration {stop + 1}/" not in first.stdout
+    assert (
+        re.search(rf"iteration +{stop}/ +{end}", first.stdout)
+        and f"iteration {stop + 1}/" not in first.stdout
+    )
     second = torchrun(2, flags)
     assert f"successfully loaded checkpoint from {ckpt} at iteration {stop}" in second.stdout.replace("'", "")
     assert re.search(rf"iteration +{end}/ +{end}", second.stdout)
@@ -104,8 +264,13 @@ def test_llama3_8b_example_flags_train_stop_and_resume(tmp_path):
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
     flags = llama3_8b(str(tmp_path / "cache"), ckpt, tb)
     first, second = _train_stop_resume(flags, ckpt, tb, stop=3, end=6)
-    for note in ("--use-mcore-models", "--manual-gc", "--empty-unused-memory-level 1", "--context-parallel-size 1",
-                 "--sequence-parallel is off"):
+    for note in (
+        "--use-mcore-models",
+        "--manual-gc",
+        "--empty-unused-memory-level 1",
+        "--context-parallel-size 1",
+        "--sequence-parallel is off",
+    ):
         assert note in first, note
     assert "decoupled learning rate:" in second
     assert "--profile without --use-pytorch-profiler" in first  # on the CPU: says it records nothing

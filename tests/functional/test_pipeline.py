@@ -13,12 +13,16 @@ from launch import metrics, torchrun
 
 from megatron.training.cli import run
 
-MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --mock-data --vocab-size 256 "
-         "--num-workers 0 --log-interval 1 --eval-iters 1 --eval-interval 5 --hidden-dropout 0 "
-         "--attention-dropout 0 --train-iters 10").split()
-LLAMA = "--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear " \
-        "--untie-embeddings-and-output-weights".split()
+MODEL = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --mock-data --vocab-size 256 "
+    "--num-workers 0 --log-interval 1 --eval-iters 1 --eval-interval 5 --hidden-dropout 0 "
+    "--attention-dropout 0 --train-iters 10"
+).split()
+LLAMA = (
+    "--swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+    "--untie-embeddings-and-output-weights".split()
+)
 
 LAYOUTS = {
     "pp2": (2, "--pipeline-model-parallel-size 2"),
@@ -27,7 +31,10 @@ LAYOUTS = {
     "pp4": (4, "--pipeline-model-parallel-size 4"),
     "pp2xdp2": (4, "--pipeline-model-parallel-size 2 --overlap-grad-reduce"),
     # Tied embeddings across stages: both stages' copies must be owned by the same DP rank.
-    "pp2xdp2-distopt": (4, "--pipeline-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce"),
+    "pp2xdp2-distopt": (
+        4,
+        "--pipeline-model-parallel-size 2 --use-distributed-optimizer --overlap-grad-reduce",
+    ),
     "pp2-uneven": (2, "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1"),
 }
 UNTIED = ("pp2", "pp2-vpp2", "tp2xpp2")
@@ -75,7 +82,9 @@ def test_pipeline_checkpoint_resume(tmp_path):
     torchrun(2, base + pp2 + ["--metrics-file", f"{tmp_path}/straight.jsonl"])
     straight = records(f"{tmp_path}/straight.jsonl")
     ckpt = f"{tmp_path}/ckpt"
-    torchrun(2, base + pp2 + ["--save", ckpt, "--exit-interval", "5", "--metrics-file", f"{tmp_path}/a.jsonl"])
+    torchrun(
+        2, base + pp2 + ["--save", ckpt, "--exit-interval", "5", "--metrics-file", f"{tmp_path}/a.jsonl"]
+    )
     torchrun(2, base + pp2 + ["--load", ckpt, "--metrics-file", f"{tmp_path}/b.jsonl"])
     assert_same(records(f"{tmp_path}/b.jsonl"), straight, "resume pp2", iters=list(range(6, 11)))
     assert run(base + ["--load", ckpt, "--metrics-file", f"{tmp_path}/c.jsonl"]) == 0
@@ -89,8 +98,18 @@ def test_layout_string_with_uneven_virtual_stages_matches_single_process(tmp_pat
     different sizes on each rank, which the even-split flags cannot express) train the one-process model."""
     base = MODEL + (LLAMA if arch == "untied" else []) + ["--num-layers", "6"]
     assert run(base + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
-    torchrun(2, base + ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et|tt|t|ttL",
-                        "--metrics-file", f"{tmp_path}/layout.jsonl"])
+    torchrun(
+        2,
+        base
+        + [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-layout",
+            "Et|tt|t|ttL",
+            "--metrics-file",
+            f"{tmp_path}/layout.jsonl",
+        ],
+    )
     assert_same(records(f"{tmp_path}/layout.jsonl"), records(f"{tmp_path}/ref.jsonl"), "layout string")
 
 
@@ -100,30 +119,61 @@ def test_embedding_and_loss_counted_in_the_split_match_single_process(tmp_path):
     1 / 2 / 2 / 1 layers (rank 0's first chunk and rank 1's last chunk one short), tied embedding."""
     base = MODEL + ["--num-layers", "6"]
     assert run(base + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
-    res = torchrun(2, base + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
-                              "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-                              "--metrics-file", f"{tmp_path}/pp.jsonl"])
-    for line in ("pp rank 0 chunk 0 (virtual stage 0): layers 1-1 (1)", "pp rank 1 chunk 0 (virtual stage 1): layers 2-3 (2)",
-                 "pp rank 0 chunk 1 (virtual stage 2): layers 4-5 (2)", "pp rank 1 chunk 1 (virtual stage 3): layers 6-6 (1)"):
+    res = torchrun(
+        2,
+        base
+        + [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "2",
+            "--account-for-embedding-in-pipeline-split",
+            "--account-for-loss-in-pipeline-split",
+            "--metrics-file",
+            f"{tmp_path}/pp.jsonl",
+        ],
+    )
+    for line in (
+        "pp rank 0 chunk 0 (virtual stage 0): layers 1-1 (1)",
+        "pp rank 1 chunk 0 (virtual stage 1): layers 2-3 (2)",
+        "pp rank 0 chunk 1 (virtual stage 2): layers 4-5 (2)",
+        "pp rank 1 chunk 1 (virtual stage 3): layers 6-6 (1)",
+    ):
         assert line in res.stdout, res.stdout[-3000:]
     assert_same(records(f"{tmp_path}/pp.jsonl"), records(f"{tmp_path}/ref.jsonl"), "accounted split")
 
 
-@pytest.mark.parametrize("extra, message", [
-    ("--pipeline-model-parallel-size 3", "is not divisible into 3 non-empty stages"),
-    ("--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split",
-     "--num-layers 4 + 1 (counted as layers) = 5 does not split into 2 stages"),
-    ("--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split --decoder-first-pipeline-num-layers 2",
-     "apply to the even split only"),
-    ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 4", "layer-to-stage table"),
-    ("--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 --global-batch-size 2",
-     "raise --global-batch-size"),
-    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3",
-     "--num-layers-per-virtual-pipeline-stage 3 does not divide"),
-    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Ett|ttL --decoder-first-pipeline-num-layers 2",
-     "--pipeline-model-parallel-layout sets the whole split; drop --decoder-first-pipeline-num-layers"),
-    ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|tttmL", "('m') is not supported"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("--pipeline-model-parallel-size 3", "is not divisible into 3 non-empty stages"),
+        (
+            "--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split",
+            "--num-layers 4 + 1 (counted as layers) = 5 does not split into 2 stages",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --account-for-loss-in-pipeline-split --decoder-first-pipeline-num-layers 2",
+            "apply to the even split only",
+        ),
+        ("--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 4", "layer-to-stage table"),
+        (
+            "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 --global-batch-size 2",
+            "raise --global-batch-size",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3",
+            "--num-layers-per-virtual-pipeline-stage 3 does not divide",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Ett|ttL --decoder-first-pipeline-num-layers 2",
+            "--pipeline-model-parallel-layout sets the whole split; drop --decoder-first-pipeline-num-layers",
+        ),
+        (
+            "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout Et|tttmL",
+            "('m') is not supported",
+        ),
+    ],
+)
 def test_bad_pipeline_layouts_fail_with_message(capsys, extra, message):
     """Rejected while parsing, before any process group or model exists (world size from the env)."""
     os.environ["WORLD_SIZE"] = "2" if "size 2" in extra else "3"

@@ -11,9 +11,11 @@ from launch import ROOT, metrics, torchrun
 from megatron.training import checkpointing
 from megatron.training.cli import run
 
-TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-        "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
-        "--lr-warmup-iters 2 --mock-data --vocab-size 128 --num-workers 0 --log-interval 1 --eval-iters 2").split()
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
+    "--lr-warmup-iters 2 --mock-data --vocab-size 128 --num-workers 0 --log-interval 1 --eval-iters 2"
+).split()
 
 
 def losses(path: str) -> dict[int, float]:
@@ -29,10 +31,20 @@ def test_trains_evaluates_and_logs(tmp_path, capsys):
     assert "validation loss at iteration 15 | lm loss value:" in out and "lm loss PPL:" in out
     assert "iteration 30 on test set" in out
     line = next(ln for ln in out.splitlines() if "iteration       30/      30" in ln)
-    for field in ("consumed samples:          120", "elapsed time per iteration (ms):",
-                  "throughput per GPU (TFLOP/s/GPU):", "tokens per second per GPU:", "MFU: n/a",
-                  "learning rate:", "global batch size:     4", "lm loss:", "loss scale: 1.0", "grad norm:",
-                  "number of skipped iterations:   0", "number of nan iterations:   0"):
+    for field in (
+        "consumed samples:          120",
+        "elapsed time per iteration (ms):",
+        "throughput per GPU (TFLOP/s/GPU):",
+        "tokens per second per GPU:",
+        "MFU: n/a",
+        "learning rate:",
+        "global batch size:     4",
+        "lm loss:",
+        "loss scale: 1.0",
+        "grad norm:",
+        "number of skipped iterations:   0",
+        "number of nan iterations:   0",
+    ):
         assert field in line, field
     curve = losses(str(tb / "metrics.jsonl"))
     assert len(curve) == 30 and curve[30] < curve[1] - 0.5
@@ -58,7 +70,8 @@ def test_overfits_fixed_batch(tmp_path, capsys):
     argv = [a for a in TINY if a != "--mock-data"] + (
         f"--train-data-path {prefix} --valid-data-path {prefix} --test-data-path {prefix} "
         f"--tokenizer-type NullTokenizer --hidden-dropout 0 --attention-dropout 0 --train-iters 60 "
-        f"--eval-interval 60 --metrics-file {tmp_path}/m.jsonl --lr 1e-2 --weight-decay 0").split()
+        f"--eval-interval 60 --metrics-file {tmp_path}/m.jsonl --lr 1e-2 --weight-decay 0"
+    ).split()
     assert run(argv) == 0
     curve = losses(f"{tmp_path}/m.jsonl")
     assert curve[1] > 4.0 and curve[60] < 0.5, (curve[1], curve[60])
@@ -70,9 +83,18 @@ def test_exact_resume_is_bitwise(tmp_path):
     common = TINY + "--hidden-dropout 0.1 --attention-dropout 0.1 --train-iters 20 --eval-interval 5".split()
     assert run(common + f"--metrics-file {tmp_path}/straight.jsonl".split()) == 0
     ck = tmp_path / "ck"
-    assert run(common + f"--save {ck} --save-interval 10 --exit-interval 10 --metrics-file {tmp_path}/a.jsonl".split()) == 0
+    assert (
+        run(
+            common
+            + f"--save {ck} --save-interval 10 --exit-interval 10 --metrics-file {tmp_path}/a.jsonl".split()
+        )
+        == 0
+    )
     assert checkpointing.read_tracker(str(ck)) == 10
-    assert run(common + f"--save {ck} --load {ck} --save-interval 10 --metrics-file {tmp_path}/a.jsonl".split()) == 0
+    assert (
+        run(common + f"--save {ck} --load {ck} --save-interval 10 --metrics-file {tmp_path}/a.jsonl".split())
+        == 0
+    )
     straight, resumed = losses(f"{tmp_path}/straight.jsonl"), losses(f"{tmp_path}/a.jsonl")
     assert sorted(resumed) == list(range(1, 21))
     assert straight == resumed  # bitwise: floats compared exactly
@@ -101,8 +123,14 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpointing.dist_checkpointing, "save", dies_half_way)
     # An interrupt (a second Ctrl-C) ends the run with 130 and one line, wherever it lands.
-    assert run(TINY + f"--train-iters 6 --save {ck} --load {ck} --save-interval 2 "
-                      "--override-opt-param-scheduler".split()) == 130
+    assert (
+        run(
+            TINY
+            + f"--train-iters 6 --save {ck} --load {ck} --save-interval 2 "
+            "--override-opt-param-scheduler".split()
+        )
+        == 130
+    )
     monkeypatch.setattr(checkpointing.dist_checkpointing, "save", real_save)
     assert checkpointing.read_tracker(str(ck)) == 4
     assert run(TINY + f"--train-iters 6 --save {ck} --load {ck} --override-opt-param-scheduler".split()) == 0
@@ -129,7 +157,10 @@ def _field(line: str, name: str) -> float:
 def test_fp16_overflow_steps_are_skipped_and_counted(capsys):
     # A scale of 1e36 overflows fp32 loss * scale: every step is skipped and the scale halves
     # (hysteresis 1); parameters, and so the loss, do not move.
-    assert run(TINY + "--train-iters 3 --fp16 --initial-loss-scale 1e36 --hysteresis 1 --eval-iters 0".split()) == 0
+    assert (
+        run(TINY + "--train-iters 3 --fp16 --initial-loss-scale 1e36 --hysteresis 1 --eval-iters 0".split())
+        == 0
+    )
     lines = [ln for ln in capsys.readouterr().out.splitlines() if " iteration " in ln and "/       3" in ln]
     assert len(lines) == 3
     for i, line in enumerate(lines, start=1):
@@ -150,8 +181,15 @@ def test_bf16_trains(tmp_path):
 
 @pytest.mark.slow
 def test_user_error_exit_code_in_a_real_process():
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "2",
-           "--global-batch-size", "3"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *TINY,
+        "--train-iters",
+        "2",
+        "--global-batch-size",
+        "3",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
@@ -167,9 +205,18 @@ def test_dry_run_reports_parameters_without_training(tmp_path, capsys):
 
     assert run(TINY + f"--train-iters 5 --dry-run --save {tmp_path}/ck".split()) == 0
     out = capsys.readouterr().out
-    real = GPTModel(TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, bias_gelu_fusion=True,
-                                      share_embeddings_and_output_weights=True),
-                    get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32)
+    real = GPTModel(
+        TransformerConfig(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            bias_gelu_fusion=True,
+            share_embeddings_and_output_weights=True,
+        ),
+        get_gpt_layer_local_spec(),
+        vocab_size=128,
+        max_sequence_length=32,
+    )
     assert f"parameters: {sum(p.numel() for p in real.parameters()):,}" in out
     assert "total (estimate)" in out and "model FLOPs per step" in out
     assert " iteration " not in out and not (tmp_path / "ck").exists()
@@ -181,8 +228,16 @@ def test_dry_run_of_an_uneven_interleaved_pipeline_counts_every_layer(monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert TINY[:2] == ["--num-layers", "2"]
     shape = ["--num-layers", "26"] + TINY[2:] + "--train-iters 5 --dry-run".split()
-    assert run(shape + ("--pipeline-model-parallel-size 4 --global-batch-size 16 --virtual-pipeline-model-parallel-size 2 "
-                        "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 4").split()) == 0
+    assert (
+        run(
+            shape
+            + (
+                "--pipeline-model-parallel-size 4 --global-batch-size 16 --virtual-pipeline-model-parallel-size 2 "
+                "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 4"
+            ).split()
+        )
+        == 0
+    )
     uneven = capsys.readouterr().out
     assert "configuration is valid for 8 process(es)" in uneven
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -194,7 +249,9 @@ def test_dry_run_of_an_uneven_interleaved_pipeline_counts_every_layer(monkeypatc
 
 def test_dry_run_counts_bf16_gradients_with_grad_reduce_in_bf16(capsys):
     assert TINY[:6] == ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
-    shape = "--num-layers 8 --hidden-size 1024 --num-attention-heads 8".split() + TINY[6:]  # ~100 M params (meta)
+    shape = (
+        "--num-layers 8 --hidden-size 1024 --num-attention-heads 8".split() + TINY[6:]
+    )  # ~100 M params (meta)
 
     def gradient_gib(extra: str) -> float:
         assert run(shape + f"--train-iters 5 --dry-run --bf16 {extra}".split()) == 0
@@ -219,7 +276,13 @@ def test_wandb_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="install the wandb extra: pip install -e .[wandb]")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    assert run(TINY + f"--train-iters 3 --wandb-project demo --wandb-exp-name t --wandb-save-dir {tmp_path}".split()) == 0
+    assert (
+        run(
+            TINY
+            + f"--train-iters 3 --wandb-project demo --wandb-exp-name t --wandb-save-dir {tmp_path}".split()
+        )
+        == 0
+    )
     runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
     assert len(runs) == 1
     files = os.listdir(tmp_path / "wandb" / runs[0])
@@ -241,7 +304,10 @@ def test_torchrun_two_processes_match_one(tmp_path):
 def test_divergence_stops_before_saving(tmp_path, capsys):
     """A NaN gradient norm stops the run (exit 3, one line) before the poisoned weights are saved."""
     ck = tmp_path / "ck"
-    argv = TINY + f"--train-iters 10 --lr 1e30 --lr-warmup-iters 0 --clip-grad 0 --save {ck} --save-interval 1".split()
+    argv = (
+        TINY
+        + f"--train-iters 10 --lr 1e30 --lr-warmup-iters 0 --clip-grad 0 --save {ck} --save-interval 1".split()
+    )
     assert run(argv) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "non-finite gradient norm" in err[0]
@@ -251,21 +317,39 @@ def test_divergence_stops_before_saving(tmp_path, capsys):
     assert f"which {ck}/iter_{it:07d} holds (resuming from it repeats this)" in err[0]
     assert it > 1 or "start again from scratch" in err[0]
     capsys.readouterr()
-    assert run(argv + ["--no-check-for-nan-in-loss-and-grad", "--train-iters", "3", "--save", str(tmp_path / "b")]) == 0
+    assert (
+        run(
+            argv
+            + ["--no-check-for-nan-in-loss-and-grad", "--train-iters", "3", "--save", str(tmp_path / "b")]
+        )
+        == 0
+    )
 
 
 def test_pytorch_profiler_writes_trace_and_summary(tmp_path, capsys):
     prof = tmp_path / "prof"
-    argv = TINY + (f"--train-iters 4 --eval-iters 0 --profile --use-pytorch-profiler --profile-step-start 2 "
-                   f"--profile-step-end 4 --profile-dir {prof}").split()
+    argv = (
+        TINY
+        + (
+            f"--train-iters 4 --eval-iters 0 --profile --use-pytorch-profiler --profile-step-start 2 "
+            f"--profile-step-end 4 --profile-dir {prof}"
+        ).split()
+    )
     assert run(argv) == 0
     out = capsys.readouterr().out
     assert "profile of iterations 2-3 (rank 0)" in out
     assert (prof / "trace_rank0.json").stat().st_size > 1000
     assert (prof / "kernels_rank0.txt").read_text().startswith("GPU kernel time per step")
     breakdown = json.loads((prof / "breakdown_rank0.json").read_text())
-    assert set(breakdown) == {"kernel_ms", "by_category_ms", "idle_ms", "communication_ms",
-                              "exposed_communication_ms", "exposed_pipeline_wait_ms", "host_ops_ms"}
+    assert set(breakdown) == {
+        "kernel_ms",
+        "by_category_ms",
+        "idle_ms",
+        "communication_ms",
+        "exposed_communication_ms",
+        "exposed_pipeline_wait_ms",
+        "host_ops_ms",
+    }
     assert breakdown["exposed_pipeline_wait_ms"] == 0.0  # one process: no pipeline
     # the training thread's operators on the host (a CPU run: all of its work)
     assert breakdown["host_ops_ms"] and breakdown["host_ops_ms"][0] > 0

@@ -36,8 +36,11 @@ def _rank_main() -> int:
         signal.signal(s, lambda *_: None)  # a Python handler: the exec'd child starts with the default
     log = open(os.path.join(out, f"rank{rank}.log"), "w") if os.environ.get("RANK_LOG") else None
     extra = os.environ.get(f"RANK{rank}_ARGS", "").split()
-    rc = subprocess.call([sys.executable, PRETRAIN, *sys.argv[1:], *extra], stdout=log,
-                         stderr=subprocess.STDOUT if log else None)
+    rc = subprocess.call(
+        [sys.executable, PRETRAIN, *sys.argv[1:], *extra],
+        stdout=log,
+        stderr=subprocess.STDOUT if log else None,
+    )
     with open(os.path.join(out, f"rank{rank}.rc"), "w") as f:
         f.write(str(rc))
     return rc
@@ -50,9 +53,11 @@ import pytest  # noqa: E402  (the entry point above needs none of the test impor
 
 from megatron.training import checkpointing  # noqa: E402
 
-TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
-        "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
-        "--lr-warmup-iters 2 --mock-data --vocab-size 128 --log-interval 1 --eval-iters 2").split()
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine "
+    "--lr-warmup-iters 2 --mock-data --vocab-size 128 --log-interval 1 --eval-iters 2"
+).split()
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -83,16 +88,32 @@ def alive(pids: list[int]) -> list[int]:
     return running
 
 
-def torchrun_ranks(nproc: int, args: list[str], out_dir: str, log: bool = False,
-                   per_rank: dict[int, str] | None = None) -> subprocess.Popen:
+def torchrun_ranks(
+    nproc: int, args: list[str], out_dir: str, log: bool = False, per_rank: dict[int, str] | None = None
+) -> subprocess.Popen:
     """torchrun (in a session of its own, as a terminal's foreground job) over this file's
     ``_rank_main``; the ranks' exit codes land in ``out_dir``."""
     env = {**ENV, "RANK_OUT": out_dir, **({"RANK_LOG": "1"} if log else {})}
     env.update({f"RANK{r}_ARGS": a for r, a in (per_rank or {}).items()})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.abspath(__file__), *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            env=env, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        os.path.abspath(__file__),
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def rank_codes(out_dir: str, nproc: int) -> list[int | None]:
@@ -130,6 +151,7 @@ def _wait_gone(pids: list[int], seconds: float) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # The handler and the workers, in one process.
 
+
 @pytest.fixture
 def handler():
     from megatron.training.loop_utils import DistributedSignalHandler
@@ -146,8 +168,10 @@ def test_first_signal_is_recorded_repeated_sigterm_ignored(handler):
     assert handler.received == signal.SIGTERM
 
 
-@pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGINT, signal.SIGTERM),
-                                           (signal.SIGTERM, signal.SIGINT)])
+@pytest.mark.parametrize(
+    "first, second",
+    [(signal.SIGINT, signal.SIGINT), (signal.SIGINT, signal.SIGTERM), (signal.SIGTERM, signal.SIGINT)],
+)
 def test_a_signal_after_ctrl_c_aborts(handler, first, second):
     """A second Ctrl-C aborts; under torchrun it reaches the ranks as SIGTERM."""
     os.kill(os.getpid(), first)
@@ -179,8 +203,15 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_workers_ignore_stop_signals_and_die_with_their_rank():
     """Group-wide SIGTERM and SIGINT leave the workers serving; SIGKILL of the rank alone takes
     them down at once (PR_SET_PDEATHSIG), not after the DataLoader watchdog's 5 s."""
-    proc = subprocess.Popen([sys.executable, "-c", WORKERS_SCRIPT], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKERS_SCRIPT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+        start_new_session=True,
+    )
     try:
         _read_until(proc, "ready")
         workers = children(proc.pid)
@@ -208,9 +239,12 @@ raise RuntimeError("a bug, with the workers running")
 def test_a_crash_with_workers_running_exits_at_once():
     """The workers ignore SIGTERM, which multiprocessing's exit hook sends them before joining: the
     rank's own hook kills them first, so the process ends with its traceback instead of hanging."""
-    res = subprocess.run([sys.executable, "-c", CRASH_SCRIPT], capture_output=True, text=True, cwd=ROOT, env=ENV,
-                         timeout=60)
-    assert res.returncode == 1 and res.stderr.rstrip().endswith("RuntimeError: a bug, with the workers running")
+    res = subprocess.run(
+        [sys.executable, "-c", CRASH_SCRIPT], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=60
+    )
+    assert res.returncode == 1 and res.stderr.rstrip().endswith(
+        "RuntimeError: a bug, with the workers running"
+    )
     assert "DataLoader worker" not in res.stderr
 
 
@@ -232,8 +266,15 @@ def test_workers_started_amid_a_group_signal_survive_it():
     """A SIGTERM to the process group while the workers are still starting (before their init makes
     them ignore it) is held back in them, so they survive it; the rank gets it as usual."""
     for _ in range(3):  # a race: a few tries make a regression show
-        proc = subprocess.Popen([sys.executable, "-c", AMID_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, cwd=ROOT, env=ENV, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", AMID_SCRIPT],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=ENV,
+            start_new_session=True,
+        )
         try:
             out, _ = proc.communicate(timeout=60)
             assert proc.returncode == 0 and "8 served" in out, out[-3000:]
@@ -244,6 +285,7 @@ def test_workers_started_amid_a_group_signal_survive_it():
 
 # ---------------------------------------------------------------------------------------------
 # End to end: finish the step, save a complete checkpoint, every rank exits 0.
+
 
 def _check_saved(ck, out: str, name: str, tracebacks: int = 0, at_least: int = 3) -> None:
     assert f"exiting on {name}" in out, out[-3000:]
@@ -257,10 +299,27 @@ def _check_saved(ck, out: str, name: str, tracebacks: int = 0, at_least: int = 3
 @pytest.mark.parametrize("how", ["SIGTERM to the process", "Ctrl-C (SIGINT to the process group)"])
 def test_single_process_saves_and_exits_0(tmp_path, how):
     ck = tmp_path / "ck"
-    cmd = [sys.executable, PRETRAIN, *TINY, "--num-workers", "2", "--train-iters", "100000", "--save", str(ck),
-           "--exit-signal-handler"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        PRETRAIN,
+        *TINY,
+        "--num-workers",
+        "2",
+        "--train-iters",
+        "100000",
+        "--save",
+        str(ck),
+        "--exit-signal-handler",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+        start_new_session=True,
+    )
     try:
         seen = _read_until(proc, "iteration        3/")
         workers = children(proc.pid)
@@ -295,8 +354,11 @@ def test_torchrun_two_ranks_save_and_exit_0(tmp_path, way):
     max-reduced with the step results, so both finish the same step and save one checkpoint."""
     target, sig, torchrun_rc = WAYS[way]
     ck = tmp_path / "ck"
-    proc = torchrun_ranks(2, [*TINY, "--num-workers", "2", "--train-iters", "100000", "--save", str(ck),
-                              "--exit-signal-handler"], str(tmp_path))
+    proc = torchrun_ranks(
+        2,
+        [*TINY, "--num-workers", "2", "--train-iters", "100000", "--save", str(ck), "--exit-signal-handler"],
+        str(tmp_path),
+    )
     try:
         seen = _read_until(proc, "iteration        3/")
         groups = sorted(children(proc.pid))  # the wrappers: each leads its rank's process group

@@ -31,10 +31,30 @@ def _rank_of(pid: int) -> int:
 def _job_with_rank_1_hit(sig: signal.Signals, extra: list[str], timeout: float) -> tuple[str, int, float]:
     """Two ranks under torchrun; ``sig`` to rank 1 once it has trained a while. Returns (everything
     the job printed, rank 1's pid, seconds from the signal to torchrun's exit)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", PRETRAIN, *TINY,
-           "--num-workers", "0", "--train-iters", "100000", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=ENV,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        PRETRAIN,
+        *TINY,
+        "--num-workers",
+        "0",
+        "--train-iters",
+        "100000",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+        start_new_session=True,
+    )
     try:
         # Rank 1 prints the log lines; by iteration 40 its heartbeat (every second) holds an iteration.
         seen = _read_until(proc, "iteration       40/")
@@ -54,7 +74,9 @@ def _job_with_rank_1_hit(sig: signal.Signals, extra: list[str], timeout: float) 
 
 def _summary(out: str) -> tuple[dict[int, str], int]:
     """torchrun's summary: {rank: exit code} of every failure, and the root cause's rank."""
-    codes = {int(r): c for r, c in re.findall(r"rank +: (\d+) \(local_rank: \d+\)\n +exitcode +: (-?\d+)", out)}
+    codes = {
+        int(r): c for r, c in re.findall(r"rank +: (\d+) \(local_rank: \d+\)\n +exitcode +: (-?\d+)", out)
+    }
     root = re.search(r"Root Cause.*?rank +: (\d+)", out, re.S)
     assert root, out[-3000:]
     return codes, int(root.group(1))
@@ -79,8 +101,12 @@ def test_a_stopped_rank_ends_the_job_after_the_timeout():
     """SIGSTOP of rank 1: rank 0 waits --distributed-timeout-minutes 1 for it (every process group
     honours the flag, and so does the heartbeat watch), names it, kills the stopped process (which
     torchrun's SIGTERM would only wait 30 s for) and exits 4."""
-    out, pid, elapsed = _job_with_rank_1_hit(signal.SIGSTOP, ["--distributed-timeout-minutes", "1"], timeout=150)
-    _check_one_line(out, pid, "stopped responding", "its process is stopped", "--distributed-timeout-minutes 1")
+    out, pid, elapsed = _job_with_rank_1_hit(
+        signal.SIGSTOP, ["--distributed-timeout-minutes", "1"], timeout=150
+    )
+    _check_one_line(
+        out, pid, "stopped responding", "its process is stopped", "--distributed-timeout-minutes 1"
+    )
     assert 55 < elapsed < 90, elapsed
     codes, root = _summary(out)
     assert codes == {0: "4", 1: "-9"} and root == 1, out[-3000:]
@@ -105,12 +131,15 @@ def test_a_timeout_below_one_minute_is_refused(capsys, minutes):
     assert f"--distributed-timeout-minutes must be a whole number of minutes >= 1, got {minutes}" in err, err
 
 
-@pytest.mark.parametrize("text", [
-    "Application timeout caused pair closure",  # gloo's async work (a DDP bucket's handle.wait())
-    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234",
-    "Timed out waiting 60000ms for recv operation to complete",
-    "NCCL communicator was aborted on rank 0",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Application timeout caused pair closure",  # gloo's async work (a DDP bucket's handle.wait())
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234",
+        "Timed out waiting 60000ms for recv operation to complete",
+        "NCCL communicator was aborted on rank 0",
+    ],
+)
 def test_the_errors_a_lost_peer_causes_are_communication_errors(text):
     """Each of these, raised in a collective, makes the rank look for the lost peer instead of
     printing the traceback (the stopped-rank test above ends in the first of them on some runs)."""

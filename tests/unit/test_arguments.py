@@ -10,8 +10,10 @@ from megatron.training.arguments import build_parser, configs_from_namespace, fl
 from megatron.training.validation import validate_run_config
 
 SNAPSHOT = os.path.join(os.path.dirname(__file__), "snapshots", "pretrain_gpt_flags.txt")
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128").split()
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128"
+).split()
 
 
 def test_flag_snapshot():
@@ -23,30 +25,94 @@ def test_flag_snapshot():
 
 def test_megatron_spellings_present():
     flags = set(flag_list())
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--group-query-attention",
-                 "--num-query-groups", "--kv-channels", "--ffn-hidden-size", "--normalization", "--norm-epsilon",
-                 "--swiglu", "--disable-bias-linear", "--qk-layernorm", "--position-embedding-type",
-                 "--rotary-base", "--rotary-percent", "--hidden-dropout", "--attention-dropout",
-                 "--init-method-std", "--untie-embeddings-and-output-weights", "--make-vocab-size-divisible-by",
-                 "--seq-length", "--max-position-embeddings", "--micro-batch-size", "--global-batch-size",
-                 "--train-iters", "--train-samples", "--lr", "--min-lr", "--lr-decay-style", "--lr-warmup-iters",
-                 "--lr-warmup-fraction", "--lr-warmup-samples", "--lr-decay-iters", "--lr-decay-samples",
-                 "--weight-decay", "--start-weight-decay", "--end-weight-decay", "--weight-decay-incr-style",
-                 "--clip-grad", "--optimizer", "--adam-beta1", "--adam-beta2", "--adam-eps", "--bf16", "--fp16",
-                 "--loss-scale", "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
-                 "--seed", "--mock-data", "--tokenizer-type", "--vocab-size", "--eval-interval", "--eval-iters",
-                 "--log-interval", "--save", "--load", "--save-interval", "--no-load-optim", "--no-load-rng",
-                 "--finetune", "--exit-interval", "--exit-duration-in-mins", "--exit-signal-handler",
-                 "--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir"):
-            assert flag in flags, flag
+    for flag in (
+        "--num-layers",
+        "--hidden-size",
+        "--num-attention-heads",
+        "--group-query-attention",
+        "--num-query-groups",
+        "--kv-channels",
+        "--ffn-hidden-size",
+        "--normalization",
+        "--norm-epsilon",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--qk-layernorm",
+        "--position-embedding-type",
+        "--rotary-base",
+        "--rotary-percent",
+        "--hidden-dropout",
+        "--attention-dropout",
+        "--init-method-std",
+        "--untie-embeddings-and-output-weights",
+        "--make-vocab-size-divisible-by",
+        "--seq-length",
+        "--max-position-embeddings",
+        "--micro-batch-size",
+        "--global-batch-size",
+        "--train-iters",
+        "--train-samples",
+        "--lr",
+        "--min-lr",
+        "--lr-decay-style",
+        "--lr-warmup-iters",
+        "--lr-warmup-fraction",
+        "--lr-warmup-samples",
+        "--lr-decay-iters",
+        "--lr-decay-samples",
+        "--weight-decay",
+        "--start-weight-decay",
+        "--end-weight-decay",
+        "--weight-decay-incr-style",
+        "--clip-grad",
+        "--optimizer",
+        "--adam-beta1",
+        "--adam-beta2",
+        "--adam-eps",
+        "--bf16",
+        "--fp16",
+        "--loss-scale",
+        "--initial-loss-scale",
+        "--min-loss-scale",
+        "--loss-scale-window",
+        "--hysteresis",
+        "--seed",
+        "--mock-data",
+        "--tokenizer-type",
+        "--vocab-size",
+        "--eval-interval",
+        "--eval-iters",
+        "--log-interval",
+        "--save",
+        "--load",
+        "--save-interval",
+        "--no-load-optim",
+        "--no-load-rng",
+        "--finetune",
+        "--exit-interval",
+        "--exit-duration-in-mins",
+        "--exit-signal-handler",
+        "--tensorboard-dir",
+        "--wandb-project",
+        "--wandb-exp-name",
+        "--wandb-save-dir",
+    ):
+        assert flag in flags, flag
 
 
 def test_flags_map_onto_configs():
-    cfg = parse_run_config(BASE + "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --bf16 "
-                     "--group-query-attention --num-query-groups 2 --normalization RMSNorm --norm-epsilon 1e-6 "
-                     "--no-load-optim --global-batch-size 8".split())
+    cfg = parse_run_config(
+        BASE
+        + "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --bf16 "
+        "--group-query-attention --num-query-groups 2 --normalization RMSNorm --norm-epsilon 1e-6 "
+        "--no-load-optim --global-batch-size 8".split()
+    )
     m = cfg.model
-    assert (m.activation, m.add_bias_linear, m.share_embeddings_and_output_weights) == ("swiglu", False, False)
+    assert (m.activation, m.add_bias_linear, m.share_embeddings_and_output_weights) == (
+        "swiglu",
+        False,
+        False,
+    )
     assert m.params_dtype == torch.bfloat16 and cfg.optimizer.bf16 and m.num_query_groups == 2
     assert m.layernorm_epsilon == 1e-6 and cfg.checkpoint.load_optim is False
     assert cfg.training.global_batch_size == 8 and cfg.tokenizer.tokenizer_type == "NullTokenizer"
@@ -107,11 +173,25 @@ def test_unknown_flag_one_line_with_suggestion(capsys):
 def test_megatron_compat_flags_are_accepted_without_effect():
     """Flags asking for what this package always does (Megatron-LM scripts pass them) change nothing
     and are noted once each."""
-    compat = ["--use-mcore-models", "--use-flash-attn", "--attention-softmax-in-fp32", "--log-memory-to-tensorboard",
-              "--log-validation-ppl-to-tensorboard", "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
-              "--attention-backend", "flash", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
-              "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
-              "--accumulate-allreduce-grads-in-fp32"]
+    compat = [
+        "--use-mcore-models",
+        "--use-flash-attn",
+        "--attention-softmax-in-fp32",
+        "--log-memory-to-tensorboard",
+        "--log-validation-ppl-to-tensorboard",
+        "--context-parallel-size",
+        "1",
+        "--expert-model-parallel-size",
+        "1",
+        "--attention-backend",
+        "flash",
+        "--no-masked-softmax-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-bias-swiglu-fusion",
+        "--no-rope-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--accumulate-allreduce-grads-in-fp32",
+    ]
     cfg = parse_run_config(BASE + compat)
     assert cfg.to_dict() == parse_run_config(BASE).to_dict()
     assert all(flag in " ".join(cfg.notes) for flag in compat if flag.startswith("--"))
@@ -129,7 +209,9 @@ def test_megatron_compat_flags_asking_for_something_else_are_refused(capsys):
     with pytest.raises(SystemExit):
         parse_run_config(BASE + ["--attention-backend", "unfused"])
     assert "--attention-backend unfused: attention always runs through" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16"):
+    with pytest.raises(
+        ValueError, match="--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16"
+    ):
         parse_run_config(BASE + ["--bf16", "--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"])
 
 
@@ -140,7 +222,9 @@ def test_megatron_position_embedding_spellings():
     assert pos(["--use-rotary-position-embeddings", "--no-position-embedding"]) == "rope"
     assert pos(["--no-position-embedding"]) == "none"
     assert pos([]) == "learned_absolute"
-    with pytest.raises(ValueError, match="--use-rotary-position-embeddings contradicts --position-embedding-type none"):
+    with pytest.raises(
+        ValueError, match="--use-rotary-position-embeddings contradicts --position-embedding-type none"
+    ):
         pos(["--use-rotary-position-embeddings", "--position-embedding-type", "none"])
 
 
@@ -152,13 +236,18 @@ def test_context_and_expert_parallel_sizes_other_than_one_are_refused(capsys, fl
     assert re.search(f"{flag} 2: .*not built yet.*pass {flag} 1 or drop it", capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--async-save"], "--async-save: asynchronous checkpoint saving is not built yet"),
-    (["--moe-router-topk", "2"], "--moe-router-topk 2: mixture-of-experts layers are not built yet"),
-    (["--checkpoint-activations", "--use-torch-fsdp2"], "--checkpoint-activations: Megatron-LM removed it; use "
-                                                        "--recompute-granularity full"),
-    (["--fp8-output-proj", "--num-layer", "3"], "--fp8-output-proj: this FP8 setting is not built"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--async-save"], "--async-save: asynchronous checkpoint saving is not built yet"),
+        (["--moe-router-topk", "2"], "--moe-router-topk 2: mixture-of-experts layers are not built yet"),
+        (
+            ["--checkpoint-activations", "--use-torch-fsdp2"],
+            "--checkpoint-activations: Megatron-LM removed it; use --recompute-granularity full",
+        ),
+        (["--fp8-output-proj", "--num-layer", "3"], "--fp8-output-proj: this FP8 setting is not built"),
+    ],
+)
 def test_megatron_flags_not_taken_get_one_line_saying_what_to_do(capsys, argv, expected):
     with pytest.raises(SystemExit) as e:
         parse_run_config(BASE + argv)
@@ -170,8 +259,10 @@ def test_megatron_flags_not_taken_get_one_line_saying_what_to_do(capsys, argv, e
     if "--use-torch-fsdp2" in argv:
         assert "--use-torch-fsdp2: FSDP is not built yet; --use-distributed-optimizer" in err[2]
     if "--num-layer" in argv:  # a plain typo beside it is still named
-        assert "--num-layer: not a flag of pretrain_gpt.py nor of Megatron-LM 0.19.2; did you mean --num-layers?" \
+        assert (
+            "--num-layer: not a flag of pretrain_gpt.py nor of Megatron-LM 0.19.2; did you mean --num-layers?"
             in err[2]
+        )
 
 
 def test_flag_reference_is_current():
@@ -179,7 +270,9 @@ def test_flag_reference_is_current():
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    spec = importlib.util.spec_from_file_location("flag_reference", os.path.join(root, "tools", "flag_reference.py"))
+    spec = importlib.util.spec_from_file_location(
+        "flag_reference", os.path.join(root, "tools", "flag_reference.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with open(os.path.join(root, "docs", "flags.md")) as f:
@@ -194,7 +287,12 @@ def test_overlap_p2p_communication_is_on_by_default_and_can_be_turned_off():
 def test_compiled_layers_are_accepted_under_tensor_parallelism(monkeypatch):
     """Compiled tp2 + SP layers equal eager ones on NCCL (tests/distributed/test_compile.py) and train."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert parse_run_config(BASE + "--tensor-model-parallel-size 2 --torch-compile on".split()).impl.torch_compile == "on"
+    assert (
+        parse_run_config(
+            BASE + "--tensor-model-parallel-size 2 --torch-compile on".split()
+        ).impl.torch_compile
+        == "on"
+    )
     assert parse_run_config(BASE + "--tensor-model-parallel-size 2".split()).impl.torch_compile == "auto"
 
 
@@ -210,7 +308,9 @@ def test_overlap_param_gather_needs_the_distributed_optimizer_and_overlapped_red
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--overlap-param-gather needs --use-distributed-optimizer"):
         parse_run_config(BASE + ["--overlap-param-gather", "--use-distributed-optimizer"])
-    cfg = parse_run_config(BASE + "--overlap-param-gather --use-distributed-optimizer --overlap-grad-reduce".split())
+    cfg = parse_run_config(
+        BASE + "--overlap-param-gather --use-distributed-optimizer --overlap-grad-reduce".split()
+    )
     assert cfg.ddp.overlap_param_gather
 
 
@@ -227,11 +327,23 @@ def test_virtual_stage_errors_name_the_uneven_split(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert BASE[:2] == ["--num-layers", "2"]
     base = ["--num-layers", "26"] + BASE[2:] + ["--global-batch-size", "16"]
-    with pytest.raises(ValueError, match="divisible by --pipeline-model-parallel-size .4.; for an uneven split"):
-        parse_run_config(base + "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2".split())
+    with pytest.raises(
+        ValueError, match="divisible by --pipeline-model-parallel-size .4.; for an uneven split"
+    ):
+        parse_run_config(
+            base + "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2".split()
+        )
     with pytest.raises(ValueError, match="does not divide the --num-layers 24"):
-        parse_run_config(["--num-layers", "24"] + base[2:]
-                   + "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4".split())
-    cfg = parse_run_config(base + ("--pipeline-model-parallel-size 4 --virtual-pipeline-model-parallel-size 2 "
-                             "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 4").split())
+        parse_run_config(
+            ["--num-layers", "24"]
+            + base[2:]
+            + "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4".split()
+        )
+    cfg = parse_run_config(
+        base
+        + (
+            "--pipeline-model-parallel-size 4 --virtual-pipeline-model-parallel-size 2 "
+            "--decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 4"
+        ).split()
+    )
     assert cfg.model.virtual_pipeline_model_parallel_size == 2

@@ -27,8 +27,14 @@ S = 12
 
 
 def tiny(**kw) -> TransformerConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, hidden_dropout=0.0,
-                attention_dropout=0.0)
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -63,7 +69,9 @@ def sdpa_calls(monkeypatch) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ detection
 def test_causal_masks_of_every_accepted_shape_become_none():
     c = causal_mask(S, torch.device("cpu"))
-    assert c.shape == (1, 1, S, S) and c.dtype == torch.bool and bool(c[0, 0, 0, 1]) and not bool(c[0, 0, 1, 0])
+    assert (
+        c.shape == (1, 1, S, S) and c.dtype == torch.bool and bool(c[0, 0, 0, 1]) and not bool(c[0, 0, 1, 0])
+    )
     for mask in (c, c.expand(3, 1, S, S).clone(), c[0].expand(3, S, S).clone()):
         assert mask_for_attention(mask, S) is None
     assert mask_for_attention(None, S) is None
@@ -131,7 +139,9 @@ def test_model_applies_a_packed_mask_like_separate_documents(sdpa_calls):
 # ------------------------------------------------------------------------------------------------ datasets
 def _mock(**flags) -> MockGPTDataset:
     """A mock dataset over 20 documents shorter than a sample (one epoch), so samples hold EODs."""
-    cfg = GPTDatasetConfig(random_seed=0, sequence_length=S, tokenizer=NullTokenizer(20), log=lambda _: None, **flags)
+    cfg = GPTDatasetConfig(
+        random_seed=0, sequence_length=S, tokenizer=NullTokenizer(20), log=lambda _: None, **flags
+    )
     low = MockGPTLowLevelDataset(cfg.tokenizer)
     short = np.flatnonzero(low.sequence_lengths < S // 2)[:20].astype(np.int32)
     return MockGPTDataset(low, None, short, None, Split.train, cfg)
@@ -143,7 +153,10 @@ def test_datasets_emit_one_cached_causal_mask():
         a, b = train[0]["attention_mask"], train[1]["attention_mask"]
         assert torch.equal(a, causal_mask(S, torch.device("cpu"))[0]) and a is b  # built once
         batch = torch.utils.data.default_collate([train[0], train[1]])
-        assert batch["attention_mask"].shape == (2, 1, S, S) and mask_for_attention(batch["attention_mask"], S) is None
+        assert (
+            batch["attention_mask"].shape == (2, 1, S, S)
+            and mask_for_attention(batch["attention_mask"], S) is None
+        )
 
 
 def test_create_attention_mask_false_leaves_it_out():

@@ -29,13 +29,21 @@ class Optimizer:
 
     def __init__(self, model: nn.Module, main_params: bool = False) -> None:
         self.state = {n: torch.full_like(p, 0.5, dtype=torch.float32) for n, p in model.named_parameters()}
-        self.main = {n: p.detach().float().clone() for n, p in model.named_parameters()} if main_params else {}
+        self.main = (
+            {n: p.detach().float().clone() for n, p in model.named_parameters()} if main_params else {}
+        )
 
     def sharded_state_dict(self, model_sd: dict) -> dict:
-        out = {f"m.{n}": ShardedTensor(f"optimizer.exp_avg.{n}", t, tuple(t.shape), (0,) * t.dim())
-               for n, t in self.state.items()}
-        out.update({f"p.{n}": ShardedTensor(f"optimizer.fp32_param.{n}", t, tuple(t.shape), (0,) * t.dim())
-                    for n, t in self.main.items()})
+        out = {
+            f"m.{n}": ShardedTensor(f"optimizer.exp_avg.{n}", t, tuple(t.shape), (0,) * t.dim())
+            for n, t in self.state.items()
+        }
+        out.update(
+            {
+                f"p.{n}": ShardedTensor(f"optimizer.fp32_param.{n}", t, tuple(t.shape), (0,) * t.dim())
+                for n, t in self.main.items()
+            }
+        )
         return out
 
     def load_sharded_state_dict(self, sd: dict) -> None:
@@ -52,8 +60,14 @@ def _sd(model: nn.Module) -> dict:
 
 
 def _save(root, iteration: int, model: nn.Module, **kw) -> None:
-    ckpt.save_checkpoint(str(root), iteration, _sd(model), Optimizer(model), extra_state={"iteration": iteration},
-                         **{**QUIET, **kw})
+    ckpt.save_checkpoint(
+        str(root),
+        iteration,
+        _sd(model),
+        Optimizer(model),
+        extra_state={"iteration": iteration},
+        **{**QUIET, **kw},
+    )
 
 
 def _load(root, model: nn.Module, **kw) -> dict | None:
@@ -66,6 +80,7 @@ def _weight(model: nn.Module) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------
 # 1. kill -9 while (re-)saving the iteration the tracker names
+
 
 def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
@@ -113,8 +128,9 @@ def _resave_and_die(root: str, point: str) -> None:
     _save(root, 6, model)
 
 
-@pytest.mark.parametrize("point, loads", [("while-writing", "old"), ("between-renames", "new"),
-                                          ("before-removing-the-old", "new")])
+@pytest.mark.parametrize(
+    "point, loads", [("while-writing", "old"), ("between-renames", "new"), ("before-removing-the-old", "new")]
+)
 def test_kill_during_resave_leaves_a_complete_checkpoint(tmp_path, point, loads):
     model = _model()
     _save(tmp_path, 6, model)
@@ -131,7 +147,10 @@ def test_kill_during_resave_leaves_a_complete_checkpoint(tmp_path, point, loads)
     assert _load(tmp_path, fresh)["iteration"] == 6
     torch.testing.assert_close(_weight(fresh), old if loads == "old" else old + 1.0, rtol=0, atol=0)
     # repaired by the load: no .replaced left (a partial .saving of the killed write may stay)
-    assert set(os.listdir(tmp_path)) - {"iter_0000006.saving"} == {"iter_0000006", "latest_checkpointed_iteration.txt"}
+    assert set(os.listdir(tmp_path)) - {"iter_0000006.saving"} == {
+        "iter_0000006",
+        "latest_checkpointed_iteration.txt",
+    }
     _save(tmp_path, 6, model)  # the next save of the iteration clears what the killed one left
     assert sorted(os.listdir(tmp_path)) == ["iter_0000006", "latest_checkpointed_iteration.txt"]
 
@@ -152,6 +171,7 @@ def test_load_reads_a_set_aside_checkpoint_it_cannot_rename(tmp_path, monkeypatc
 
 # ------------------------------------------------------------------------------------------------
 # 2. non-finite weights are recorded, refused on request, and never named as a checkpoint to resume from
+
 
 def test_non_finite_state_is_recorded_refused_and_skipped(tmp_path):
     model = _model()
@@ -202,9 +222,12 @@ def _full_on_rank_1(rank: int, port: int, root: str, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         weight = torch.ones(4, 4)
-        sd = {"w": ShardedTensor.from_rank_offsets("w", weight[2 * rank: 2 * rank + 2].clone(), (0, rank, 2))}
+        sd = {
+            "w": ShardedTensor.from_rank_offsets("w", weight[2 * rank : 2 * rank + 2].clone(), (0, rank, 2))
+        }
         ckpt.save_checkpoint(root, 1, sd, extra_state={}, **QUIET)
         if rank == 1:
+
             def full(self, b):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -222,7 +245,9 @@ def test_disk_full_on_another_rank_stops_every_rank_with_the_same_line(tmp_path)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     root = str(tmp_path / "ck")
-    mp.start_processes(_full_on_rank_1, args=(_free_port(), root, queue), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        _full_on_rank_1, args=(_free_port(), root, queue), nprocs=2, join=True, start_method="spawn"
+    )
     got = dict(queue.get(timeout=5) for _ in range(2))
     assert got[0] == got[1] and "No space left on device" in got[0] and "(rank 1)" in got[0], got
     assert "__1_0.distcp" in got[0] and "still names iteration 1" in got[0]
@@ -232,16 +257,20 @@ def test_disk_full_on_another_rank_stops_every_rank_with_the_same_line(tmp_path)
 # ------------------------------------------------------------------------------------------------
 # 4. damaged files of the checkpoint to load: one line naming the file and another checkpoint to load
 
+
 def _truncate(path) -> None:
     os.truncate(path, os.path.getsize(path) // 2)
 
 
-@pytest.mark.parametrize("damage, file, says", [
-    (_truncate, "__0_0.distcp", "is truncated"),
-    (os.remove, "__0_0.distcp", "is missing"),
-    (os.remove, ".metadata", "is missing"),
-    (_truncate, ".metadata", "cannot be read"),
-])
+@pytest.mark.parametrize(
+    "damage, file, says",
+    [
+        (_truncate, "__0_0.distcp", "is truncated"),
+        (os.remove, "__0_0.distcp", "is missing"),
+        (os.remove, ".metadata", "is missing"),
+        (_truncate, ".metadata", "cannot be read"),
+    ],
+)
 def test_damaged_file_is_named_with_the_checkpoint_to_load_instead(tmp_path, damage, file, says):
     model = _model()
     _save(tmp_path, 3, model)
@@ -257,6 +286,7 @@ def test_damaged_file_is_named_with_the_checkpoint_to_load_instead(tmp_path, dam
 
 # ------------------------------------------------------------------------------------------------
 # 5. another precision, a tracker that is not text, --load naming one checkpoint
+
 
 def test_optimizer_state_of_another_precision_names_the_flag(tmp_path):
     _save(tmp_path, 2, _model())  # fp32: no fp32 main-parameter copies in the optimizer state
@@ -284,14 +314,17 @@ def test_load_of_one_iteration_directory_loads_it(tmp_path):
     _save(tmp_path, 6, model)
     lines: list[str] = []
     assert _load(tmp_path / "iter_0000003", _model(), log=lines.append)["iteration"] == 3
-    assert lines[0] == (f"--load {tmp_path / 'iter_0000003'} is the checkpoint of iteration 3: loading it as "
-                        f"--load {tmp_path} --ckpt-step 3")
+    assert lines[0] == (
+        f"--load {tmp_path / 'iter_0000003'} is the checkpoint of iteration 3: loading it as "
+        f"--load {tmp_path} --ckpt-step 3"
+    )
     with pytest.raises(ConfigError, match="--ckpt-step 6 asks for another"):
         _load(tmp_path / "iter_0000003", _model(), ckpt_step=6)
 
 
 # ------------------------------------------------------------------------------------------------
 # 6. --save that cannot be written
+
 
 def test_save_dir_checks(tmp_path):
     (tmp_path / "file").write_text("x")
@@ -300,7 +333,10 @@ def test_save_dir_checks(tmp_path):
     with pytest.raises(ConfigError, match="cannot be created: .*file is a file"):
         checkpoint_dirs.check_save_dir(str(tmp_path / "file" / "ck"))
     _save(tmp_path / "run", 3, _model())
-    with pytest.raises(ValueError, match=f"one checkpoint .*pass the directory that holds the checkpoints, {tmp_path / 'run'}$"):
+    with pytest.raises(
+        ValueError,
+        match=f"one checkpoint .*pass the directory that holds the checkpoints, {tmp_path / 'run'}$",
+    ):
         checkpoint_dirs.check_save_dir(str(tmp_path / "run" / "iter_0000003"))
     checkpoint_dirs.check_save_dir(str(tmp_path / "new" / "deeper"))  # can be created
     assert not (tmp_path / "new").exists()  # and was not: the check has no side effect
@@ -312,6 +348,9 @@ def test_save_dir_under_a_read_only_directory(tmp_path):
             if os.geteuid() == 0:
                 pytest.skip("root without the right to mount: no read-only directory to test with")
             os.chmod(tmp_path / "ro", 0o555)
-        with pytest.raises(ValueError, match=r"ro/ck cannot be created: .*ro is not writable \((a read-only file "
-                                             r"system|no write permission)\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"ro/ck cannot be created: .*ro is not writable \((a read-only file "
+            r"system|no write permission)\)",
+        ):
             checkpoint_dirs.check_save_dir(str(tmp_path / "ro" / "ck"))

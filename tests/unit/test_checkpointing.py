@@ -19,8 +19,14 @@ ARGS = {"model": {"num_layers": 2, "hidden_size": 4, "ffn_hidden_size": [8, 8]},
 
 
 def _extra(iteration: int) -> dict:
-    return {"iteration": iteration, "consumed_train_samples": 10 * iteration, "consumed_valid_samples": 0,
-            "num_floating_point_operations_so_far": 1e9, "args": ARGS, "checkpoint_version": 3.0}
+    return {
+        "iteration": iteration,
+        "consumed_train_samples": 10 * iteration,
+        "consumed_valid_samples": 0,
+        "num_floating_point_operations_so_far": 1e9,
+        "args": ARGS,
+        "checkpoint_version": 3.0,
+    }
 
 
 def _model_sd(model: nn.Module) -> dict:
@@ -36,8 +42,12 @@ class FakeOptimizer:
         self.loaded = False
 
     def sharded_state_dict(self, model_sd: dict) -> dict:
-        state = {n: ShardedTensor(f"optimizer.exp_avg.{st.key}", self.exp_avg[n], st.global_shape,
-                                  st.global_offset) for n, st in model_sd.items()}
+        state = {
+            n: ShardedTensor(
+                f"optimizer.exp_avg.{st.key}", self.exp_avg[n], st.global_shape, st.global_offset
+            )
+            for n, st in model_sd.items()
+        }
         return {"state": state, "step": self.step}
 
     def load_sharded_state_dict(self, sd: dict) -> None:
@@ -63,7 +73,9 @@ def _setup(seed: int = 0):
 
 
 def _save(root, iteration, model, opt, sched, **kw):
-    ckpt.save_checkpoint(str(root), iteration, _model_sd(model), opt, sched, extra_state=_extra(iteration), **kw)
+    ckpt.save_checkpoint(
+        str(root), iteration, _model_sd(model), opt, sched, extra_state=_extra(iteration), **kw
+    )
 
 
 def test_round_trip_restores_everything(tmp_path):
@@ -73,10 +85,15 @@ def test_round_trip_restores_everything(tmp_path):
     np.random.seed(3)
     _save(tmp_path, 100, model, opt, sched, log=lines.append)
     expected_draws = (random.random(), np.random.rand(), torch.rand(2))
-    saved = ({k: v.clone() for k, v in model.state_dict().items()}, {k: v.clone() for k, v in opt.exp_avg.items()})
+    saved = (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        {k: v.clone() for k, v in opt.exp_avg.items()},
+    )
 
-    assert lines == [f"saving checkpoint at iteration     100 to {tmp_path} in torch_dist format",
-                     f"  successfully saved checkpoint from iteration     100 to {tmp_path}"]
+    assert lines == [
+        f"saving checkpoint at iteration     100 to {tmp_path} in torch_dist format",
+        f"  successfully saved checkpoint from iteration     100 to {tmp_path}",
+    ]
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "100"
     assert ckpt.read_tracker(str(tmp_path)) == 100
     assert ckpt.get_checkpoint_name(str(tmp_path), 100) == str(tmp_path / "iter_0000100")
@@ -85,8 +102,14 @@ def test_round_trip_restores_everything(tmp_path):
     model2, opt2, sched2 = _setup(seed=1)
     sched2.num_steps, opt2.step = 0, 0
     lines.clear()
-    extra = ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), opt2, sched2, log=lines.append,
-                                 model_args_check={"--num-layers": 2, "--hidden-size": 4})
+    extra = ckpt.load_checkpoint(
+        str(tmp_path),
+        _model_sd(model2),
+        opt2,
+        sched2,
+        log=lines.append,
+        model_args_check={"--num-layers": 2, "--hidden-size": 4},
+    )
     assert extra == _extra(100)
     for k, v in model2.state_dict().items():
         torch.testing.assert_close(v, saved[0][k], rtol=0, atol=0)
@@ -95,8 +118,10 @@ def test_round_trip_restores_everything(tmp_path):
     assert opt2.loaded and opt2.step == 5 and sched2.num_steps == 100
     assert (random.random(), np.random.rand()) == expected_draws[:2]
     torch.testing.assert_close(torch.rand(2), expected_draws[2], rtol=0, atol=0)
-    assert lines == [f"loading checkpoint from {tmp_path} at iteration 100",
-                     f"  successfully loaded checkpoint from {tmp_path} at iteration 100"]
+    assert lines == [
+        f"loading checkpoint from {tmp_path} at iteration 100",
+        f"  successfully loaded checkpoint from {tmp_path} at iteration 100",
+    ]
 
 
 def test_fresh_start_and_exit_on_missing(tmp_path):
@@ -104,7 +129,10 @@ def test_fresh_start_and_exit_on_missing(tmp_path):
     lines: list[str] = []
     for d in (tmp_path / "absent", tmp_path):
         assert ckpt.load_checkpoint(str(d), _model_sd(model), log=lines.append) is None
-    assert lines[-1] == f"no checkpoint found in {tmp_path} (no latest_checkpointed_iteration.txt): starting from scratch"
+    assert (
+        lines[-1]
+        == f"no checkpoint found in {tmp_path} (no latest_checkpointed_iteration.txt): starting from scratch"
+    )
     with pytest.raises(CheckpointError, match="--exit-on-missing-checkpoint"):
         ckpt.load_checkpoint(str(tmp_path), _model_sd(model), exit_on_missing_checkpoint=True)
 
@@ -128,17 +156,32 @@ def test_model_args_mismatch_lists_each_flag(tmp_path):
 APP = dict(bias_gelu_fusion=True)  # the training application's default (Megatron-LM's bias-GELU fusion)
 
 
-@pytest.mark.parametrize("saved, kw, says", [
-    ({}, APP, "trained with the exact (erf) GELU (it predates the flag); this run computes Megatron-LM's tanh "
-              "approximation of GELU. To keep the checkpoint's, pass --no-bias-gelu-fusion"),
-    ({"config": {"model": {"bias_gelu_fusion": True}}}, APP, None),
-    ({"config": {"model": {"bias_gelu_fusion": False}}}, APP, "pass --no-bias-gelu-fusion"),
-    ({}, {}, None),  # the library's default is Megatron-Core's exact GELU, as the old checkpoints computed
-    ({"config": {"model": {"bias_gelu_fusion": True}}}, dict(bias_gelu_fusion=False), "drop --no-bias-gelu-fusion"),
-    ({"config": {"model": {"bias_gelu_fusion": False}}}, dict(bias_gelu_fusion=False), None),
-    ({}, dict(activation="swiglu", add_bias_linear=False), None),  # SwiGLU: no GELU to change
-    ({}, dict(add_bias_linear=False), None),  # no biases: exact GELU before and after
-])
+@pytest.mark.parametrize(
+    "saved, kw, says",
+    [
+        (
+            {},
+            APP,
+            "trained with the exact (erf) GELU (it predates the flag); this run computes Megatron-LM's tanh "
+            "approximation of GELU. To keep the checkpoint's, pass --no-bias-gelu-fusion",
+        ),
+        ({"config": {"model": {"bias_gelu_fusion": True}}}, APP, None),
+        ({"config": {"model": {"bias_gelu_fusion": False}}}, APP, "pass --no-bias-gelu-fusion"),
+        (
+            {},
+            {},
+            None,
+        ),  # the library's default is Megatron-Core's exact GELU, as the old checkpoints computed
+        (
+            {"config": {"model": {"bias_gelu_fusion": True}}},
+            dict(bias_gelu_fusion=False),
+            "drop --no-bias-gelu-fusion",
+        ),
+        ({"config": {"model": {"bias_gelu_fusion": False}}}, dict(bias_gelu_fusion=False), None),
+        ({}, dict(activation="swiglu", add_bias_linear=False), None),  # SwiGLU: no GELU to change
+        ({}, dict(add_bias_linear=False), None),  # no biases: exact GELU before and after
+    ],
+)
 def test_resuming_with_another_gelu_says_so(saved, kw, says):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.training.loop_utils import gelu_change_note
@@ -166,8 +209,9 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         return original(self, item)
 
     monkeypatch.setattr(dcp_backend._BlockSavePlanner, "resolve_data", dying_resolve_data)
-    with pytest.raises(RuntimeError,
-                       match=r"(?s)writing checkpoint .*iter_0000200\.saving failed on ranks \[0\].*simulated"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)writing checkpoint .*iter_0000200\.saving failed on ranks \[0\].*simulated"
+    ):
         _save(tmp_path, 200, model, opt, sched, log=lambda _: None)
     monkeypatch.setattr(dcp_backend._BlockSavePlanner, "resolve_data", original)
 
@@ -202,7 +246,9 @@ def test_tracker_write_is_atomic_and_validated(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["latest_checkpointed_iteration.txt"]  # no temp file left
 
     model, _, _ = _setup()
-    with pytest.raises(CheckpointError, match=r"(?s)iter_0000100 does not exist.*latest_checkpointed_iteration.txt"):
+    with pytest.raises(
+        CheckpointError, match=r"(?s)iter_0000100 does not exist.*latest_checkpointed_iteration.txt"
+    ):
         ckpt.load_checkpoint(str(tmp_path), _model_sd(model), log=lambda _: None)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("banana")
     with pytest.raises(CheckpointError, match="holds 'banana', not an iteration number"):
@@ -216,7 +262,9 @@ def test_finetune_no_optim_and_rng_layout_change(tmp_path):
     with pytest.raises(CheckpointError, match="--no-load-optim"):
         ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), opt2, sched2, log=lambda _: None)
 
-    extra = ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), opt2, sched2, finetune=True, log=lambda _: None)
+    extra = ckpt.load_checkpoint(
+        str(tmp_path), _model_sd(model2), opt2, sched2, finetune=True, log=lambda _: None
+    )
     assert extra["iteration"] == 0 and extra["consumed_train_samples"] == 0 and extra["args"] == ARGS
     assert not opt2.loaded and sched2.num_steps == 100
     torch.testing.assert_close(model2[0].weight, model[0].weight, rtol=0, atol=0)

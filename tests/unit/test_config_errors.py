@@ -10,8 +10,10 @@ from megatron.core.dist_checkpointing.errors import CheckpointError
 
 
 def test_config_error_is_a_value_error_with_params():
-    err = ConfigError("hidden_size (100) is not divisible by num_attention_heads (3)",
-                      params=("hidden_size", "num_attention_heads"))
+    err = ConfigError(
+        "hidden_size (100) is not divisible by num_attention_heads (3)",
+        params=("hidden_size", "num_attention_heads"),
+    )
     assert isinstance(err, ValueError)
     assert err.params == ("hidden_size", "num_attention_heads")
     assert str(err) == "hidden_size (100) is not divisible by num_attention_heads (3)"
@@ -20,7 +22,11 @@ def test_config_error_is_a_value_error_with_params():
 
 def test_config_error_keeps_params_across_pickling():
     err = pickle.loads(pickle.dumps(ConfigError("seq_length must be > 0, got 0", params=["seq_length"])))
-    assert type(err) is ConfigError and err.params == ("seq_length",) and str(err) == "seq_length must be > 0, got 0"
+    assert (
+        type(err) is ConfigError
+        and err.params == ("seq_length",)
+        and str(err) == "seq_length must be > 0, got 0"
+    )
 
 
 # ------------------------------------------------------------------- the application's flag names
@@ -30,26 +36,42 @@ def test_flag_of_reads_field_metadata_aliases_datasets_and_megatron_dests():
     assert flag_of("tensor_model_parallel_size") == ("--tensor-model-parallel-size", None)
     assert flag_of("layernorm_epsilon") == ("--norm-epsilon", None)  # doc(flag=...)
     assert flag_of("sequence_parallel") == ("--sequence-parallel", True)  # a switch that sets True
-    assert flag_of("cross_entropy_loss_fusion") == ("--no-cross-entropy-loss-fusion", False)  # app default True
+    assert flag_of("cross_entropy_loss_fusion") == (
+        "--no-cross-entropy-loss-fusion",
+        False,
+    )  # app default True
     assert flag_of("add_bias_linear") == ("--disable-bias-linear", False)  # set only by an alias
     assert flag_of("sequence_length") == ("--seq-length", None)  # GPTDatasetConfig's name
     assert flag_of("num_experts") == ("--num-experts", None)  # a Megatron-LM flag that is not our field
-    assert flag_of("apply_rope_fusion") == ("--no-rope-fusion", False)  # Megatron-LM's dest of --no-rope-fusion
+    assert flag_of("apply_rope_fusion") == (
+        "--no-rope-fusion",
+        False,
+    )  # Megatron-LM's dest of --no-rope-fusion
     assert flag_of("activation_func") is None  # no flag sets it: the message keeps the name
 
 
 def test_flag_message_rewrites_the_listed_parameters_only():
     from megatron.training.user_errors import flag_message
 
-    err = ConfigError("num_attention_heads 3 does not divide hidden_size 100 (hidden_size_x, "
-                      "TransformerConfig.kv_channels=8); set sequence_parallel=True or "
-                      "cross_entropy_loss_fusion=False, recompute_granularity='full', add_bias_linear=True",
-                      params=("num_attention_heads", "hidden_size", "kv_channels", "sequence_parallel",
-                              "cross_entropy_loss_fusion", "recompute_granularity", "add_bias_linear"))
+    err = ConfigError(
+        "num_attention_heads 3 does not divide hidden_size 100 (hidden_size_x, "
+        "TransformerConfig.kv_channels=8); set sequence_parallel=True or "
+        "cross_entropy_loss_fusion=False, recompute_granularity='full', add_bias_linear=True",
+        params=(
+            "num_attention_heads",
+            "hidden_size",
+            "kv_channels",
+            "sequence_parallel",
+            "cross_entropy_loss_fusion",
+            "recompute_granularity",
+            "add_bias_linear",
+        ),
+    )
     assert flag_message(err) == (
         "--num-attention-heads 3 does not divide --hidden-size 100 (hidden_size_x, --kv-channels 8); set "
         "--sequence-parallel or --no-cross-entropy-loss-fusion, --recompute-granularity full, "
-        "no --disable-bias-linear")
+        "no --disable-bias-linear"
+    )
     assert flag_message(ConfigError("hidden_size 100 is odd")) == "hidden_size 100 is odd"  # no params
     assert flag_message(ValueError("hidden_size 100")) == "hidden_size 100"  # not ours: as raised
     lib = ConfigError("lr must be >= 0, got -1", params=("lr",))
@@ -68,15 +90,22 @@ def test_the_library_names_the_parameter_and_the_application_the_flag():
 
 
 # ------------------------------------------------------------------- cli.run: user error or bug
-CLI = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-       "--train-iters 2 --lr 1e-3 --mock-data --vocab-size 128 --num-workers 0").split()
+CLI = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--train-iters 2 --lr 1e-3 --mock-data --vocab-size 128 --num-workers 0"
+).split()
 
 
-@pytest.mark.parametrize("error", [
-    ConfigError("tensor_model_parallel_size 3 does not divide 4 ranks", params=("tensor_model_parallel_size",)),
-    DataError("data file 'x.bin' is truncated"),
-    CheckpointError("checkpoint ck/iter_0000002 has no model weights"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConfigError(
+            "tensor_model_parallel_size 3 does not divide 4 ranks", params=("tensor_model_parallel_size",)
+        ),
+        DataError("data file 'x.bin' is truncated"),
+        CheckpointError("checkpoint ck/iter_0000002 has no model weights"),
+    ],
+)
 def test_cli_prints_a_user_error_once_in_flags_and_exits_2(monkeypatch, capsys, error):
     from megatron.training import cli, training
 
@@ -103,7 +132,6 @@ def test_cli_lets_a_bare_value_error_through_with_its_traceback(monkeypatch):
         cli.run(CLI)
 
 
-
 def test_a_tool_maps_parameters_to_its_own_parsers_flags():
     import argparse
 
@@ -115,7 +143,13 @@ def test_a_tool_maps_parameters_to_its_own_parsers_flags():
     p.add_argument("--no-mmap", dest="mmap", action="store_false")
     flags = parser_flags(p)
     assert (flags("vocab_file"), flags("append_eod"), flags("mmap"), flags("seed")) == (
-        ("--vocab-file", None), ("--append-eod", True), ("--no-mmap", False), None)
-    assert rewrite_params("vocab_file is required (append_eod=True, mmap=False, seed 3)",
-                          ("vocab_file", "append_eod", "mmap", "seed"), flags) == (
-        "--vocab-file is required (--append-eod, --no-mmap, seed 3)")
+        ("--vocab-file", None),
+        ("--append-eod", True),
+        ("--no-mmap", False),
+        None,
+    )
+    assert rewrite_params(
+        "vocab_file is required (append_eod=True, mmap=False, seed 3)",
+        ("vocab_file", "append_eod", "mmap", "seed"),
+        flags,
+    ) == ("--vocab-file is required (--append-eod, --no-mmap, seed 3)")

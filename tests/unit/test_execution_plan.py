@@ -218,7 +218,11 @@ def test_torch_compile_off_on_cuda_keeps_every_helper_eager_and_says_so():
     from megatron.training.execution_setup import apply_compile_choice
 
     plan = resolve(llama(), torch.device("cuda"), torch_compile=False, triton_checks=ALL_PASS)
-    assert (plan.compile_layers, plan.compile_helpers, plan.compile_reason) == (False, False, "--torch-compile off")
+    assert (plan.compile_layers, plan.compile_helpers, plan.compile_reason) == (
+        False,
+        False,
+        "--torch-compile off",
+    )
     assert plan.cross_entropy == "fused_triton" and plan.swiglu == "triton"  # Triton needs no compile
     text = report(plan)
     assert "not compiled: --torch-compile off" in text and "eager: not compiled, --torch-compile off" in text
@@ -238,9 +242,13 @@ def test_block_spec_gives_one_spec_per_layer_of_the_model_or_of_the_stage():
     whole = TransformerBlockSubmodules(layer_specs=[plain, plain, other, other])
     stage = TransformerBlock(cfg, whole, num_layers=2, layer_offset=2)  # layers 3 and 4 of the model
     assert [layer.self_attention.q_layernorm is not None for layer in stage.layers] == [True, True]
-    own = TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=[other, plain]), num_layers=2, layer_offset=2)
+    own = TransformerBlock(
+        cfg, TransformerBlockSubmodules(layer_specs=[other, plain]), num_layers=2, layer_offset=2
+    )
     assert [layer.self_attention.q_layernorm is not None for layer in own.layers] == [True, False]
-    with pytest.raises(ConfigError, match="holds 3 specs; give one per layer of the model \\(num_layers 4\\)"):
+    with pytest.raises(
+        ConfigError, match="holds 3 specs; give one per layer of the model \\(num_layers 4\\)"
+    ):
         TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=[plain] * 3), num_layers=2)
 
 

@@ -14,8 +14,16 @@ def test_dense_gpt_matches_closed_form():
 
 def test_gqa_swiglu_by_hand():
     # L=1, h=8, 4 heads of d=2 in 2 groups, SwiGLU F=16, V=32, one sample of 4 tokens.
-    shape = FlopsShape(num_layers=1, hidden_size=8, num_attention_heads=4, num_query_groups=2, kv_channels=2,
-                       ffn_hidden_size=16, padded_vocab_size=32, swiglu=True)
+    shape = FlopsShape(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=2,
+        ffn_hidden_size=16,
+        padded_vocab_size=32,
+        swiglu=True,
+    )
     mlp = 6 * 8 * 3 * 16  # 2304
     proj = 6 * (8 * (8 + 2 * 2 * 2) + 8 * 8)  # 1152
     logits = 6 * 8 * 32  # 1536
@@ -26,7 +34,9 @@ def test_gqa_swiglu_by_hand():
 def test_llama3_8b_per_step_flops():
     # Llama-3-8B shape, one 4096-token sample: hand-expanded terms.
     shape = FlopsShape(32, 4096, 32, 8, 128, 14336, 128256, True)
-    per_token = 6 * 4096 * 3 * 14336 * 32 + 6 * (4096 * (4096 + 2 * 128 * 8) + 4096 * 4096) * 32 + 6 * 4096 * 128256
+    per_token = (
+        6 * 4096 * 3 * 14336 * 32 + 6 * (4096 * (4096 + 2 * 128 * 8) + 4096 * 4096) * 32 + 6 * 4096 * 128256
+    )
     expected = 4096 * per_token + 4096 * 4096 * 6 * 4096 * 32
     assert num_floating_point_operations(shape, 1, 4096) == expected
     assert 1.9e14 < expected < 2.1e14  # about 6 x 8e9 params x 4096 tokens, plus attention

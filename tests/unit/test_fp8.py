@@ -50,14 +50,25 @@ def fp8_plan(cfg, monkeypatch=None, scaled_mm: bool = False, triton_checks=None)
     ``scaled_mm`` the device check passed (``monkeypatch``) and the GEMMs on ``torch._scaled_mm``."""
     if scaled_mm:
         _pretend_hopper(monkeypatch)
-    return resolve(cfg, "cpu", triton_checks=NO_TRITON if triton_checks is None else triton_checks,
-                   fp8_emulate=not scaled_mm)
+    return resolve(
+        cfg,
+        "cpu",
+        triton_checks=NO_TRITON if triton_checks is None else triton_checks,
+        fp8_emulate=not scaled_mm,
+    )
 
 
 def fp8_gpt(plan, **kw) -> GPTModel:
     """The GPT model of ``plan`` (built from its layer specs, as the trainer builds it)."""
-    return GPTModel(plan.config, get_gpt_decoder_block_plan_spec(plan), vocab_size=128, max_sequence_length=32,
-                    seed=1, execution_plan=plan, **kw)
+    return GPTModel(
+        plan.config,
+        get_gpt_decoder_block_plan_spec(plan),
+        vocab_size=128,
+        max_sequence_length=32,
+        seed=1,
+        execution_plan=plan,
+        **kw,
+    )
 
 
 def fp8_gemm_count(model) -> int:
@@ -72,7 +83,9 @@ def without_swiglu_block(plan):
 def _scaled_mm_on_cpu() -> bool:
     try:
         a = torch.zeros(16, 16).to(E4M3)
-        torch._scaled_mm(a, a.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0), out_dtype=torch.bfloat16)
+        torch._scaled_mm(
+            a, a.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0), out_dtype=torch.bfloat16
+        )
         return True
     except (RuntimeError, NotImplementedError, AttributeError):
         return False
@@ -197,10 +210,22 @@ def test_fp8_linear_steps_without_host_sync(recipe):
 
 
 def tiny_config(**kw):
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, hidden_dropout=0.0,
-                attention_dropout=0.0, normalization="RMSNorm", activation="swiglu", ffn_hidden_size=128,
-                position_embedding_type="rope", add_bias_linear=False, bf16=True,
-                fp8_amax_history_len=1024, fp8_amax_compute_algo="max")  # the training application's defaults
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        activation="swiglu",
+        ffn_hidden_size=128,
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        bf16=True,
+        fp8_amax_history_len=1024,
+        fp8_amax_compute_algo="max",
+    )  # the training application's defaults
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -222,10 +247,19 @@ def test_layers_without_fp8_are_bitwise_unchanged():
 
 def test_layer_hook_runs_fp8_and_falls_back_on_unaligned_tokens():
     torch.manual_seed(0)
-    ref = {k: v.clone() for k, v in ColumnParallelLinear(64, 96, init_std=0.02, bias=True).state_dict().items()}
-    col = ColumnParallelLinear(64, 96, init_std=0.02, bias=True, params_dtype=torch.bfloat16,
-                               fp8_gemm=lambda device: Fp8Gemm(Fp8Recipe("hybrid", "tensorwise"), device=device,
-                                                               use_scaled_mm=False))
+    ref = {
+        k: v.clone() for k, v in ColumnParallelLinear(64, 96, init_std=0.02, bias=True).state_dict().items()
+    }
+    col = ColumnParallelLinear(
+        64,
+        96,
+        init_std=0.02,
+        bias=True,
+        params_dtype=torch.bfloat16,
+        fp8_gemm=lambda device: Fp8Gemm(
+            Fp8Recipe("hybrid", "tensorwise"), device=device, use_scaled_mm=False
+        ),
+    )
     for p in col.parameters():
         torch.nn.init.normal_(p, std=0.02)
     assert isinstance(col.fp8, Fp8Gemm)
@@ -299,7 +333,9 @@ def test_evaluation_forward_equals_the_training_forward_without_transposed_copie
         before = gemm.amax_history.clone()
         with torch.no_grad(), monkeypatch.context() as m:
             for name in ("fp8_cast_transpose", "fp8_cast_transpose_amax"):
-                m.setattr(fp8_gemm_mod, name, lambda *a, **k: pytest.fail("evaluation wrote transposed fp8 copies"))
+                m.setattr(
+                    fp8_gemm_mod, name, lambda *a, **k: pytest.fail("evaluation wrote transposed fp8 copies")
+                )
             out = gemm(x, w, None)
         assert torch.equal(gemm.amax_history, before)  # nothing recorded
         return out
@@ -315,8 +351,13 @@ def test_evaluation_forward_equals_the_training_forward_without_transposed_copie
 def test_first_last_layers_bf16_keeps_those_layers_out_of_fp8(monkeypatch):
     """Megatron's --first-last-layers-bf16: the first / last N layers of the whole model keep bf16 GEMMs,
     chosen by global layer number (a later pipeline stage's layers count from its offset)."""
-    cfg = tiny_config(num_layers=5, fp8_format="hybrid", first_last_layers_bf16=True, num_layers_at_start_in_bf16=2,
-                      num_layers_at_end_in_bf16=1)
+    cfg = tiny_config(
+        num_layers=5,
+        fp8_format="hybrid",
+        first_last_layers_bf16=True,
+        num_layers_at_start_in_bf16=2,
+        num_layers_at_end_in_bf16=1,
+    )
     assert fp8_mod.bf16_layer_numbers(cfg) == {1, 2, 5}
     plan = fp8_plan(cfg, monkeypatch, scaled_mm=True)
     model = fp8_gpt(plan)
@@ -329,7 +370,10 @@ def test_first_last_layers_bf16_keeps_those_layers_out_of_fp8(monkeypatch):
     stage = fp8_gpt(plan, pre_process=False, num_layers=2, layer_offset=3)
     assert [layer.layer_number for layer in stage.decoder.layers] == [4, 5]
     assert fp8_gemm_count(stage) == 4
-    assert stage.decoder.layers[0].mlp.linear_fc1.fp8 is not None and stage.decoder.layers[1].mlp.linear_fc1.fp8 is None
+    assert (
+        stage.decoder.layers[0].mlp.linear_fc1.fp8 is not None
+        and stage.decoder.layers[1].mlp.linear_fc1.fp8 is None
+    )
     # off: every layer in FP8
     cfg.first_last_layers_bf16 = False
     assert fp8_gemm_count(fp8_gpt(fp8_plan(cfg, monkeypatch, scaled_mm=True))) == 4 * 5
@@ -337,28 +381,49 @@ def test_first_last_layers_bf16_keeps_those_layers_out_of_fp8(monkeypatch):
 
 def test_first_last_layers_bf16_flags_and_errors(monkeypatch):
     m = parse_run_config(BASE + ["--dry-run"]).model
-    assert (m.first_last_layers_bf16, m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) == (False, 1, 1)
-    argv = BASE[:1] + ["4"] + BASE[2:] + "--bf16 --fp8-format hybrid --dry-run --first-last-layers-bf16".split()
+    assert (m.first_last_layers_bf16, m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) == (
+        False,
+        1,
+        1,
+    )
+    argv = (
+        BASE[:1] + ["4"] + BASE[2:] + "--bf16 --fp8-format hybrid --dry-run --first-last-layers-bf16".split()
+    )
     m = parse_run_config(argv + "--num-layers-at-end-in-bf16 2".split()).model
-    assert (m.first_last_layers_bf16, m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) == (True, 1, 2)
+    assert (m.first_last_layers_bf16, m.num_layers_at_start_in_bf16, m.num_layers_at_end_in_bf16) == (
+        True,
+        1,
+        2,
+    )
     with pytest.raises(ValueError, match="keeps all 4 layers in bf16; keep fewer \\(together at most 3\\)"):
         parse_run_config(argv + "--num-layers-at-start-in-bf16 2 --num-layers-at-end-in-bf16 2".split())
     with pytest.raises(ValueError, match="--num-layers-at-start-in-bf16 -1: give a count"):
         parse_run_config(argv + "--num-layers-at-start-in-bf16 -1".split())
-    line = fp8_report_line(tiny_config(fp8_format="hybrid", first_last_layers_bf16=True), monkeypatch, fp8_linears=8)
+    line = fp8_report_line(
+        tiny_config(fp8_format="hybrid", first_last_layers_bf16=True), monkeypatch, fp8_linears=8
+    )
     assert "the first 1 and last 1 transformer layers in bf16: --first-last-layers-bf16" in line
 
 
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128").split()
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128"
+).split()
 
 
 def test_fp8_flags_defaults_and_values():
     m = parse_run_config(BASE).model
-    assert (m.fp8_format, m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo) == \
-        (None, "delayed", 1024, "max")
-    m = parse_run_config(BASE + "--bf16 --fp8-format e4m3 --fp8-recipe tensorwise --fp8-amax-history-len 16 "
-                          "--fp8-amax-compute-algo most_recent --dry-run".split()).model
+    assert (m.fp8_format, m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo) == (
+        None,
+        "delayed",
+        1024,
+        "max",
+    )
+    m = parse_run_config(
+        BASE
+        + "--bf16 --fp8-format e4m3 --fp8-recipe tensorwise --fp8-amax-history-len 16 "
+        "--fp8-amax-compute-algo most_recent --dry-run".split()
+    ).model
     assert Fp8Recipe.from_config(m) == Fp8Recipe("e4m3", "tensorwise", 16, "most_recent")
 
 
@@ -381,7 +446,9 @@ def test_emulation_switch_lets_tests_run_fp8_on_the_cpu(monkeypatch):
     says so; without it the CPU is refused (previous test)."""
     cfg = tiny_config(fp8_format="hybrid")
     cpu = torch.device("cpu")
-    assert not fp8_mod.fp8_emulated(cpu) and fp8_mod.fp8_device_error(cpu, fp8_mod.fp8_emulated(cpu)) is not None
+    assert (
+        not fp8_mod.fp8_emulated(cpu) and fp8_mod.fp8_device_error(cpu, fp8_mod.fp8_emulated(cpu)) is not None
+    )
     monkeypatch.setenv("MEGATRON_FP8_EMULATE", "1")
     assert fp8_mod.fp8_emulated(cpu) and fp8_mod.fp8_device_error(cpu, fp8_mod.fp8_emulated(cpu)) is None
     parse_run_config(BASE + "--bf16 --fp8-format hybrid".split())  # no error at parse time either
@@ -391,7 +458,9 @@ def test_emulation_switch_lets_tests_run_fp8_on_the_cpu(monkeypatch):
     assert fp8_gemm_count(model) == 4 * cfg.num_layers
     assert all(not m.use_scaled_mm for m in model.modules() if isinstance(m, Fp8Gemm))
     lines = plan.report_lines(fp8_linears=8)
-    assert any("FP8: emulated on the CPU" in line and "for 8 QKV/proj/fc1/fc2 linears" in line for line in lines)
+    assert any(
+        "FP8: emulated on the CPU" in line and "for 8 QKV/proj/fc1/fc2 linears" in line for line in lines
+    )
 
 
 def fp8_report_line(cfg, monkeypatch, fp8_linears=None, triton=False) -> str:
@@ -409,14 +478,18 @@ def test_kernel_report_says_whether_fp8_is_on(monkeypatch):
 
     assert "FP8: off" in fp8_line(tiny_config())
     line = fp8_line(tiny_config(fp8_format="hybrid", fp8_recipe="delayed"), fp8_linears=8)
-    assert "FP8: on" in line and "e5m2 gradients" in line and "delayed scaling (amax history 1024, max)" in line
+    assert (
+        "FP8: on" in line and "e5m2 gradients" in line and "delayed scaling (amax history 1024, max)" in line
+    )
     assert "8 QKV/proj/fc1/fc2 linears" in line
     line = fp8_line(tiny_config(fp8_format="e4m3", fp8_recipe="tensorwise"))
     assert "tensorwise" in line and "e4m3 gradients" in line
     # who quantises (the report is asked on the CPU here: no Triton on that device)
     assert "quantised by torch code (Triton kernel fp8_cast: not a CUDA device (cpu))" in line
     assert "quantised by Triton cast-transpose kernels" in fp8_line_of(tiny_config(fp8_format="hybrid"), True)
-    assert "quantised by torchao's casts" in fp8_line_of(tiny_config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_gemm_impl="torchao"), True)
+    assert "quantised by torchao's casts" in fp8_line_of(
+        tiny_config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_gemm_impl="torchao"), True
+    )
     fused = "SwiGLU's output and its gradient are quantised inside SwiGLU's own passes"
     assert fused in fp8_line_of(tiny_config(fp8_format="hybrid"), True)  # delayed, SwiGLU, no bias
     for other in (dict(fp8_recipe="tensorwise"), dict(activation="gelu"), dict(add_bias_linear=True)):
@@ -449,7 +522,9 @@ def test_layer_delayed_path_matches_the_eager_reference(algo):
     the autograd function) gives the eager reference's outputs, gradients and history, step by step."""
     recipe = Fp8Recipe("hybrid", "delayed", 4, algo)
     hist, init = torch.zeros(3, 4), torch.zeros(3, dtype=torch.bool)
-    ref = _delayed_steps(lambda x, w: fp8_matmul_reference(x, w, recipe, hist, init, use_scaled_mm=False), algo=algo)
+    ref = _delayed_steps(
+        lambda x, w: fp8_matmul_reference(x, w, recipe, hist, init, use_scaled_mm=False), algo=algo
+    )
     gemm = Fp8Gemm(recipe, use_scaled_mm=False)
     got = _delayed_steps(lambda x, w: gemm(x, w, None), algo=algo)
     for a, b in zip(got, ref):
@@ -481,9 +556,14 @@ def _delayed_fp8_gpt(monkeypatch, swiglu_block: bool = True, **config) -> GPTMod
     two FP8 linears); its TransformerLayer.compile is aot_eager with fullgraph (a graph break fails)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    monkeypatch.setattr(TransformerLayer, "compile",
-                        lambda self, **kw: torch.nn.Module.compile(self, backend="aot_eager", fullgraph=True))
-    cfg = tiny_config(**{"fp8_format": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 4, **config})
+    monkeypatch.setattr(
+        TransformerLayer,
+        "compile",
+        lambda self, **kw: torch.nn.Module.compile(self, backend="aot_eager", fullgraph=True),
+    )
+    cfg = tiny_config(
+        **{"fp8_format": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 4, **config}
+    )
     plan = fp8_plan(cfg)
     return fp8_gpt(plan if swiglu_block or plan.fp8 is None else without_swiglu_block(plan))
 
@@ -498,8 +578,11 @@ def _three_steps(model: GPTModel) -> tuple[list[float], list[torch.Tensor], list
         loss = model(ids, None, None, labels=ids).float().mean()
         loss.backward()
         losses.append(loss.item())
-    return (losses, [p.grad for p in model.parameters() if p.grad is not None],
-            [g.amax_history.clone() for g in model.modules() if isinstance(g, Fp8Gemm)])
+    return (
+        losses,
+        [p.grad for p in model.parameters() if p.grad is not None],
+        [g.amax_history.clone() for g in model.modules() if isinstance(g, Fp8Gemm)],
+    )
 
 
 def test_compiled_layers_with_delayed_fp8_train_like_eager_ones(monkeypatch):
@@ -531,12 +614,17 @@ def test_compiled_layers_with_bf16_first_layer_train_like_eager_ones(monkeypatch
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     torch._dynamo.reset()
-    config = dict(num_layers=3, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=0)
+    config = dict(
+        num_layers=3, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=0
+    )
     models = [_delayed_fp8_gpt(monkeypatch, **config) for _ in range(2)]
     assert [layer.mlp.linear_fc1.fp8 is None for layer in models[1].decoder.layers] == [True, False, False]
     counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(TransformerLayer, "compile",
-                        lambda self, **kw: torch.nn.Module.compile(self, backend=counter, fullgraph=True))
+    monkeypatch.setattr(
+        TransformerLayer,
+        "compile",
+        lambda self, **kw: torch.nn.Module.compile(self, backend=counter, fullgraph=True),
+    )
     assert compile_layers([models[1]], TransformerLayer) == 3
     (l0, g0, h0), (l1, g1, h1) = [_three_steps(m) for m in models]
     assert l1 == l0 and len(h1) == 2 * 4
@@ -553,7 +641,10 @@ def test_recompute_keeps_delayed_fp8_bitwise_identical(monkeypatch, compiled):
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     results = []
-    for recompute in ({}, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
+    for recompute in (
+        {},
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    ):
         model = _delayed_fp8_gpt(monkeypatch, **recompute)
         if compiled:
             compile_layers([model], TransformerLayer)
@@ -567,6 +658,7 @@ def test_recompute_keeps_delayed_fp8_bitwise_identical(monkeypatch, compiled):
 # ------------------------------------------------------------------------------------------------
 # --fp8-gemm-impl torchao: torchao's float8 training behind the same Fp8Gemm (emulated on the CPU).
 
+
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 def test_torchao_gemms_quantise_like_ours(fmt):
     """Same tensorwise quantisation and formats: torchao's outputs and gradients equal our reference's
@@ -577,7 +669,11 @@ def test_torchao_gemms_quantise_like_ours(fmt):
 
     def step(gemm, compile_it=False):
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        fn = torch.compile(lambda a, b: gemm(a, b, None), fullgraph=True) if compile_it else (lambda a, b: gemm(a, b, None))
+        fn = (
+            torch.compile(lambda a, b: gemm(a, b, None), fullgraph=True)
+            if compile_it
+            else (lambda a, b: gemm(a, b, None))
+        )
         y = fn(xs, ws)
         y.backward(dy)
         return y.detach(), xs.grad, ws.grad
@@ -587,7 +683,7 @@ def test_torchao_gemms_quantise_like_ours(fmt):
     for got in (step(ao), step(ao, compile_it=True)):
         for g, r in zip(got, ours):
             assert g.dtype == r.dtype and g.shape == r.shape
-            torch.testing.assert_close(g, r, rtol=2 ** -7, atol=1e-5)
+            torch.testing.assert_close(g, r, rtol=2**-7, atol=1e-5)
     # and not the bf16 GEMM: the quantisation really happened
     assert not torch.allclose(step(ao)[0], (x.float() @ w.float().t()).bfloat16(), rtol=1e-3, atol=1e-4)
 
@@ -598,11 +694,15 @@ def test_torchao_gemm_impl_flag_and_errors(monkeypatch):
     assert Fp8Recipe.from_config(cfg).gemm_impl == "torchao"
     assert "torchao float8 training" in fp8_report_line(cfg, monkeypatch)
     assert parse_run_config(BASE + ["--dry-run"]).model.fp8_gemm_impl == "scaled_mm"
-    with pytest.raises(ValueError, match="fp8_gemm_impl torchao runs the tensorwise recipe only.*fp8_recipe tensorwise"):
+    with pytest.raises(
+        ValueError, match="fp8_gemm_impl torchao runs the tensorwise recipe only.*fp8_recipe tensorwise"
+    ):
         tiny_config(fp8_format="hybrid", fp8_recipe="delayed", fp8_gemm_impl="torchao")
     with pytest.raises(ValueError, match="fp8_gemm_impl 'cublas' is not valid"):
         tiny_config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_gemm_impl="cublas")
-    monkeypatch.setitem(__import__("sys").modules, "torchao.float8.float8_linear", None)  # torchao not importable
+    monkeypatch.setitem(
+        __import__("sys").modules, "torchao.float8.float8_linear", None
+    )  # torchao not importable
     with pytest.raises(ValueError, match="--fp8-gemm-impl torchao needs torchao.*pip install torchao"):
         tiny_config(fp8_format="hybrid", fp8_recipe="tensorwise", fp8_gemm_impl="torchao")
 
@@ -613,7 +713,9 @@ def test_compiled_layers_with_torchao_gemms_train_like_eager_ones(monkeypatch):
     from megatron.core.fusions.compile import compile_layers
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    models = [_delayed_fp8_gpt(monkeypatch, fp8_recipe="tensorwise", fp8_gemm_impl="torchao") for _ in range(2)]
+    models = [
+        _delayed_fp8_gpt(monkeypatch, fp8_recipe="tensorwise", fp8_gemm_impl="torchao") for _ in range(2)
+    ]
     assert all(g._torchao is not None for g in models[0].modules() if isinstance(g, Fp8Gemm))
     assert compile_layers([models[1]], TransformerLayer) == models[1].config.num_layers
     (l0, g0, _), (l1, g1, _) = [_three_steps(m) for m in models]
@@ -633,8 +735,11 @@ def test_delayed_fp8_layers_recompile_once_when_the_history_fills(monkeypatch):
     torch._dynamo.reset()
     model = _delayed_fp8_gpt(monkeypatch)
     counter = CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(TransformerLayer, "compile",
-                        lambda self, **kw: torch.nn.Module.compile(self, backend=counter, fullgraph=True))
+    monkeypatch.setattr(
+        TransformerLayer,
+        "compile",
+        lambda self, **kw: torch.nn.Module.compile(self, backend=counter, fullgraph=True),
+    )
     gemms = [g for g in model.modules() if isinstance(g, Fp8Gemm)]
     with torch.no_grad():  # an evaluation forward records nothing and leaves the history cold
         model(torch.zeros(2, 16, dtype=torch.long), None, None)
@@ -649,18 +754,31 @@ def test_delayed_fp8_layers_recompile_once_when_the_history_fills(monkeypatch):
 # The SwiGLU MLP as one FP8 block (fc1 -> SwiGLU -> fc2, the activation and its gradient quantised in
 # SwiGLU's own passes): the numerics of the two linears apart.
 
+
 def test_swiglu_mlp_block_is_used_where_it_applies(monkeypatch):
     """Delayed scaling, our GEMMs, SwiGLU, no biases: every MLP gets the block, which shares its two
     linears' FP8 state; tensorwise (the only recipe of torchao's GEMMs), GELU or biased MLPs keep the
     linears' own path."""
-    models = {name: _delayed_fp8_gpt(monkeypatch, **kw) for name, kw in (
-        ("fused", {}), ("tensorwise", dict(fp8_recipe="tensorwise")), ("gelu", dict(activation="gelu")),
-        ("bias", dict(add_bias_linear=True)))}
+    models = {
+        name: _delayed_fp8_gpt(monkeypatch, **kw)
+        for name, kw in (
+            ("fused", {}),
+            ("tensorwise", dict(fp8_recipe="tensorwise")),
+            ("gelu", dict(activation="gelu")),
+            ("bias", dict(add_bias_linear=True)),
+        )
+    }
     mlps = [layer.mlp for layer in models["fused"].decoder.layers]
-    assert all(m.fp8_swiglu is not None and m.fp8_swiglu.fc1 is m.linear_fc1.fp8 and m.fp8_swiglu.fc2 is m.linear_fc2.fp8
-               for m in mlps)
+    assert all(
+        m.fp8_swiglu is not None
+        and m.fp8_swiglu.fc1 is m.linear_fc1.fp8
+        and m.fp8_swiglu.fc2 is m.linear_fc2.fp8
+        for m in mlps
+    )
     for name in ("tensorwise", "gelu", "bias"):
-        assert all(getattr(layer.mlp, "fp8_swiglu", None) is None for layer in models[name].decoder.layers), name
+        assert all(getattr(layer.mlp, "fp8_swiglu", None) is None for layer in models[name].decoder.layers), (
+            name
+        )
     # the block holds no state of its own: the model's modules and state dict are those of the linears
     plain = _delayed_fp8_gpt(monkeypatch, swiglu_block=False)
     assert all(getattr(layer.mlp, "fp8_swiglu", None) is None for layer in plain.decoder.layers)
@@ -705,11 +823,15 @@ def test_swiglu_mlp_block_trains_like_the_two_linears(monkeypatch, compiled):
     from megatron.core.fusions.compile import compile_layers
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    calls = _SWIGLU_FP8_CALLS  # the block's two fused ops, as they run (eager, or traced into the compiled graph)
+    calls = (
+        _SWIGLU_FP8_CALLS  # the block's two fused ops, as they run (eager, or traced into the compiled graph)
+    )
     calls.clear()
     for name in ("swiglu_cast_transpose_amax", "swiglu_backward_cast_transpose_amax"):
         real = getattr(fp8_swiglu_mod, name)
-        monkeypatch.setattr(fp8_swiglu_mod, name, lambda *a, _real=real: (_record_swiglu_fp8(a[0]), _real(*a))[1])
+        monkeypatch.setattr(
+            fp8_swiglu_mod, name, lambda *a, _real=real: (_record_swiglu_fp8(a[0]), _real(*a))[1]
+        )
     fused, ref = _delayed_fp8_gpt(monkeypatch), _delayed_fp8_gpt(monkeypatch, swiglu_block=False)
     for m in (fused, ref):  # (SwiGLU in fp32 rounded once, as the block computes it; the default is bf16)
         for layer in m.decoder.layers:
@@ -737,6 +859,7 @@ def test_swiglu_mlp_block_trains_like_the_two_linears(monkeypatch, compiled):
 # ------------------------------------------------------------------------------------------------
 # Which quantisation kernels run is the GEMM's constructor argument (the plan's TritonKernels).
 
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_fp8_gemm_quantises_with_the_kernels_it_was_given(monkeypatch, recipe):
     """``kernels`` with ``fp8_cast``: every cast and amax of forward and backward goes to the Triton ops
@@ -746,9 +869,11 @@ def test_fp8_gemm_quantises_with_the_kernels_it_was_given(monkeypatch, recipe):
     from megatron.core.fusions.triton import fp8_cast as fc
 
     ran = []
-    for op, torch_fn in (("_cast_transpose_op", lambda t, s, d: fc.fp8_cast_transpose_torch(t, s, d, False)),
-                         ("_cast_transpose_amax_op", lambda t, s, d: fc.fp8_cast_transpose_torch(t, s, d, True)),
-                         ("_amax_op", fc.fp8_amax_torch)):
+    for op, torch_fn in (
+        ("_cast_transpose_op", lambda t, s, d: fc.fp8_cast_transpose_torch(t, s, d, False)),
+        ("_cast_transpose_amax_op", lambda t, s, d: fc.fp8_cast_transpose_torch(t, s, d, True)),
+        ("_amax_op", fc.fp8_amax_torch),
+    ):
         monkeypatch.setattr(fc, op, lambda *a, _op=op, _fn=torch_fn: ran.append(_op) or _fn(*a))
     x, w, dy = inputs(m=32)
     results = []
@@ -763,8 +888,12 @@ def test_fp8_gemm_quantises_with_the_kernels_it_was_given(monkeypatch, recipe):
     for a, b in zip(results[:2], results[2:]):
         assert all(torch.equal(u, v) for u, v in zip(a, b))
     assert {"_cast_transpose_op", "_amax_op"} <= set(ran)
-    monkeypatch.setattr(fc, "_cast_transpose_op", lambda *a: (_ for _ in ()).throw(RuntimeError("kernel failed")))
-    gemm = Fp8Gemm(Fp8Recipe("hybrid", recipe, 4), use_scaled_mm=False, kernels=TritonKernels(frozenset({"fp8_cast"})))
+    monkeypatch.setattr(
+        fc, "_cast_transpose_op", lambda *a: (_ for _ in ()).throw(RuntimeError("kernel failed"))
+    )
+    gemm = Fp8Gemm(
+        Fp8Recipe("hybrid", recipe, 4), use_scaled_mm=False, kernels=TritonKernels(frozenset({"fp8_cast"}))
+    )
     with pytest.raises(RuntimeError, match="kernel failed"):
         gemm(x.detach().requires_grad_(), w.detach().requires_grad_(), None).backward(dy)
 
@@ -777,9 +906,14 @@ def test_fp8_swiglu_block_uses_the_fused_kernels_it_was_given(monkeypatch):
     from megatron.core.fusions.triton import swiglu_fp8 as sf
 
     ran = []
-    monkeypatch.setattr(sf, "_swiglu_op", lambda *a: ran.append("fwd") or sf.swiglu_cast_transpose_amax(*a, False))
-    monkeypatch.setattr(sf, "_swiglu_backward_op",
-                        lambda *a: ran.append("bwd") or sf.swiglu_backward_cast_transpose_amax(*a, False))
+    monkeypatch.setattr(
+        sf, "_swiglu_op", lambda *a: ran.append("fwd") or sf.swiglu_cast_transpose_amax(*a, False)
+    )
+    monkeypatch.setattr(
+        sf,
+        "_swiglu_backward_op",
+        lambda *a: ran.append("bwd") or sf.swiglu_backward_cast_transpose_amax(*a, False),
+    )
     recipe = Fp8Recipe("hybrid", "delayed", 4)
     fc1, fc2 = Fp8Gemm(recipe, use_scaled_mm=False), Fp8Gemm(recipe, use_scaled_mm=False)
     for gemm in (fc1, fc2):
@@ -788,7 +922,10 @@ def test_fp8_swiglu_block_uses_the_fused_kernels_it_was_given(monkeypatch):
     x = torch.randn(32, 64, generator=g).bfloat16().requires_grad_()
     w1 = (torch.randn(96, 64, generator=g) * 0.05).bfloat16().requires_grad_()
     w2 = (torch.randn(64, 48, generator=g) * 0.05).bfloat16().requires_grad_()
-    for kernels, expected in ((TritonKernels(), []), (TritonKernels(frozenset({"swiglu_fp8"})), ["fwd", "bwd"])):
+    for kernels, expected in (
+        (TritonKernels(), []),
+        (TritonKernels(frozenset({"swiglu_fp8"})), ["fwd", "bwd"]),
+    ):
         ran.clear()
         block = Fp8SwigluMlp(fc1, fc2, kernels=kernels)
         assert block.ready()

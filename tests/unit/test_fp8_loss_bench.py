@@ -17,8 +17,15 @@ def _curve(level: float, steps: int = 120) -> dict[str, float]:
 def _rows(path, seed: int, runs: dict[str, float]) -> None:
     with open(path, "w") as f:
         for name, level in runs.items():
-            f.write(json.dumps({"run": name, "seed": seed, "iters": 120, "model": "small", "losses": _curve(level)}) + "\n")
-        f.write(json.dumps({"run": "x", "seeds": [seed], "pass": True}) + "\n")  # an earlier mean row: skipped
+            f.write(
+                json.dumps(
+                    {"run": name, "seed": seed, "iters": 120, "model": "small", "losses": _curve(level)}
+                )
+                + "\n"
+            )
+        f.write(
+            json.dumps({"run": "x", "seeds": [seed], "pass": True}) + "\n"
+        )  # an earlier mean row: skipped
 
 
 def test_combine_compares_mean_curves_over_the_seeds_of_several_files(tmp_path, capsys):

@@ -97,18 +97,34 @@ def test_chunk_tokens_is_a_power_of_two_near_two_gib_of_bf16_logits():
 
 
 def tiny(**kw):
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
-                normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
-                add_bias_linear=False, num_query_groups=2)
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        num_query_groups=2,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_gpt_model_fused_loss_and_grads_match_unfused(tied):
-    models = [GPTModel(tiny(cross_entropy_loss_fusion=fused, share_embeddings_and_output_weights=tied),
-                       get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16, seed=3)
-              for fused in (True, False)]
+    models = [
+        GPTModel(
+            tiny(cross_entropy_loss_fusion=fused, share_embeddings_and_output_weights=tied),
+            get_gpt_layer_local_spec(),
+            vocab_size=64,
+            max_sequence_length=16,
+            seed=3,
+        )
+        for fused in (True, False)
+    ]
     assert models[0].fused_cross_entropy and not models[1].fused_cross_entropy
     ids, labels = torch.randint(0, 64, (3, 16)), torch.randint(0, 64, (3, 16))
     losses = []
@@ -126,8 +142,10 @@ def test_gpt_model_fused_loss_and_grads_match_unfused(tied):
 def test_compiled_layers_share_one_graph_and_match_eager():
     torch._dynamo.reset()
     cfg = tiny(num_layers=3)
-    eager, comp = (GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16, seed=5)
-                   for _ in range(2))
+    eager, comp = (
+        GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16, seed=5)
+        for _ in range(2)
+    )
     assert compile_layers([comp], TransformerLayer) == 3
     for layer in comp.modules():  # the CPU CI has no C++ toolchain guarantee: trace only
         if isinstance(layer, TransformerLayer):
@@ -142,15 +160,25 @@ def test_compiled_layers_share_one_graph_and_match_eager():
 
 def kernel_report(config):
     """The start-up report of ``config``'s execution plan on the CPU."""
-    return resolve(config, "cpu", triton_checks=dict.fromkeys(KERNELS, "not a CUDA device (cpu)")).report_lines()
+    return resolve(
+        config, "cpu", triton_checks=dict.fromkeys(KERNELS, "not a CUDA device (cpu)")
+    ).report_lines()
 
 
 def test_kernel_report_names_every_part_on_cpu():
     lines = kernel_report(tiny(cross_entropy_loss_fusion=True))
     text = "\n".join(lines)
     assert lines[0] == " > kernels:"
-    for part in ("attention: SDPA", "not compiled: CPU run", "fused output layer", "FP8: off", "Transformer Engine",
-                 "optimizer: AdamW, one pass per tensor", "recompute: off", "SwiGLU unfused"):
+    for part in (
+        "attention: SDPA",
+        "not compiled: CPU run",
+        "fused output layer",
+        "FP8: off",
+        "Transformer Engine",
+        "optimizer: AdamW, one pass per tensor",
+        "recompute: off",
+        "SwiGLU unfused",
+    ):
         assert part in text
     for fusion, says in ((True, "GELU (tanh approximation"), (False, "GELU (exact erf)")):
         gelu = kernel_report(tiny(activation="gelu", add_bias_linear=True, bias_gelu_fusion=fusion))
@@ -162,6 +190,7 @@ def test_kernel_report_names_every_part_on_cpu():
 # ------------------------------------------------------------------------------------------------
 # The kernel choice is the caller's (the execution plan's): self-checks only when asked, every entry
 # point told explicitly which implementation runs, a kernel's failure propagates.
+
 
 def test_triton_kernels_names_the_kernels_a_run_dispatches_to():
     from megatron.core.fusions.triton import KERNELS, NO_KERNELS, TritonKernels
@@ -185,18 +214,26 @@ def test_self_check_reports_why_each_kernel_cannot_run_and_remembers_nothing(mon
         calls.append("cross_entropy")
         raise RuntimeError("no kernel image")
 
-    checks = {"swiglu": lambda d: calls.append("swiglu") or "", "cross_entropy": failing,
-              "fp8_cast": lambda d: calls.append("fp8_cast") or "fp8 amax differs from the torch code",
-              "swiglu_fp8": lambda d: calls.append("swiglu_fp8") or ""}
+    checks = {
+        "swiglu": lambda d: calls.append("swiglu") or "",
+        "cross_entropy": failing,
+        "fp8_cast": lambda d: calls.append("fp8_cast") or "fp8 amax differs from the torch code",
+        "swiglu_fp8": lambda d: calls.append("swiglu_fp8") or "",
+    }
     monkeypatch.setattr(kt, "SELF_CHECKS", checks)
     results = kt.self_check(cpu, interpret=True)  # the interpreter runs kernels on CPU tensors
-    assert results == {"swiglu": None, "cross_entropy": "its self-check failed: RuntimeError: no kernel image",
-                       "fp8_cast": "disagrees with the torch code: fp8 amax differs from the torch code",
-                       "swiglu_fp8": None}
+    assert results == {
+        "swiglu": None,
+        "cross_entropy": "its self-check failed: RuntimeError: no kernel image",
+        "fp8_cast": "disagrees with the torch code: fp8 amax differs from the torch code",
+        "swiglu_fp8": None,
+    }
     assert kt.passed(results, interpret=True) == kt.TritonKernels(frozenset({"swiglu", "swiglu_fp8"}), True)
     assert kt.self_check(cpu, interpret=True) == results and calls == list(kt.KERNELS) * 2  # checked again
     monkeypatch.setattr(kt, "triton", None)
-    assert kt.self_check(torch.device("cuda"), interpret=True) == dict.fromkeys(kt.KERNELS, "Triton is not importable")
+    assert kt.self_check(torch.device("cuda"), interpret=True) == dict.fromkeys(
+        kt.KERNELS, "Triton is not importable"
+    )
 
 
 def test_maybe_compiled_compiles_only_when_the_caller_asks_on_cuda_tensors(monkeypatch):
@@ -223,7 +260,9 @@ def test_maybe_compiled_compiles_only_when_the_caller_asks_on_cuda_tensors(monke
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
-def test_linear_cross_entropy_runs_the_kernel_it_is_told_and_a_failing_kernel_propagates(monkeypatch, use_triton):
+def test_linear_cross_entropy_runs_the_kernel_it_is_told_and_a_failing_kernel_propagates(
+    monkeypatch, use_triton
+):
     from megatron.core.fusions import linear_cross_entropy as lce
 
     ran = []

@@ -15,19 +15,29 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def tiny(**kw):
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0)
+    base = dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
 
 def build(cfg, vocab=64, seq=16, seed=7, **kw):
-    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq, seed=seed, **kw)
+    return GPTModel(
+        cfg, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq, seed=seed, **kw
+    )
 
 
 VARIANTS = [
     {},
-    dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope", add_bias_linear=False,
-         num_query_groups=2, share_embeddings_and_output_weights=False),
+    dict(
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        num_query_groups=2,
+        share_embeddings_and_output_weights=False,
+    ),
     dict(position_embedding_type="none", qk_layernorm=True, num_query_groups=1, rotary_percent=0.5),
 ]
 
@@ -47,12 +57,15 @@ def test_forward_shapes_and_loss_matches_cross_entropy(variant):
     assert all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("kw, approximate", [
-    ({}, "none"),                                                       # Megatron-Core's default: exact GELU
-    (dict(bias_gelu_fusion=True), "tanh"),                              # Megatron-LM's default bias-GELU fusion
-    (dict(bias_gelu_fusion=False), "none"),                              # --no-bias-gelu-fusion
-    (dict(bias_gelu_fusion=True, add_bias_linear=False), "none"),        # no bias: Megatron drops the fusion
-])
+@pytest.mark.parametrize(
+    "kw, approximate",
+    [
+        ({}, "none"),  # Megatron-Core's default: exact GELU
+        (dict(bias_gelu_fusion=True), "tanh"),  # Megatron-LM's default bias-GELU fusion
+        (dict(bias_gelu_fusion=False), "none"),  # --no-bias-gelu-fusion
+        (dict(bias_gelu_fusion=True, add_bias_linear=False), "none"),  # no bias: Megatron drops the fusion
+    ],
+)
 def test_gelu_follows_megatron(kw, approximate):
     """The MLP computes Megatron-LM's GELU: its tanh formula for a biased MLP with the bias-GELU fusion,
     erf's exact GELU otherwise. Inputs are large enough that the two differ well beyond fp32 rounding."""
@@ -124,8 +137,9 @@ def test_sharded_init_equals_full_init(dim, stride):
     for r in range(3):
         shape = [600, 12]
         shape[dim] //= 3
-        p = set_init_attrs(torch.empty(*shape), std=0.02, partition_dim=dim, partition_size=3,
-                           partition_stride=stride)
+        p = set_init_attrs(
+            torch.empty(*shape), std=0.02, partition_dim=dim, partition_size=3, partition_stride=stride
+        )
         init_param_(p, "w", seed=3, tp_rank=r)
         shards.append(p)
     if stride == 1:
@@ -152,16 +166,23 @@ def test_sharded_state_dict_covers_state_dict():
     sd = model.sharded_state_dict(prefix="")
     assert set(sd) == set(model.state_dict())
     for key, sh in sd.items():
-        assert sh.key == key and sh.global_shape == tuple(sh.data.shape) and sh.data.data_ptr() == \
-            model.state_dict()[key].data_ptr()
+        assert (
+            sh.key == key
+            and sh.global_shape == tuple(sh.data.shape)
+            and sh.data.data_ptr() == model.state_dict()[key].data_ptr()
+        )
     tied = build(tiny(share_embeddings_and_output_weights=True)).sharded_state_dict()
     assert "output_layer.weight" not in tied
 
 
 def test_megatron_core_example_shapes():
     config = TransformerConfig(num_layers=2, hidden_size=12, num_attention_heads=4)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=100,
-                     max_sequence_length=64)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=100,
+        max_sequence_length=64,
+    )
     ids = torch.randint(0, 100, (2, 64))
     pos = torch.arange(64).expand(2, 64)
     assert model(ids, pos, None, labels=ids).shape == (2, 64)

@@ -320,21 +320,25 @@ def _graph_of(sources: dict[str, str]) -> dict[str, set[str]]:
 
 
 def test_checker_sees_a_cycle_through_a_package_init() -> None:
-    graph = _graph_of({
-        "p": "from p.a import f\n",
-        "p.a": "from q.b import g\n",
-        "q": "",
-        "q.b": "from p import f\n",
-    })
+    graph = _graph_of(
+        {
+            "p": "from p.a import f\n",
+            "p.a": "from q.b import g\n",
+            "q": "",
+            "q.b": "from p import f\n",
+        }
+    )
     assert find_cycles(graph) == [["p", "p.a", "q.b"]]
 
 
 def test_checker_ignores_the_importers_own_package_and_type_checking() -> None:
-    graph = _graph_of({
-        "p": "from .a import f\nfrom .b import g\n",
-        "p.a": "from p.b import g\n",
-        "p.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.a import f\n",
-    })
+    graph = _graph_of(
+        {
+            "p": "from .a import f\nfrom .b import g\n",
+            "p.a": "from p.b import g\n",
+            "p.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.a import f\n",
+        }
+    )
     assert graph["p.a"] == {"p.b"}
     assert graph["p.b"] == set()
     assert find_cycles(graph) == []
@@ -343,7 +347,8 @@ def test_checker_ignores_the_importers_own_package_and_type_checking() -> None:
 def test_checker_finds_function_level_imports() -> None:
     source = "import os\ndef f():\n    import triton\n    from megatron.core import utils\n"
     found = [
-        (function, node.lineno) for node, function in _walk(ast.parse(source), None)
+        (function, node.lineno)
+        for node, function in _walk(ast.parse(source), None)
         if isinstance(node, (ast.Import, ast.ImportFrom))
     ]
     assert found == [(None, 1), ("f", 3), ("f", 4)]

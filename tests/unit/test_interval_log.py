@@ -27,11 +27,19 @@ class Writer:
 
 def trainer(train_iters: int = 10):
     """The attributes of a Trainer that IntervalLog reads, writing to a Writer."""
-    return SimpleNamespace(flops_per_step=1e12, world_size=1, global_batch_size=2, peak_tflops=None,
-                           cfg=SimpleNamespace(training=SimpleNamespace(seq_length=8),
-                                               logger=SimpleNamespace(log_params_norm=False)),
-                           state=SimpleNamespace(iteration=0, consumed_train_samples=0), train_iters=train_iters,
-                           writer=Writer(), device=torch.device("cpu"))
+    return SimpleNamespace(
+        flops_per_step=1e12,
+        world_size=1,
+        global_batch_size=2,
+        peak_tflops=None,
+        cfg=SimpleNamespace(
+            training=SimpleNamespace(seq_length=8), logger=SimpleNamespace(log_params_norm=False)
+        ),
+        state=SimpleNamespace(iteration=0, consumed_train_samples=0),
+        train_iters=train_iters,
+        writer=Writer(),
+        device=torch.device("cpu"),
+    )
 
 
 def test_iteration_time_follows_device_events_not_host_read_times():
@@ -81,7 +89,9 @@ def test_a_ramp_line_shows_the_last_batch_and_averages_throughput_over_its_steps
     loss = {"lm loss": (2.0, 1.0)}
     for it, (batch, flops) in enumerate(((2, 1e12), (6, 3e12)), start=1):
         tr.state.iteration = it
-        log.record(loss, True, 1.0, 1e-4, 1.0, log.t0 + 1.0 * it, None, None, global_batch_size=batch, flops=flops)
+        log.record(
+            loss, True, 1.0, 1e-4, 1.0, log.t0 + 1.0 * it, None, None, global_batch_size=batch, flops=flops
+        )
     log.flush()  # 2 steps in 2 s: 1 s per step, (2 + 6) / 2 samples and (1 + 3) / 2 TFLOP per step
     row = tr.writer.rows[-1][1]
     assert row["batch-size"] == 6

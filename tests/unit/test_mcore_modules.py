@@ -18,8 +18,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def _cfg(**kw):
-    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
-                             attention_dropout=0.0, **kw)
+    return TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0, **kw
+    )
 
 
 def _model(cfg, **kw):
@@ -40,7 +41,9 @@ def test_compute_language_model_loss_takes_megatron_core_shapes():
     model = _model(_cfg())
     ids, labels = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
     logits = model(ids, None, None)  # [b, s, V]
-    loss = model.compute_language_model_loss(labels, logits.transpose(0, 1))  # labels [b, s], logits [s, b, V]
+    loss = model.compute_language_model_loss(
+        labels, logits.transpose(0, 1)
+    )  # labels [b, s], logits [s, b, V]
     assert loss.shape == (2, 8) and loss.dtype == torch.float32
     expected = nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1), reduction="none")
     torch.testing.assert_close(loss, expected.view(2, 8))
@@ -66,7 +69,11 @@ def test_float16_module_casts_inputs_on_the_first_stage_and_outputs_on_the_last(
     assert wrapped.module.linear.weight.dtype == dtype and isinstance(wrapped, MegatronModule)
     x, ids = torch.randn(2, 4), torch.arange(2)
     out, out_ids = wrapped(x, ids)
-    assert wrapped.module.seen == (dtype, torch.int64) and out.dtype == torch.float32 and out_ids.dtype == torch.int64
+    assert (
+        wrapped.module.seen == (dtype, torch.int64)
+        and out.dtype == torch.float32
+        and out_ids.dtype == torch.int64
+    )
     assert wrapped(x, ids, fp32_output=False)[0].dtype == dtype
     middle = Float16Module(cfg, _Stage(pre_process=False, post_process=False))
     out, _ = middle(x, ids)
@@ -85,7 +92,9 @@ def test_float16_module_runs_a_gpt_model():
 
 def test_rotary_embedding_and_apply_rotary_pos_emb_equal_our_rope():
     cfg = _cfg()
-    rope = RotaryEmbedding(kv_channels=8, rotary_percent=0.5, rotary_base=500, seq_len_interpolation_factor=2.0)
+    rope = RotaryEmbedding(
+        kv_channels=8, rotary_percent=0.5, rotary_base=500, seq_len_interpolation_factor=2.0
+    )
     freqs = rope(6, offset=3)
     assert freqs.shape == (6, 1, 1, 4) and freqs.dtype == torch.float32
     positions = torch.arange(3, 9).expand(2, 6)
@@ -102,17 +111,27 @@ def test_rotary_refusals():
     with pytest.raises(ConfigError, match="rotary_interleaved"):
         RotaryEmbedding(8, 1.0, rotary_interleaved=True)
     with pytest.raises(ConfigError, match="cu_seqlens"):
-        apply_rotary_pos_emb(torch.randn(2, 1, 1, 4), torch.zeros(2, 1, 1, 4), _cfg(), cu_seqlens=torch.tensor([0, 2]))
+        apply_rotary_pos_emb(
+            torch.randn(2, 1, 1, 4), torch.zeros(2, 1, 1, 4), _cfg(), cu_seqlens=torch.tensor([0, 2])
+        )
     scaled = RotaryEmbedding(64, 1.0, rope_scaling=True, rotary_base=500000)
     plain = RotaryEmbedding(64, 1.0, rotary_base=500000)
-    assert scaled.inv_freq[0] == plain.inv_freq[0] and scaled.inv_freq[-1] == pytest.approx(plain.inv_freq[-1] / 8)
+    assert scaled.inv_freq[0] == plain.inv_freq[0] and scaled.inv_freq[-1] == pytest.approx(
+        plain.inv_freq[-1] / 8
+    )
 
 
 def test_gpt_model_takes_megatron_core_arguments():
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    model = _model(_cfg(), fp16_lm_cross_entropy=False, rope_scaling=False, scatter_embedding_sequence_parallel=True,
-                   mtp_block_spec=None, pg_collection=ProcessGroupCollection())
+    model = _model(
+        _cfg(),
+        fp16_lm_cross_entropy=False,
+        rope_scaling=False,
+        scatter_embedding_sequence_parallel=True,
+        mtp_block_spec=None,
+        pg_collection=ProcessGroupCollection(),
+    )
     assert model.pg.tp_size == 1
     for kw in (dict(fp16_lm_cross_entropy=True), dict(rope_scaling=True), dict(mtp_block_spec=object())):
         with pytest.raises(ConfigError, match=rf"GPTModel\({next(iter(kw))}=.*not supported here"):
@@ -127,7 +146,10 @@ def test_swiglu_model_loads_what_dist_checkpointing_returns(tmp_path):
     from megatron.core import dist_checkpointing
 
     cfg = _cfg(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
-    model, fresh = _model(cfg), GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8, seed=9)
+    model, fresh = (
+        _model(cfg),
+        GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8, seed=9),
+    )
     dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(tmp_path))
     fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(prefix=""), str(tmp_path)))
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):

@@ -39,12 +39,20 @@ def test_context_parallel_example_of_the_docstring() -> None:
 def test_masked_orthogonal_examples() -> None:
     """The generator's documented cases: tp-pp-dp 2-2-2 dp groups; tp-dp-pp 2-3-4 dp groups."""
     assert RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-pp-dp").get_ranks("dp") == [
-        [0, 4], [1, 5], [2, 6], [3, 7]]
+        [0, 4],
+        [1, 5],
+        [2, 6],
+        [3, 7],
+    ]
     dp = RankGenerator(tp=2, ep=1, dp=3, pp=4, cp=1, order="tp-dp-pp").get_ranks("dp")
     assert dp[0] == [0, 2, 4] and dp[1] == [1, 3, 5] and dp[7] == [19, 21, 23] and len(dp) == 8
     assert ps.generate_masked_orthogonal_rank_groups(24, [2, 3, 4], [False, True, False]) == dp
     assert ps.generate_masked_orthogonal_rank_groups(8, [2, 2, 2], [False, False, True]) == [
-        [0, 4], [1, 5], [2, 6], [3, 7]]
+        [0, 4],
+        [1, 5],
+        [2, 6],
+        [3, 7],
+    ]
 
 
 def _reference_groups(sizes: dict[str, int], order: list[str], token: str) -> list[list[int]]:
@@ -104,28 +112,47 @@ def test_hyper_comm_grid_enumerates_as_rank_generator(monkeypatch: pytest.Monkey
 
 # Every parameter of 0.19.2's initialize_model_parallel, with its default.
 MEGATRON_SIGNATURE = {
-    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-    "virtual_pipeline_model_parallel_size": None, "pipeline_model_parallel_comm_backend": None,
-    "use_sharp": False, "context_parallel_size": 1, "hierarchical_context_parallel_sizes": None,
-    "hybrid_context_parallel": False, "expert_model_parallel_size": 1, "gtp_remat_size": 1,
-    "expert_gtp_remat_size": 1, "num_distributed_optimizer_instances": 1, "expert_tensor_parallel_size": None,
-    "nccl_communicator_config_path": None, "distributed_timeout_minutes": 30, "order": "tp-cp-ep-dp-pp",
-    "get_embedding_ranks": None, "get_position_embedding_ranks": None, "create_gloo_process_groups": True,
-    "high_priority_stream_groups": None, "sharp_enabled_group": None, "rank_offset": 0, "local_world_size": None,
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "pipeline_model_parallel_comm_backend": None,
+    "use_sharp": False,
+    "context_parallel_size": 1,
+    "hierarchical_context_parallel_sizes": None,
+    "hybrid_context_parallel": False,
+    "expert_model_parallel_size": 1,
+    "gtp_remat_size": 1,
+    "expert_gtp_remat_size": 1,
+    "num_distributed_optimizer_instances": 1,
+    "expert_tensor_parallel_size": None,
+    "nccl_communicator_config_path": None,
+    "distributed_timeout_minutes": 30,
+    "order": "tp-cp-ep-dp-pp",
+    "get_embedding_ranks": None,
+    "get_position_embedding_ranks": None,
+    "create_gloo_process_groups": True,
+    "high_priority_stream_groups": None,
+    "sharp_enabled_group": None,
+    "rank_offset": 0,
+    "local_world_size": None,
 }
 
 
 def test_initialize_model_parallel_has_megatrons_signature() -> None:
     params = inspect.signature(ps.initialize_model_parallel).parameters
     assert {n: p.default for n, p in params.items()} == MEGATRON_SIGNATURE
-    assert list(params)[:3] == ["tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                "virtual_pipeline_model_parallel_size"]
+    assert list(params)[:3] == [
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+    ]
 
 
 def test_arguments_asking_for_what_is_not_built_are_one_error() -> None:
     with pytest.raises(ValueError) as err:
-        ps.initialize_model_parallel(gtp_remat_size=2, hybrid_context_parallel=True,
-                                     num_distributed_optimizer_instances=2)
+        ps.initialize_model_parallel(
+            gtp_remat_size=2, hybrid_context_parallel=True, num_distributed_optimizer_instances=2
+        )
     for name in ("gtp_remat_size=2", "hybrid_context_parallel", "num_distributed_optimizer_instances=2"):
         assert name in str(err.value)
     with pytest.raises(ValueError, match="pipeline_model_parallel_comm_backend"):
@@ -138,8 +165,12 @@ def test_arguments_asking_for_what_is_not_built_are_one_error() -> None:
 
 
 def test_tuning_arguments_are_accepted() -> None:
-    ps.initialize_model_parallel(use_sharp=True, nccl_communicator_config_path="/no/such.yaml",
-                                 high_priority_stream_groups=["dp_cp"], order="tp-pp-dp")
+    ps.initialize_model_parallel(
+        use_sharp=True,
+        nccl_communicator_config_path="/no/such.yaml",
+        high_priority_stream_groups=["dp_cp"],
+        order="tp-pp-dp",
+    )
     assert ps.model_parallel_is_initialized() and ps.is_initialized()
 
 
@@ -152,11 +183,18 @@ def test_getters_on_a_world_of_one() -> None:
     assert not ps.model_parallel_is_initialized()
     ps.initialize_model_parallel()
     assert ps.model_parallel_is_initialized()
-    sizes = [ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-             ps.get_data_parallel_world_size(), ps.get_data_parallel_world_size(with_context_parallel=True),
-             ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
-             ps.get_expert_tensor_parallel_world_size(), ps.get_expert_data_parallel_world_size(),
-             ps.get_tensor_and_context_parallel_world_size(), ps.get_expert_tensor_and_model_parallel_world_size()]
+    sizes = [
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_data_parallel_world_size(),
+        ps.get_data_parallel_world_size(with_context_parallel=True),
+        ps.get_context_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_expert_tensor_parallel_world_size(),
+        ps.get_expert_data_parallel_world_size(),
+        ps.get_tensor_and_context_parallel_world_size(),
+        ps.get_expert_tensor_and_model_parallel_world_size(),
+    ]
     assert sizes == [1] * len(sizes)
     assert ps.get_all_ranks() == "0_0_0_0_0_0"
     assert ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage()

@@ -69,17 +69,24 @@ def test_transformer_package_exports_megatron_core_names():
 
 
 def _cfg(**kw):
-    return TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
-                             attention_dropout=0.0, **kw)
+    return TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0, **kw
+    )
 
 
 def test_local_spec_signature_refusals_and_attention_mask_type():
     subs = get_gpt_layer_local_submodules()
     assert subs.self_attention.params == {"attn_mask_type": AttnMaskType.causal}
-    for kw in (dict(num_experts=8), dict(multi_latent_attention=True), dict(qk_l2_norm=True),
-               dict(moe_grouped_gemm=True)):
+    for kw in (
+        dict(num_experts=8),
+        dict(multi_latent_attention=True),
+        dict(qk_l2_norm=True),
+        dict(moe_grouped_gemm=True),
+    ):
         name = next(iter(kw))
-        with pytest.raises(ConfigError, match=rf"get_gpt_layer_local_submodules\({name}=.*not supported here"):
+        with pytest.raises(
+            ConfigError, match=rf"get_gpt_layer_local_submodules\({name}=.*not supported here"
+        ):
             get_gpt_layer_local_spec(**kw)
     with pytest.raises(ConfigError, match="num_experts"):
         get_mlp_module_spec(num_experts=4)
@@ -90,11 +97,15 @@ def test_local_spec_signature_refusals_and_attention_mask_type():
 
 
 def test_qk_layernorm_from_the_spec_or_the_config():
-    model = GPTModel(_cfg(), get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64, max_sequence_length=8)
+    model = GPTModel(
+        _cfg(), get_gpt_layer_local_spec(qk_layernorm=True), vocab_size=64, max_sequence_length=8
+    )
     assert model.decoder.layers[0].self_attention.q_layernorm is not None
     plain = GPTModel(_cfg(), get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8)
     assert plain.decoder.layers[0].self_attention.q_layernorm is None
-    by_config = GPTModel(_cfg(qk_layernorm=True), get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8)
+    by_config = GPTModel(
+        _cfg(qk_layernorm=True), get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8
+    )
     assert by_config.decoder.layers[0].self_attention.k_layernorm is not None
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.q_layernorm = IdentityOp
@@ -140,16 +151,32 @@ def test_megatron_core_style_hand_written_spec_builds():
     from megatron.core.transformer.norms import Norm
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=Norm,
-        self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                                  submodules=SelfAttentionSubmodules(
-                                      linear_qkv=ColumnParallelLinear, core_attention=DotProductAttention,
-                                      linear_proj=RowParallelLinear, q_layernorm=IdentityOp, k_layernorm=IdentityOp)),
-        self_attn_bda=IdentityFuncOp, cross_attention=IdentityOp, pre_mlp_layernorm=Norm,
-        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                            linear_fc2=RowParallelLinear)),
-        mlp_bda=IdentityFuncOp, sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv."}))
+    spec = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=Norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=DotProductAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=IdentityFuncOp,
+            cross_attention=IdentityOp,
+            pre_mlp_layernorm=Norm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ),
+            mlp_bda=IdentityFuncOp,
+            sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv."},
+        ),
+    )
     ids = torch.randint(0, 64, (2, 8))
     a = GPTModel(_cfg(), spec, vocab_size=64, max_sequence_length=8, seed=2)
     b = GPTModel(_cfg(), get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8, seed=2)
@@ -171,16 +198,30 @@ def test_a_spec_written_with_megatron_core_import_paths_builds_the_local_model()
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=WrappedTorchNorm,
-        self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                                  submodules=SelfAttentionSubmodules(
-                                      linear_qkv=ColumnParallelLinear, core_attention=DPA,
-                                      linear_proj=RowParallelLinear, q_layernorm=IdentityOp, k_layernorm=IdentityOp)),
-        self_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=WrappedTorchNorm,
-        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                            linear_fc2=RowParallelLinear)),
-        mlp_bda=get_bias_dropout_add))
+    spec = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=DPA,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
     ids = torch.randint(0, 64, (2, 8))
     cfg = _cfg(normalization="RMSNorm")
     a = GPTModel(cfg, spec, vocab_size=64, max_sequence_length=8, seed=4)
@@ -189,7 +230,9 @@ def test_a_spec_written_with_megatron_core_import_paths_builds_the_local_model()
 
     x, bias, residual = torch.randn(4, 3), torch.randn(3), torch.randn(4, 3)
     for fused in (False, True):
-        torch.testing.assert_close(get_bias_dropout_add(False, fused)((x, bias), residual, 0.5), residual + x + bias)
+        torch.testing.assert_close(
+            get_bias_dropout_add(False, fused)((x, bias), residual, 0.5), residual + x + bias
+        )
         torch.manual_seed(0)
         dropped = get_bias_dropout_add(True, fused)((x, None), residual, 0.5) - residual
         assert ((dropped == 0) | torch.isclose(dropped, 2 * x)).all() and (dropped == 0).any()

@@ -43,34 +43,78 @@ def _params(fn) -> dict[str, object]:
 def test_signatures_and_defaults_are_megatrons() -> None:
     empty = inspect.Parameter.empty
     assert list(_params(tpl.model_parallel_cuda_manual_seed))[:8] == [
-        "seed", "te_rng_tracker", "inference_rng_tracker", "use_cudagraphable_rng", "tp_rank", "ep_rank",
-        "etp_rank", "force_reset_rng"]
-    assert _params(tpl.checkpoint) == {"function": empty, "distribute_saved_activations": empty, "args": empty}
+        "seed",
+        "te_rng_tracker",
+        "inference_rng_tracker",
+        "use_cudagraphable_rng",
+        "tp_rank",
+        "ep_rank",
+        "etp_rank",
+        "force_reset_rng",
+    ]
+    assert _params(tpl.checkpoint) == {
+        "function": empty,
+        "distribute_saved_activations": empty,
+        "args": empty,
+    }
     assert _params(tpl.vocab_parallel_cross_entropy) == {
-        "vocab_parallel_logits": empty, "target": empty, "label_smoothing": 0.0, "tp_group": None}
+        "vocab_parallel_logits": empty,
+        "target": empty,
+        "label_smoothing": 0.0,
+        "tp_group": None,
+    }
     assert _params(tpl.gather_from_sequence_parallel_region) == {
-        "input_": empty, "tensor_parallel_output_grad": True, "group": None, "output_split_sizes": None,
-        "use_global_buffer": False}
+        "input_": empty,
+        "tensor_parallel_output_grad": True,
+        "group": None,
+        "output_split_sizes": None,
+        "use_global_buffer": False,
+    }
     assert _params(tpl.linear_with_grad_accumulation_and_async_allreduce) == {
-        "input": empty, "weight": empty, "bias": empty, "gradient_accumulation_fusion": empty,
-        "allreduce_dgrad": empty, "sequence_parallel": empty, "grad_output_buffer": None,
-        "wgrad_deferral_limit": 0, "tp_group": None, "gtp_remat_size": 1}
-    for fn in (tpl.copy_to_tensor_model_parallel_region, tpl.reduce_from_tensor_model_parallel_region,
-               tpl.scatter_to_tensor_model_parallel_region, tpl.gather_from_tensor_model_parallel_region,
-               tpl.scatter_to_sequence_parallel_region, tpl.all_gather_last_dim_from_tensor_parallel_region,
-               tpl.reduce_scatter_last_dim_to_tensor_parallel_region):
+        "input": empty,
+        "weight": empty,
+        "bias": empty,
+        "gradient_accumulation_fusion": empty,
+        "allreduce_dgrad": empty,
+        "sequence_parallel": empty,
+        "grad_output_buffer": None,
+        "wgrad_deferral_limit": 0,
+        "tp_group": None,
+        "gtp_remat_size": 1,
+    }
+    for fn in (
+        tpl.copy_to_tensor_model_parallel_region,
+        tpl.reduce_from_tensor_model_parallel_region,
+        tpl.scatter_to_tensor_model_parallel_region,
+        tpl.gather_from_tensor_model_parallel_region,
+        tpl.scatter_to_sequence_parallel_region,
+        tpl.all_gather_last_dim_from_tensor_parallel_region,
+        tpl.reduce_scatter_last_dim_to_tensor_parallel_region,
+    ):
         assert _params(fn) == {"input_": empty, "group": None}, fn.__name__
     assert list(_params(tpl.broadcast_data))[:4] == ["keys", "data", "datatype", "tp_group"]
     col = _params(tpl.ColumnParallelLinear)
-    for name, default in {"bias": True, "gather_output": False, "stride": 1, "keep_master_weight_for_test": False,
-                          "skip_bias_add": False, "skip_weight_param_allocation": False,
-                          "embedding_activation_buffer": None, "grad_output_buffer": None, "is_expert": False,
-                          "tp_comm_buffer_name": None, "disable_grad_reduce": False, "tp_group": None}.items():
+    for name, default in {
+        "bias": True,
+        "gather_output": False,
+        "stride": 1,
+        "keep_master_weight_for_test": False,
+        "skip_bias_add": False,
+        "skip_weight_param_allocation": False,
+        "embedding_activation_buffer": None,
+        "grad_output_buffer": None,
+        "is_expert": False,
+        "tp_comm_buffer_name": None,
+        "disable_grad_reduce": False,
+        "tp_group": None,
+    }.items():
         assert col[name] == default, name
     assert {"config", "init_method", "input_is_parallel", "skip_bias_add", "tp_group"} <= set(
-        _params(tpl.RowParallelLinear))
+        _params(tpl.RowParallelLinear)
+    )
     assert {"init_method", "reduce_scatter_embeddings", "config", "tp_group"} <= set(
-        _params(tpl.VocabParallelEmbedding))
+        _params(tpl.VocabParallelEmbedding)
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the CUDA generator is seeded instead")
@@ -215,8 +259,13 @@ def test_utils() -> None:
 
 
 def _config(**kw):
-    base = dict(params_dtype=torch.float32, sequence_parallel=False, perform_initialization=True,
-                use_cpu_initialization=True, init_method_std=0.02)
+    base = dict(
+        params_dtype=torch.float32,
+        sequence_parallel=False,
+        perform_initialization=True,
+        use_cpu_initialization=True,
+        init_method_std=0.02,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -230,8 +279,15 @@ def test_layers_in_megatrons_form() -> None:
     out, bias = col(x)
     assert bias is col.bias and out.shape == (3, 2, 6)
     assert_close(out, x @ col.weight.t())
-    row = tpl.RowParallelLinear(6, 4, config=_config(use_cpu_initialization=False), init_method=init, bias=True,
-                                input_is_parallel=True, skip_bias_add=False)
+    row = tpl.RowParallelLinear(
+        6,
+        4,
+        config=_config(use_cpu_initialization=False),
+        init_method=init,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+    )
     y, none = row(out.to(row.weight.device))  # initialised on the GPU when there is one
     assert none is None and torch.all(row.weight == 0.5)
     emb = tpl.VocabParallelEmbedding(10, 4, init_method=init, config=_config())
@@ -244,14 +300,22 @@ def test_layers_in_megatrons_form() -> None:
     with pytest.raises(ValueError, match="init_method="):
         tpl.RowParallelLinear(4, 6, config=_config())
     with pytest.raises(ValueError, match="input_is_parallel=True"):
-        tpl.RowParallelLinear(4, 6, config=_config(sequence_parallel=True), init_method=init, bias=False,
-                              input_is_parallel=False, skip_bias_add=False)
+        tpl.RowParallelLinear(
+            4,
+            6,
+            config=_config(sequence_parallel=True),
+            init_method=init,
+            bias=False,
+            input_is_parallel=False,
+            skip_bias_add=False,
+        )
 
 
 def test_linear_and_parameter_attributes() -> None:
     x, w, b = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5)
-    assert_close(tpl.linear_with_grad_accumulation_and_async_allreduce(x, w, b, False, False, False),
-                 F.linear(x, w, b))
+    assert_close(
+        tpl.linear_with_grad_accumulation_and_async_allreduce(x, w, b, False, False, False), F.linear(x, w, b)
+    )
     with pytest.raises(ValueError, match="allreduce_dgrad must be False"):
         tpl.linear_with_grad_accumulation_and_async_allreduce(x, w, b, False, True, True)
     p, q = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))

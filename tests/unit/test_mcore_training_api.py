@@ -9,14 +9,17 @@ import torch
 from megatron.training import global_vars
 from megatron.training.arguments import parse_args, parse_run_config, validate_args
 
-FULL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128").split()
+FULL = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128"
+).split()
 
 
 @pytest.fixture
 def argv(monkeypatch):
     def set_argv(flags):
         monkeypatch.setattr(sys, "argv", ["train.py"] + list(flags))
+
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
     monkeypatch.delenv("RANK", raising=False)
@@ -128,10 +131,17 @@ def test_megatron_flags_that_are_not_ours_have_their_dests(argv):
     args = parse_args()
     # Megatron-LM's defaults, read by code written against its args (--num-experts is refused here).
     assert args.num_experts is None and args.manual_gc is False and args.deprecated_use_mcore_models is False
-    assert args.manual_gc_interval == 0 and args.context_parallel_size == 1 and args.tp_comm_overlap_ag is True
-    argv(FULL + "--manual-gc --manual-gc-interval 5 --use-mcore-models --disable-tp-comm-overlap-ag "
-                "--context-parallel-size 1".split())
+    assert (
+        args.manual_gc_interval == 0 and args.context_parallel_size == 1 and args.tp_comm_overlap_ag is True
+    )
+    argv(
+        FULL
+        + "--manual-gc --manual-gc-interval 5 --use-mcore-models --disable-tp-comm-overlap-ag "
+        "--context-parallel-size 1".split()
+    )
     args = parse_args()
-    assert args.manual_gc is True and args.manual_gc_interval == 5 and args.deprecated_use_mcore_models is True
+    assert (
+        args.manual_gc is True and args.manual_gc_interval == 5 and args.deprecated_use_mcore_models is True
+    )
     assert args.tp_comm_overlap_ag is False and args.context_parallel_size == 1
     assert validate_args(args).data_parallel_size == 1

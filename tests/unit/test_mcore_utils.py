@@ -69,7 +69,9 @@ def test_get_model_config_and_wrapped_attributes() -> None:
     net = _Net()
     outer = torch.nn.Module()
     outer.module = net
-    assert utils.get_model_config(outer) == "the config" and utils.get_model_type(outer) == "encoder_or_decoder"
+    assert (
+        utils.get_model_config(outer) == "the config" and utils.get_model_type(outer) == "encoder_or_decoder"
+    )
     assert utils.get_attr_wrapped_model(outer, "lin", return_model_obj=True) is net
     assert utils.get_model_xattn(outer) is False
     with pytest.raises(RuntimeError, match="couldn't find attribute"):

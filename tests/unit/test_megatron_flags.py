@@ -11,8 +11,10 @@ from megatron.training.megatron_flags import ALWAYS, NO_EFFECT, REFUSED
 
 HERE = os.path.dirname(__file__)
 MEGATRON_FLAGS = os.path.join(HERE, "snapshots", "megatron-flags-0.19.2.txt")
-BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-        "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128").split()
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+    "--train-iters 10 --lr 1e-3 --mock-data --vocab-size 128"
+).split()
 
 
 def megatron_flags() -> list[str]:
@@ -46,12 +48,17 @@ def test_all_846_flags_of_megatron_lm_are_each_in_exactly_one_class():
     implemented = set(flag_list()) | {"--help"}
     classes = {}
     for flag in flags:
-        found = [c for c in ("implemented", ALWAYS, NO_EFFECT, REFUSED)
-                 if (c == "implemented" and flag in implemented) or (flag in FOREIGN and FOREIGN[flag].kind == c)]
+        found = [
+            c
+            for c in ("implemented", ALWAYS, NO_EFFECT, REFUSED)
+            if (c == "implemented" and flag in implemented) or (flag in FOREIGN and FOREIGN[flag].kind == c)
+        ]
         classes[flag] = found
     unhandled = [f for f, c in classes.items() if len(c) != 1]
     assert not unhandled, {f: classes[f] for f in unhandled}
-    counts = {c: sum(1 for v in classes.values() if v == [c]) for c in ("implemented", ALWAYS, NO_EFFECT, REFUSED)}
+    counts = {
+        c: sum(1 for v in classes.values() if v == [c]) for c in ("implemented", ALWAYS, NO_EFFECT, REFUSED)
+    }
     assert all(counts.values()), counts
     assert not set(FOREIGN) & implemented  # no flag both implemented and listed as foreign
     assert set(FOREIGN) <= set(flags)  # the table holds Megatron-LM's flags only
@@ -85,26 +92,55 @@ def test_every_refused_megatron_flag_is_refused_and_named_in_one_report(capsys):
 
 def test_a_value_outside_the_accepted_ones_is_refused_with_what_to_pass(capsys):
     err = _errors(capsys, BASE + ["--context-parallel-size", "2"])
-    assert err[0].startswith("pretrain_gpt.py: error: --context-parallel-size 2: context parallelism is not built")
+    assert err[0].startswith(
+        "pretrain_gpt.py: error: --context-parallel-size 2: context parallelism is not built"
+    )
     assert "pass --context-parallel-size 1 or drop it" in err[0]
     assert parse_run_config(BASE + ["--recompute-modules", "core_attn"]).notes
 
 
 def test_refusals_bad_values_and_unknown_flags_are_reported_together(capsys):
-    err = _errors(capsys, BASE + ["--num-experts", "8", "--moe-router-topk", "2", "--normalization", "Foo",
-                                  "--hidden-size", "x", "--async-save", "--hiden-dropout", "0.1"])
+    err = _errors(
+        capsys,
+        BASE
+        + [
+            "--num-experts",
+            "8",
+            "--moe-router-topk",
+            "2",
+            "--normalization",
+            "Foo",
+            "--hidden-size",
+            "x",
+            "--async-save",
+            "--hiden-dropout",
+            "0.1",
+        ],
+    )
     assert err[0].startswith("pretrain_gpt.py: error: 5 problems with the flags (see --help;")
     body = "\n".join(err)
-    assert "--num-experts 8, --moe-router-topk 2: mixture-of-experts layers are not built yet" in body  # one reason
+    assert (
+        "--num-experts 8, --moe-router-topk 2: mixture-of-experts layers are not built yet" in body
+    )  # one reason
     assert "--normalization Foo: choose one of LayerNorm, RMSNorm" in body
     assert "--hidden-size x: not a valid int" in body
     assert "--async-save: asynchronous checkpoint saving is not built yet" in body
-    assert "--hiden-dropout: not a flag of pretrain_gpt.py nor of Megatron-LM 0.19.2; did you mean --hidden-dropout?" in body
+    assert (
+        "--hiden-dropout: not a flag of pretrain_gpt.py nor of Megatron-LM 0.19.2; did you mean --hidden-dropout?"
+        in body
+    )
     assert "Traceback" not in body
 
 
-@pytest.mark.parametrize("typo, hint", [("--num-layer", "--num-layers"), ("--lr-warmup-iter", "--lr-warmup-iters"),
-                                        ("--save-intervall", "--save-interval"), ("--skip-trian", "--skip-train")])
+@pytest.mark.parametrize(
+    "typo, hint",
+    [
+        ("--num-layer", "--num-layers"),
+        ("--lr-warmup-iter", "--lr-warmup-iters"),
+        ("--save-intervall", "--save-interval"),
+        ("--skip-trian", "--skip-train"),
+    ],
+)
 def test_did_you_mean_names_a_really_close_flag(capsys, typo, hint):
     err = _errors(capsys, BASE + [typo, "3"])
     assert len(err) == 1 and err[0].endswith(f"did you mean {hint}? (see --help)")
@@ -119,8 +155,21 @@ def test_did_you_mean_stays_quiet_for_a_flag_that_is_not_close(capsys, far):
 def test_accepted_flags_are_noted_once_in_the_log(capsys):
     from megatron.training.cli import run
 
-    rc = run(BASE + ["--train-iters", "1", "--eval-iters", "0", "--num-workers", "0", "--manual-gc",
-                     "--empty-unused-memory-level", "1", "--use-mcore-models"])
+    rc = run(
+        BASE
+        + [
+            "--train-iters",
+            "1",
+            "--eval-iters",
+            "0",
+            "--num-workers",
+            "0",
+            "--manual-gc",
+            "--empty-unused-memory-level",
+            "1",
+            "--use-mcore-models",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert out.count("--manual-gc") == 1 and out.count("--empty-unused-memory-level 1") == 1
@@ -146,8 +195,9 @@ def test_help_is_readable(capsys):
     for action in parser._actions:
         if action.dest in (GIVEN, "help", "help_megatron"):
             continue
-        assert "[default: " in action.help or "[required]" in action.help or "efault" in action.help, \
+        assert "[default: " in action.help or "[required]" in action.help or "efault" in action.help, (
             action.option_strings
+        )
 
 
 def test_help_megatron_lists_the_refused_and_accepted_flags(capsys):

@@ -17,7 +17,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 def tiny(**kw) -> TransformerConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0)
+    base = dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -50,8 +52,13 @@ def test_layernorm_1p_model_stores_zero_and_matches_the_plain_model():
     variant = dict(normalization="RMSNorm", qk_layernorm=True, position_embedding_type="rope")
     one_p, plain = build(tiny(apply_layernorm_1p=True, **variant)), build(tiny(**variant))
     norms = [name for name, _ in one_p.named_parameters() if "layernorm" in name and name.endswith("weight")]
-    assert {n.split(".")[-2] for n in norms} == {"input_layernorm", "pre_mlp_layernorm", "q_layernorm",
-                                                  "k_layernorm", "final_layernorm"}
+    assert {n.split(".")[-2] for n in norms} == {
+        "input_layernorm",
+        "pre_mlp_layernorm",
+        "q_layernorm",
+        "k_layernorm",
+        "final_layernorm",
+    }
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in one_p.named_parameters():
@@ -82,12 +89,17 @@ def test_rotary_interpolation_divides_positions_by_the_factor():
         for i in range(d // 2):
             theta = (p / f) * base ** (-2 * i / d)
             a, b = x[0, 0, 0, i], x[0, 0, 0, i + d // 2]
-            expect = torch.stack([a * torch.cos(torch.tensor(theta)) - b * torch.sin(torch.tensor(theta)),
-                                  b * torch.cos(torch.tensor(theta)) + a * torch.sin(torch.tensor(theta))])
+            expect = torch.stack(
+                [
+                    a * torch.cos(torch.tensor(theta)) - b * torch.sin(torch.tensor(theta)),
+                    b * torch.cos(torch.tensor(theta)) + a * torch.sin(torch.tensor(theta)),
+                ]
+            )
             torch.testing.assert_close(torch.stack([out[i], out[i + d // 2]]), expect)
     # interpolated position 8 with factor 4 is plain position 2
-    torch.testing.assert_close(rotary_cos_sin(torch.tensor([[8]]), d, base, 4.0),
-                               rotary_cos_sin(torch.tensor([[2]]), d, base))
+    torch.testing.assert_close(
+        rotary_cos_sin(torch.tensor([[8]]), d, base, 4.0), rotary_cos_sin(torch.tensor([[2]]), d, base)
+    )
 
 
 def test_model_uses_the_interpolation_factor():
@@ -129,22 +141,36 @@ def test_cpu_initialization_values_on_cuda(bf16):
 
 # ------------------------------------------------------------------------------------------------ config
 def test_walkthrough_config_fields():
-    cfg = TransformerConfig(num_layers=2, hidden_size=12, num_attention_heads=4, use_cpu_initialization=True,
-                            pipeline_dtype=torch.float32)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=12,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+    )
     assert cfg.tensor_model_parallel_size == 1 and cfg.pipeline_dtype == torch.float32
-    with pytest.raises(ValueError, match="pipeline_dtype torch.float32 differs from the parameter dtype torch.bfloat16"):
-        TransformerConfig(num_layers=2, hidden_size=12, num_attention_heads=4, bf16=True, pipeline_dtype=torch.float32)
+    with pytest.raises(
+        ValueError, match="pipeline_dtype torch.float32 differs from the parameter dtype torch.bfloat16"
+    ):
+        TransformerConfig(
+            num_layers=2, hidden_size=12, num_attention_heads=4, bf16=True, pipeline_dtype=torch.float32
+        )
 
 
 def test_config_sizes_follow_the_groups_or_must_match():
     cfg = tiny()
     cfg.check_parallel_sizes(2, 4)  # left at 1: the groups decide
-    with pytest.raises(ValueError, match=r"TransformerConfig.tensor_model_parallel_size is 4 but "
-                                         "the model is built on process groups of size 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"TransformerConfig.tensor_model_parallel_size is 4 but "
+        "the model is built on process groups of size 2",
+    ):
         tiny(tensor_model_parallel_size=4).check_parallel_sizes(2, 1)
     with pytest.raises(ValueError, match="pipeline_model_parallel_size is 2 but .* size 4"):
         tiny(pipeline_model_parallel_size=2).check_parallel_sizes(1, 4)
-    with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by tensor_model_parallel_size 8"):
+    with pytest.raises(
+        ValueError, match="num_attention_heads 4 is not divisible by tensor_model_parallel_size 8"
+    ):
         cfg.check_parallel_sizes(8, 1)
     assert tiny(sequence_parallel=True).sequence_parallel  # kept: it applies where the groups' tp > 1
     assert not build(tiny(sequence_parallel=True)).sequence_parallel

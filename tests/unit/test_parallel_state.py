@@ -37,7 +37,9 @@ def test_rank_formula_and_round_trip(grid: RankGrid) -> None:
     for rank in range(grid.world_size):
         c = grid.coords(rank)
         assert all(0 <= c[a] < getattr(grid, a) for a in AXES)
-        expected = c["tp"] + grid.tp * (c["cp"] + grid.cp * (c["ep"] + grid.ep * (c["dp"] + grid.dp * c["pp"])))
+        expected = c["tp"] + grid.tp * (
+            c["cp"] + grid.cp * (c["ep"] + grid.ep * (c["dp"] + grid.dp * c["pp"]))
+        )
         assert expected == rank
         assert grid.rank(c) == rank
 
@@ -72,8 +74,14 @@ def test_error_names_every_degree() -> None:
     with pytest.raises(ValueError) as err:
         make_grid(12, tp=4, pp=2, cp=1, ep=1)
     msg = str(err.value)
-    for needle in ("12", "tensor_model_parallel_size (4)", "pipeline_model_parallel_size (2)",
-                   "context_parallel_size (1)", "expert_model_parallel_size (1)", "= 8"):
+    for needle in (
+        "12",
+        "tensor_model_parallel_size (4)",
+        "pipeline_model_parallel_size (2)",
+        "context_parallel_size (1)",
+        "expert_model_parallel_size (1)",
+        "= 8",
+    ):
         assert needle in msg, msg
 
 

@@ -20,10 +20,12 @@ VARIANTS = [
 def _loss_and_grads(**kw):
     pg = ParallelState(grid=RankGrid(), rank=0)
     pg.rng_tracker = model_parallel_seed(5, 0)
-    cfg = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, hidden_dropout=0.1,
-                            attention_dropout=0.1, **kw)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16, seed=3,
-                     parallel_state=pg)
+    cfg = TransformerConfig(
+        num_layers=3, hidden_size=32, num_attention_heads=4, hidden_dropout=0.1, attention_dropout=0.1, **kw
+    )
+    model = GPTModel(
+        cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16, seed=3, parallel_state=pg
+    )
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     loss = model(ids, None, None, labels=ids).mean()

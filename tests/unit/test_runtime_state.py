@@ -31,10 +31,16 @@ from megatron.training import global_vars
 
 ROOT = Path(__file__).resolve().parents[2]
 # The files whose module state this runtime absorbed: none of them may hold a global statement.
-FOLDED = ["megatron/core/parallel_state_init.py", "megatron/core/parallel_state_api.py",
-          "megatron/core/utils.py", "megatron/core/num_microbatches_calculator.py",
-          "megatron/core/tensor_parallel/rng_api.py", "megatron/core/pipeline_parallel/p2p_communication.py",
-          "megatron/training/global_vars.py", "megatron/training/initialize.py"]
+FOLDED = [
+    "megatron/core/parallel_state_init.py",
+    "megatron/core/parallel_state_api.py",
+    "megatron/core/utils.py",
+    "megatron/core/num_microbatches_calculator.py",
+    "megatron/core/tensor_parallel/rng_api.py",
+    "megatron/core/pipeline_parallel/p2p_communication.py",
+    "megatron/training/global_vars.py",
+    "megatron/training/initialize.py",
+]
 GLOBAL = re.compile(r"^\s*global\s", re.M)
 
 
@@ -75,8 +81,13 @@ def test_destroy_model_parallel_forgets_the_layout() -> None:
 
     layout = get_runtime().layout
     assert layout is not old_layout
-    assert (layout.parallel_state, layout.initialized, layout.overrides, layout.unbound_rng_tracker,
-            layout.memory_buffer) == (None, False, {}, None, None)
+    assert (
+        layout.parallel_state,
+        layout.initialized,
+        layout.overrides,
+        layout.unbound_rng_tracker,
+        layout.memory_buffer,
+    ) == (None, False, {}, None, None)
     assert ps.get_tensor_model_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_rank() == 0
     assert ps.get_global_memory_buffer() is not buffer
     assert rng_api.get_cuda_rng_tracker() is not tracker
@@ -176,8 +187,12 @@ def test_layout_errors_are_config_errors_naming_the_parameters() -> None:
     with pytest.raises(ParallelLayoutError) as err:
         make_grid(6, tp=4)
     assert isinstance(err.value, ConfigError) and isinstance(err.value, RuntimeError)
-    assert err.value.params == ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                "context_parallel_size", "expert_model_parallel_size")
+    assert err.value.params == (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+        "expert_model_parallel_size",
+    )
     assert "--" not in str(err.value)
     with pytest.raises(ConfigError) as err:
         ps.initialize_model_parallel(gtp_remat_size=2, rank_offset=1)
@@ -185,7 +200,9 @@ def test_layout_errors_are_config_errors_naming_the_parameters() -> None:
 
 
 def test_the_data_pipeline_does_not_import_the_model_stack() -> None:
-    code = ("import sys, megatron.core.datasets.gpt_dataset; "
-            "print(any(m.startswith(('megatron.core.transformer', 'megatron.core.distributed')) for m in sys.modules))")
+    code = (
+        "import sys, megatron.core.datasets.gpt_dataset; "
+        "print(any(m.startswith(('megatron.core.transformer', 'megatron.core.distributed')) for m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -14,6 +14,7 @@ GEMMS = ("aten::mm", "aten::addmm", "aten::_scaled_mm")
 
 def outer_gemms(prof) -> list[str]:
     """GEMM ops not called from inside another GEMM op (the CPU's _scaled_mm multiplies through matmul)."""
+
     def inside_gemm(e) -> bool:
         p = e.cpu_parent
         while p is not None:
@@ -21,6 +22,7 @@ def outer_gemms(prof) -> list[str]:
                 return True
             p = p.cpu_parent
         return False
+
     return [e.name for e in prof.events() if e.name in GEMMS and not inside_gemm(e)]
 
 
@@ -35,7 +37,9 @@ def test_floor_runs_every_gemm_of_a_step_and_nothing_else():
     # per layer: 4 forward GEMMs (with bias: addmm) and 8 backward; the output layer: 3
     assert ops.count("aten::addmm") == 4 * s["layers"]
     assert ops.count("aten::mm") == 8 * s["layers"] + 3
-    attention = [e.name for e in prof.events() if "scaled_dot_product" in e.name and "backward" not in e.name.lower()]
+    attention = [
+        e.name for e in prof.events() if "scaled_dot_product" in e.name and "backward" not in e.name.lower()
+    ]
     assert attention, "attention forward did not run"
     assert all(torch.isfinite(g).all() for layer in floor.wgrads for g in layer.values())
 
@@ -57,7 +61,9 @@ def test_fp8_floor_runs_the_layers_gemms_in_fp8_and_the_output_layer_in_bf16():
     s = step_floor.shape_of("llama-3b")
     s.update(layers=2, hidden=96, heads=6, groups=2, ffn=128, seq=32, batch=2, vocab=256)
     floor = step_floor.Floor(s, torch.device("cpu"), fp8=True)
-    assert floor.w8[0]["fc1"][0].dtype == torch.float8_e4m3fn and floor.dy8["fc2"][0].dtype == torch.float8_e5m2
+    assert (
+        floor.w8[0]["fc1"][0].dtype == torch.float8_e4m3fn and floor.dy8["fc2"][0].dtype == torch.float8_e5m2
+    )
     assert floor.w8[0]["fc1"][1].shape == floor.weights[0]["fc1"].t().shape
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         floor.step()

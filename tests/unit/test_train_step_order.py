@@ -32,18 +32,25 @@ def test_losses_are_reduced_before_the_step_queues_the_weight_broadcasts(monkeyp
     chunk = SimpleNamespace(zero_grad_buffer=lambda: None)
     metrics = [{"lm loss": torch.tensor([3.0, 2.0])}, {"lm loss": torch.tensor([1.0, 2.0])}]
     trainer = SimpleNamespace(
-        model=[chunk], optimizer=SimpleNamespace(zero_grad=lambda: None, step=step),
+        model=[chunk],
+        optimizer=SimpleNamespace(zero_grad=lambda: None, step=step),
         scheduler=SimpleNamespace(step=lambda increment: calls.append(("scheduler", None))),
         cfg=SimpleNamespace(training=SimpleNamespace(seq_length=8, micro_batch_size=1)),
-        forward_backward=lambda **kwargs: metrics, providers=SimpleNamespace(forward_step=None),
-        train_iter=None, num_microbatches=2, global_batch_size=4,
+        forward_backward=lambda **kwargs: metrics,
+        providers=SimpleNamespace(forward_step=None),
+        train_iter=None,
+        num_microbatches=2,
+        global_batch_size=4,
         pg=SimpleNamespace(dp_size=2, dp_cp_group=dp_group),
     )
     trainer._reduce_losses = lambda m: Trainer._reduce_losses(trainer, m)
 
     losses, success, grad_norm, _ = Trainer.train_step(trainer, sync=False)
 
-    assert calls == [("all_reduce", dp_group), ("optimizer step: weight broadcasts queued", dp_group),
-                     ("scheduler", None)]
+    assert calls == [
+        ("all_reduce", dp_group),
+        ("optimizer step: weight broadcasts queued", dp_group),
+        ("scheduler", None),
+    ]
     assert success and torch.equal(losses["lm loss"], torch.tensor([8.0, 8.0]))
     assert float(grad_norm) == 1.0

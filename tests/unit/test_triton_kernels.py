@@ -22,13 +22,20 @@ try:
 except ImportError:
     HAVE_TRITON = False
 
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="the triton package is not installed (CI installs it)")
+pytestmark = pytest.mark.skipif(
+    not HAVE_TRITON, reason="the triton package is not installed (CI installs it)"
+)
 
 
 def _run(code: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

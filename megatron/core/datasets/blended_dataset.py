@@ -23,8 +23,6 @@ from megatron.core.datasets.utils import (
 BLEND_SUFFIXES = ("description.txt", "dataset_index.npy", "dataset_sample_index.npy")
 
 
-
-
 class BlendedDataset(Dataset):
     """Interleaves ``datasets`` by the deterministic greedy rule of ``helpers.build_blending_indices``.
 
@@ -75,8 +73,14 @@ class BlendedDataset(Dataset):
         base = f"{self.unique_description_hash}-{type(self).__name__}-{self.unique_identifiers['split']}"
         paths = cache_paths(directory, base, BLEND_SUFFIXES)
         if not cache_complete(paths):
-            arrays = build_or_wait(paths, self.unique_description, BLEND_SUFFIXES, self._build,
-                                   self.config.cache_wait_timeout_s, self.config.emit)
+            arrays = build_or_wait(
+                paths,
+                self.unique_description,
+                BLEND_SUFFIXES,
+                self._build,
+                self.config.cache_wait_timeout_s,
+                self.config.emit,
+            )
             if arrays is not None:
                 return arrays
         cached = load_cache(paths, self.unique_description)
@@ -89,7 +93,8 @@ class BlendedDataset(Dataset):
                 raise ConfigError(
                     f"the blend draws {n} samples from dataset {d} ({getattr(ds, 'dataset_path', '?')}) which "
                     f"has {len(ds)}; raise mid_level_dataset_surplus (now "
-                    f"{getattr(self.config, 'mid_level_dataset_surplus', '?')})", params=("mid_level_dataset_surplus",)
+                    f"{getattr(self.config, 'mid_level_dataset_surplus', '?')})",
+                    params=("mid_level_dataset_surplus",),
                 )
 
     def realised_weights(self) -> list[float]:

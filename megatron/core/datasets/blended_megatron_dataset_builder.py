@@ -17,8 +17,9 @@ from megatron.core.datasets.utils import Split, normalize
 Blend = tuple[list[str], list[float] | None]
 
 
-def get_size_per_split_per_dataset(weights: list[float], sizes: list[int | None],
-                                   surplus: float) -> tuple[list[list[int | None]], list[list[int | None]]]:
+def get_size_per_split_per_dataset(
+    weights: list[float], sizes: list[int | None], surplus: float
+) -> tuple[list[list[int | None]], list[list[int | None]]]:
     """Per dataset and split: the samples it contributes (``ceil(S * w)``) and the samples it builds
     (that times ``1 + surplus``, rounded up)."""
     target = [[None if s is None else int(math.ceil(s * w)) for s in sizes] for w in weights]
@@ -48,7 +49,9 @@ class BlendedMegatronDatasetBuilder:
     asked for and those ``empty_splits()`` names (no sample could be cut from them).
     """
 
-    def __init__(self, cls: Any, sizes: list[int | None], is_built_on_rank: Callable[[], bool], config: Any) -> None:
+    def __init__(
+        self, cls: Any, sizes: list[int | None], is_built_on_rank: Callable[[], bool], config: Any
+    ) -> None:
         if len(sizes) != 3:
             raise ValueError(f"sizes must list train, valid and test sample counts, got {sizes}")
         self.cls = cls
@@ -89,9 +92,13 @@ class BlendedMegatronDatasetBuilder:
             return self._build_splits(prefixes[0], split, sizes)
         if weights is not None:
             if len(weights) != len(prefixes):
-                raise ConfigError(f"blend: {len(weights)} weights for {len(prefixes)} prefixes", params=("blend",))
+                raise ConfigError(
+                    f"blend: {len(weights)} weights for {len(prefixes)} prefixes", params=("blend",)
+                )
             weights = normalize(weights)
-            target, buffer = get_size_per_split_per_dataset(weights, sizes, self.config.mid_level_dataset_surplus)
+            target, buffer = get_size_per_split_per_dataset(
+                weights, sizes, self.config.mid_level_dataset_surplus
+            )
             per_dataset = [self._build_splits(p, split, buffer[d]) for d, p in enumerate(prefixes)]
         else:
             target = None
@@ -137,8 +144,11 @@ class BlendedMegatronDatasetBuilder:
             if missing and (weights is not None or len(missing) == len(prefixes)):
                 self._empty[Split(i)] = f"{flag} gives it {'; '.join(missing)}"
         if Split.train in self._empty and self.sizes[0] != 0:
-            fix = ("give --train-data-path more tokens" if self.config.blend_per_split is not None
-                   else "give it a share, e.g. --split 969,30,1")
+            fix = (
+                "give --train-data-path more tokens"
+                if self.config.blend_per_split is not None
+                else "give it a share, e.g. --split 969,30,1"
+            )
             raise DataError(f"train split is empty ({self._empty[Split.train]}); {fix}")
         return self._empty
 
@@ -147,12 +157,16 @@ class BlendedMegatronDatasetBuilder:
         and the flag that chose both."""
         cfg = self.config
         if cfg.blend_per_split is not None:
-            return [(b if b is not None and b[0] else None, (0.0, 1.0), f"--{name}-data-path")
-                    for b, name in zip(cfg.blend_per_split, ("train", "valid", "test"))]
+            return [
+                (b if b is not None and b[0] else None, (0.0, 1.0), f"--{name}-data-path")
+                for b, name in zip(cfg.blend_per_split, ("train", "valid", "test"))
+            ]
         blend = ([None], None) if cfg.mock else cfg.blend
         return [(blend, bookends, f"--split {cfg.split.replace(' ', '')}") for bookends in cfg.split_matrix]
 
-    def _shortfall(self, path: str | None, bookends: tuple[float, float] | None, name_path: bool) -> str | None:
+    def _shortfall(
+        self, path: str | None, bookends: tuple[float, float] | None, name_path: bool
+    ) -> str | None:
         """Why the documents ``bookends`` selects from ``path`` hold no sample (None: they hold one)."""
         low = self._low_level_dataset(path)
         num = self.cls.numel_low_level_dataset(low)
@@ -189,9 +203,13 @@ class BlendedMegatronDatasetBuilder:
     def _report(self, blended: BlendedDataset, requested: list[float], split: Split) -> None:
         total = float(sum(requested))
         realised = blended.realised_weights()
-        self.config.emit(f" > {split.name} blend of {len(blended)} samples from {len(blended.datasets)} datasets:")
+        self.config.emit(
+            f" > {split.name} blend of {len(blended)} samples from {len(blended.datasets)} datasets:"
+        )
         for d, child in enumerate(blended.datasets):
             per_epoch = max(len(child) // max(getattr(child, "num_epochs", 1), 1), 1)
             drawn = int(round(realised[d] * len(blended)))
-            self.config.emit(f"   {child.dataset_path}: requested weight {requested[d] / total:.4f}, realised "
-                             f"{realised[d]:.4f}, {drawn} samples = {drawn / per_epoch:.3f} epochs")
+            self.config.emit(
+                f"   {child.dataset_path}: requested weight {requested[d] / total:.4f}, realised "
+                f"{realised[d]:.4f}, {drawn} samples = {drawn / per_epoch:.3f} epochs"
+            )

@@ -19,8 +19,12 @@ from megatron.core.datasets.utils import (
     parse_and_normalize_split,
 )
 
-__all__ = ["BlendedMegatronDatasetConfig", "convert_split_vector_to_split_matrix", "normalize",
-           "parse_and_normalize_split"]
+__all__ = [
+    "BlendedMegatronDatasetConfig",
+    "convert_split_vector_to_split_matrix",
+    "normalize",
+    "parse_and_normalize_split",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +88,17 @@ class BlendedMegatronDatasetConfig:
 
     def __post_init__(self) -> None:
         if self.sequence_length is None or self.sequence_length < 1:
-            raise ConfigError(f"sequence_length must be >= 1, got {self.sequence_length}", params=("sequence_length",))
+            raise ConfigError(
+                f"sequence_length must be >= 1, got {self.sequence_length}", params=("sequence_length",)
+            )
         for name in ("fast_cache_load", "defer_npy_index_mmap"):
             if getattr(self, name) and self.path_to_cache is None:
                 raise ConfigError(f"{name} needs path_to_cache", params=(name, "path_to_cache"))
         if self.fast_cache_load and self.blend is not None:
-            raise ConfigError("fast_cache_load cannot be used with blend; give blend_per_split",
-                              params=("fast_cache_load", "blend"))
+            raise ConfigError(
+                "fast_cache_load cannot be used with blend; give blend_per_split",
+                params=("fast_cache_load", "blend"),
+            )
         if self.blend_per_split is not None and any(self.blend_per_split):
             self._check_blend_per_split()
         elif self.blend is not None:
@@ -108,14 +116,21 @@ class BlendedMegatronDatasetConfig:
     def _check_blend_per_split(self) -> None:
         assert self.blend_per_split is not None
         if self.blend is not None:
-            raise ConfigError("blend and blend_per_split are incompatible: give one of them, not both",
-                              params=("blend", "blend_per_split"))
+            raise ConfigError(
+                "blend and blend_per_split are incompatible: give one of them, not both",
+                params=("blend", "blend_per_split"),
+            )
         if self.split is not None:
-            raise ConfigError("split and blend_per_split are incompatible: split applies to blend only",
-                              params=("split", "blend_per_split", "blend"))
+            raise ConfigError(
+                "split and blend_per_split are incompatible: split applies to blend only",
+                params=("split", "blend_per_split", "blend"),
+            )
         if len(self.blend_per_split) != len(Split):
-            raise ConfigError(f"blend_per_split needs {len(Split)} entries (or None) for train, valid, test, "
-                              f"got {len(self.blend_per_split)}", params=("blend_per_split",))
+            raise ConfigError(
+                f"blend_per_split needs {len(Split)} entries (or None) for train, valid, test, "
+                f"got {len(self.blend_per_split)}",
+                params=("blend_per_split",),
+            )
         for s in Split:
             b = self.blend_per_split[s.value]
             if b is not None:
@@ -128,5 +143,8 @@ class BlendedMegatronDatasetConfig:
 def _check_weights(blend: Blend, name: str, param: str = "blend") -> None:
     prefixes, weights = blend
     if weights is not None and len(weights) != len(prefixes):
-        raise ConfigError(f"{name}: {len(weights)} weights for {len(prefixes)} prefixes; give one weight per "
-                          "prefix, or None", params=(param,))
+        raise ConfigError(
+            f"{name}: {len(weights)} weights for {len(prefixes)} prefixes; give one weight per "
+            "prefix, or None",
+            params=(param,),
+        )

@@ -82,19 +82,27 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.tokenizer is None:
-            raise ConfigError("GPTDatasetConfig needs a tokenizer (its eod id and identifiers are used)",
-                              params=("tokenizer",))
+            raise ConfigError(
+                "GPTDatasetConfig needs a tokenizer (its eod id and identifiers are used)",
+                params=("tokenizer",),
+            )
         if self.hybrid_context_parallel:
-            raise ConfigError("hybrid_context_parallel=True is not supported here; leave it False",
-                              params=("hybrid_context_parallel",))
+            raise ConfigError(
+                "hybrid_context_parallel=True is not supported here; leave it False",
+                params=("hybrid_context_parallel",),
+            )
         vocab = getattr(self.tokenizer, "vocab_size", None)
         self.token_dtype_code = None if vocab is None else (4 if vocab > np.iinfo(np.uint16).max + 1 else 8)
         if self.sequences_per_dataset is not None and self.token_dtype_code is None:
-            raise ConfigError("sequences_per_dataset needs a tokenizer with a vocab_size",
-                              params=("sequences_per_dataset", "tokenizer"))
+            raise ConfigError(
+                "sequences_per_dataset needs a tokenizer with a vocab_size",
+                params=("sequences_per_dataset", "tokenizer"),
+            )
 
 
-def index_cache_dir(config: GPTDatasetConfig, dataset_path: str | None, class_name: str = "GPTDataset") -> str | None:
+def index_cache_dir(
+    config: GPTDatasetConfig, dataset_path: str | None, class_name: str = "GPTDataset"
+) -> str | None:
     """Where the index cache of ``dataset_path`` lives: ``--data-cache-path``, else
     ``<prefix>/cache/<class>_indices`` (None for data without a path). The dataset statistics of
     ``integrity.dataset_stats`` are cached there too."""
@@ -118,8 +126,15 @@ class GPTDataset(MegatronDataset):
         config: the GPTDatasetConfig.
     """
 
-    def __init__(self, indexed_dataset: Any, dataset_path: str | None, indexed_indices: np.ndarray,
-                 num_samples: int | None, index_split: Split, config: GPTDatasetConfig) -> None:
+    def __init__(
+        self,
+        indexed_dataset: Any,
+        dataset_path: str | None,
+        indexed_indices: np.ndarray,
+        num_samples: int | None,
+        index_split: Split,
+        config: GPTDatasetConfig,
+    ) -> None:
         super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
         self._cached_masks: tuple[torch.Tensor, torch.Tensor] | None = None
         self._causal_mask: torch.Tensor | None = None
@@ -134,8 +149,10 @@ class GPTDataset(MegatronDataset):
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> Any:
         if str(dataset_path).startswith(("s3://", "msc://")):
-            raise ConfigError(f"dataset path {dataset_path!r}: object storage (s3://, msc://) is not supported; "
-                              "copy the files to a local path")
+            raise ConfigError(
+                f"dataset path {dataset_path!r}: object storage (s3://, msc://) is not supported; "
+                "copy the files to a local path"
+            )
         return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files)
 
     # ------------------------------------------------------------------ indices
@@ -151,16 +168,24 @@ class GPTDataset(MegatronDataset):
         base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
         paths = cache_paths(directory, base, INDEX_SUFFIXES)
         if not cache_complete(paths):
-            arrays = build_or_wait(paths, self.unique_description, INDEX_SUFFIXES, self._build_indices,
-                                   self.config.cache_wait_timeout_s, self.config.emit)
+            arrays = build_or_wait(
+                paths,
+                self.unique_description,
+                INDEX_SUFFIXES,
+                self._build_indices,
+                self.config.cache_wait_timeout_s,
+                self.config.emit,
+            )
             if arrays is not None:
                 return arrays
         t0 = time.perf_counter()
         cached = load_cache(paths, self.unique_description)
         arrays = tuple(cached[s] for s in INDEX_SUFFIXES[1:])
         self._check_cached(arrays, paths["description.txt"])
-        self.config.emit(f" > loaded {self.index_split.name} indices of {self.dataset_path} from cache "
-                         f"({len(arrays[2])} samples, {time.perf_counter() - t0:.3f} s)")
+        self.config.emit(
+            f" > loaded {self.index_split.name} indices of {self.dataset_path} from cache "
+            f"({len(arrays[2])} samples, {time.perf_counter() - t0:.3f} s)"
+        )
         return arrays  # type: ignore[return-value]
 
     def _check_cached(self, arrays: tuple, where: str) -> None:
@@ -176,8 +201,11 @@ class GPTDataset(MegatronDataset):
             ok = (total - extra) // S <= n <= -(-(total - extra) // S)
             ok = ok and int(np.max(doc_index)) < len(self.dataset.sequence_lengths)
         if not ok:
-            raise DataError(f"index cache {where!r} does not match the data files of {self.dataset_path}; "
-                            "delete the cache (or use a fresh path_to_cache)", params=("path_to_cache",))
+            raise DataError(
+                f"index cache {where!r} does not match the data files of {self.dataset_path}; "
+                "delete the cache (or use a fresh path_to_cache)",
+                params=("path_to_cache",),
+            )
 
     def _build_indices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         t0 = time.perf_counter()
@@ -190,7 +218,8 @@ class GPTDataset(MegatronDataset):
                 raise DataError(
                     f"{self.index_split.name} data: {len(self.indices)} documents of {self.dataset_path or 'mock data'} "
                     f"hold {tokens_per_epoch} tokens, fewer than one sample of {S + extra}; "
-                    "give it a larger share with split or use more data", params=("split",)
+                    "give it a larger share with split or use more data",
+                    params=("split",),
                 )
             empty = np.zeros(0, np.int32)
             return empty, np.zeros((0, 2), np.int32), np.zeros(0, np.uint32)
@@ -216,9 +245,11 @@ class GPTDataset(MegatronDataset):
         n_first = ((num_epochs - 1) * tokens_per_epoch - extra) // S if separate else n
         shuffle_index = helpers.build_shuffle_index(n_first, n, rng)
         self.num_epochs = num_epochs
-        cfg.emit(f" > built {self.index_split.name} indices of {self.dataset_path or 'mock data'}: "
-                 f"{len(self.indices)} documents, {tokens_per_epoch} tokens/epoch, {num_epochs} epoch(s), "
-                 f"{n} samples, separate last epoch: {separate} ({time.perf_counter() - t0:.2f} s)")
+        cfg.emit(
+            f" > built {self.index_split.name} indices of {self.dataset_path or 'mock data'}: "
+            f"{len(self.indices)} documents, {tokens_per_epoch} tokens/epoch, {num_epochs} epoch(s), "
+            f"{n} samples, separate last epoch: {separate} ({time.perf_counter() - t0:.2f} s)"
+        )
         return doc_index, sample_index, shuffle_index
 
     # ------------------------------------------------------------------ samples
@@ -270,7 +301,14 @@ class GPTDataset(MegatronDataset):
         if self.config.inter_document_masking:
             sample.pop("attention_mask", None)
             sample.update(_document_boundaries(lengths, S, extra, sample["position_ids"]))
-            keys: tuple[str, ...] = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "max_seqlen")
+            keys: tuple[str, ...] = (
+                "tokens",
+                "labels",
+                "loss_mask",
+                "position_ids",
+                "cu_seqlens",
+                "max_seqlen",
+            )
         else:
             keys = ("tokens", "labels", "attention_mask", "loss_mask", "position_ids")
         return {k: sample[k] for k in keys if k in sample}
@@ -314,7 +352,9 @@ class GPTDataset(MegatronDataset):
         return out
 
 
-def _document_boundaries(lengths: list[int], S: int, extra: bool, position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+def _document_boundaries(
+    lengths: list[int], S: int, extra: bool, position_ids: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """``cu_seqlens`` ([S + 1] int32: 0, the end of each document part, then S repeated),
     ``max_seqlen`` and ``position_ids`` restarting at each part. Padding joins the last part."""
     lengths = list(lengths)
@@ -345,7 +385,8 @@ class MockGPTLowLevelDataset:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.sequence_lengths = np.random.default_rng(0).integers(
-            low=1, high=self.max_sequence_length, size=self.size, dtype=np.int32)
+            low=1, high=self.max_sequence_length, size=self.size, dtype=np.int32
+        )
 
     def __len__(self) -> int:
         return self.size
@@ -365,8 +406,15 @@ class MockGPTLowLevelDataset:
 class MockGPTDataset(GPTDataset):
     """GPTDataset over ``MockGPTLowLevelDataset``: real index machinery, synthetic tokens."""
 
-    def __init__(self, dataset: Any, dataset_path: str | None, indices: np.ndarray, num_samples: int | None,
-                 index_split: Split, config: GPTDatasetConfig) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        dataset_path: str | None,
+        indices: np.ndarray,
+        num_samples: int | None,
+        index_split: Split,
+        config: GPTDatasetConfig,
+    ) -> None:
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
 
     @staticmethod

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                         separate_final_epoch: bool) -> np.ndarray:
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool
+) -> np.ndarray:
     """``documents`` tiled ``num_epochs`` times and shuffled (int32); the last epoch separately
     when ``separate_final_epoch``. Consumes ``rng`` in Megatron's order."""
     if not separate_final_epoch or num_epochs == 1:
@@ -22,9 +23,14 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
     return np.concatenate((first, last))
 
 
-def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, sequence_length: int,
-                       num_samples: int, add_extra_token: bool = True,
-                       drop_last_partial_sequence: bool = True) -> np.ndarray:
+def build_sample_index(
+    sizes: np.ndarray,
+    document_index: np.ndarray,
+    sequence_length: int,
+    num_samples: int,
+    add_extra_token: bool = True,
+    drop_last_partial_sequence: bool = True,
+) -> np.ndarray:
     """Rows ``(position in document_index, token offset)`` where each sample begins, plus one row
     where the last one ends: shape ``[num_samples + 1, 2]``.
 

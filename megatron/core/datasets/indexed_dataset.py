@@ -53,7 +53,9 @@ class DType(IntEnum):
     def code_from_dtype(cls, dtype: Any) -> int:
         name = np.dtype(dtype).name
         if name not in cls.__members__:
-            raise ConfigError(f"dtype {name} cannot be stored in a .bin file; use one of {list(cls.__members__)}")
+            raise ConfigError(
+                f"dtype {name} cannot be stored in a .bin file; use one of {list(cls.__members__)}"
+            )
         return int(cls[name])
 
     @classmethod
@@ -74,8 +76,13 @@ def index_file_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
-def _write_index_file(path: str, dtype: Any, sequence_lengths: np.ndarray, document_indices: np.ndarray,
-                      sequence_modes: np.ndarray | None = None) -> None:
+def _write_index_file(
+    path: str,
+    dtype: Any,
+    sequence_lengths: np.ndarray,
+    document_indices: np.ndarray,
+    sequence_modes: np.ndarray | None = None,
+) -> None:
     """Write (and fsync) the ``.idx`` bytes of sequences stored back to back in ``dtype`` at ``path``."""
     lengths = np.asarray(sequence_lengths, dtype=np.int32)
     docs = np.asarray(document_indices, dtype=np.int64)
@@ -99,8 +106,13 @@ def _write_index_file(path: str, dtype: Any, sequence_lengths: np.ndarray, docum
         os.fsync(f.fileno())
 
 
-def write_index(idx_path: str, dtype: Any, sequence_lengths: np.ndarray, document_indices: np.ndarray,
-                sequence_modes: np.ndarray | None = None) -> None:
+def write_index(
+    idx_path: str,
+    dtype: Any,
+    sequence_lengths: np.ndarray,
+    document_indices: np.ndarray,
+    sequence_modes: np.ndarray | None = None,
+) -> None:
     """Write an ``.idx`` file for sequences stored back to back in ``dtype`` (tmp + rename)."""
     tmp = tmp_path(idx_path)
     _write_index_file(tmp, dtype, sequence_lengths, document_indices, sequence_modes)
@@ -118,7 +130,9 @@ class IndexReader:
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_SIZE)
         if len(header) < HEADER_SIZE or header[:9] != MAGIC:
-            raise DataError(f"{idx_path!r} is not a Megatron .idx file (bad magic {header[:9]!r}, want {MAGIC!r})")
+            raise DataError(
+                f"{idx_path!r} is not a Megatron .idx file (bad magic {header[:9]!r}, want {MAGIC!r})"
+            )
         (version,) = struct.unpack("<Q", header[9:17])
         if version != VERSION:
             raise DataError(f"{idx_path!r} has .idx version {version}; only version {VERSION} is supported")
@@ -131,9 +145,14 @@ class IndexReader:
         expected = HEADER_SIZE + 12 * n + 8 * d + (n if multimodal else 0)
         if size < expected:
             raise DataError(f"{idx_path!r} is truncated: {size} bytes, the header promises {expected}")
-        if size not in (expected, expected + (0 if multimodal else n)):  # text data may be read from a multimodal .idx
-            raise DataError(f"{idx_path!r} is corrupt: {size} bytes, its header describes {expected} "
-                             f"({n} sequences, {max(d - 1, 0)} documents)")
+        if size not in (
+            expected,
+            expected + (0 if multimodal else n),
+        ):  # text data may be read from a multimodal .idx
+            raise DataError(
+                f"{idx_path!r} is corrupt: {size} bytes, its header describes {expected} "
+                f"({n} sequences, {max(d - 1, 0)} documents)"
+            )
         self.sequence_count, self.document_count = int(n), int(d)
         buf = np.memmap(idx_path, mode="r", order="C")
         self._buf = buf
@@ -179,15 +198,21 @@ class IndexedDataset:
         n = self.index.sequence_count
         needed = 0
         if n:
-            needed = int(self.index.sequence_pointers[-1]) + int(self.index.sequence_lengths[-1]) * self.index.dtype_size
+            needed = (
+                int(self.index.sequence_pointers[-1])
+                + int(self.index.sequence_lengths[-1]) * self.index.dtype_size
+            )
         have = os.path.getsize(bin_path)
         if have < needed:
             raise DataError(f"data file {bin_path!r} is truncated: {have} bytes, its index needs {needed}")
-        if have > needed:  # Megatron writes exactly the tokens: more bytes mean the files were not written together
+        if (
+            have > needed
+        ):  # Megatron writes exactly the tokens: more bytes mean the files were not written together
             raise DataError(
                 f"data file {bin_path!r} holds {have} bytes, but its index {self.index.path!r} ends its last "
                 f"document at byte {needed}: they are not one dataset (an .idx of another corpus, or a .bin "
-                "written again without its .idx); write both again (tools/preprocess_data.py)")
+                "written again without its .idx); write both again (tools/preprocess_data.py)"
+            )
         self._bin: np.ndarray | None = None
         if self.mmap and have > 0:
             self._bin = np.memmap(bin_path, mode="r", order="C")
@@ -309,8 +334,9 @@ class IndexedDatasetBuilder:
             self._modes.extend(modes if modes is not None else [0] * len(lengths))
         self._doc_pending.append(self._count)
 
-    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray,
-                      sequences_per_document: np.ndarray | None = None) -> None:
+    def add_documents(
+        self, tokens: np.ndarray, lengths: np.ndarray, sequences_per_document: np.ndarray | None = None
+    ) -> None:
         """Append many documents at once; ``tokens`` is the concatenation of all their sequences.
 
         Args:
@@ -321,8 +347,11 @@ class IndexedDatasetBuilder:
         """
         arr = np.ascontiguousarray(tokens, dtype=self.dtype)
         lengths = np.asarray(lengths, dtype=np.int32)
-        per_doc = (np.ones(len(lengths), dtype=np.int64) if sequences_per_document is None
-                   else np.asarray(sequences_per_document, dtype=np.int64))
+        per_doc = (
+            np.ones(len(lengths), dtype=np.int64)
+            if sequences_per_document is None
+            else np.asarray(sequences_per_document, dtype=np.int64)
+        )
         if int(per_doc.sum()) != len(lengths) or int(lengths.sum(dtype=np.int64)) != arr.size:
             raise ValueError("add_documents: lengths, sequences_per_document and tokens disagree")
         self._write(arr)
@@ -337,12 +366,16 @@ class IndexedDatasetBuilder:
         """Append every sequence and document of another dataset (same dtype)."""
         index = IndexReader(index_file_path(path_prefix), self.multimodal)
         if np.dtype(index.dtype) != self.dtype:
-            raise DataError(f"{index.path!r} stores {np.dtype(index.dtype).name}, this builder writes {self.dtype.name}")
+            raise DataError(
+                f"{index.path!r} stores {np.dtype(index.dtype).name}, this builder writes {self.dtype.name}"
+            )
         nbytes = int(index.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
         have = os.path.getsize(data_file_path(path_prefix))
         if have != nbytes:
-            raise DataError(f"data file {data_file_path(path_prefix)!r} holds {have} bytes, its index {index.path!r} "
-                             f"describes {nbytes}")
+            raise DataError(
+                f"data file {data_file_path(path_prefix)!r} holds {have} bytes, its index {index.path!r} "
+                f"describes {nbytes}"
+            )
         self._flush_pending()
         self._lengths.append(np.array(index.sequence_lengths, dtype=np.int32))
         self._docs.append(self._count + np.array(index.document_indices[1:], dtype=np.int64))
@@ -370,14 +403,15 @@ class IndexedDatasetBuilder:
         record = self._record_path(idx_path)
         if record is not None:
             tmp_record = tmp_path(record)
-            integrity.write_record(integrity.make_record(self._tmp_bin, tmp_idx, self.dtype, self._token_range),
-                                   tmp_record)
+            integrity.write_record(
+                integrity.make_record(self._tmp_bin, tmp_idx, self.dtype, self._token_range), tmp_record
+            )
             self._renames.insert(0, (tmp_record, record))
 
     def _record_path(self, idx_path: str) -> str | None:
         """``<prefix>/checksum.json`` when the two files form ``<prefix>.bin/.idx`` (and ``<prefix>``
         can be a directory), else None: the pair then gets no record."""
-        prefix = idx_path[:-len(".idx")]
+        prefix = idx_path[: -len(".idx")]
         if not (idx_path.endswith(".idx") and self.bin_path == data_file_path(prefix)):
             return None
         try:

@@ -87,11 +87,20 @@ def sample_sha256(path: str) -> str:
 def make_record(bin_path: str, idx_path: str, dtype: Any, token_range: tuple[int, int] | None) -> dict:
     """The record of a finished pair (the files may still carry their temporary names)."""
     lo, hi = token_range if token_range is not None else (None, None)
-    return {"format": RECORD_FORMAT, "version": RECORD_VERSION, "dtype": np.dtype(dtype).name,
-            "bin": {"size": os.path.getsize(bin_path), "sample_sha256": sample_sha256(bin_path),
-                    "sample_blocks": SAMPLE_BLOCKS, "block_bytes": BLOCK_BYTES},
-            "idx": {"size": os.path.getsize(idx_path), "sha256": file_sha256(idx_path)},
-            "token_id_min": lo, "token_id_max": hi}
+    return {
+        "format": RECORD_FORMAT,
+        "version": RECORD_VERSION,
+        "dtype": np.dtype(dtype).name,
+        "bin": {
+            "size": os.path.getsize(bin_path),
+            "sample_sha256": sample_sha256(bin_path),
+            "sample_blocks": SAMPLE_BLOCKS,
+            "block_bytes": BLOCK_BYTES,
+        },
+        "idx": {"size": os.path.getsize(idx_path), "sha256": file_sha256(idx_path)},
+        "token_id_min": lo,
+        "token_id_max": hi,
+    }
 
 
 def read_record(prefix: str) -> dict | None:
@@ -107,13 +116,16 @@ def read_record(prefix: str) -> dict | None:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
     except (OSError, ValueError) as exc:
-        raise DataError(f"checksum record {path!r} cannot be read ({exc}); delete it to use "
-                         f"{prefix}.bin/.idx unverified") from None
+        raise DataError(
+            f"checksum record {path!r} cannot be read ({exc}); delete it to use {prefix}.bin/.idx unverified"
+        ) from None
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
         raise DataError(f"{path!r} is not a checksum record (want format {RECORD_FORMAT!r}); move it away")
     if record.get("version") != RECORD_VERSION:
-        raise DataError(f"checksum record {path!r} has version {record.get('version')}; only version "
-                         f"{RECORD_VERSION} is supported")
+        raise DataError(
+            f"checksum record {path!r} has version {record.get('version')}; only version "
+            f"{RECORD_VERSION} is supported"
+        )
     return record
 
 
@@ -130,8 +142,11 @@ def _record_mismatch(prefix: str, record: dict, dtype: Any) -> str | None:
     for what, actual, recorded in checks:
         value = actual()
         if value != recorded:
-            return f"{what} {value}, recorded {recorded}" if "size" in what or what == "token dtype" \
+            return (
+                f"{what} {value}, recorded {recorded}"
+                if "size" in what or what == "token dtype"
                 else f"{what} differ from the record"
+            )
     return None
 
 
@@ -142,7 +157,8 @@ def verify_record(prefix: str, record: dict, dtype: Any) -> None:
         raise DataError(
             f"{prefix}.bin/.idx do not match their checksum record {record_path(prefix)!r} ({why}): the files "
             "changed after they were written, or a rewrite was interrupted between its renames; write the "
-            "dataset again (tools/preprocess_data.py), or delete the record if you replaced the files on purpose")
+            "dataset again (tools/preprocess_data.py), or delete the record if you replaced the files on purpose"
+        )
 
 
 # ---------------------------------------------------------------------------------------- index
@@ -164,14 +180,20 @@ def check_index_contents(index: Any, bin_size: int) -> None:
     bad = np.flatnonzero(expected != pointers)
     if len(bad):
         i = int(bad[0])
-        raise DataError(f"{where!r} is corrupt: sequence {i} starts at byte {int(pointers[i])}, but the lengths "
-                         f"before it end at byte {int(expected[i])}")
+        raise DataError(
+            f"{where!r} is corrupt: sequence {i} starts at byte {int(pointers[i])}, but the lengths "
+            f"before it end at byte {int(expected[i])}"
+        )
     if len(docs) > 1 and (np.diff(docs) < 0).any():
         j = int(np.argmax(np.diff(docs) < 0))
-        raise DataError(f"{where!r} is corrupt: document {j} ends before it starts ({int(docs[j])} > {int(docs[j + 1])})")
+        raise DataError(
+            f"{where!r} is corrupt: document {j} ends before it starts ({int(docs[j])} > {int(docs[j + 1])})"
+        )
     end = int(lengths.sum(dtype=np.int64)) * index.dtype_size
     if end != bin_size:
-        raise DataError(f"{where!r} ends its last sequence at byte {end}, but the .bin holds {bin_size} bytes")
+        raise DataError(
+            f"{where!r} ends its last sequence at byte {end}, but the .bin holds {bin_size} bytes"
+        )
 
 
 # ---------------------------------------------------------------------------------------- token ids
@@ -189,7 +211,7 @@ def scan_token_range(bin_path: str, dtype: Any, nbytes: int | None = None) -> tu
     step = max(SCAN_CHUNK_BYTES // dtype.itemsize, 1)
     lo, hi = None, None
     for start in range(0, count, step):
-        chunk = tokens[start:start + step]
+        chunk = tokens[start : start + step]
         c_lo, c_hi = int(chunk.min()), int(chunk.max())
         lo = c_lo if lo is None else min(lo, c_lo)
         hi = c_hi if hi is None else max(hi, c_hi)
@@ -268,9 +290,14 @@ def _identity(path: str) -> list[int] | None:
 
 
 def stats_key(prefix: str) -> dict:
-    return {"class": "IndexedDatasetStats", "version": 1, "path": os.path.realpath(prefix),
-            "bin": _identity(prefix + ".bin"), "idx": _identity(prefix + ".idx"),
-            "record": _identity(record_path(prefix))}
+    return {
+        "class": "IndexedDatasetStats",
+        "version": 1,
+        "path": os.path.realpath(prefix),
+        "bin": _identity(prefix + ".bin"),
+        "idx": _identity(prefix + ".idx"),
+        "record": _identity(record_path(prefix)),
+    }
 
 
 def compute_stats(dataset: Any, log: Callable[[str], object] = print) -> dict:
@@ -285,12 +312,16 @@ def compute_stats(dataset: Any, log: Callable[[str], object] = print) -> dict:
         found = scan_token_range(bin_path, dataset.index.dtype)
         lo, hi = found if found is not None else (None, None)
         source = f"a scan of {os.path.getsize(bin_path) / 1e6:.1f} MB"
-    log(f" > checked {dataset.path_prefix}.bin/.idx ({'checksum verified' if record else 'no checksum record'}): "
-        f"token ids {lo} to {hi} from {source} ({time.perf_counter() - t0:.2f} s, cached)")
+    log(
+        f" > checked {dataset.path_prefix}.bin/.idx ({'checksum verified' if record else 'no checksum record'}): "
+        f"token ids {lo} to {hi} from {source} ({time.perf_counter() - t0:.2f} s, cached)"
+    )
     return {"token_id_min": lo, "token_id_max": hi, "checksum": record is not None}
 
 
-def dataset_stats(dataset: Any, cache_dir: str, timeout_s: float, log: Callable[[str], object] = print) -> dict:
+def dataset_stats(
+    dataset: Any, cache_dir: str, timeout_s: float, log: Callable[[str], object] = print
+) -> dict:
     """``compute_stats`` of a pair, done once per version of its files and cached in ``cache_dir``
     as ``{md5}-IndexedDataset-stats.json`` (the md5 of ``stats_key``: path, and size, mtime and
     inode of the ``.bin``, ``.idx`` and record, so that any rewrite computes them again). Later

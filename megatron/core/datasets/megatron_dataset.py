@@ -46,8 +46,15 @@ class MegatronDataset(ABC, Dataset):
     warning in both collision cases).
     """
 
-    def __init__(self, dataset: LowLevelDataset, dataset_path: str | None, indices: np.ndarray,
-                 num_samples: int | None, index_split: Split, config: BlendedMegatronDatasetConfig) -> None:
+    def __init__(
+        self,
+        dataset: LowLevelDataset,
+        dataset_path: str | None,
+        indices: np.ndarray,
+        num_samples: int | None,
+        index_split: Split,
+        config: BlendedMegatronDatasetConfig,
+    ) -> None:
         self.dataset: Any = dataset
         self.dataset_path = dataset_path
         self.indices = indices
@@ -64,8 +71,9 @@ class MegatronDataset(ABC, Dataset):
         self.unique_identifiers = ids
         self.unique_description = dumps_description(ids)
         self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
-        self._pad_token_id = _resolve_pad_id(getattr(config, "tokenizer", None),
-                                             bool(getattr(config, "allow_ambiguous_pad_tokens", False)))
+        self._pad_token_id = _resolve_pad_id(
+            getattr(config, "tokenizer", None), bool(getattr(config, "allow_ambiguous_pad_tokens", False))
+        )
 
     @staticmethod
     def numel_low_level_dataset(low_level_dataset: Any) -> int:
@@ -110,11 +118,17 @@ def _resolve_pad_id(tokenizer: Any, allow_ambiguous: bool) -> int:
     if pad < 0 or pad not in special:
         return pad
     if allow_ambiguous:
-        warnings.warn(f"the tokenizer's pad token id {pad} equals another special token id; with "
-                      "allow_ambiguous_pad_tokens=True those tokens are masked out of the loss, which can "
-                      "destabilise training", stacklevel=3)
+        warnings.warn(
+            f"the tokenizer's pad token id {pad} equals another special token id; with "
+            "allow_ambiguous_pad_tokens=True those tokens are masked out of the loss, which can "
+            "destabilise training",
+            stacklevel=3,
+        )
         return pad
-    warnings.warn(f"the tokenizer's pad token id {pad} equals another special token id; it is not treated as "
-                  "padding (no token of the data is masked for it). Give a tokenizer with a distinct pad id, "
-                  "or allow_ambiguous_pad_tokens=True", stacklevel=3)
+    warnings.warn(
+        f"the tokenizer's pad token id {pad} equals another special token id; it is not treated as "
+        "padding (no token of the data is masked for it). Give a tokenizer with a distinct pad id, "
+        "or allow_ambiguous_pad_tokens=True",
+        stacklevel=3,
+    )
     return _PAD_TOKEN_ID

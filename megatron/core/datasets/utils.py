@@ -30,8 +30,9 @@ def normalize(weights: Sequence[float]) -> list[float]:
     """Scale non-negative weights to sum to 1."""
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or len(w) == 0 or (w < 0).any() or w.sum() <= 0:
-        raise ConfigError(f"blend weights must be non-negative and not all zero, got {list(weights)}",
-                          params=("blend",))
+        raise ConfigError(
+            f"blend weights must be non-negative and not all zero, got {list(weights)}", params=("blend",)
+        )
     return (w / w.sum()).tolist()
 
 
@@ -46,12 +47,14 @@ def parse_and_normalize_split(split: str) -> list[float]:
     return normalize(values)
 
 
-def convert_split_vector_to_split_matrix(vector_a: Sequence[float],
-                                         vector_b: Sequence[float] | None = None) -> list[tuple[float, float] | None]:
+def convert_split_vector_to_split_matrix(
+    vector_a: Sequence[float], vector_b: Sequence[float] | None = None
+) -> list[tuple[float, float] | None]:
     """Proportions -> book-ends ``[(0, a0), (a0, a0+a1), (a0+a1, 1)]``; an empty range becomes None.
 
     With ``vector_b`` (a second split) the book-ends are intersected (Megatron's multi-split use).
     """
+
     def bookends(v: Sequence[float]) -> list[tuple[float, float]]:
         edges = np.concatenate([[0.0], np.cumsum(v)])
         return [(float(edges[i]), float(edges[i + 1])) for i in range(len(v))]
@@ -65,7 +68,9 @@ def convert_split_vector_to_split_matrix(vector_a: Sequence[float],
     return out
 
 
-def get_blend_from_list(blend: Sequence[str] | None, flag: str = "--data-path") -> tuple[list[str], list[float] | None] | None:
+def get_blend_from_list(
+    blend: Sequence[str] | None, flag: str = "--data-path"
+) -> tuple[list[str], list[float] | None] | None:
     """``["0.3", "a", "0.7", "b"]`` -> ``(["a", "b"], [0.3, 0.7])``; ``["a", "b"]`` -> ``(["a", "b"], None)``.
 
     A single string holding spaces is split first. An odd-length list or a non-numeric first entry
@@ -106,8 +111,10 @@ def _check_prefixes_only(items: list[str], flag: str) -> None:
     else:
         bad = next(x for x in items[0::2] if not _is_number(x))
         why = f"{bad!r} stands where a weight should be"
-    raise ConfigError(f"{flag} {' '.join(items)!r}: weights and prefixes must alternate (WEIGHT PREFIX "
-                     f"[WEIGHT PREFIX ...], e.g. 0.3 A 0.7 B) or be prefixes only; {why}")
+    raise ConfigError(
+        f"{flag} {' '.join(items)!r}: weights and prefixes must alternate (WEIGHT PREFIX "
+        f"[WEIGHT PREFIX ...], e.g. 0.3 A 0.7 B) or be prefixes only; {why}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,8 +162,13 @@ def error_marker(paths: dict[str, str]) -> str:
     return paths["description.txt"].replace("description.txt", "error.txt")
 
 
-def wait_for_cache(paths: dict[str, str], timeout_s: float, log: Callable[[str], object] = print,
-                   poll_s: float = 1.0, report_every_s: float = 30.0) -> None:
+def wait_for_cache(
+    paths: dict[str, str],
+    timeout_s: float,
+    log: Callable[[str], object] = print,
+    poll_s: float = 1.0,
+    report_every_s: float = 30.0,
+) -> None:
     """Poll until the builder rank has written every cache file (no collective, so no timeout
     of the process group can fire while one rank spends minutes building indices).
 
@@ -171,11 +183,15 @@ def wait_for_cache(paths: dict[str, str], timeout_s: float, log: Callable[[str],
                 raise RuntimeError(f"the rank building {paths['description.txt']!r} failed: {f.read()}")
         now = time.monotonic()
         if now - start > timeout_s:
-            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {paths['description.txt']!r}; "
-                               "is rank 0 building the index cache? (tools/prepare_cache.py builds it ahead)")
+            raise RuntimeError(
+                f"timed out after {timeout_s:.0f} s waiting for {paths['description.txt']!r}; "
+                "is rank 0 building the index cache? (tools/prepare_cache.py builds it ahead)"
+            )
         if now - last >= report_every_s:
-            log(f" > waiting for rank 0 to build {os.path.basename(paths['description.txt'])} "
-                f"({now - start:.0f} s so far)")
+            log(
+                f" > waiting for rank 0 to build {os.path.basename(paths['description.txt'])} "
+                f"({now - start:.0f} s so far)"
+            )
             last = now
         time.sleep(poll_s)
 
@@ -185,8 +201,14 @@ def global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def build_or_wait(paths: dict[str, str], description: str, suffixes: Sequence[str],
-                  build: Callable[[], tuple], timeout_s: float, log: Callable[[str], object] = print) -> tuple | None:
+def build_or_wait(
+    paths: dict[str, str],
+    description: str,
+    suffixes: Sequence[str],
+    build: Callable[[], tuple],
+    timeout_s: float,
+    log: Callable[[str], object] = print,
+) -> tuple | None:
     """The cache protocol for an incomplete cache. Global rank 0 builds the arrays, saves them under
     ``suffixes[1:]`` and returns them (on failure it leaves an error marker so waiting ranks stop
     too); every other rank waits for the files and returns None, then loads them."""
@@ -230,7 +252,10 @@ def _read_json_result(path: str, key: dict) -> dict | None:
 
 
 # The user's errors that a waiting rank raises as the builder rank did, by type name.
-_REPORTED: dict[str, type[DataError] | type[ConfigError]] = {"DataError": DataError, "ConfigError": ConfigError}
+_REPORTED: dict[str, type[DataError] | type[ConfigError]] = {
+    "DataError": DataError,
+    "ConfigError": ConfigError,
+}
 
 
 def _raise_reported(marker: str) -> None:
@@ -248,12 +273,18 @@ def _raise_reported(marker: str) -> None:
         raise _REPORTED[kind](message, params=params)
     if kind == "ValueError":
         raise ValueError(message)
-    raise RuntimeError(f"the rank computing {marker[:-len('.error')]!r} failed: {kind}: {message}")
+    raise RuntimeError(f"the rank computing {marker[: -len('.error')]!r} failed: {kind}: {message}")
 
 
-def build_or_wait_json(path: str, key: dict, build: Callable[[], dict], timeout_s: float,
-                       log: Callable[[str], object] = print, poll_s: float = 0.5,
-                       report_every_s: float = 30.0) -> dict:
+def build_or_wait_json(
+    path: str,
+    key: dict,
+    build: Callable[[], dict],
+    timeout_s: float,
+    log: Callable[[str], object] = print,
+    poll_s: float = 0.5,
+    report_every_s: float = 30.0,
+) -> dict:
     """``build()``'s result for ``key``, cached in the JSON file ``path``. A cached file is used
     when it holds ``key``; otherwise global rank 0 builds and writes it (tmp + rename) and the other
     ranks poll for it. A failure of rank 0 goes into ``path + ".error"``, which the others raise.

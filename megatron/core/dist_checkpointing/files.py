@@ -30,6 +30,7 @@ FORMAT_MAGIC = "megatron-dist-checkpoint"
 FORMAT_VERSION = 1
 COMMON_STATE_KEY = "common_state"
 
+
 def sharded_tensors(tree: Any) -> list[ShardedTensor]:
     """The ShardedTensor leaves of a nested dict/list (a sharded state dict), in a deterministic order."""
     return [leaf for leaf in iter_sharded(tree) if isinstance(leaf, ShardedTensor)]
@@ -199,5 +200,3 @@ def load_common_state(checkpoint_dir: str) -> dict:
     read_metadata_json(checkpoint_dir)
     check_files(checkpoint_dir, {COMMON_STATE_KEY})
     return dcp_load({}, [COMMON_STATE_KEY], checkpoint_dir, no_dist=True)[COMMON_STATE_KEY]
-
-

@@ -32,8 +32,11 @@ def save_integrity_manifest(checkpoint_dir: str) -> None:
         CheckpointWriteError: a file cannot be read or the manifest written.
     """
     try:
-        names = sorted(n for n in os.listdir(checkpoint_dir)
-                       if n != INTEGRITY_FNAME and os.path.isfile(os.path.join(checkpoint_dir, n)))
+        names = sorted(
+            n
+            for n in os.listdir(checkpoint_dir)
+            if n != INTEGRITY_FNAME and os.path.isfile(os.path.join(checkpoint_dir, n))
+        )
         files = {n: _sha256(os.path.join(checkpoint_dir, n)) for n in names}
         with open(os.path.join(checkpoint_dir, INTEGRITY_FNAME), "w") as f:
             json.dump({"algorithm": _ALGORITHM, "files": files}, f, indent=2)
@@ -58,7 +61,9 @@ def integrity_problems(checkpoint_dir: str) -> list[str]:
             problems.append(f"{name}: cannot be read ({e})")
             continue
         if actual != expected:
-            problems.append(f"{name}: SHA-256 {actual[:16]}... differs from the manifest's {expected[:16]}...")
+            problems.append(
+                f"{name}: SHA-256 {actual[:16]}... differs from the manifest's {expected[:16]}..."
+            )
     return problems
 
 

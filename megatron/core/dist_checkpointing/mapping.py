@@ -50,8 +50,17 @@ class ShardedBase(ABC):
 
 
 # positional parameters after (key, data): Megatron-Core's order (third argument a dtype) and ours
-_MCORE_ORDER = ("dtype", "local_shape", "global_shape", "global_offset", "axis_fragmentations", "replica_id",
-                "prepend_axis_num", "allow_shape_mismatch", "flattened_range")
+_MCORE_ORDER = (
+    "dtype",
+    "local_shape",
+    "global_shape",
+    "global_offset",
+    "axis_fragmentations",
+    "replica_id",
+    "prepend_axis_num",
+    "allow_shape_mismatch",
+    "flattened_range",
+)
 _SHORT_ORDER = ("global_shape", "global_offset", "replica_id", "allow_shape_mismatch")
 
 
@@ -100,10 +109,14 @@ class ShardedTensor(ShardedBase):
         given = dict(zip(order, args))
         unknown = set(kwargs) - set(_MCORE_ORDER)
         if unknown or set(given) & set(kwargs):
-            raise TypeError(f"ShardedTensor: unknown or repeated arguments {sorted(unknown | (set(given) & set(kwargs)))}")
+            raise TypeError(
+                f"ShardedTensor: unknown or repeated arguments {sorted(unknown | (set(given) & set(kwargs)))}"
+            )
         given.update(kwargs)
         if data is None and ("dtype" not in given or "local_shape" not in given):
-            raise CheckpointingException(f"ShardedTensor {key}: with data=None, dtype and local_shape are required")
+            raise CheckpointingException(
+                f"ShardedTensor {key}: with data=None, dtype and local_shape are required"
+            )
         self.key, self.data = key, data
         self.dtype = given.get("dtype") or data.dtype  # type: ignore[union-attr]
         self.local_shape = tuple(given["local_shape"] if "local_shape" in given else data.shape)  # type: ignore[union-attr]
@@ -125,23 +138,29 @@ class ShardedTensor(ShardedBase):
             raise CheckpointingException(f"ShardedTensor {self.key}: flattened_range is not supported")
         if self.data is not None:
             if self.data.dtype != self.dtype:
-                raise CheckpointingException(f"ShardedTensor {self.key}: data dtype {self.data.dtype} != {self.dtype}")
+                raise CheckpointingException(
+                    f"ShardedTensor {self.key}: data dtype {self.data.dtype} != {self.dtype}"
+                )
             if tuple(self.data.shape) != self.local_shape:
                 raise CheckpointingException(
-                    f"ShardedTensor {self.key}: data shape {tuple(self.data.shape)} != local_shape {self.local_shape}")
+                    f"ShardedTensor {self.key}: data shape {tuple(self.data.shape)} != local_shape {self.local_shape}"
+                )
         if len(self.global_shape) != len(self.global_offset):
             raise CheckpointingException(
                 f"ShardedTensor {self.key}: global_shape {self.global_shape} and global_offset "
-                f"{self.global_offset} must have the same number of axes")
+                f"{self.global_offset} must have the same number of axes"
+            )
         if len(self.local_shape) + self.prepend_axis_num != len(self.global_shape):
             raise CheckpointingException(
                 f"ShardedTensor {self.key}: local shape {self.local_shape} with prepend_axis_num="
-                f"{self.prepend_axis_num} must have the {len(self.global_shape)} axes of global_shape")
+                f"{self.prepend_axis_num} must have the {len(self.global_shape)} axes of global_shape"
+            )
         if self.axis_fragmentations is not None:
-            for off, size in zip(self.global_offset[self.prepend_axis_num:], self.local_shape):
+            for off, size in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
                 if size and off % size:
                     raise CheckpointingException(
-                        f"ShardedTensor {self.key}: offset {off} is not a multiple of the local size {size}")
+                        f"ShardedTensor {self.key}: offset {off} is not a multiple of the local size {size}"
+                    )
 
     @property
     def has_regular_grid(self) -> bool:
@@ -156,8 +175,10 @@ class ShardedTensor(ShardedBase):
     def global_slice(self) -> tuple[int | slice, ...]:
         """Index of this block in the global tensor: ints for prepended axes, slices for the others."""
         p = self.prepend_axis_num
-        return (*self.global_offset[:p],
-                *(slice(off, off + size) for off, size in zip(self.global_offset[p:], self.local_shape)))
+        return (
+            *self.global_offset[:p],
+            *(slice(off, off + size) for off, size in zip(self.global_offset[p:], self.local_shape)),
+        )
 
     def local_chunk_offset_in_global(self) -> tuple[int, ...]:
         """Position of this block in the grid of equal chunks (offset divided by the local size per axis)."""
@@ -165,18 +186,24 @@ class ShardedTensor(ShardedBase):
         out = list(self.global_offset[:p])
         for off, size in zip(self.global_offset[p:], self.local_shape):
             if off % size:
-                raise CheckpointingException(f"ShardedTensor {self.key}: offset {off} not a multiple of {size}")
+                raise CheckpointingException(
+                    f"ShardedTensor {self.key}: offset {off} not a multiple of {size}"
+                )
             out.append(off // size)
         return tuple(out)
 
     def max_allowed_chunks(self) -> tuple[int, ...]:
         """Chunk size along each axis of the regular grid (global size / fragments)."""
         if self.axis_fragmentations is None:
-            raise CheckpointingException(f"ShardedTensor {self.key}: no regular grid (axis_fragmentations=None)")
+            raise CheckpointingException(
+                f"ShardedTensor {self.key}: no regular grid (axis_fragmentations=None)"
+            )
         chunks = []
         for size, frag in zip(self.global_shape, self.axis_fragmentations):
             if not self.allow_shape_mismatch and size % frag:
-                raise CheckpointingException(f"ShardedTensor {self.key}: axis size {size} not divisible by {frag}")
+                raise CheckpointingException(
+                    f"ShardedTensor {self.key}: axis size {size} not divisible by {frag}"
+                )
             chunks.append(size // frag)
         return tuple(chunks)
 
@@ -190,11 +217,15 @@ class ShardedTensor(ShardedBase):
             CheckpointError: ``data`` is None (a tensor without data cannot be saved).
         """
         if self.data is None:
-            raise CheckpointError(f"ShardedTensor {self.key} has no data (data=None); give it the local "
-                                  "tensor, or call init_data() before loading into it")
+            raise CheckpointError(
+                f"ShardedTensor {self.key} has no data (data=None); give it the local "
+                "tensor, or call init_data() before loading into it"
+            )
         return self.data
 
-    def init_data(self, device: str | torch.device, init_fn: Callable[..., torch.Tensor] = torch.empty) -> None:
+    def init_data(
+        self, device: str | torch.device, init_fn: Callable[..., torch.Tensor] = torch.empty
+    ) -> None:
         """Allocate ``data`` (``init_fn(local_shape, dtype=, device=)``) if it is None."""
         if self.data is None:
             self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
@@ -203,7 +234,9 @@ class ShardedTensor(ShardedBase):
         """Raises CheckpointError if the block does not lie inside the global shape."""
         for ax, (off, loc, glob) in enumerate(zip(self.global_offset, self.block_shape, self.global_shape)):
             if off < 0 or off + loc > glob:
-                raise CheckpointError(f"{self.key}: shard [{off}, {off + loc}) exceeds global size {glob} on axis {ax}")
+                raise CheckpointError(
+                    f"{self.key}: shard [{off}, {off + loc}) exceeds global size {glob} on axis {ax}"
+                )
 
     @classmethod
     def from_rank_offsets(
@@ -225,8 +258,10 @@ class ShardedTensor(ShardedBase):
             ConfigError: ``flattened_range`` given. CheckpointingException: an invalid triple.
         """
         if flattened_range is not None:
-            raise ConfigError(f"ShardedTensor {key}: flattened_range is not supported (from_rank_offsets); pass None",
-                              params=("flattened_range",))
+            raise ConfigError(
+                f"ShardedTensor {key}: flattened_range is not supported (from_rank_offsets); pass None",
+                params=("flattened_range",),
+            )
         ndim = data.dim() + prepend_axis_num
         global_shape = [1] * prepend_axis_num + list(data.shape)
         global_offset, fragments = [0] * ndim, [1] * ndim
@@ -236,8 +271,18 @@ class ShardedTensor(ShardedBase):
             global_shape[axis] *= frag
             global_offset[axis] = rank * (global_shape[axis] // frag)
             fragments[axis] = frag
-        return cls(key, data, data.dtype, tuple(data.shape), tuple(global_shape), tuple(global_offset),
-                   tuple(fragments), replica_id, prepend_axis_num, **init_kwargs)
+        return cls(
+            key,
+            data,
+            data.dtype,
+            tuple(data.shape),
+            tuple(global_shape),
+            tuple(global_offset),
+            tuple(fragments),
+            replica_id,
+            prepend_axis_num,
+            **init_kwargs,
+        )
 
     def narrow(self, dim: int, start: int, length: int) -> list[ShardedTensor]:
         """``torch.narrow`` of every rank's local tensor along ``dim`` (a local axis, prepended axes not
@@ -252,12 +297,20 @@ class ShardedTensor(ShardedBase):
         if glob % local or off % local or (glob * length) % local or (off * length) % local:
             raise CheckpointingException(
                 f"ShardedTensor {self.key}: narrow needs a regular grid along axis {dim} "
-                f"(global {glob}, offset {off}, local {local})")
+                f"(global {glob}, offset {off}, local {local})"
+            )
         new = self.data.narrow(dim, start, length)
         shape, offset = list(self.global_shape), list(self.global_offset)
         shape[axis], offset[axis] = glob * length // local, off * length // local
-        return [replace(self, data=new, local_shape=tuple(new.shape), global_shape=tuple(shape),
-                        global_offset=tuple(offset))]
+        return [
+            replace(
+                self,
+                data=new,
+                local_shape=tuple(new.shape),
+                global_shape=tuple(shape),
+                global_offset=tuple(offset),
+            )
+        ]
 
 
 class LocalNonpersistentObject:
@@ -296,7 +349,8 @@ class ShardedObject(ShardedBase):
         if len(self.global_shape) != len(self.global_offset):
             raise CheckpointingException(
                 f"ShardedObject {self.key}: global_shape {self.global_shape} and global_offset "
-                f"{self.global_offset} must have the same number of axes")
+                f"{self.global_offset} must have the same number of axes"
+            )
 
     def without_data(self) -> ShardedObject:
         return replace(self, data=None)
@@ -372,7 +426,9 @@ class ShardedTensorFactory(ShardedBase):
 
 def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     """Replace every ShardedTensorFactory of ``sharded_state_dict`` by what it builds, in place."""
-    dict_list_map_inplace(lambda x: x.build() if isinstance(x, ShardedTensorFactory) else x, sharded_state_dict)
+    dict_list_map_inplace(
+        lambda x: x.build() if isinstance(x, ShardedTensorFactory) else x, sharded_state_dict
+    )
 
 
 def apply_factory_merges(x1: Any, x2: Any, key: tuple = ()) -> Any:
@@ -387,9 +443,15 @@ def apply_factory_merges(x1: Any, x2: Any, key: tuple = ()) -> Any:
         return x2.merge_fn(x1)
     if isinstance(x2, dict) and isinstance(x1, dict | list):
         for k, v2 in x2.items():
-            if isinstance(x1, dict) and k not in x1 or isinstance(x1, list) and not (
-                    isinstance(k, int) and 0 <= k < len(x1)):
-                raise CheckpointError(f"apply_factory_merges: key {k!r} at {key} is not in the loaded state dict")
+            if (
+                isinstance(x1, dict)
+                and k not in x1
+                or isinstance(x1, list)
+                and not (isinstance(k, int) and 0 <= k < len(x1))
+            ):
+                raise CheckpointError(
+                    f"apply_factory_merges: key {k!r} at {key} is not in the loaded state dict"
+                )
             x1[k] = apply_factory_merges(x1[k], v2, key + (k,))
         return x1
     if isinstance(x1, list) and isinstance(x2, list):
@@ -398,4 +460,6 @@ def apply_factory_merges(x1: Any, x2: Any, key: tuple = ()) -> Any:
         for i, v2 in enumerate(x2):
             x1[i] = apply_factory_merges(x1[i], v2, key + (i,))
         return x1
-    raise CheckpointError(f"apply_factory_merges: cannot merge {type(x1).__name__} with {type(x2).__name__} at {key}")
+    raise CheckpointError(
+        f"apply_factory_merges: cannot merge {type(x1).__name__} with {type(x2).__name__} at {key}"
+    )

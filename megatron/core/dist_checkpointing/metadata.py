@@ -33,8 +33,9 @@ def tensors_metadata(md: Metadata) -> dict[str, ShardedTensor]:
     for key, entry in md.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
             shape = tuple(entry.size)
-            out[key] = ShardedTensor(key, None, entry.properties.dtype, shape, shape, (0,) * len(shape),
-                                     (1,) * len(shape))
+            out[key] = ShardedTensor(
+                key, None, entry.properties.dtype, shape, shape, (0,) * len(shape), (1,) * len(shape)
+            )
     return out
 
 
@@ -64,8 +65,11 @@ def load_sharded_metadata(checkpoint_dir: str, sharded_strategy: Any = None) -> 
 
 def checkpoint_keys(md: Metadata) -> set[str]:
     """The keys (tensor keys, object keys without their shard part) a checkpoint holds."""
-    return {key if isinstance(entry, TensorStorageMetadata) else ShardedObject.empty_from_unique_key(key).key
-            for key, entry in md.state_dict_metadata.items() if key != COMMON_STATE_KEY}
+    return {
+        key if isinstance(entry, TensorStorageMetadata) else ShardedObject.empty_from_unique_key(key).key
+        for key, entry in md.state_dict_metadata.items()
+        if key != COMMON_STATE_KEY
+    }
 
 
 def load_content_metadata(
@@ -79,7 +83,9 @@ def load_content_metadata(
     """
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
-            raise ConfigError("load_content_metadata: give checkpoint_dir or preloaded_state_dict",
-                              params=("checkpoint_dir", "preloaded_state_dict"))
+            raise ConfigError(
+                "load_content_metadata: give checkpoint_dir or preloaded_state_dict",
+                params=("checkpoint_dir", "preloaded_state_dict"),
+            )
         preloaded_state_dict = load_common_state_dict(checkpoint_dir)
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)

@@ -32,8 +32,15 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.core.dist_checkpointing.strict import StrictHandling, parse_strict_flag
 
 __all__ = [
-    "get_default_load_sharded_strategy", "get_default_save_sharded_strategy", "load", "load_common_state_dict",
-    "load_content_metadata", "load_plain_tensors", "load_sharded_metadata", "load_tensors_metadata", "save",
+    "get_default_load_sharded_strategy",
+    "get_default_save_sharded_strategy",
+    "load",
+    "load_common_state_dict",
+    "load_content_metadata",
+    "load_plain_tensors",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+    "save",
 ]
 
 
@@ -42,8 +49,10 @@ def _check_strategy(strategy: Any, classes: tuple[type, ...]) -> None:
         return
     if isinstance(strategy, tuple) and strategy[:1] == ("torch_dist",):
         return
-    raise ConfigError(f"sharded_strategy={strategy!r}: only the 'torch_dist' backend is implemented; pass None "
-                      "or a strategy from dist_checkpointing.strategies (e.g. get_default_save_sharded_strategy())")
+    raise ConfigError(
+        f"sharded_strategy={strategy!r}: only the 'torch_dist' backend is implemented; pass None "
+        "or a strategy from dist_checkpointing.strategies (e.g. get_default_save_sharded_strategy())"
+    )
 
 
 def save(
@@ -79,13 +88,19 @@ def save(
         CheckpointWriteError: a file could not be written (on every rank when DCP's write failed on any).
     """
     if async_sharded_save:
-        raise ConfigError("async_sharded_save=True: asynchronous checkpoint saving is not implemented; "
-                          "pass async_sharded_save=False (save returns once the checkpoint is complete)")
+        raise ConfigError(
+            "async_sharded_save=True: asynchronous checkpoint saving is not implemented; "
+            "pass async_sharded_save=False (save returns once the checkpoint is complete)"
+        )
     _check_strategy(sharded_strategy, (TorchDistSaveShardedStrategy, FullyParallelSaveStrategyWrapper))
     write_sharded(
-        sharded_state_dict, checkpoint_dir, validate_access_integrity=validate_access_integrity,
+        sharded_state_dict,
+        checkpoint_dir,
+        validate_access_integrity=validate_access_integrity,
         preprocess_common_before_consistancy_check=preprocess_common_before_consistancy_check,
-        content_metadata=content_metadata, verify_integrity=verify_integrity, common_state=common_state,
+        content_metadata=content_metadata,
+        verify_integrity=verify_integrity,
+        common_state=common_state,
         process_group=process_group,
     )
 
@@ -122,8 +137,13 @@ def load(
     """
     mode = parse_strict_flag(strict)
     _check_strategy(sharded_strategy, (TorchDistLoadShardedStrategy, FullyParallelLoadStrategyWrapper))
-    return read_sharded(sharded_state_dict, checkpoint_dir, strict=mode, verify_integrity=verify_integrity,
-                        process_group=process_group)
+    return read_sharded(
+        sharded_state_dict,
+        checkpoint_dir,
+        strict=mode,
+        verify_integrity=verify_integrity,
+        process_group=process_group,
+    )
 
 
 def load_plain_tensors(checkpoint_dir: str) -> StateDict:

@@ -53,11 +53,14 @@ def _as_block(leaf: Any) -> Any:
         return leaf
     assert leaf.data is not None
     shape = leaf.block_shape
-    return replace(leaf, data=leaf.data.view(shape), local_shape=shape, prepend_axis_num=0,
-                   axis_fragmentations=None)
+    return replace(
+        leaf, data=leaf.data.view(shape), local_shape=shape, prepend_axis_num=0, axis_fragmentations=None
+    )
 
 
-def _warn_if_common_differs(common: dict, preprocess: Callable[[dict], dict] | None, process_group: Any) -> None:
+def _warn_if_common_differs(
+    common: dict, preprocess: Callable[[dict], dict] | None, process_group: Any
+) -> None:
     """Collective: log a warning on each rank whose common values differ from rank 0's (rank 0's are saved)."""
     if files.group_size(process_group) == 1:
         return
@@ -68,8 +71,14 @@ def _warn_if_common_differs(common: dict, preprocess: Callable[[dict], dict] | N
     if group_rank(process_group) != 0:
         only0, only_here, mismatch = diff(box[0], mine)
         if only0 or only_here or mismatch:
-            logger.warning("rank %d's common state differs from rank 0's (which is saved): only on rank 0 %s, "
-                           "only here %s, different %s", dist.get_rank(), only0, only_here, [m[0] for m in mismatch])
+            logger.warning(
+                "rank %d's common state differs from rank 0's (which is saved): only on rank 0 %s, "
+                "only here %s, different %s",
+                dist.get_rank(),
+                only0,
+                only_here,
+                [m[0] for m in mismatch],
+            )
 
 
 def write_sharded(
@@ -94,17 +103,25 @@ def write_sharded(
             raise files.CheckpointError(f"common_state key {key!r} is also a key of the sharded state dict")
         common[key] = value
     leaves = [_as_block(leaf) for leaf in iter_sharded(tree)]
-    errors = validate_save(leaves, reserved_keys={COMMON_STATE_KEY}, gather=lambda x: all_gather(x, process_group),
-                           check_access=validate_access_integrity)
+    errors = validate_save(
+        leaves,
+        reserved_keys={COMMON_STATE_KEY},
+        gather=lambda x: all_gather(x, process_group),
+        check_access=validate_access_integrity,
+    )
     files.raise_if_any(errors, process_group, f"cannot save checkpoint to {checkpoint_dir}:")
     if validate_access_integrity:
         _warn_if_common_differs(common, preprocess_common_before_consistancy_check, process_group)
     _write(leaves, common, checkpoint_dir, verify_integrity, process_group)
 
 
-def _write(leaves: list, common: dict, checkpoint_dir: str, verify_integrity: bool, process_group: Any) -> None:
+def _write(
+    leaves: list, common: dict, checkpoint_dir: str, verify_integrity: bool, process_group: Any
+) -> None:
     tensors = [t for t in leaves if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
-    objects = {o.unique_key: o.data for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)}
+    objects = {
+        o.unique_key: o.data for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)
+    }
     rank0 = group_rank(process_group) == 0
     if rank0:
         objects[COMMON_STATE_KEY] = common
@@ -151,14 +168,20 @@ def read_sharded(
     accessed = {o.key for o in originals} if need_missing else set()
     local_errors = req.errors + mismatch_errors(mode, set(), unexpected)
     gathered = all_gather((local_errors, accessed), process_group)
-    missing = checkpoint_keys(dcp_md) - set().union(*(keys for _, keys in gathered)) if need_missing else set()
+    missing = (
+        checkpoint_keys(dcp_md) - set().union(*(keys for _, keys in gathered)) if need_missing else set()
+    )
     errors = sorted({e for rank_errors, _ in gathered for e in rank_errors})
     errors += [e for e in mismatch_errors(mode, missing, set()) if e not in errors]
     if errors:
-        raise files.errors_exception(errors, f"cannot load checkpoint {checkpoint_dir}:")  # the same on every rank
+        raise files.errors_exception(
+            errors, f"cannot load checkpoint {checkpoint_dir}:"
+        )  # the same on every rank
     report_mismatch(mode, checkpoint_dir, missing, unexpected)
 
-    object_keys = sorted({o.unique_key for o in blocks if isinstance(o, ShardedObject) and id(o) not in req.skipped})
+    object_keys = sorted(
+        {o.unique_key for o in blocks if isinstance(o, ShardedObject) and id(o) not in req.skipped}
+    )
     files.raise_file_problems(checkpoint_dir, dcp_md, {*object_keys, *req.blocks})
     objects = dcp_load(req.blocks, object_keys, checkpoint_dir, process_group)
     loaded: dict[int, Any] = {}

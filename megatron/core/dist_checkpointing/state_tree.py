@@ -33,7 +33,9 @@ class Built:
 
 def expand_factories(tree: Any) -> Any:
     """A copy of the containers of ``tree`` with every factory replaced by its ``Built`` node (leaves shared)."""
-    return dict_list_map_outplace(lambda x: Built(x, x.build()) if isinstance(x, ShardedTensorFactory) else x, tree)
+    return dict_list_map_outplace(
+        lambda x: Built(x, x.build()) if isinstance(x, ShardedTensorFactory) else x, tree
+    )
 
 
 def _children(tree: Any) -> list[Any]:
@@ -90,11 +92,19 @@ def unsaved_plain_paths(request: Any, common: Any, prefix: str = "") -> list[str
     if isinstance(request, dict):
         if not isinstance(common, dict):
             return [prefix] if prefix and _has_plain(request) else []
-        return [p for k, v in request.items() for p in unsaved_plain_paths(v, common.get(k, MISSING), _join(prefix, k))]
+        return [
+            p
+            for k, v in request.items()
+            for p in unsaved_plain_paths(v, common.get(k, MISSING), _join(prefix, k))
+        ]
     if isinstance(request, list):
         if not (isinstance(common, list) and len(common) == len(request)):
             return [prefix] if _has_plain(request) else []
-        return [p for i, (v, c) in enumerate(zip(request, common)) for p in unsaved_plain_paths(v, c, _join(prefix, i))]
+        return [
+            p
+            for i, (v, c) in enumerate(zip(request, common))
+            for p in unsaved_plain_paths(v, c, _join(prefix, i))
+        ]
     if isinstance(request, ShardedTensor | ShardedObject | LocalNonpersistentObject):
         return []
     return [prefix] if common is MISSING else []
@@ -118,7 +128,9 @@ def build_result(request: Any, common: Any, loaded: dict[int, Any]) -> Any:
                 out[key] = built
         return out if out or isinstance(common, dict) else MISSING
     if isinstance(request, list) and request:
-        subs = common if isinstance(common, list) and len(common) == len(request) else [MISSING] * len(request)
+        subs = (
+            common if isinstance(common, list) and len(common) == len(request) else [MISSING] * len(request)
+        )
         items = [build_result(v, s, loaded) for v, s in zip(request, subs)]
         if all(v is MISSING for v in items):
             return MISSING

@@ -44,8 +44,12 @@ class StrictHandling(Enum):
     @staticmethod
     def requires_global_app_metadata(val: StrictHandling) -> bool:
         """The mode needs every rank's requested keys (it finds missing keys)."""
-        return val in (StrictHandling.IGNORE_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL,
-                       StrictHandling.LOG_ALL)
+        return val in (
+            StrictHandling.IGNORE_ALL,
+            StrictHandling.RAISE_ALL,
+            StrictHandling.RETURN_ALL,
+            StrictHandling.LOG_ALL,
+        )
 
     @staticmethod
     def requires_returning_mismatch_keys(val: StrictHandling) -> bool:
@@ -68,8 +72,9 @@ def parse_strict_flag(strict: str | bool | StrictHandling) -> StrictHandling:
         return StrictHandling(strict)
     except (ValueError, TypeError):
         valid = ", ".join(repr(m.value) for m in StrictHandling)
-        raise ConfigError(f"strict={strict!r} is not a strict handling mode; use one of {valid}",
-                          params=("strict",)) from None
+        raise ConfigError(
+            f"strict={strict!r} is not a strict handling mode; use one of {valid}", params=("strict",)
+        ) from None
 
 
 def wants_missing(strict: StrictHandling) -> bool:
@@ -88,7 +93,9 @@ def mismatch_errors(strict: StrictHandling, missing: set[str], unexpected: set[s
     return errors
 
 
-def report_mismatch(strict: StrictHandling, checkpoint_dir: str, missing: set[str], unexpected: set[str]) -> None:
+def report_mismatch(
+    strict: StrictHandling, checkpoint_dir: str, missing: set[str], unexpected: set[str]
+) -> None:
     """Log the mismatch in the ``LOG_*`` modes (one warning)."""
     if strict not in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL) or not (missing or unexpected):
         return
@@ -98,4 +105,3 @@ def report_mismatch(strict: StrictHandling, checkpoint_dir: str, missing: set[st
     if missing:
         parts.append(f"missing keys (in the checkpoint, requested by no rank): {sorted(missing)}")
     logger.warning("loading %s: %s", checkpoint_dir, "; ".join(parts))
-

@@ -72,7 +72,9 @@ class _BlockSavePlanner(DefaultSavePlanner):
         }
         self._objects = objects
 
-    def set_up_planner(self, state_dict: dict, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: dict, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
         self.state_dict = state_dict
         self.is_coordinator = is_coordinator
 
@@ -115,7 +117,9 @@ class _BlockLoadPlanner(DefaultLoadPlanner):
         self._object_keys = object_keys
         self.objects: dict[str, Any] = {}
 
-    def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: dict, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
         self.state_dict = state_dict
         self.metadata = metadata
         self.is_coordinator = is_coordinator
@@ -268,8 +272,13 @@ def dcp_save(
     Raises:
         CheckpointWriteError: a file could not be written on some rank (on every rank, the same).
     """
-    with warnings.catch_warnings(), _reraise(f"writing checkpoint {checkpoint_dir}",
-                                             lambda reason: CheckpointWriteError(checkpoint_dir, reason)):
+    with (
+        warnings.catch_warnings(),
+        _reraise(
+            f"writing checkpoint {checkpoint_dir}",
+            lambda reason: CheckpointWriteError(checkpoint_dir, reason),
+        ),
+    ):
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(
             {},
@@ -293,9 +302,14 @@ def dcp_load(
         CheckpointReadError: a file could not be read on some rank.
     """
     planner = _BlockLoadPlanner(blocks, object_keys)
-    with warnings.catch_warnings(), torch.no_grad(), _reraise(
+    with (
+        warnings.catch_warnings(),
+        torch.no_grad(),
+        _reraise(
             f"reading checkpoint {checkpoint_dir}",
-            lambda reason: CheckpointReadError(f"cannot read checkpoint {checkpoint_dir}: {reason}")):
+            lambda reason: CheckpointReadError(f"cannot read checkpoint {checkpoint_dir}: {reason}"),
+        ),
+    ):
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(
             {},
@@ -318,11 +332,15 @@ def read_dcp_metadata(checkpoint_dir: str) -> Metadata:
     """
     path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
     if not os.path.isfile(path):
-        raise CheckpointReadError(f"{path} is missing (DCP's index of the saved tensors): the checkpoint is damaged")
+        raise CheckpointReadError(
+            f"{path} is missing (DCP's index of the saved tensors): the checkpoint is damaged"
+        )
     try:
         return dcp.FileSystemReader(checkpoint_dir).read_metadata()
     except (OSError, EOFError, pickle.UnpicklingError) as e:
-        raise CheckpointReadError(f"{path} cannot be read ({type(e).__name__}: {e}): the checkpoint is damaged") from None
+        raise CheckpointReadError(
+            f"{path} cannot be read ({type(e).__name__}: {e}): the checkpoint is damaged"
+        ) from None
 
 
 def file_problems(checkpoint_dir: str, md: Metadata, keys: set[str] | None = None) -> list[str]:

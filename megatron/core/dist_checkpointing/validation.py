@@ -65,13 +65,27 @@ def validate_save(
     sharded object's grid (``global_shape``) all its shards."""
     errors = _local_errors(leaves)
     tensors = [
-        (t.key, tuple(t.global_shape), str(t.dtype), tuple(t.global_offset), t.local_shape,
-         is_main_replica(t.replica_id))
+        (
+            t.key,
+            tuple(t.global_shape),
+            str(t.dtype),
+            tuple(t.global_offset),
+            t.local_shape,
+            is_main_replica(t.replica_id),
+        )
         for t in leaves
         if isinstance(t, ShardedTensor)
     ]
-    objects = [(o.unique_key, is_main_replica(o.replica_id), o.key, o.num_shards if o.global_shape and not o.shard_key
-                else 0) for o in leaves if isinstance(o, ShardedObject)]
+    objects = [
+        (
+            o.unique_key,
+            is_main_replica(o.replica_id),
+            o.key,
+            o.num_shards if o.global_shape and not o.shard_key else 0,
+        )
+        for o in leaves
+        if isinstance(o, ShardedObject)
+    ]
     all_ranks = gather((tensors, objects))
 
     shapes: dict[str, set[tuple[tuple[int, ...], str]]] = defaultdict(set)
@@ -98,17 +112,23 @@ def validate_save(
             continue
         if not check_access:
             continue
-        (shape, _), = variants
+        ((shape, _),) = variants
         key_blocks = sorted(blocks[key])
         for i, a in enumerate(key_blocks):
-            for b in key_blocks[i + 1:]:
+            for b in key_blocks[i + 1 :]:
                 if _overlap(a, b):
-                    errors.append(f"{key}: main-replica blocks overlap: offset {a[0]} size {a[1]} and "
-                                  f"offset {b[0]} size {b[1]}; give all but one copy a nonzero replica_id")
+                    errors.append(
+                        f"{key}: main-replica blocks overlap: offset {a[0]} size {a[1]} and "
+                        f"offset {b[0]} size {b[1]}; give all but one copy a nonzero replica_id"
+                    )
         covered = sum(math.prod(s) for _, s in key_blocks)
-        if covered != math.prod(shape) and not any("overlap" in e and e.startswith(key + ":") for e in errors):
-            errors.append(f"{key}: main replicas cover {covered} of {math.prod(shape)} elements of global shape "
-                          f"{shape}; each element needs exactly one writer (replica_id 0)")
+        if covered != math.prod(shape) and not any(
+            "overlap" in e and e.startswith(key + ":") for e in errors
+        ):
+            errors.append(
+                f"{key}: main replicas cover {covered} of {math.prod(shape)} elements of global shape "
+                f"{shape}; each element needs exactly one writer (replica_id 0)"
+            )
     if not check_access:
         return errors
     for key, writers in sorted(obj_writers.items()):
@@ -116,7 +136,9 @@ def validate_save(
             errors.append(f"object {key}: {writers} main replicas (replica_id 0); exactly one is required")
     for key, (num_shards, seen) in sorted(grids.items()):
         if len(seen) != num_shards:
-            errors.append(f"object {key}: {len(seen)} of the {num_shards} shards of its global_shape are saved")
+            errors.append(
+                f"object {key}: {len(seen)} of the {num_shards} shards of its global_shape are saved"
+            )
     return errors
 
 
@@ -162,8 +184,10 @@ def validate_load_request(
         saved_shape = tuple(entry.size)
         if saved_shape != tuple(leaf.global_shape):
             if not leaf.allow_shape_mismatch or len(saved_shape) != len(leaf.global_shape):
-                req.errors.append(f"{key}: global shape in checkpoint {saved_shape} != requested "
-                                  f"{tuple(leaf.global_shape)} (a checkpoint of another model shape?)")
+                req.errors.append(
+                    f"{key}: global shape in checkpoint {saved_shape} != requested "
+                    f"{tuple(leaf.global_shape)} (a checkpoint of another model shape?)"
+                )
                 continue
         view = _clipped_view(leaf, saved_shape)
         if view is None:

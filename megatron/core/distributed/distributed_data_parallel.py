@@ -74,8 +74,14 @@ class _Bucket:
     ``aliasable`` keep a single gradient as their ``main_grad`` without any storage.
     """
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device,
-                 aliasable: frozenset[int] = frozenset(), compile_helpers: bool = True) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        dtype: torch.dtype,
+        device: torch.device,
+        aliasable: frozenset[int] = frozenset(),
+        compile_helpers: bool = True,
+    ) -> None:
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.dtype, self.device = dtype, device
@@ -94,7 +100,7 @@ class _Bucket:
 
     def _slice(self, param: torch.Tensor) -> torch.Tensor:
         start = self.offsets[id(param)]
-        return self.allocate()[start:start + param.numel()].view_as(param)
+        return self.allocate()[start : start + param.numel()].view_as(param)
 
     def allocate(self) -> torch.Tensor:
         """The bucket's storage; slices of params not yet written this step are uninitialised.
@@ -119,8 +125,11 @@ class _Bucket:
         if key in self.aliased:
             self._to_storage(param)
         if key in self.written:
-            _accumulate(param.main_grad.view(-1), grad.view(-1),  # type: ignore[attr-defined]
-                        compile=self.compile_helpers)
+            _accumulate(
+                param.main_grad.view(-1),  # type: ignore[attr-defined]
+                grad.view(-1),
+                compile=self.compile_helpers,
+            )
             return
         self.written.add(key)
         if key in self.aliasable and grad.is_contiguous():  # (a collective reduces contiguous tensors only)
@@ -168,8 +177,13 @@ class _Bucket:
 class DistributedDataParallel(nn.Module):
     """Wraps ``module``; ``forward`` is the module's. Megatron-Core's constructor signature."""
 
-    def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig, module: nn.Module,
-                 parallel_state: ParallelState | None = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        ddp_config: DistributedDataParallelConfig,
+        module: nn.Module,
+        parallel_state: ParallelState | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.ddp_config = ddp_config
@@ -179,7 +193,11 @@ class DistributedDataParallel(nn.Module):
         self.dp_size = self.pg.dp_size * self.pg.cp_size
         params = [p for p in module.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
-        grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else (params[0].dtype if params else torch.float32)
+        grad_dtype = (
+            torch.float32
+            if ddp_config.grad_reduce_in_fp32
+            else (params[0].dtype if params else torch.float32)
+        )
         # The word embedding / output-layer weight this chunk ties to another pipeline stage's copy
         # (None when the model does not tie them); finalize_model_grads sums its gradient over both.
         tied_weight = getattr(module, "shared_embedding_or_output_weight", None)
@@ -190,9 +208,13 @@ class DistributedDataParallel(nn.Module):
             # Gradients summed across ranks after backward (finalize_model_grads) need the storage;
             # reduced over DP, a gradient must already be in the dtype it is reduced in.
             tied = self.tied_weight if self.pg.pp_size > 1 else None
-            aliasable = frozenset(id(p) for p in params
-                                  if not getattr(p, "sequence_parallel", False) and p is not tied
-                                  and (self.dp_size == 1 or p.dtype == grad_dtype))
+            aliasable = frozenset(
+                id(p)
+                for p in params
+                if not getattr(p, "sequence_parallel", False)
+                and p is not tied
+                and (self.dp_size == 1 or p.dtype == grad_dtype)
+            )
         self.buckets = self._make_buckets(list(reversed(params)), grad_dtype, device, aliasable)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         # --use-distributed-optimizer: each parameter's gradient is reduced to its owner only.
@@ -216,8 +238,9 @@ class DistributedDataParallel(nn.Module):
         # memory appears at once (and are reduced at the end of the step).
         return max(40_000_000, 1_000_000 * self.dp_size)
 
-    def _make_buckets(self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device,
-                      aliasable: frozenset[int]) -> list[_Bucket]:
+    def _make_buckets(
+        self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device, aliasable: frozenset[int]
+    ) -> list[_Bucket]:
         limit = self._bucket_size()
 
         def cut(ordered: list[nn.Parameter]) -> list[list[nn.Parameter]]:
@@ -233,11 +256,17 @@ class DistributedDataParallel(nn.Module):
         if self.dp_size > 1 and aliasable:
             # A bucket reduced in place needs every gradient aliased: keep the others (sequence-
             # parallel norms, a tied embedding) in buckets of their own.
-            groups = cut([p for p in params if id(p) in aliasable]) + cut([p for p in params if id(p) not in aliasable])
+            groups = cut([p for p in params if id(p) in aliasable]) + cut(
+                [p for p in params if id(p) not in aliasable]
+            )
         else:
             groups = cut(params)
-        return [_Bucket(g, dtype, device, frozenset(id(p) for p in g) & aliasable, self.ddp_config.compile_helpers)
-                for g in groups]
+        return [
+            _Bucket(
+                g, dtype, device, frozenset(id(p) for p in g) & aliasable, self.ddp_config.compile_helpers
+            )
+            for g in groups
+        ]
 
     @property
     def grad_buffer(self) -> torch.Tensor:
@@ -274,8 +303,11 @@ class DistributedDataParallel(nn.Module):
     def _start_reduce(self, bucket: _Bucket, async_op: bool) -> None:
         bucket.finish()
         # Every gradient of the bucket aliased (one micro-batch): reduce them where they are, no copy.
-        tensors = ([p.main_grad for p in bucket.params] if bucket.view is None  # type: ignore[attr-defined]
-                   else [bucket.materialize()])
+        tensors = (
+            [p.main_grad for p in bucket.params]  # type: ignore[attr-defined]
+            if bucket.view is None
+            else [bucket.materialize()]
+        )
         if self.param_owner is None and self.ddp_config.average_in_collective:
             op = dist.ReduceOp.AVG
         else:
@@ -283,8 +315,13 @@ class DistributedDataParallel(nn.Module):
         if self.param_owner is not None:
             # Distributed optimizer: only the owner needs the sum (a reduce moves half an all-reduce's data).
             bucket.handle = [
-                dist.reduce(p.main_grad, dst=self._owner_global_rank[self.param_owner[id(p)]],  # type: ignore[attr-defined]
-                            op=op, group=self.dp_group, async_op=True)
+                dist.reduce(
+                    p.main_grad,  # type: ignore[attr-defined]
+                    dst=self._owner_global_rank[self.param_owner[id(p)]],
+                    op=op,
+                    group=self.dp_group,
+                    async_op=True,
+                )
                 for p in bucket.params
             ]
             return

@@ -14,15 +14,19 @@ def _allreduce_sequence_parallel_grads(model_chunks: list[DistributedDataParalle
     pg = model_chunks[0].pg
     if pg.tp_size == 1:
         return
-    grads = [p.main_grad for chunk in model_chunks for p in chunk.module.parameters()  # type: ignore[attr-defined]
-             if getattr(p, "sequence_parallel", False) and p.requires_grad]
+    grads = [
+        p.main_grad  # type: ignore[attr-defined]
+        for chunk in model_chunks
+        for p in chunk.module.parameters()
+        if getattr(p, "sequence_parallel", False) and p.requires_grad
+    ]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=pg.tp_group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -62,7 +66,9 @@ def sync_shared_embedding(model_chunks: list[DistributedDataParallel]) -> None:
         dist.broadcast(weight.data, src=pg.group_ranks["embedding"][0], group=pg.embedding_group)
 
 
-def _last_stage_token_count(model_chunks: list[DistributedDataParallel], num_tokens: torch.Tensor) -> torch.Tensor:
+def _last_stage_token_count(
+    model_chunks: list[DistributedDataParallel], num_tokens: torch.Tensor
+) -> torch.Tensor:
     """With pipelining only the last stage computed the loss: broadcast its token count."""
     pg = model_chunks[0].pg
     num_tokens = num_tokens.detach().clone().float()
@@ -71,7 +77,9 @@ def _last_stage_token_count(model_chunks: list[DistributedDataParallel], num_tok
     return num_tokens
 
 
-def finalize_model_grads(model_chunks: list[DistributedDataParallel], num_tokens: torch.Tensor | None = None) -> None:
+def finalize_model_grads(
+    model_chunks: list[DistributedDataParallel], num_tokens: torch.Tensor | None = None
+) -> None:
     """Megatron's order:
     1. data-parallel reduction of every chunk's gradient buffer;
     2. tensor-parallel sum of sequence-parallel parameters' gradients;

@@ -24,7 +24,9 @@ from torch import nn
 from megatron.core.config_utils import ConfigError
 
 
-def assign_owners(params: list[nn.Parameter], dp_size: int, pinned: tuple[torch.Tensor, ...] = ()) -> dict[int, int]:
+def assign_owners(
+    params: list[nn.Parameter], dp_size: int, pinned: tuple[torch.Tensor, ...] = ()
+) -> dict[int, int]:
     """``id(param) -> owning data-parallel rank`` for ``params`` (in a rank-independent order);
     the ``pinned`` params (tied word embeddings) go to rank 0.
 
@@ -32,9 +34,12 @@ def assign_owners(params: list[nn.Parameter], dp_size: int, pinned: tuple[torch.
         ConfigError: fewer parameters than data-parallel ranks (a rank would own nothing).
     """
     if len(params) < dp_size:
-        raise ConfigError(f"use_distributed_optimizer needs at least one parameter per data-parallel rank: "
-                          f"{len(params)} parameters for {dp_size} ranks; turn use_distributed_optimizer off "
-                          "for so small a model", params=("use_distributed_optimizer",))
+        raise ConfigError(
+            f"use_distributed_optimizer needs at least one parameter per data-parallel rank: "
+            f"{len(params)} parameters for {dp_size} ranks; turn use_distributed_optimizer off "
+            "for so small a model",
+            params=("use_distributed_optimizer",),
+        )
     load = [0] * dp_size
     owners: dict[int, int] = {}
     pinned_ids = {id(p) for p in pinned}
@@ -42,7 +47,9 @@ def assign_owners(params: list[nn.Parameter], dp_size: int, pinned: tuple[torch.
         if id(p) in pinned_ids:
             owners[id(p)] = 0
             load[0] += p.numel()
-    rest = sorted((p for p in params if id(p) not in owners), key=lambda p: -p.numel())  # stable: ties keep order
+    rest = sorted(
+        (p for p in params if id(p) not in owners), key=lambda p: -p.numel()
+    )  # stable: ties keep order
     for p in rest:
         rank = min(range(dp_size), key=lambda r: (load[r], r))
         owners[id(p)] = rank
@@ -62,8 +69,13 @@ class ParamBroadcast:
     (checkpoint saving, the next optimizer step) calls :meth:`wait_all` first.
     """
 
-    def __init__(self, params: list[nn.Parameter], owners: dict[int, int], dp_group: dist.ProcessGroup,
-                 overlap: bool = False) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        owners: dict[int, int],
+        dp_group: dist.ProcessGroup,
+        overlap: bool = False,
+    ) -> None:
         self.params, self.owners, self.dp_group, self.overlap = params, owners, dp_group, overlap
         self.src = {r: dist.get_global_rank(dp_group, r) for r in set(owners.values())}
         self.pending: dict[int, dist.Work] = {}  # id(param) -> its broadcast's work handle
@@ -72,7 +84,9 @@ class ParamBroadcast:
     def __call__(self) -> None:
         self.wait_all()
         for p in self.params:
-            work = dist.broadcast(p.data, src=self.src[self.owners[id(p)]], group=self.dp_group, async_op=True)
+            work = dist.broadcast(
+                p.data, src=self.src[self.owners[id(p)]], group=self.dp_group, async_op=True
+            )
             assert work is not None  # async_op=True returns the work handle
             self.pending[id(p)] = work
         if not self.overlap:
@@ -106,4 +120,6 @@ class ParamBroadcast:
         for chunk in chunks:
             for module in chunk.modules():
                 if id(module) not in inside and any(True for _ in module.parameters(recurse=False)):
-                    module.register_forward_pre_hook(lambda m, args: self.wait_for(m.parameters(recurse=False)))
+                    module.register_forward_pre_hook(
+                        lambda m, args: self.wait_for(m.parameters(recurse=False))
+                    )

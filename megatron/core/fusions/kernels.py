@@ -18,8 +18,9 @@ _SDPA_NAMES = {0: "math (unfused)", 1: "flash", 2: "memory-efficient", 3: "cuDNN
 _SHORT = {"linear_qkv": "QKV", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
 
 
-def sdpa_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int,
-                 causal: bool = True) -> str:
+def sdpa_backend(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int, causal: bool = True
+) -> str:
     """The backend ``F.scaled_dot_product_attention`` picks for these shapes (a tiny probe call)."""
     choose = getattr(torch, "_fused_sdp_choice", None)
     if choose is None:
@@ -36,7 +37,9 @@ def sdpa_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_k
     return f"SDPA -> {_SDPA_NAMES.get(idx, f'backend {idx}')}"
 
 
-def kernel_report(plan: ExecutionPlan, optimizer_config: Any = None, fp8_linears: int | None = None) -> list[str]:
+def kernel_report(
+    plan: ExecutionPlan, optimizer_config: Any = None, fp8_linears: int | None = None
+) -> list[str]:
     """Lines for the ``> kernels`` block printed at start-up: ``plan`` in words. ``fp8_linears``: the
     FP8 GEMMs the plan's layer specs built on this rank (None: not counted)."""
     cuda = plan.device_type == "cuda"
@@ -60,16 +63,20 @@ def _activation(plan: ExecutionPlan) -> str:
     config = plan.config
     if config.activation == "swiglu":
         return "SwiGLU"
-    return {"tanh": "GELU (tanh approximation: Megatron-LM's bias-GELU; --no-bias-gelu-fusion for exact erf)",
-            "none": "GELU (exact erf)"}[config.gelu_approximation]
+    return {
+        "tanh": "GELU (tanh approximation: Megatron-LM's bias-GELU; --no-bias-gelu-fusion for exact erf)",
+        "none": "GELU (exact erf)",
+    }[config.gelu_approximation]
 
 
 def layers_line(plan: ExecutionPlan) -> str:
     """Compiled or eager layers, and the SwiGLU implementation."""
     act = _activation(plan)
     if plan.compile_layers:
-        line = (f"torch.compile of each TransformerLayer (one shared graph): norms, RoPE, {act} and residual "
-                "adds fused by Inductor")
+        line = (
+            f"torch.compile of each TransformerLayer (one shared graph): norms, RoPE, {act} and residual "
+            "adds fused by Inductor"
+        )
     else:
         norm = "rms_norm" if plan.config.normalization == "RMSNorm" else "layer_norm"
         line = f"eager (not compiled: {plan.compile_reason}); norms via F.{norm}, RoPE and {act} unfused"
@@ -78,7 +85,9 @@ def layers_line(plan: ExecutionPlan) -> str:
     if plan.swiglu == "triton":
         return line + "; SwiGLU backward: Triton kernel"
     if plan.device_type == "cuda":
-        return line + f"; SwiGLU backward: Inductor/ATen (Triton kernel swiglu: {plan.triton_reason('swiglu')})"
+        return (
+            line + f"; SwiGLU backward: Inductor/ATen (Triton kernel swiglu: {plan.triton_reason('swiglu')})"
+        )
     return line
 
 
@@ -92,8 +101,11 @@ def cross_entropy_line(plan: ExecutionPlan) -> str:
     if path == "fused_compiled":
         return fused + f", softmax/grad steps compiled (Triton kernel cross_entropy: {why})"
     if path == "fused_eager":
-        return fused + (f", softmax/grad steps eager (Triton kernel cross_entropy: {why})"
-                        if plan.device_type == "cuda" else "")
+        return fused + (
+            f", softmax/grad steps eager (Triton kernel cross_entropy: {why})"
+            if plan.device_type == "cuda"
+            else ""
+        )
     if path == "vocab_parallel":
         return "vocab-parallel cross entropy over tp-sharded logits (fused path covers tp=1 only)"
     return "unfused (full fp32 logits): --no-cross-entropy-loss-fusion was given"
@@ -118,12 +130,16 @@ def recompute_line(config: Any) -> str:
     """What activation recompute does, and when it will not pay."""
     g = getattr(config, "recompute_granularity", None)
     if g == "full":
-        return (f"full, {config.recompute_method} over {config.recompute_num_layers} layer(s): layer inputs kept, "
-                "each layer's forward replayed in backward")
+        return (
+            f"full, {config.recompute_method} over {config.recompute_num_layers} layer(s): layer inputs kept, "
+            "each layer's forward replayed in backward"
+        )
     if g == "selective":
-        return ("selective (core attention only). The fused attention kernel keeps no [s, s] score matrix, so "
-                "this saves little memory (docs/performance.md, recompute); "
-                "--recompute-granularity full is what frees activation memory")
+        return (
+            "selective (core attention only). The fused attention kernel keeps no [s, s] score matrix, so "
+            "this saves little memory (docs/performance.md, recompute); "
+            "--recompute-granularity full is what frees activation memory"
+        )
     return "off (--recompute-granularity selective|full)"
 
 
@@ -135,8 +151,10 @@ def optimizer_line(optimizer_config: Any, plan: ExecutionPlan) -> str:
     else:
         where = f"eager: not compiled, {plan.compile_reason}" if cuda else "eager on the CPU"
     if optimizer_config is None or (optimizer_config.optimizer == "adam" and optimizer_config.use_fused_adam):
-        return ("AdamW, one pass per tensor: clipping, fp32 main param and moments, and the model-precision "
-                f"copy ({where}); no host sync in the step")
+        return (
+            "AdamW, one pass per tensor: clipping, fp32 main param and moments, and the model-precision "
+            f"copy ({where}); no host sync in the step"
+        )
     kernel = "fused" if cuda and optimizer_config.use_fused_adam else "foreach"
     return f"torch.optim.{'SGD' if optimizer_config.optimizer == 'sgd' else 'AdamW'} {kernel} over fp32 main params"
 
@@ -153,8 +171,10 @@ def fp8_line(plan: ExecutionPlan, fp8_linears: int | None = None) -> str:
     count = f"{fp8_linears} " if fp8_linears is not None else ""
     where = f"{count}{names} linears of {len(fp8.layers)} of the {config.num_layers} transformer layers"
     if len(fp8.layers) < config.num_layers:
-        where += (f" (the first {config.num_layers_at_start_in_bf16} and last {config.num_layers_at_end_in_bf16} "
-                  "transformer layers in bf16: --first-last-layers-bf16)")
+        where += (
+            f" (the first {config.num_layers_at_start_in_bf16} and last {config.num_layers_at_end_in_bf16} "
+            "transformer layers in bf16: --first-last-layers-bf16)"
+        )
     if fp8.unaligned:
         where += f"; in bf16 (a weight dim not a multiple of 16): {', '.join(fp8.unaligned)}"
     kernels = plan.kernels
@@ -165,12 +185,21 @@ def fp8_line(plan: ExecutionPlan, fp8_linears: int | None = None) -> str:
     else:
         quant = f"torch code (Triton kernel fp8_cast: {plan.triton_reason('fp8_cast')})"
     if fp8.swiglu_block:
-        how = ("Triton kernels" if kernels.uses("swiglu_fp8")
-               else f"torch code (Triton kernel swiglu_fp8: {plan.triton_reason('swiglu_fp8')})")
-        quant += (f"; in the SwiGLU MLPs, SwiGLU's output and its gradient are quantised inside SwiGLU's own "
-                  f"passes by {how} (fc1 -> SwiGLU -> fc2 one FP8 block)")
+        how = (
+            "Triton kernels"
+            if kernels.uses("swiglu_fp8")
+            else f"torch code (Triton kernel swiglu_fp8: {plan.triton_reason('swiglu_fp8')})"
+        )
+        quant += (
+            f"; in the SwiGLU MLPs, SwiGLU's output and its gradient are quantised inside SwiGLU's own "
+            f"passes by {how} (fc1 -> SwiGLU -> fc2 one FP8 block)"
+        )
     if fp8.emulated:
-        return (f"emulated on the CPU ({recipe.describe()}; MEGATRON_FP8_EMULATE=1, for tests only): fp32 GEMMs on "
-                f"the dequantised fp8 values for {where}, quantised by {quant}")
-    return (f"on, {recipe.describe()}: {recipe.gemm_name} for {where}, quantised by {quant}; output layer, "
-            f"embedding and attention in {gemms}. Its loss against bf16's and its speed: docs/performance.md")
+        return (
+            f"emulated on the CPU ({recipe.describe()}; MEGATRON_FP8_EMULATE=1, for tests only): fp32 GEMMs on "
+            f"the dequantised fp8 values for {where}, quantised by {quant}"
+        )
+    return (
+        f"on, {recipe.describe()}: {recipe.gemm_name} for {where}, quantised by {quant}; output layer, "
+        f"embedding and attention in {gemms}. Its loss against bf16's and its speed: docs/performance.md"
+    )

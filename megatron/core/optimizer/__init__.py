@@ -52,7 +52,9 @@ _EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight
 def is_embedding_or_output_parameter(name: str, param: torch.nn.Parameter) -> bool:
     """True for the input embedding and output layer weights (or a param tagged
     ``is_embedding_or_output_parameter``, as Megatron-Core models tag them)."""
-    return bool(getattr(param, "is_embedding_or_output_parameter", False)) or name.endswith(_EMBEDDING_OR_OUTPUT)
+    return bool(getattr(param, "is_embedding_or_output_parameter", False)) or name.endswith(
+        _EMBEDDING_OR_OUTPUT
+    )
 
 
 def get_param_groups(
@@ -88,20 +90,35 @@ def get_param_groups(
     for name, wd_mult, is_decoupled in _GROUPS:
         if not buckets[name]:
             continue
-        group = {"params": buckets[name], "name": name, "wd_mult": wd_mult, "lr_mult": 1.0,
-                 "is_decoupled_lr": is_decoupled, "lr": lr, "weight_decay": config.weight_decay * wd_mult}
+        group = {
+            "params": buckets[name],
+            "name": name,
+            "wd_mult": wd_mult,
+            "lr_mult": 1.0,
+            "is_decoupled_lr": is_decoupled,
+            "lr": lr,
+            "weight_decay": config.weight_decay * wd_mult,
+        }
         if is_decoupled:
             group["max_lr"] = config.decoupled_lr
-            group["min_lr"] = config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
+            group["min_lr"] = (
+                config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
+            )
             group["lr"] = config.decoupled_lr
         groups.append(group)
     return groups
 
 
 # (name, wd_mult, is_decoupled_lr) of each param group, in the optimizer's order.
-_GROUPS = (("decay", 1.0, False), ("no_decay", 0.0, False),
-           ("decoupled_decay", 1.0, True), ("decoupled_no_decay", 0.0, True))
-assert tuple(name for name, *_ in _GROUPS) == PARAM_GROUP_NAMES  # the distributed optimizer's checkpoint relies on it
+_GROUPS = (
+    ("decay", 1.0, False),
+    ("no_decay", 0.0, False),
+    ("decoupled_decay", 1.0, True),
+    ("decoupled_no_decay", 0.0, True),
+)
+assert (
+    tuple(name for name, *_ in _GROUPS) == PARAM_GROUP_NAMES
+)  # the distributed optimizer's checkpoint relies on it
 
 
 def _make_grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
@@ -161,25 +178,33 @@ def get_megatron_optimizer(
         ConfigError: conflicting precision settings, no trainable params, or an option not built.
     """
     if config_overrides:
-        raise ConfigError("get_megatron_optimizer(config_overrides=...) is not supported: per-parameter overrides "
-                          "are not built; pass None (biases and 1-D params get no weight decay, "
-                          "OptimizerConfig.decoupled_lr sets the embedding's) or no_weight_decay_cond=",
-                          params=("config_overrides",))
+        raise ConfigError(
+            "get_megatron_optimizer(config_overrides=...) is not supported: per-parameter overrides "
+            "are not built; pass None (biases and 1-D params get no weight decay, "
+            "OptimizerConfig.decoupled_lr sets the embedding's) or no_weight_decay_cond=",
+            params=("config_overrides",),
+        )
     if dump_param_to_param_group_map is not None:
-        raise ConfigError("get_megatron_optimizer(dump_param_to_param_group_map=...) is not supported; pass None",
-                          params=("dump_param_to_param_group_map",))
+        raise ConfigError(
+            "get_megatron_optimizer(dump_param_to_param_group_map=...) is not supported; pass None",
+            params=("dump_param_to_param_group_map",),
+        )
     grad_stats_group, tp_rank = _stats_groups(grad_stats_group, tp_rank, pg_collection)
     if config.fp16 and config.bf16:
         raise ConfigError("fp16 and bf16 are mutually exclusive; set at most one", params=("fp16", "bf16"))
     if config.loss_scale is not None and not (config.fp16 or config.bf16):
-        raise ConfigError("loss_scale has no effect without fp16 or bf16; drop loss_scale or pick a precision",
-                          params=("loss_scale", "fp16", "bf16"))
+        raise ConfigError(
+            "loss_scale has no effect without fp16 or bf16; drop loss_scale or pick a precision",
+            params=("loss_scale", "fp16", "bf16"),
+        )
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     groups = get_param_groups(model_chunks, config, no_weight_decay_cond)
     if not groups:
-        raise ConfigError("model_chunks have no trainable parameters (requires_grad=True) to optimize",
-                          params=("model_chunks",))
+        raise ConfigError(
+            "model_chunks have no trainable parameters (requires_grad=True) to optimize",
+            params=("model_chunks",),
+        )
     owners: dict[int, int] = {}
     for chunk in model_chunks:
         owners.update(getattr(chunk, "param_owner", None) or {})
@@ -202,11 +227,14 @@ def get_megatron_optimizer(
     sync = ParamBroadcast(every, owners, dp_group, overlap=overlap)
     if overlap:
         sync.attach(model_chunks)
-    return DistributedOptimizer(config, owned, _make_grad_scaler(config), dist.group.WORLD, tp_rank, param_sync=sync)
+    return DistributedOptimizer(
+        config, owned, _make_grad_scaler(config), dist.group.WORLD, tp_rank, param_sync=sync
+    )
 
 
-def _stats_groups(group: dist.ProcessGroup | None, tp_rank: int | None,
-                  pg_collection: Any) -> tuple[dist.ProcessGroup | None, int]:
+def _stats_groups(
+    group: dist.ProcessGroup | None, tp_rank: int | None, pg_collection: Any
+) -> tuple[dist.ProcessGroup | None, int]:
     """(group reducing the grad statistics, tp rank): the given ones, else ``pg_collection``'s, else
     the default parallel state's where one is initialized (a public entry point may read it)."""
     if group is None and pg_collection is not None:

@@ -34,12 +34,15 @@ class ChainedOptimizer:
 
     def __init__(self, chained_optimizers: list[MegatronOptimizer]) -> None:
         if not chained_optimizers:
-            raise ConfigError("chained_optimizers is empty; pass at least one optimizer",
-                              params=("chained_optimizers",))
+            raise ConfigError(
+                "chained_optimizers is empty; pass at least one optimizer", params=("chained_optimizers",)
+            )
         if len(chained_optimizers) > 1 and any(o.config.clip_grad > 0 for o in chained_optimizers):
-            raise ConfigError("ChainedOptimizer of several optimizers clips each by its own norm, not the global "
-                              "one; set OptimizerConfig.clip_grad=0 on each (or chain a single optimizer)",
-                              params=("clip_grad",))
+            raise ConfigError(
+                "ChainedOptimizer of several optimizers clips each by its own norm, not the global "
+                "one; set OptimizerConfig.clip_grad=0 on each (or chain a single optimizer)",
+                params=("clip_grad",),
+            )
         self.chained_optimizers = list(chained_optimizers)
         self.config = chained_optimizers[0].config
 
@@ -62,8 +65,11 @@ class ChainedOptimizer:
         results = [o.step() for o in self.chained_optimizers]
         norms = [r[1] for r in results if r[1] is not None]
         zeros = [r[2] for r in results if r[2] is not None]
-        return (all(r[0] for r in results), math.sqrt(sum(n * n for n in norms)) if norms else None,
-                sum(zeros) if zeros else None)
+        return (
+            all(r[0] for r in results),
+            math.sqrt(sum(n * n for n in norms)) if norms else None,
+            sum(zeros) if zeros else None,
+        )
 
     def reload_model_params(self) -> None:
         for o in self.chained_optimizers:
@@ -78,7 +84,9 @@ class ChainedOptimizer:
 
     def load_state_dict(self, state_dict: list[dict[str, Any]]) -> None:
         if len(state_dict) != len(self.chained_optimizers):
-            raise CheckpointError(f"state_dict holds {len(state_dict)} optimizers' states; this chain has "
-                                  f"{len(self.chained_optimizers)}")
+            raise CheckpointError(
+                f"state_dict holds {len(state_dict)} optimizers' states; this chain has "
+                f"{len(self.chained_optimizers)}"
+            )
         for o, sd in zip(self.chained_optimizers, state_dict):
             o.load_state_dict(sd)

@@ -25,8 +25,15 @@ from megatron.core.config_utils import ConfigError
 from megatron.core.fusions.compile import maybe_compiled
 
 
-def _update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            step: torch.Tensor, hyper: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+def _update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: torch.Tensor,
+    divisor: torch.Tensor,
+) -> torch.Tensor:
     """One AdamW step of a flat fp32 ``param`` in place; returns the new param (for the model copy).
 
     ``hyper`` is ``[lr, weight_decay, beta1, beta2, eps]`` (fp32, on the param's device).
@@ -44,21 +51,38 @@ def _update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
     return param
 
 
-def _update_main(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 step: torch.Tensor, hyper: torch.Tensor, divisor: torch.Tensor) -> None:
+def _update_main(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: torch.Tensor,
+    divisor: torch.Tensor,
+) -> None:
     _update(param, grad, exp_avg, exp_avg_sq, step, hyper, divisor)
 
 
-def _update_main_and_model(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                           exp_avg_sq: torch.Tensor, step: torch.Tensor, hyper: torch.Tensor,
-                           divisor: torch.Tensor, model_param: torch.Tensor) -> None:
+def _update_main_and_model(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: torch.Tensor,
+    divisor: torch.Tensor,
+    model_param: torch.Tensor,
+) -> None:
     model_param.copy_(_update(param, grad, exp_avg, exp_avg_sq, step, hyper, divisor))
 
 
 # Static shapes: one compiled kernel per distinct tensor size (a handful per model), each with the
 # alignment and size known to the compiler (vectorised loads); dynamic=True makes one graph for all.
 KERNELS = {
-    dynamic: (maybe_compiled(_update_main, dynamic=dynamic), maybe_compiled(_update_main_and_model, dynamic=dynamic))
+    dynamic: (
+        maybe_compiled(_update_main, dynamic=dynamic),
+        maybe_compiled(_update_main_and_model, dynamic=dynamic),
+    )
     for dynamic in (False, True)
 }
 
@@ -66,16 +90,23 @@ KERNELS = {
 def _hyper(group: dict, device: torch.device) -> torch.Tensor:
     """The group's [lr, weight_decay, beta1, beta2, eps] on ``device`` without a blocking copy."""
     beta1, beta2 = group["betas"]
-    values = torch.tensor([group["lr"], group["weight_decay"], beta1, beta2, group["eps"]], dtype=torch.float32)
+    values = torch.tensor(
+        [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]], dtype=torch.float32
+    )
     if device.type == "cuda":
         return values.pin_memory().to(device, non_blocking=True)
     return values.to(device)
 
 
 @torch.no_grad()
-def adamw_step(optimizer: torch.optim.Optimizer, model_params: Mapping[int, torch.Tensor],
-               divisor: torch.Tensor | None, dynamic: bool = False,
-               grads: Mapping[int, torch.Tensor] | None = None, compile: bool = True) -> None:
+def adamw_step(
+    optimizer: torch.optim.Optimizer,
+    model_params: Mapping[int, torch.Tensor],
+    divisor: torch.Tensor | None,
+    dynamic: bool = False,
+    grads: Mapping[int, torch.Tensor] | None = None,
+    compile: bool = True,
+) -> None:
     """Step every param of ``optimizer`` that has a gradient (``grads``, else ``.grad``).
 
     Args:
@@ -89,14 +120,18 @@ def adamw_step(optimizer: torch.optim.Optimizer, model_params: Mapping[int, torc
     """
     update_main, update_main_and_model = KERNELS[dynamic]
     if grads is None:
-        grads = {id(p): p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
+        grads = {
+            id(p): p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        }
     for group in optimizer.param_groups:
         params = [p for p in group["params"] if id(p) in grads]
         if not params:
             continue
         if group.get("amsgrad") or group.get("maximize"):
-            raise ConfigError("the fused AdamW step supports neither amsgrad nor maximize; set both to False",
-                              params=("amsgrad", "maximize"))
+            raise ConfigError(
+                "the fused AdamW step supports neither amsgrad nor maximize; set both to False",
+                params=("amsgrad", "maximize"),
+            )
         device = params[0].device
         hyper = _hyper(group, device)
         div = divisor if divisor is not None else torch.ones((), dtype=torch.float32, device=device)
@@ -109,8 +144,15 @@ def adamw_step(optimizer: torch.optim.Optimizer, model_params: Mapping[int, torc
             step = state["step"]
             if step.device != device:  # a checkpoint from a non-fused run keeps it on the host
                 step = state["step"] = step.to(device=device, dtype=torch.float32)
-            args = (p.view(-1), grads[id(p)].view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1), step,
-                    hyper, div)
+            args = (
+                p.view(-1),
+                grads[id(p)].view(-1),
+                state["exp_avg"].view(-1),
+                state["exp_avg_sq"].view(-1),
+                step,
+                hyper,
+                div,
+            )
             model = model_params.get(id(p))
             if model is None:
                 update_main(*args, compile=compile)

@@ -79,14 +79,20 @@ class DynamicGradScaler(MegatronGradScaler):
     ) -> None:
         super().__init__(initial_scale)
         if not 0.0 < min_scale <= initial_scale:
-            raise ConfigError(f"min_scale must be in (0, initial_scale={initial_scale}], got {min_scale}",
-                              params=("min_scale", "initial_scale"))
+            raise ConfigError(
+                f"min_scale must be in (0, initial_scale={initial_scale}], got {min_scale}",
+                params=("min_scale", "initial_scale"),
+            )
         if not growth_factor > 1.0:
             raise ConfigError(f"growth_factor must be > 1, got {growth_factor}", params=("growth_factor",))
         if not 0.0 < backoff_factor < 1.0:
-            raise ConfigError(f"backoff_factor must be in (0, 1), got {backoff_factor}", params=("backoff_factor",))
+            raise ConfigError(
+                f"backoff_factor must be in (0, 1), got {backoff_factor}", params=("backoff_factor",)
+            )
         if growth_interval <= 0:
-            raise ConfigError(f"growth_interval must be > 0, got {growth_interval}", params=("growth_interval",))
+            raise ConfigError(
+                f"growth_interval must be > 0, got {growth_interval}", params=("growth_interval",)
+            )
         if hysteresis <= 0:
             raise ConfigError(f"hysteresis must be > 0, got {hysteresis}", params=("hysteresis",))
         self.min_scale = float(min_scale)

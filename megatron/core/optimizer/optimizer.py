@@ -56,13 +56,16 @@ def make_inner_optimizer(config: OptimizerConfig, groups: list[dict[str, Any]]) 
     lr = config.lr if config.lr is not None else 0.0
     if config.optimizer == "adam":
         betas = (config.adam_beta1, config.adam_beta2)
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=config.adam_eps,
-                                 weight_decay=config.weight_decay, **kernel)
+        return torch.optim.AdamW(
+            groups, lr=lr, betas=betas, eps=config.adam_eps, weight_decay=config.weight_decay, **kernel
+        )
     if config.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=config.sgd_momentum,
-                               weight_decay=config.weight_decay, **kernel)
-    raise ConfigError(f"optimizer {config.optimizer!r} is not valid; choose one of ['adam', 'sgd']",
-                      params=("optimizer",))
+        return torch.optim.SGD(
+            groups, lr=lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay, **kernel
+        )
+    raise ConfigError(
+        f"optimizer {config.optimizer!r} is not valid; choose one of ['adam', 'sgd']", params=("optimizer",)
+    )
 
 
 class MegatronOptimizer:
@@ -204,9 +207,13 @@ class MegatronOptimizer:
                 return self._skipped(stats, sync)
         if self._one_pass_adamw:
             divisor = self._clip_divisor(grad_norm) if present else None
-            adamw_step(self.optimizer, self._model_of_main, divisor,
-                       grads={id(m): g for m, g in zip(self.main_params, grads) if g is not None},
-                       compile=self.config.compile_helpers)
+            adamw_step(
+                self.optimizer,
+                self._model_of_main,
+                divisor,
+                grads={id(m): g for m, g in zip(self.main_params, grads) if g is not None},
+                compile=self.config.compile_helpers,
+            )
         else:
             self._clipped_inner_step(present, grad_norm)
             self._copy_main_params_to_model_params()
@@ -320,7 +327,9 @@ class MegatronOptimizer:
             )
         for (_, main), value in zip(self._copy_pairs, saved):
             if main.shape != value.shape:
-                raise CheckpointError(f"fp32 main param shape {tuple(value.shape)} != model's {tuple(main.shape)}")
+                raise CheckpointError(
+                    f"fp32 main param shape {tuple(value.shape)} != model's {tuple(main.shape)}"
+                )
             main.copy_(value)
 
     def _place_step_tensors(self) -> None:
@@ -341,7 +350,9 @@ class MegatronOptimizer:
         """
         sharded_state.init_state(self.optimizer, self.config)
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict, common_replica_id: int | None = None) -> dict[str, Any]:
+    def sharded_state_dict(
+        self, model_sharded_state_dict: dict, common_replica_id: int | None = None
+    ) -> dict[str, Any]:
         """Distributed-checkpoint view of the optimizer state; see :mod:`.sharded_state`.
 
         Per-param state takes the sharding (key, global shape/offset, replica id) of the model param
@@ -355,7 +366,9 @@ class MegatronOptimizer:
         self._sharded_keys = keys
         return result
 
-    def load_sharded_state_dict(self, loaded: dict[str, Any], model_sharded_state_dict: dict | None = None) -> None:
+    def load_sharded_state_dict(
+        self, loaded: dict[str, Any], model_sharded_state_dict: dict | None = None
+    ) -> None:
         """Apply what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`'s output.
 
         Call after the model weights are loaded. ``model_sharded_state_dict`` is needed only when

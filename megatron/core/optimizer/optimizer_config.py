@@ -19,7 +19,7 @@ NO_EFFECT: dict[str, str] = {
     "fp8_recipe": "FP8 is the model's setting (TransformerConfig.fp8_recipe); main params stay fp32",
     "store_param_remainders": "only with use_precision_aware_optimizer, which is not built",
     "use_distributed_optimizer": "the distributed optimizer is chosen by DistributedDataParallelConfig."
-                                 "use_distributed_optimizer of the model's DDP wrapper",
+    "use_distributed_optimizer of the model's DDP wrapper",
     "overlap_param_gather": "set on DistributedDataParallelConfig (the DDP wrapper overlaps the gather)",
     "optimizer_offload_fraction": "only with optimizer_cpu_offload, which is not built",
     "use_torch_optimizer_for_cpu_offload": "only with optimizer_cpu_offload, which is not built",
@@ -33,18 +33,24 @@ NO_EFFECT: dict[str, str] = {
 # Megatron-Core fields whose other values ask for something not built: field -> (the value built, what to do).
 REFUSED: dict[str, tuple[Any, str]] = {
     "decoupled_weight_decay": (True, "only AdamW's decoupled weight decay is built; keep True"),
-    "apply_wd_to_qk_layernorm": (False, "1-D params (norm weights, q/k layernorm included) never get weight "
-                                        "decay here; keep False"),
+    "apply_wd_to_qk_layernorm": (
+        False,
+        "1-D params (norm weights, q/k layernorm included) never get weight decay here; keep False",
+    ),
     "reuse_grad_buf_for_mxfp8_param_ag": (False, "MXFP8 params are not built; keep False"),
     "use_precision_aware_optimizer": (False, "main params and Adam moments are fp32; keep False"),
     "main_grads_dtype": (torch.float32, "main gradients are fp32; keep torch.float32"),
     "main_params_dtype": (torch.float32, "main params are fp32; keep torch.float32"),
     "exp_avg_dtype": (torch.float32, "Adam moments are fp32; keep torch.float32"),
     "exp_avg_sq_dtype": (torch.float32, "Adam moments are fp32; keep torch.float32"),
-    "use_layer_wise_distributed_optimizer": (False, "only for the emerging optimizers, which are not built; "
-                                                    "keep False"),
-    "overlap_param_gather_with_optimizer_step": (False, "not built; use DistributedDataParallelConfig."
-                                                        "overlap_param_gather; keep False"),
+    "use_layer_wise_distributed_optimizer": (
+        False,
+        "only for the emerging optimizers, which are not built; keep False",
+    ),
+    "overlap_param_gather_with_optimizer_step": (
+        False,
+        "not built; use DistributedDataParallelConfig.overlap_param_gather; keep False",
+    ),
     "optimizer_cpu_offload": (False, "CPU offload of the optimizer is not built; keep False"),
     "optimizer_cuda_graph": (False, "the optimizer step is not CUDA-graphed; keep False"),
 }
@@ -59,11 +65,14 @@ class OptimizerConfig:
     # None (Megatron-Core's default) is taken as 0.0, Megatron-LM's --min-lr default.
     min_lr: float | None = doc(0.0, "Learning rate floor at the end of decay.")
     decoupled_lr: float | None = doc(
-        None, "Peak learning rate of the input embedding and output layer weights (embedding.word_embeddings.weight, "
+        None,
+        "Peak learning rate of the input embedding and output layer weights (embedding.word_embeddings.weight, "
         "output_layer.weight and its tied copy on the last pipeline stage; not the position embeddings), which then "
-        "form param groups of their own on the same warm-up/decay schedule. Default: --lr for every param.")
+        "form param groups of their own on the same warm-up/decay schedule. Default: --lr for every param.",
+    )
     decoupled_min_lr: float | None = doc(
-        None, "Learning rate floor of the --decoupled-lr params; default --min-lr. Only with --decoupled-lr.")
+        None, "Learning rate floor of the --decoupled-lr params; default --min-lr. Only with --decoupled-lr."
+    )
     weight_decay: float = doc(0.01, "Weight decay coefficient (not applied to biases and 1-D params).")
     adam_beta1: float = doc(0.9, "Adam beta1.")
     adam_beta2: float = doc(0.999, "Adam beta2.")
@@ -81,15 +90,21 @@ class OptimizerConfig:
         False, "Count zero gradient elements each step (reported as 'num zeros'); costs one extra pass."
     )
     compile_helpers: bool = doc(
-        True, "On CUDA, run the one-pass AdamW step (use_fused_adam) as torch.compile'd kernels (same values as "
-              "eager); the training application takes it from its execution plan (off with --torch-compile off). "
-              "No effect on the CPU.", flag=None)
+        True,
+        "On CUDA, run the one-pass AdamW step (use_fused_adam) as torch.compile'd kernels (same values as "
+        "eager); the training application takes it from its execution plan (off with --torch-compile off). "
+        "No effect on the CPU.",
+        flag=None,
+    )
     use_fused_adam: bool = doc(
         True, "Use torch's fused/foreach multi-tensor Adam kernels where the device supports them.", flag=None
     )
     grad_norm_skip_threshold: float = doc(
-        math.inf, "Skip the update (``step()`` returns ``(False, grad_norm, num_zeros)``) when the pre-clip "
-        "gradient norm exceeds this; inf: never.", flag=None)
+        math.inf,
+        "Skip the update (``step()`` returns ``(False, grad_norm, num_zeros)``) when the pre-clip "
+        "gradient norm exceeds this; inf: never.",
+        flag=None,
+    )
 
     # Megatron-Core 0.19.2's other fields, with its defaults: NO_EFFECT ones are taken and change nothing;
     # REFUSED ones raise ConfigError away from the value built here.
@@ -158,12 +173,20 @@ class OptimizerConfig:
         check_positive("loss_scale_window", self.loss_scale_window)
         check_positive("hysteresis", self.hysteresis)
         if self.fp16 and self.loss_scale is None and self.min_loss_scale > self.initial_loss_scale:
-            raise ConfigError(f"min_loss_scale ({self.min_loss_scale}) must be <= initial_loss_scale "
-                              f"({self.initial_loss_scale})", params=("min_loss_scale", "initial_loss_scale"))
+            raise ConfigError(
+                f"min_loss_scale ({self.min_loss_scale}) must be <= initial_loss_scale "
+                f"({self.initial_loss_scale})",
+                params=("min_loss_scale", "initial_loss_scale"),
+            )
         if not self.grad_norm_skip_threshold > 0:
-            raise ConfigError(f"grad_norm_skip_threshold must be > 0 (inf: never skip), got "
-                              f"{self.grad_norm_skip_threshold}", params=("grad_norm_skip_threshold",))
+            raise ConfigError(
+                f"grad_norm_skip_threshold must be > 0 (inf: never skip), got "
+                f"{self.grad_norm_skip_threshold}",
+                params=("grad_norm_skip_threshold",),
+            )
         for name, (built, why) in REFUSED.items():
             if getattr(self, name) != built:
-                raise ConfigError(f"OptimizerConfig.{name}={getattr(self, name)!r} is not supported here: {why}",
-                                  params=(name,))
+                raise ConfigError(
+                    f"OptimizerConfig.{name}={getattr(self, name)!r} is not supported here: {why}",
+                    params=(name,),
+                )

@@ -116,8 +116,11 @@ def _agree_on_steps(opt: MegatronOptimizer, groups: dict[str, dict[str, Any]]) -
     Every rank reduces the same list of names: pipeline stages without embedding or output layer
     have no --decoupled-lr groups."""
     names = sorted(set(groups) | set(PARAM_GROUP_NAMES))
-    steps = torch.tensor([groups[n]["step"] if n in groups and groups[n]["step"] is not None else -1.0
-                          for n in names], dtype=torch.float64, device=opt.device)
+    steps = torch.tensor(
+        [groups[n]["step"] if n in groups and groups[n]["step"] is not None else -1.0 for n in names],
+        dtype=torch.float64,
+        device=opt.device,
+    )
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     for name, step in zip(names, steps.tolist()):
@@ -125,7 +128,9 @@ def _agree_on_steps(opt: MegatronOptimizer, groups: dict[str, dict[str, Any]]) -
             groups[name]["step"] = step if step >= 0 else None
 
 
-def build(opt: MegatronOptimizer, model_sd: dict, common_replica_id: int = 0) -> tuple[dict[str, Any], list[str]]:
+def build(
+    opt: MegatronOptimizer, model_sd: dict, common_replica_id: int = 0
+) -> tuple[dict[str, Any], list[str]]:
     """The sharded state dict of ``opt`` and the model key of each param (see module docstring)."""
     opt.init_state()
     tensors = _model_tensors(opt, model_sd)
@@ -151,7 +156,10 @@ def build(opt: MegatronOptimizer, model_sd: dict, common_replica_id: int = 0) ->
         "param_groups": groups,
         "grad_scaler": opt.grad_scaler.state_dict() if opt.grad_scaler is not None else None,
     }
-    sharded = {"param_state": param_state, "common": ShardedObject(COMMON_KEY, common, replica_id=common_replica_id)}
+    sharded = {
+        "param_state": param_state,
+        "common": ShardedObject(COMMON_KEY, common, replica_id=common_replica_id),
+    }
     return sharded, [st.key for st in tensors]
 
 
@@ -160,7 +168,7 @@ def _saved_group(saved_groups: dict[str, Any], name: str) -> dict[str, Any]:
     checkpoint saved without --decoupled-lr takes the group its params were in (same step count)."""
     saved = saved_groups.get(name)
     if saved is None and name.startswith("decoupled_"):
-        saved = saved_groups.get(name[len("decoupled_"):])
+        saved = saved_groups.get(name[len("decoupled_") :])
     if saved is None:
         raise CheckpointError(f"param group {name!r} is missing from the loaded optimizer state")
     return saved

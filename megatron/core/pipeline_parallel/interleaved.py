@@ -52,22 +52,30 @@ def check_interleaving(num_microbatches: int, pp: int, group_size: int | None) -
         ConfigError: the micro-batch count does not fit, naming the parameters to change.
     """
     g = pp if group_size is None else group_size
-    what = (f"the interleaved pipeline schedule runs {num_microbatches} micro-batches per step "
-            "(global_batch_size / (micro_batch_size x data-parallel size))")
+    what = (
+        f"the interleaved pipeline schedule runs {num_microbatches} micro-batches per step "
+        "(global_batch_size / (micro_batch_size x data-parallel size))"
+    )
     group = "microbatch_group_size_per_virtual_pipeline_stage"
     if g < pp:
-        raise ConfigError(f"{group} {g} must be at least pipeline_model_parallel_size {pp}",
-                          params=(group, "pipeline_model_parallel_size"))
+        raise ConfigError(
+            f"{group} {g} must be at least pipeline_model_parallel_size {pp}",
+            params=(group, "pipeline_model_parallel_size"),
+        )
     if num_microbatches < g:
-        raise ConfigError(f"{what}; it needs at least {g} (the micro-batch group size, default "
-                          f"pipeline_model_parallel_size {pp}): raise global_batch_size",
-                          params=("global_batch_size", "micro_batch_size", "pipeline_model_parallel_size"))
+        raise ConfigError(
+            f"{what}; it needs at least {g} (the micro-batch group size, default "
+            f"pipeline_model_parallel_size {pp}): raise global_batch_size",
+            params=("global_batch_size", "micro_batch_size", "pipeline_model_parallel_size"),
+        )
     rest = num_microbatches % g
     if rest != 0 and rest < pp:
-        raise ConfigError(f"{what}; with micro-batch groups of {g} the last group has {rest} < "
-                          f"pipeline_model_parallel_size {pp}: use a multiple of {g} micro-batches "
-                          f"(global_batch_size)",
-                          params=("global_batch_size", "micro_batch_size", "pipeline_model_parallel_size"))
+        raise ConfigError(
+            f"{what}; with micro-batch groups of {g} the last group has {rest} < "
+            f"pipeline_model_parallel_size {pp}: use a multiple of {g} micro-batches "
+            f"(global_batch_size)",
+            params=("global_batch_size", "micro_batch_size", "pipeline_model_parallel_size"),
+        )
     return g
 
 
@@ -136,12 +144,22 @@ class RoundPlan:
 
 
 def forward_backward_pipelining_with_interleaving(
-        *, forward_step_func: ForwardStepFunc, data_iterator: list[Any] | None, model: list[torch.nn.Module],
-        num_microbatches: int, seq_length: int | None = None, micro_batch_size: int | None = None,
-        decoder_seq_length: int | None = None, forward_only: bool = False, collect_non_loss_data: bool = False,
-        first_val_step: bool | None = None, adjust_tensor_shapes_fn: Any = None,
-        p2p_communicator: P2PCommunicator | None = None, pg_collection: Any = None,
-        force_all_reduce: bool | None = False) -> list[Any]:
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterator: list[Any] | None,
+    model: list[torch.nn.Module],
+    num_microbatches: int,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Any = None,
+    p2p_communicator: P2PCommunicator | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+) -> list[Any]:
     """Interleaved 1F1B over ``model`` (one chunk per virtual stage of this rank); ``force_all_reduce``
     must be False. The stages exchange through ``p2p_communicator``, else through one over
     ``pg_collection``'s pipeline group (a ParallelState or a ProcessGroupCollection; None: the
@@ -156,9 +174,11 @@ def forward_backward_pipelining_with_interleaving(
     """
     check_schedule_options(force_all_reduce)
     if not isinstance(model, list) or len(model) < 2:
-        raise ConfigError("the interleaved schedule needs a list of >= 2 model chunks per rank "
-                          "(virtual_pipeline_model_parallel_size >= 2)",
-                          params=("virtual_pipeline_model_parallel_size",))
+        raise ConfigError(
+            "the interleaved schedule needs a list of >= 2 model chunks per rank "
+            "(virtual_pipeline_model_parallel_size >= 2)",
+            params=("virtual_pipeline_model_parallel_size",),
+        )
     v = len(model)
     iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * v
     config = model_config(model[0])
@@ -171,7 +191,9 @@ def forward_backward_pipelining_with_interleaving(
     metrics: list[Any] = []
     num_tokens: list[torch.Tensor] = []
     inputs: list[deque[torch.Tensor | None]] = [deque() for _ in range(v)]  # received activations, per chunk
-    grads: list[deque[torch.Tensor | None]] = [deque() for _ in range(v)]  # received output gradients, per chunk
+    grads: list[deque[torch.Tensor | None]] = [
+        deque() for _ in range(v)
+    ]  # received output gradients, per chunk
     # (input, output) awaiting backward, per chunk
     stored: list[deque[tuple[torch.Tensor | None, torch.Tensor]]] = [deque() for _ in range(v)]
 
@@ -197,8 +219,18 @@ def forward_backward_pipelining_with_interleaving(
             first, last = rank == 0 and c == 0, rank == pp - 1 and c == v - 1
             assert first or inputs[c], f"pipeline rank {rank}: activation for chunk {c} has not arrived"
             input_tensor = None if first else inputs[c].popleft()
-            output = forward_step(forward_step_func, iters[c], model[c], num_microbatches, config, forward_only,
-                                  metrics, num_tokens, input_tensor, last)
+            output = forward_step(
+                forward_step_func,
+                iters[c],
+                model[c],
+                num_microbatches,
+                config,
+                forward_only,
+                metrics,
+                num_tokens,
+                input_tensor,
+                last,
+            )
             if not forward_only:
                 stored[c].append((input_tensor, output))
             send_next = None if last else output
@@ -223,8 +255,12 @@ def forward_backward_pipelining_with_interleaving(
             in_flight = (comm.post(send_prev=send_prev, recv_next=recv_b is not None), recv_b)
             got_f = forward_exchange.wait()[0]
         else:
-            got_f, got_b = comm.communicate(send_next=send_next, send_prev=send_prev, recv_prev=recv_f is not None,
-                                            recv_next=recv_b is not None)
+            got_f, got_b = comm.communicate(
+                send_next=send_next,
+                send_prev=send_prev,
+                recv_prev=recv_f is not None,
+                recv_next=recv_b is not None,
+            )
             if recv_b is not None:
                 grads[recv_b].append(got_b)
         if not forward_only:

@@ -29,14 +29,23 @@ from dataclasses import dataclass
 from megatron.core.config_utils import ConfigError
 
 # The parameters (TransformerConfig fields) the split is made of, as the errors name them.
-PARAMS = ("num_layers", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-          "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
-          "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+PARAMS = (
+    "num_layers",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
 
 
 def _error(message: str) -> ConfigError:
     """A ConfigError listing the parameters ``message`` names."""
-    return ConfigError(message, params=tuple(p for p in PARAMS if re.search(rf"(?<![\w-]){p}(?![\w-])", message)))
+    return ConfigError(
+        message, params=tuple(p for p in PARAMS if re.search(rf"(?<![\w-]){p}(?![\w-])", message))
+    )
 
 
 @dataclass(frozen=True)
@@ -58,8 +67,10 @@ class PipelineLayout:
 
     def table(self) -> str:
         """Human-readable layer-to-stage table (1-based layer numbers, as in the logs)."""
-        lines = [f"layer-to-stage table (num_layers {self.num_layers}, pipeline_model_parallel_size "
-                 f"{self.pp}, virtual stages per rank {self.vpp}):"]
+        lines = [
+            f"layer-to-stage table (num_layers {self.num_layers}, pipeline_model_parallel_size "
+            f"{self.pp}, virtual stages per rank {self.vpp}):"
+        ]
         start = 0
         for v, n in enumerate(self.counts):
             c, r = divmod(v, self.pp)
@@ -91,18 +102,25 @@ def parse_layout(layout: str, num_layers: int, pp: int) -> PipelineLayout:
     bad = sorted(set(text) - set("tEL|"))
     if bad:
         what = "multi-token prediction ('m') is not supported" if bad == ["m"] else f"unknown symbol(s) {bad}"
-        raise _error(f"{LAYOUT_PARAM} {layout!r}: {what}; use t (transformer layer), E (embedding, first "
-                         "stage) and L (output layer and loss, last stage), e.g. \"Ettt|tttL\"")
+        raise _error(
+            f"{LAYOUT_PARAM} {layout!r}: {what}; use t (transformer layer), E (embedding, first "
+            'stage) and L (output layer and loss, last stage), e.g. "Ettt|tttL"'
+        )
     if "E" in "".join(stages[1:]) or "L" in "".join(stages[:-1]):
-        raise _error(f"{LAYOUT_PARAM} {layout!r}: E belongs to the first stage and L to the last, "
-                         "e.g. \"Ettt|tttL\"")
+        raise _error(
+            f'{LAYOUT_PARAM} {layout!r}: E belongs to the first stage and L to the last, e.g. "Ettt|tttL"'
+        )
     if len(stages) % pp != 0:
-        raise _error(f"{LAYOUT_PARAM} {layout!r} lists {len(stages)} stages; it needs a multiple of "
-                         f"pipeline_model_parallel_size {pp} (pp x virtual stages per rank)")
+        raise _error(
+            f"{LAYOUT_PARAM} {layout!r} lists {len(stages)} stages; it needs a multiple of "
+            f"pipeline_model_parallel_size {pp} (pp x virtual stages per rank)"
+        )
     result = PipelineLayout(num_layers, pp, len(stages) // pp, tuple(stage.count("t") for stage in stages))
     if min(result.counts) == 0 or sum(result.counts) != num_layers:
-        raise _error(f"{LAYOUT_PARAM} {layout!r}: every stage needs at least one transformer layer (t) and "
-                         f"the stages together num_layers {num_layers}.\n{result.table()}")
+        raise _error(
+            f"{LAYOUT_PARAM} {layout!r}: every stage needs at least one transformer layer (t) and "
+            f"the stages together num_layers {num_layers}.\n{result.table()}"
+        )
     return result
 
 
@@ -130,18 +148,32 @@ def _account_split(num_layers: int, pp: int, vpp: int, embedding: bool, loss: bo
     if rest == 0 and min(counts) > 0:
         return result
     # The nearest layer count whose sum is a multiple of the stages, at least two slots a stage.
-    fits = min((n for n in range(1, num_layers + 2 * stages + 1) if (n + extra) % stages == 0 and n + extra > stages),
-               key=lambda n: abs(n - num_layers))
+    fits = min(
+        (
+            n
+            for n in range(1, num_layers + 2 * stages + 1)
+            if (n + extra) % stages == 0 and n + extra > stages
+        ),
+        key=lambda n: abs(n - num_layers),
+    )
     raise _error(
         f"{flags}: num_layers {num_layers} + {extra} (counted as layers) = {slots} does not split into "
         f"{stages} stages (pipeline_model_parallel_size {pp} x {vpp} virtual stages per rank) of equal size with "
         f"a transformer layer in each; use num_layers {fits} (or another count that makes the sum a multiple "
-        f"of {stages}), or {LAYOUT_PARAM} for any split.\n{result.table()}")
+        f"of {stages}), or {LAYOUT_PARAM} for any split.\n{result.table()}"
+    )
 
 
-def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, first: int | None = None,
-                          last: int | None = None, layout: str | None = None, account_embedding: bool = False,
-                          account_loss: bool = False) -> PipelineLayout:
+def build_pipeline_layout(
+    num_layers: int,
+    pp: int = 1,
+    vpp: int | None = None,
+    first: int | None = None,
+    last: int | None = None,
+    layout: str | None = None,
+    account_embedding: bool = False,
+    account_loss: bool = False,
+) -> PipelineLayout:
     """Assign ``num_layers`` layers to ``pp`` ranks x ``vpp`` virtual chunks.
 
     Args:
@@ -160,19 +192,29 @@ def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, 
     """
     accounted = [f for f, on in zip(ACCOUNT_PARAMS, (account_embedding, account_loss)) if on]
     if accounted and (layout is not None or first is not None or last is not None):
-        other = LAYOUT_PARAM if layout is not None else "decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers"
-        raise _error(f"{' / '.join(accounted)} apply to the even split only; {other} already sets the "
-                         f"layers of the first and last stages: drop one of them")
+        other = (
+            LAYOUT_PARAM
+            if layout is not None
+            else "decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers"
+        )
+        raise _error(
+            f"{' / '.join(accounted)} apply to the even split only; {other} already sets the "
+            f"layers of the first and last stages: drop one of them"
+        )
     if layout is not None:
         return parse_layout(layout, num_layers, pp)
     vpp = vpp or 1
     if pp < 1 or vpp < 1:
-        raise _error(f"pipeline_model_parallel_size ({pp}) and the virtual stages per rank ({vpp}) must be >= 1")
+        raise _error(
+            f"pipeline_model_parallel_size ({pp}) and the virtual stages per rank ({vpp}) must be >= 1"
+        )
     if accounted:
         return _account_split(num_layers, pp, vpp, account_embedding, account_loss)
     if pp == 1 and (first is not None or last is not None):
-        raise _error("decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers only apply "
-                         "with pipeline_model_parallel_size > 1; drop them")
+        raise _error(
+            "decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers only apply "
+            "with pipeline_model_parallel_size > 1; drop them"
+        )
     per_rank: list[int | None] = [None] * pp
     if first is not None:
         per_rank[0] = first
@@ -193,13 +235,21 @@ def build_pipeline_layout(num_layers: int, pp: int = 1, vpp: int | None = None, 
     if exact and sum(counts) == num_layers and min(counts) > 0:
         return result
     if first is None and last is None:
-        what = (f"num_layers {num_layers} is not divisible into {pp * vpp} non-empty stages "
-                f"(pipeline_model_parallel_size {pp} x {vpp} virtual stages per rank)")
-        fix = (f"use num_layers a multiple of {pp * vpp}, or set decoder_first_pipeline_num_layers / "
-               "decoder_last_pipeline_num_layers")
+        what = (
+            f"num_layers {num_layers} is not divisible into {pp * vpp} non-empty stages "
+            f"(pipeline_model_parallel_size {pp} x {vpp} virtual stages per rank)"
+        )
+        fix = (
+            f"use num_layers a multiple of {pp * vpp}, or set decoder_first_pipeline_num_layers / "
+            "decoder_last_pipeline_num_layers"
+        )
     else:
-        what = (f"decoder_first_pipeline_num_layers {first} / decoder_last_pipeline_num_layers {last} do not "
-                f"split num_layers {num_layers} into {pp * vpp} non-empty stages")
-        fix = (f"the remaining layers must divide evenly over the other {len(free)} rank(s) x {vpp} chunk(s), and "
-               f"each given count must be a positive multiple of {vpp}")
+        what = (
+            f"decoder_first_pipeline_num_layers {first} / decoder_last_pipeline_num_layers {last} do not "
+            f"split num_layers {num_layers} into {pp * vpp} non-empty stages"
+        )
+        fix = (
+            f"the remaining layers must divide evenly over the other {len(free)} rank(s) x {vpp} chunk(s), and "
+            f"each given count must be a positive multiple of {vpp}"
+        )
     raise _error(f"{what}; {fix}.\n{result.table()}")

@@ -43,8 +43,15 @@ class P2PCommunicator:
     groups warmed up (``LayoutState.warmed_p2p_groups``), so it runs once per group and layout.
     """
 
-    def __init__(self, pp_group: ProcessGroup | None, pp_ranks: Sequence[int], pp_rank: int,
-                 tensor_shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        pp_group: ProcessGroup | None,
+        pp_ranks: Sequence[int],
+        pp_rank: int,
+        tensor_shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.group = pp_group
         self.pp_ranks = list(pp_ranks)
         self.pp_rank = pp_rank
@@ -64,21 +71,36 @@ class P2PCommunicator:
         warmed.add(self.group)
 
     def _empty(self, requires_grad: bool) -> torch.Tensor:
-        return torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device, requires_grad=requires_grad)
+        return torch.empty(
+            self.tensor_shape, dtype=self.dtype, device=self.device, requires_grad=requires_grad
+        )
 
-    def communicate(self, *, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-                    recv_prev: bool = False, recv_next: bool = False,
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def communicate(
+        self,
+        *,
+        send_next: torch.Tensor | None = None,
+        send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One batched exchange, waited for. Returns ``(tensor from prev, tensor from next)``.
 
         ``send_next`` (an activation) goes to the next rank, ``send_prev`` (an input gradient) to the
         previous rank; ``recv_prev`` receives an activation from the previous rank (returned with
         ``requires_grad=True``) and ``recv_next`` a gradient from the next rank.
         """
-        return self.post(send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next).wait()
+        return self.post(
+            send_next=send_next, send_prev=send_prev, recv_prev=recv_prev, recv_next=recv_next
+        ).wait()
 
-    def post(self, *, send_next: torch.Tensor | None = None, send_prev: torch.Tensor | None = None,
-             recv_prev: bool = False, recv_next: bool = False) -> Exchange:
+    def post(
+        self,
+        *,
+        send_next: torch.Tensor | None = None,
+        send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+    ) -> Exchange:
         """Start one batched exchange (as :meth:`communicate`) without waiting: compute can run while
         it is in flight; ``wait()`` on the result returns the received tensors. Sent tensors must not
         be modified before then."""
@@ -88,9 +110,13 @@ class P2PCommunicator:
         # With pp == 2 both neighbours are the same rank and messages to one peer match in posting
         # order, so activations are always posted before gradients, on the sending and receiving side.
         if send_next is not None:
-            ops.append(dist.P2POp(dist.isend, _checked(send_next, self.tensor_shape), self.next_rank, self.group))
+            ops.append(
+                dist.P2POp(dist.isend, _checked(send_next, self.tensor_shape), self.next_rank, self.group)
+            )
         if send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, _checked(send_prev, self.tensor_shape), self.prev_rank, self.group))
+            ops.append(
+                dist.P2POp(dist.isend, _checked(send_prev, self.tensor_shape), self.prev_rank, self.group)
+            )
         if from_prev is not None:
             ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group))
         if from_next is not None:
@@ -110,17 +136,23 @@ class P2PCommunicator:
     def send_backward(self, input_grad: torch.Tensor | None) -> None:
         self.communicate(send_prev=input_grad)
 
-    def send_forward_recv_backward(self, output: torch.Tensor | None, recv: bool = True) -> torch.Tensor | None:
+    def send_forward_recv_backward(
+        self, output: torch.Tensor | None, recv: bool = True
+    ) -> torch.Tensor | None:
         return self.communicate(send_next=output, recv_next=recv)[1]
 
-    def send_backward_recv_forward(self, input_grad: torch.Tensor | None, recv: bool = True) -> torch.Tensor | None:
+    def send_backward_recv_forward(
+        self, input_grad: torch.Tensor | None, recv: bool = True
+    ) -> torch.Tensor | None:
         return self.communicate(send_prev=input_grad, recv_prev=recv)[0]
 
 
 class Exchange:
     """An exchange in flight: ``wait()`` finishes it once and returns ``(from prev, from next)``."""
 
-    def __init__(self, requests: list[Any], from_prev: torch.Tensor | None, from_next: torch.Tensor | None) -> None:
+    def __init__(
+        self, requests: list[Any], from_prev: torch.Tensor | None, from_next: torch.Tensor | None
+    ) -> None:
         self.requests, self.received = requests, (from_prev, from_next)
 
     def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -132,6 +164,8 @@ class Exchange:
 
 def _checked(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     if tuple(tensor.shape) != shape:
-        raise RuntimeError(f"pipeline tensor of shape {tuple(tensor.shape)} does not match the agreed shape "
-                           f"{shape} ([seq (/tp with sequence parallelism), micro-batch, hidden])")
+        raise RuntimeError(
+            f"pipeline tensor of shape {tuple(tensor.shape)} does not match the agreed shape "
+            f"{shape} ([seq (/tp with sequence parallelism), micro-batch, hidden])"
+        )
     return tensor.detach().contiguous()

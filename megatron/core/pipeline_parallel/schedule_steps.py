@@ -25,7 +25,9 @@ from megatron.core.parallel_state_init import get_parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 # What forward_step_func returns: the chunk's output and, on the last stage, the loss function.
-ForwardStepFunc = Callable[[Any, torch.nn.Module], tuple[torch.Tensor, Callable[[torch.Tensor], tuple[Any, ...]]]]
+ForwardStepFunc = Callable[
+    [Any, torch.nn.Module], tuple[torch.Tensor, Callable[[torch.Tensor], tuple[Any, ...]]]
+]
 
 
 class ScheduleConfig(Protocol):
@@ -63,8 +65,11 @@ def model_config(model: torch.nn.Module | list[torch.nn.Module]) -> ScheduleConf
 def check_schedule_options(force_all_reduce: bool | None) -> None:
     """Refuse the Megatron-Core schedule options that are not built (the others are taken as no-ops)."""
     if force_all_reduce:
-        raise ConfigError("force_all_reduce=True is not supported: gradients are reduced as the DDP config says; "
-                          "pass force_all_reduce=False", params=("force_all_reduce",))
+        raise ConfigError(
+            "force_all_reduce=True is not supported: gradients are reduced as the DDP config says; "
+            "pass force_all_reduce=False",
+            params=("force_all_reduce",),
+        )
 
 
 # -------------------------------------------------------------------------------- groups, communicator
@@ -90,18 +95,28 @@ class PipelineGroups:
         """
         state = get_parallel_state() if pg_collection is None else pg_collection
         if isinstance(state, ParallelState):
-            return cls(state.pp_group, tuple(state.group_ranks.get("pp", [state.rank])), state.pp_rank, state.tp_size)
+            return cls(
+                state.pp_group, tuple(state.group_ranks.get("pp", [state.rank])), state.pp_rank, state.tp_size
+            )
         pp_group = getattr(state, "pp", None)
         if pp_group is None:
-            raise ConfigError("pg_collection has no pp group: pass a ProcessGroupCollection with pp (and tp) set, "
-                              "or a ParallelState", params=("pg_collection",))
+            raise ConfigError(
+                "pg_collection has no pp group: pass a ProcessGroupCollection with pp (and tp) set, "
+                "or a ParallelState",
+                params=("pg_collection",),
+            )
         tp_group = getattr(state, "tp", None)
-        return cls(pp_group, tuple(dist.get_process_group_ranks(pp_group)), pp_group.rank(),
-                   1 if tp_group is None else tp_group.size())
+        return cls(
+            pp_group,
+            tuple(dist.get_process_group_ranks(pp_group)),
+            pp_group.rank(),
+            1 if tp_group is None else tp_group.size(),
+        )
 
 
-def tensor_shape(model: torch.nn.Module, config: ScheduleConfig, seq_length: int, micro_batch_size: int,
-                 tp_size: int) -> tuple[int, int, int]:
+def tensor_shape(
+    model: torch.nn.Module, config: ScheduleConfig, seq_length: int, micro_batch_size: int, tp_size: int
+) -> tuple[int, int, int]:
     """Shape of the activations exchanged between stages: ``[s (/tp with SP), mbs, h]``.
 
     ``tp_size`` is the size of the groups the schedule was given; sequence parallelism is the
@@ -113,20 +128,34 @@ def tensor_shape(model: torch.nn.Module, config: ScheduleConfig, seq_length: int
     return (seq, micro_batch_size, config.hidden_size)
 
 
-def make_communicator(model: torch.nn.Module, config: ScheduleConfig, groups: PipelineGroups, seq_length: int | None,
-                      micro_batch_size: int | None) -> P2PCommunicator:
+def make_communicator(
+    model: torch.nn.Module,
+    config: ScheduleConfig,
+    groups: PipelineGroups,
+    seq_length: int | None,
+    micro_batch_size: int | None,
+) -> P2PCommunicator:
     """The p2p communicator over ``groups`` for ``model``'s activations (shapes fixed from the arguments)."""
     if seq_length is None or micro_batch_size is None:
-        raise ConfigError("pipeline-parallel schedules need seq_length and micro_batch_size (the activation "
-                          "shape)", params=("seq_length", "micro_batch_size"))
+        raise ConfigError(
+            "pipeline-parallel schedules need seq_length and micro_batch_size (the activation shape)",
+            params=("seq_length", "micro_batch_size"),
+        )
     device = next(unwrap_model(model).parameters()).device
     shape = tensor_shape(model, config, seq_length, micro_batch_size, groups.tp_size)
-    return P2PCommunicator(groups.pp_group, groups.pp_ranks, groups.pp_rank, shape, config.params_dtype, device)
+    return P2PCommunicator(
+        groups.pp_group, groups.pp_ranks, groups.pp_rank, shape, config.params_dtype, device
+    )
 
 
-def communicator_for(p2p_communicator: P2PCommunicator | None, pg_collection: Any, model: torch.nn.Module,
-                     config: ScheduleConfig, seq_length: int | None, micro_batch_size: int | None,
-                     ) -> P2PCommunicator:
+def communicator_for(
+    p2p_communicator: P2PCommunicator | None,
+    pg_collection: Any,
+    model: torch.nn.Module,
+    config: ScheduleConfig,
+    seq_length: int | None,
+    micro_batch_size: int | None,
+) -> P2PCommunicator:
     """A schedule entry point's communicator: the one given, else one over ``pg_collection``'s
     pipeline group (the default ParallelState's when None)."""
     if p2p_communicator is not None:
@@ -160,10 +189,18 @@ class GradSync:
             self.enable(chunk)
 
 
-def forward_step(forward_step_func: ForwardStepFunc, data_iterator: Any, model: torch.nn.Module,
-                 num_microbatches: int, config: ScheduleConfig, forward_only: bool, metrics: list[Any],
-                 num_tokens: list[torch.Tensor], input_tensor: torch.Tensor | None = None,
-                 is_last_stage: bool = True) -> torch.Tensor:
+def forward_step(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Any,
+    model: torch.nn.Module,
+    num_microbatches: int,
+    config: ScheduleConfig,
+    forward_only: bool,
+    metrics: list[Any],
+    num_tokens: list[torch.Tensor],
+    input_tensor: torch.Tensor | None = None,
+    is_last_stage: bool = True,
+) -> torch.Tensor:
     """Run one micro-batch forward on one model chunk.
 
     Sets ``input_tensor`` (the previous stage's activation, None on the first stage) on the model,
@@ -191,8 +228,12 @@ def forward_step(forward_step_func: ForwardStepFunc, data_iterator: Any, model: 
     return loss  # type: ignore[no-any-return]
 
 
-def backward_step(input_tensor: torch.Tensor | None, output_tensor: torch.Tensor,
-                  output_tensor_grad: torch.Tensor | None, config: ScheduleConfig) -> torch.Tensor | None:
+def backward_step(
+    input_tensor: torch.Tensor | None,
+    output_tensor: torch.Tensor,
+    output_tensor_grad: torch.Tensor | None,
+    config: ScheduleConfig,
+) -> torch.Tensor | None:
     """Backpropagate one micro-batch through one chunk; returns the gradient of its input activation.
 
     On the last stage ``output_tensor`` is the loss (scaled by ``config.grad_scale_func``) and
@@ -207,8 +248,13 @@ def backward_step(input_tensor: torch.Tensor | None, output_tensor: torch.Tensor
         output_tensor.backward()
     else:
         Variable._execution_engine.run_backward(
-            tensors=(output_tensor,), grad_tensors=(output_tensor_grad,), keep_graph=False, create_graph=False,
-            inputs=(), allow_unreachable=True, accumulate_grad=True,
+            tensors=(output_tensor,),
+            grad_tensors=(output_tensor_grad,),
+            keep_graph=False,
+            create_graph=False,
+            inputs=(),
+            allow_unreachable=True,
+            accumulate_grad=True,
         )
     return input_tensor.grad if input_tensor is not None else None
 
@@ -224,8 +270,12 @@ def deallocate_output_tensor(output: torch.Tensor | None) -> None:
     output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
 
 
-def finalize(config: ScheduleConfig, model_chunks: list[torch.nn.Module], num_tokens: list[torch.Tensor],
-             forward_only: bool) -> None:
+def finalize(
+    config: ScheduleConfig,
+    model_chunks: list[torch.nn.Module],
+    num_tokens: list[torch.Tensor],
+    forward_only: bool,
+) -> None:
     """Call ``finalize_model_grads_func`` once (training only) with the step's token count."""
     if forward_only or config.finalize_model_grads_func is None:
         return

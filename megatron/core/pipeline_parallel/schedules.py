@@ -69,13 +69,23 @@ def _one_chunk(model: ModelChunks, data_iterator: Any, error: str) -> tuple[torc
 
 
 # --------------------------------------------------------------------------------------------------
-def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, data_iterator: Iterator[Any] | list[Any],
-                                   model: ModelChunks, num_microbatches: int, seq_length: int | None = None,
-                                   micro_batch_size: int | None = None, decoder_seq_length: int | None = None,
-                                   forward_only: bool = False, collect_non_loss_data: bool = False,
-                                   first_val_step: bool | None = None, adjust_tensor_shapes_fn: Any = None,
-                                   p2p_communicator: P2PCommunicator | None = None, pg_collection: Any = None,
-                                   force_all_reduce: bool | None = False) -> list[Any]:
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator[Any] | list[Any],
+    model: ModelChunks,
+    num_microbatches: int,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Any = None,
+    p2p_communicator: P2PCommunicator | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+) -> list[Any]:
     """Gradient accumulation over ``num_microbatches``; gradient reduction is deferred (``no_sync``)
     until the last micro-batch's backward, so overlapped reduction fires only then.
 
@@ -84,9 +94,11 @@ def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, data_i
     ``pg_collection`` have no effect here (nothing is exchanged between stages).
     """
     check_schedule_options(force_all_reduce)
-    model, data_iterator = _one_chunk(model, data_iterator,
-                                      "virtual pipeline chunks (a list of several model chunks) need "
-                                      "pipeline_model_parallel_size > 1")
+    model, data_iterator = _one_chunk(
+        model,
+        data_iterator,
+        "virtual pipeline chunks (a list of several model chunks) need pipeline_model_parallel_size > 1",
+    )
     config = model_config(model)
     no_sync = config.no_sync_func or contextlib.nullcontext
     if isinstance(no_sync, (list, tuple)):
@@ -95,12 +107,21 @@ def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, data_i
     num_tokens: list[torch.Tensor] = []
     with no_sync():
         for _ in range(num_microbatches - 1):
-            loss = forward_step(forward_step_func, data_iterator, model, num_microbatches, config, forward_only,
-                                metrics, num_tokens)
+            loss = forward_step(
+                forward_step_func,
+                data_iterator,
+                model,
+                num_microbatches,
+                config,
+                forward_only,
+                metrics,
+                num_tokens,
+            )
             if not forward_only:
                 backward_step(None, loss, None, config)
-    loss = forward_step(forward_step_func, data_iterator, model, num_microbatches, config, forward_only,
-                        metrics, num_tokens)
+    loss = forward_step(
+        forward_step_func, data_iterator, model, num_microbatches, config, forward_only, metrics, num_tokens
+    )
     if not forward_only:
         backward_step(None, loss, None, config)
     finalize(config, [model], num_tokens, forward_only)
@@ -108,12 +129,22 @@ def forward_backward_no_pipelining(*, forward_step_func: ForwardStepFunc, data_i
 
 
 def forward_backward_pipelining_without_interleaving(
-        *, forward_step_func: ForwardStepFunc, data_iterator: Iterator[Any] | list[Any] | None, model: ModelChunks,
-        num_microbatches: int, seq_length: int | None = None, micro_batch_size: int | None = None,
-        decoder_seq_length: int | None = None, forward_only: bool = False, collect_non_loss_data: bool = False,
-        first_val_step: bool | None = None, adjust_tensor_shapes_fn: Any = None,
-        p2p_communicator: P2PCommunicator | None = None, pg_collection: Any = None,
-        force_all_reduce: bool | None = False) -> list[Any]:
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator[Any] | list[Any] | None,
+    model: ModelChunks,
+    num_microbatches: int,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Any = None,
+    p2p_communicator: P2PCommunicator | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+) -> list[Any]:
     """1F1B: ``W = min(pp - rank - 1, M)`` warm-up forwards, ``M - W`` steady forward+backward pairs,
     ``W`` cool-down backwards. At most ``W + 1 <= pp - rank`` micro-batches' activations are live.
 
@@ -122,8 +153,9 @@ def forward_backward_pipelining_without_interleaving(
     ProcessGroupCollection; None: the default ParallelState's).
     """
     check_schedule_options(force_all_reduce)
-    model, data_iterator = _one_chunk(model, data_iterator,
-                                      "non-interleaved pipeline schedule expects one model chunk per rank")
+    model, data_iterator = _one_chunk(
+        model, data_iterator, "non-interleaved pipeline schedule expects one model chunk per rank"
+    )
     config = model_config(model)
     comm = communicator_for(p2p_communicator, pg_collection, model, config, seq_length, micro_batch_size)
     rank, pp = comm.pp_rank, comm.pp_size
@@ -137,8 +169,18 @@ def forward_backward_pipelining_without_interleaving(
     outputs: list[torch.Tensor] = []
 
     def run_forward(input_tensor: torch.Tensor | None) -> torch.Tensor:
-        return forward_step(forward_step_func, data_iterator, model, num_microbatches, config, forward_only,
-                            metrics, num_tokens, input_tensor, is_last)
+        return forward_step(
+            forward_step_func,
+            data_iterator,
+            model,
+            num_microbatches,
+            config,
+            forward_only,
+            metrics,
+            num_tokens,
+            input_tensor,
+            is_last,
+        )
 
     def run_backward(output_grad: torch.Tensor | None, last: bool) -> torch.Tensor | None:
         if last:
@@ -173,7 +215,9 @@ def forward_backward_pipelining_without_interleaving(
             input_tensor = None
             comm.send_backward(None if is_first else input_grad)
         else:
-            input_tensor = comm.send_backward_recv_forward(None if is_first else input_grad, recv=not is_first)
+            input_tensor = comm.send_backward_recv_forward(
+                None if is_first else input_grad, recv=not is_first
+            )
     if not forward_only:
         for i in range(num_warmup):
             output_grad = comm.recv_backward(recv=not is_last)
@@ -184,9 +228,13 @@ def forward_backward_pipelining_without_interleaving(
     return metrics if is_last else []
 
 
-def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None,
-                              schedule_pg_collection: Any = None, *, vpp_size: int | None = None,
-                              ) -> Callable[..., list[Any]]:
+def get_forward_backward_func(
+    pp_size: int | None = None,
+    vp_size: int | None = None,
+    schedule_pg_collection: Any = None,
+    *,
+    vpp_size: int | None = None,
+) -> Callable[..., list[Any]]:
     """The schedule for the layout: no pipelining (pp 1), 1F1B (pp > 1) or interleaved 1F1B (vpp > 1).
 
     Megatron-Core's signature; ``vpp_size`` is our spelling of ``vp_size``. Without sizes they come
@@ -194,11 +242,16 @@ def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = 
     Megatron-Core. ``schedule_pg_collection`` (multi-module pipelines) must be None.
     """
     if schedule_pg_collection is not None:
-        raise ConfigError("get_forward_backward_func(schedule_pg_collection=...) is not supported: multi-module "
-                          "pipelines are not built; pass None", params=("schedule_pg_collection",))
+        raise ConfigError(
+            "get_forward_backward_func(schedule_pg_collection=...) is not supported: multi-module "
+            "pipelines are not built; pass None",
+            params=("schedule_pg_collection",),
+        )
     if vp_size is not None and vpp_size is not None and vp_size != vpp_size:
-        raise ConfigError(f"vp_size={vp_size} and vpp_size={vpp_size} differ; pass one of them",
-                          params=("vp_size", "vpp_size"))
+        raise ConfigError(
+            f"vp_size={vp_size} and vpp_size={vpp_size} differ; pass one of them",
+            params=("vp_size", "vpp_size"),
+        )
     vpp_size = vp_size if vp_size is not None else vpp_size
     if pp_size is None:
         pp_size = get_parallel_state().pp_size
@@ -206,9 +259,11 @@ def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = 
             vpp_size = get_virtual_pipeline_model_parallel_world_size()
     if pp_size <= 1:
         if vpp_size is not None and vpp_size > 1:
-            raise ConfigError("virtual pipeline stages (virtual_pipeline_model_parallel_size) need "
-                          "pipeline_model_parallel_size > 1",
-                              params=("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size"))
+            raise ConfigError(
+                "virtual pipeline stages (virtual_pipeline_model_parallel_size) need "
+                "pipeline_model_parallel_size > 1",
+                params=("virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size"),
+            )
         return forward_backward_no_pipelining
     if vpp_size is not None and vpp_size > 1:
         return forward_backward_pipelining_with_interleaving

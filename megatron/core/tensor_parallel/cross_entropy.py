@@ -28,8 +28,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     Backward: softmax minus the smoothed one-hot, computed locally on each shard (no communication)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None,
-                label_smoothing: float) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        group: ProcessGroup | None,
+        label_smoothing: float,
+    ) -> torch.Tensor:
         logits = logits.float()  # [..., V/tp]
         local_max = logits.max(dim=-1)[0]
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
@@ -71,8 +76,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None,
-                          label_smoothing: float = 0.0) -> torch.Tensor:
+def sharded_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup | None, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """Per-token cross entropy of vocab-sharded logits over an explicit group (the library's form).
 
     Args:
@@ -88,16 +94,23 @@ def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Pro
         ValueError: ``label_smoothing`` is outside ``[0, 1)``.
     """
     if not 0.0 <= label_smoothing < 1.0:
-        raise ConfigError(f"label_smoothing must be in [0, 1), got {label_smoothing}", params=("label_smoothing",))
+        raise ConfigError(
+            f"label_smoothing must be in [0, 1), got {label_smoothing}", params=("label_smoothing",)
+        )
     if group_size(group) == 1:
         flat = logits.reshape(-1, logits.shape[-1]).float()
-        return F.cross_entropy(flat, target.reshape(-1), reduction="none",
-                               label_smoothing=label_smoothing).view(target.shape)
+        return F.cross_entropy(
+            flat, target.reshape(-1), reduction="none", label_smoothing=label_smoothing
+        ).view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, label_smoothing)
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 label_smoothing: float = 0.0, tp_group: ProcessGroup | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    tp_group: ProcessGroup | None = None,
+) -> torch.Tensor:
     """Megatron-Core's entry point: :func:`sharded_cross_entropy` where an omitted ``tp_group`` is the
     default ParallelState's tp group (after ``initialize_model_parallel(tp)``, the logits are this
     rank's ``V/tp`` block; before it, one rank holding the whole vocabulary).

@@ -29,8 +29,9 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _check_source(keys: Sequence[str], data: Mapping[str, torch.Tensor] | None,
-                  specs: Mapping[str, TensorSpec]) -> Mapping[str, torch.Tensor]:
+def _check_source(
+    keys: Sequence[str], data: Mapping[str, torch.Tensor] | None, specs: Mapping[str, TensorSpec]
+) -> Mapping[str, torch.Tensor]:
     if data is None:
         raise ValueError("broadcast_data: the source rank must pass the batch (data is None)")
     for key in keys:
@@ -45,9 +46,14 @@ def _check_source(keys: Sequence[str], data: Mapping[str, torch.Tensor] | None,
     return data
 
 
-def broadcast_batch(keys: Sequence[str], data: Mapping[str, torch.Tensor] | None,
-                    specs: Mapping[str, TensorSpec], group: ProcessGroup | None, src_rank: int,
-                    device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+def broadcast_batch(
+    keys: Sequence[str],
+    data: Mapping[str, torch.Tensor] | None,
+    specs: Mapping[str, TensorSpec],
+    group: ProcessGroup | None,
+    src_rank: int,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
     """Broadcast ``data[k]`` for every ``k`` in ``keys`` from ``src_rank`` to the ranks of ``group``.
 
     Args:
@@ -98,8 +104,9 @@ def _collective_device(group: ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_megatron_source(keys: Sequence[str], data: Mapping[str, torch.Tensor] | None,
-                           datatype: torch.dtype) -> Mapping[str, torch.Tensor]:
+def _check_megatron_source(
+    keys: Sequence[str], data: Mapping[str, torch.Tensor] | None, datatype: torch.dtype
+) -> Mapping[str, torch.Tensor]:
     if data is None:
         raise ValueError("broadcast_data: tp rank 0 must pass the data (data is None)")
     for key in keys:
@@ -107,14 +114,22 @@ def _check_megatron_source(keys: Sequence[str], data: Mapping[str, torch.Tensor]
             raise ValueError(f"broadcast_data: key {key!r} is missing from data (has {sorted(data)})")
         t = data[key]
         if t.dtype != datatype:
-            raise ValueError(f"broadcast_data: {key!r} is {t.dtype}; every tensor must be datatype={datatype}")
+            raise ValueError(
+                f"broadcast_data: {key!r} is {t.dtype}; every tensor must be datatype={datatype}"
+            )
         if t.dim() > _MAX_DIMS:
             raise ValueError(f"broadcast_data: {key!r} has {t.dim()} dims; at most {_MAX_DIMS} are supported")
     return data
 
 
-def _shapes_from_source(keys: Sequence[str], data: Mapping[str, torch.Tensor] | None, datatype: torch.dtype,
-                        group: ProcessGroup, src: int, device: torch.device) -> dict[str, TensorSpec]:
+def _shapes_from_source(
+    keys: Sequence[str],
+    data: Mapping[str, torch.Tensor] | None,
+    datatype: torch.dtype,
+    group: ProcessGroup,
+    src: int,
+    device: torch.device,
+) -> dict[str, TensorSpec]:
     """The source's shapes of ``data[k]``, sent to every rank of ``group``."""
     sizes = torch.zeros(len(keys), _MAX_DIMS + 1, dtype=torch.int64)
     if group_rank(group) == 0:
@@ -122,16 +137,22 @@ def _shapes_from_source(keys: Sequence[str], data: Mapping[str, torch.Tensor] | 
         for i, key in enumerate(keys):
             t = data[key]
             sizes[i, 0] = t.dim()
-            sizes[i, 1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+            sizes[i, 1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     sizes = sizes.to(device)
     dist.broadcast(sizes, src=src, group=group)
     rows = sizes.cpu().tolist()
-    return {key: (tuple(row[1:1 + row[0]]), datatype) for key, row in zip(keys, rows)}
+    return {key: (tuple(row[1 : 1 + row[0]]), datatype) for key, row in zip(keys, rows)}
 
 
-def broadcast_data(keys: Sequence[str], data: Mapping[str, torch.Tensor] | None,
-                   datatype: torch.dtype | Mapping[str, TensorSpec], tp_group: ProcessGroup | None = None, *,
-                   src_rank: int | None = None, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+def broadcast_data(
+    keys: Sequence[str],
+    data: Mapping[str, torch.Tensor] | None,
+    datatype: torch.dtype | Mapping[str, TensorSpec],
+    tp_group: ProcessGroup | None = None,
+    *,
+    src_rank: int | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
     """Megatron-Core's form: rank 0 of the tp group has ``data`` (``key -> tensor``, every one of
     ``datatype``); every rank of the group returns ``key -> tensor`` with its values and shapes.
 
@@ -151,7 +172,9 @@ def broadcast_data(keys: Sequence[str], data: Mapping[str, torch.Tensor] | None,
     """
     if isinstance(datatype, Mapping):
         if src_rank is None:
-            raise ValueError("broadcast_data(keys, data, specs, group, src_rank=...): pass the source's global rank")
+            raise ValueError(
+                "broadcast_data(keys, data, specs, group, src_rank=...): pass the source's global rank"
+            )
         return broadcast_batch(keys, data, datatype, tp_group, src_rank=src_rank, device=device)
     group = default_tp_group(tp_group)
     out_device = _collective_device(group) if device is None else torch.device(device)

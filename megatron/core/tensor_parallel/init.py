@@ -32,7 +32,9 @@ def stable_seed(seed: int, name: str, block: int = 0) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _logical_rows(name: str, seed: int, full_shape: tuple[int, ...], std: float, r0: int, r1: int) -> torch.Tensor:
+def _logical_rows(
+    name: str, seed: int, full_shape: tuple[int, ...], std: float, r0: int, r1: int
+) -> torch.Tensor:
     """Rows [r0, r1) of the logical tensor, float32 on the CPU."""
     cols = full_shape[1:]
     out = torch.empty((r1 - r0, *cols), dtype=torch.float32)
@@ -68,8 +70,14 @@ def init_param_(param: torch.Tensor, name: str, seed: int, tp_rank: int = 0) -> 
         # Rows: each of ``stride`` stacked sub-tensors is split into ``parts`` row blocks.
         sub_full, sub_local = full[0] // stride, local[0] // stride
         pieces = [
-            _logical_rows(name, seed, tuple(full), std, s * sub_full + tp_rank * sub_local,
-                          s * sub_full + (tp_rank + 1) * sub_local)
+            _logical_rows(
+                name,
+                seed,
+                tuple(full),
+                std,
+                s * sub_full + tp_rank * sub_local,
+                s * sub_full + (tp_rank + 1) * sub_local,
+            )
             for s in range(stride)
         ]
         param.copy_(torch.cat(pieces, 0).to(param.dtype))
@@ -78,12 +86,24 @@ def init_param_(param: torch.Tensor, name: str, seed: int, tp_rank: int = 0) -> 
         param.copy_(rows.narrow(dim, tp_rank * local[dim], local[dim]).to(param.dtype))
 
 
-def set_init_attrs(param: torch.Tensor, std: float = 0.0, value: float = 0.0, partition_dim: int = -1,
-                   partition_size: int = 1, partition_stride: int = 1) -> torch.Tensor:
+def set_init_attrs(
+    param: torch.Tensor,
+    std: float = 0.0,
+    value: float = 0.0,
+    partition_dim: int = -1,
+    partition_size: int = 1,
+    partition_stride: int = 1,
+) -> torch.Tensor:
     """Attach the initialisation and sharding recipe to ``param`` (see the module docstring)."""
-    return tag_param(param, init_std=std, init_value=value, partition_dim=partition_dim,
-                     partition_size=partition_size, partition_stride=partition_stride,
-                     tensor_model_parallel=partition_dim >= 0 and partition_size > 1)
+    return tag_param(
+        param,
+        init_std=std,
+        init_value=value,
+        partition_dim=partition_dim,
+        partition_size=partition_size,
+        partition_stride=partition_stride,
+        tensor_model_parallel=partition_dim >= 0 and partition_size > 1,
+    )
 
 
 def tag_param(param: torch.Tensor, **attrs: Any) -> torch.Tensor:

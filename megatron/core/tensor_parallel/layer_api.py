@@ -15,10 +15,16 @@ from megatron.core.tensor_parallel.mappings import ProcessGroup, default_tp_grou
 from megatron.core.tensor_parallel.rng_api import get_cuda_rng_tracker
 
 # Megatron-Core's tensor-parallel attributes of a parameter and their values when not set.
-TP_ATTRIBUTE_DEFAULTS: dict[str, Any] = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+TP_ATTRIBUTE_DEFAULTS: dict[str, Any] = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+}
 
 
-def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int
+) -> None:
     """Mark ``tensor`` as (not) split across tp along ``dim`` with ``stride`` interleaved sub-blocks.
 
     Raises:
@@ -26,8 +32,10 @@ def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool
     """
     for attribute in TP_ATTRIBUTE_DEFAULTS:
         if hasattr(tensor, attribute):
-            raise ValueError(f"set_tensor_model_parallel_attributes: the tensor already has {attribute!r}; "
-                             "use copy_tensor_model_parallel_attributes or a fresh tensor")
+            raise ValueError(
+                f"set_tensor_model_parallel_attributes: the tensor already has {attribute!r}; "
+                "use copy_tensor_model_parallel_attributes or a fresh tensor"
+            )
     tensor.tensor_model_parallel = is_parallel  # type: ignore[attr-defined]
     tensor.partition_dim = dim  # type: ignore[attr-defined]
     tensor.partition_stride = stride  # type: ignore[attr-defined]
@@ -40,15 +48,18 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tenso
             setattr(tensor, attribute, value)
 
 
-def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, source_tensor: torch.Tensor) -> None:
+def copy_tensor_model_parallel_attributes(
+    destination_tensor: torch.Tensor, source_tensor: torch.Tensor
+) -> None:
     """Copy the tensor-parallel attributes ``source_tensor`` has onto ``destination_tensor``."""
     for attribute in TP_ATTRIBUTE_DEFAULTS:
         if hasattr(source_tensor, attribute):
             setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group: ProcessGroup | None = None,
-                                           expert_tp_group: ProcessGroup | None = None) -> bool:
+def param_is_not_tensor_parallel_duplicate(
+    param: torch.Tensor, tp_group: ProcessGroup | None = None, expert_tp_group: ProcessGroup | None = None
+) -> bool:
     """True when ``param`` is a tp shard, or a replicated parameter on tp rank 0 (count it once):
     what a norm or a parameter count over tp ranks should include. An expert parameter
     (``allreduce=False``) is judged on ``expert_tp_group`` when given; default the default tp group."""
@@ -60,9 +71,16 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group: Proces
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
-    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gradient_accumulation_fusion: bool,
-    allreduce_dgrad: bool, sequence_parallel: bool, grad_output_buffer: list[torch.Tensor] | None = None,
-    wgrad_deferral_limit: int | None = 0, tp_group: ProcessGroup | None = None, gtp_remat_size: int = 1,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    grad_output_buffer: list[torch.Tensor] | None = None,
+    wgrad_deferral_limit: int | None = 0,
+    tp_group: ProcessGroup | None = None,
+    gtp_remat_size: int = 1,
 ) -> torch.Tensor:
     """``input @ weight.T + bias`` of a column-parallel linear with its tp collectives.
 
@@ -78,14 +96,20 @@ def linear_with_grad_accumulation_and_async_allreduce(
             (deferred embedding wgrad) or ``gtp_remat_size`` other than 1, which are not built here.
     """
     if allreduce_dgrad and sequence_parallel:
-        raise ConfigError("linear_with_grad_accumulation_and_async_allreduce: allreduce_dgrad must be False with "
-                          "sequence_parallel=True (the input gradient is reduce-scattered instead)",
-                          params=("allreduce_dgrad", "sequence_parallel"))
+        raise ConfigError(
+            "linear_with_grad_accumulation_and_async_allreduce: allreduce_dgrad must be False with "
+            "sequence_parallel=True (the input gradient is reduce-scattered instead)",
+            params=("allreduce_dgrad", "sequence_parallel"),
+        )
     if grad_output_buffer is not None:
-        raise ConfigError("grad_output_buffer (deferred embedding wgrad) is not supported; pass None",
-                          params=("grad_output_buffer",))
+        raise ConfigError(
+            "grad_output_buffer (deferred embedding wgrad) is not supported; pass None",
+            params=("grad_output_buffer",),
+        )
     if gtp_remat_size != 1:
-        raise ConfigError(f"gtp_remat_size={gtp_remat_size} is not supported; pass 1", params=("gtp_remat_size",))
+        raise ConfigError(
+            f"gtp_remat_size={gtp_remat_size} is not supported; pass 1", params=("gtp_remat_size",)
+        )
     group = default_tp_group(tp_group)
     if sequence_parallel:
         input = mappings.gather_from_sp(input, group)
@@ -97,11 +121,15 @@ def linear_with_grad_accumulation_and_async_allreduce(
 class MegatronForm:
     """What a parallel layer built as ``(config=, init_method=)`` takes from Megatron's config."""
 
-    def __init__(self, config: Any, init_method: Callable[[torch.Tensor], Any] | None, tp_group: ProcessGroup | None):
+    def __init__(
+        self, config: Any, init_method: Callable[[torch.Tensor], Any] | None, tp_group: ProcessGroup | None
+    ):
         if init_method is None:
-            raise ConfigError("a parallel layer built with config= needs init_method= (e.g. "
-                              "megatron.core.utils.init_method_normal(0.02)) as in Megatron-Core",
-                              params=("init_method",))
+            raise ConfigError(
+                "a parallel layer built with config= needs init_method= (e.g. "
+                "megatron.core.utils.init_method_normal(0.02)) as in Megatron-Core",
+                params=("init_method",),
+            )
         self.config, self.init_method = config, init_method
         self.tp_group = default_tp_group(tp_group)
         self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))

@@ -44,9 +44,14 @@ from megatron.core.tensor_parallel.layer_api import (
 from megatron.core.tensor_parallel.mappings import ProcessGroup
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "copy_tensor_model_parallel_attributes",
-    "linear_with_grad_accumulation_and_async_allreduce", "param_is_not_tensor_parallel_duplicate",
-    "set_defaults_if_not_set_tensor_model_parallel_attributes", "set_tensor_model_parallel_attributes",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "copy_tensor_model_parallel_attributes",
+    "linear_with_grad_accumulation_and_async_allreduce",
+    "param_is_not_tensor_parallel_duplicate",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "set_tensor_model_parallel_attributes",
 ]
 
 InitMethod = Callable[[torch.Tensor], Any]
@@ -58,8 +63,10 @@ GemmBuilder = Callable[[torch.device], nn.Module]
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d != 0:
-        raise ConfigError(f"{what} ({n}) is not divisible by tensor_model_parallel_size {d}",
-                          params=("tensor_model_parallel_size",))
+        raise ConfigError(
+            f"{what} ({n}) is not divisible by tensor_model_parallel_size {d}",
+            params=("tensor_model_parallel_size",),
+        )
     return n // d
 
 
@@ -73,17 +80,26 @@ def _build_fp8(builder: GemmBuilder | None, weight: torch.Tensor | None) -> nn.M
     passes a builder only for weights whose dims FP8 can take (multiples of 16)."""
     if builder is None or weight is None:
         return None
-    assert weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0, f"FP8 GEMM for a {list(weight.shape)} weight"
+    assert weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0, (
+        f"FP8 GEMM for a {list(weight.shape)} weight"
+    )
     return builder(weight.device)
 
 
-def _megatron_form(cls: str, init_std: float | None, config: Any, init_method: InitMethod | None,
-                   tp_group: ProcessGroup | None) -> MegatronForm | None:
+def _megatron_form(
+    cls: str,
+    init_std: float | None,
+    config: Any,
+    init_method: InitMethod | None,
+    tp_group: ProcessGroup | None,
+) -> MegatronForm | None:
     """The Megatron-Core form's settings, or None for the library's form (``init_std=``)."""
     if config is None:
         if init_std is None:
-            raise ValueError(f"{cls} needs init_std= (this library's form) or config= and init_method= "
-                             "(Megatron-Core's form)")
+            raise ValueError(
+                f"{cls} needs init_std= (this library's form) or config= and init_method= "
+                "(Megatron-Core's form)"
+            )
         return None
     return MegatronForm(config, init_method, tp_group)
 
@@ -108,20 +124,41 @@ class ColumnParallelLinear(nn.Module):
             rank's partial sum (no all-reduce over tp); the caller reduces it.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, init_std: float | None = None, bias: bool = True,
-                 tp_group: ProcessGroup | None = None, gather_output: bool = False, sequence_parallel: bool = False,
-                 skip_bias_add: bool = False, partition_stride: int = 1,
-                 skip_weight_param_allocation: bool = False, params_dtype: torch.dtype = torch.float32,
-                 config: Any = None, init_method: InitMethod | None = None, stride: int = 1,
-                 keep_master_weight_for_test: bool = False, embedding_activation_buffer: list | None = None,
-                 grad_output_buffer: list | None = None, is_expert: bool = False,
-                 tp_comm_buffer_name: str | None = None, disable_grad_reduce: bool = False, name: str | None = None,
-                 fp8_gemm: GemmBuilder | None = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        init_std: float | None = None,
+        bias: bool = True,
+        tp_group: ProcessGroup | None = None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        skip_bias_add: bool = False,
+        partition_stride: int = 1,
+        skip_weight_param_allocation: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        config: Any = None,
+        init_method: InitMethod | None = None,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        embedding_activation_buffer: list | None = None,
+        grad_output_buffer: list | None = None,
+        is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        disable_grad_reduce: bool = False,
+        name: str | None = None,
+        fp8_gemm: GemmBuilder | None = None,
+    ) -> None:
         super().__init__()
         form = _megatron_form("ColumnParallelLinear", init_std, config, init_method, tp_group)
         device = torch.device("cpu")
         if form is not None:
-            tp_group, sequence_parallel, params_dtype = form.tp_group, form.sequence_parallel, form.params_dtype
+            tp_group, sequence_parallel, params_dtype = (
+                form.tp_group,
+                form.sequence_parallel,
+                form.params_dtype,
+            )
             init_std, partition_stride, device = form.init_std, stride, form.device
         assert init_std is not None
         self.input_size, self.output_size = input_size, output_size
@@ -137,22 +174,33 @@ class ColumnParallelLinear(nn.Module):
         if skip_weight_param_allocation:
             self.weight = None
         else:
-            self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype,
-                                                   device=device))
-            set_init_attrs(self.weight, std=init_std, partition_dim=0, partition_size=self.tp_size,
-                           partition_stride=partition_stride)
+            self.weight = nn.Parameter(
+                torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
+            )
+            set_init_attrs(
+                self.weight,
+                std=init_std,
+                partition_dim=0,
+                partition_size=self.tp_size,
+                partition_stride=partition_stride,
+            )
             if form is not None:
                 form.init_weight_(self.weight, 0, partition_stride)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device))
-            set_init_attrs(self.bias, partition_dim=0, partition_size=self.tp_size, partition_stride=partition_stride)
+            self.bias = nn.Parameter(
+                torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device)
+            )
+            set_init_attrs(
+                self.bias, partition_dim=0, partition_size=self.tp_size, partition_stride=partition_stride
+            )
         else:
             self.bias = None
         self.fp8 = _build_fp8(fp8_gemm, self.weight)
         self._gemm = _local_gemm(self.fp8)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, in]`` (``[s/tp, b, in]`` with sequence parallelism) -> ``([s, b, out/tp], bias)``,
         or ``[s, b, out]`` with ``gather_output`` (``runtime_gather_output``, when not None, decides
         instead for this call). ``weight`` replaces the own weight (tied output layer).
@@ -163,7 +211,9 @@ class ColumnParallelLinear(nn.Module):
         """
         weight = self.weight if weight is None else weight
         if weight is None:
-            raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs forward(x, weight=...)")
+            raise ValueError(
+                "ColumnParallelLinear built with skip_weight_param_allocation needs forward(x, weight=...)"
+            )
         x = self.input_collective(x)
         bias = None if self.skip_bias_add else self.bias
         out = self._gemm(x, weight, bias)
@@ -193,22 +243,43 @@ class RowParallelLinear(nn.Module):
     keep_master_weight_for_test, is_expert, tp_comm_buffer_name and name have no effect.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, init_std: float | None = None, bias: bool = True,
-                 tp_group: ProcessGroup | None = None, sequence_parallel: bool = False, skip_bias_add: bool = False,
-                 params_dtype: torch.dtype = torch.float32, config: Any = None, init_method: InitMethod | None = None,
-                 input_is_parallel: bool = True, stride: int = 1, keep_master_weight_for_test: bool = False,
-                 is_expert: bool = False, tp_comm_buffer_name: str | None = None, name: str | None = None,
-                 fp8_gemm: GemmBuilder | None = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        init_std: float | None = None,
+        bias: bool = True,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        config: Any = None,
+        init_method: InitMethod | None = None,
+        input_is_parallel: bool = True,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        name: str | None = None,
+        fp8_gemm: GemmBuilder | None = None,
+    ) -> None:
         super().__init__()
         form = _megatron_form("RowParallelLinear", init_std, config, init_method, tp_group)
         device = torch.device("cpu")
         if form is not None:
-            tp_group, sequence_parallel, params_dtype = form.tp_group, form.sequence_parallel, form.params_dtype
+            tp_group, sequence_parallel, params_dtype = (
+                form.tp_group,
+                form.sequence_parallel,
+                form.params_dtype,
+            )
             init_std, device = form.init_std, form.device
         assert init_std is not None
         if sequence_parallel and not input_is_parallel:
-            raise ConfigError("RowParallelLinear: sequence_parallel needs input_is_parallel=True",
-                              params=("sequence_parallel",))
+            raise ConfigError(
+                "RowParallelLinear: sequence_parallel needs input_is_parallel=True",
+                params=("sequence_parallel",),
+            )
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel = input_is_parallel
         self.tp_group = tp_group
@@ -216,8 +287,9 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.skip_bias_add = skip_bias_add
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype,
-                                               device=device))
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype, device=device)
+        )
         set_init_attrs(self.weight, std=init_std, partition_dim=1, partition_size=self.tp_size)
         if form is not None:
             form.init_weight_(self.weight, 1, stride)
@@ -264,15 +336,28 @@ class VocabParallelEmbedding(nn.Module):
     config / init_method: Megatron-Core's form (module docstring).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float | None = None,
-                 tp_group: ProcessGroup | None = None, params_dtype: torch.dtype = torch.float32,
-                 reduce_scatter_embeddings: bool = False, config: Any = None,
-                 init_method: InitMethod | None = None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_std: float | None = None,
+        tp_group: ProcessGroup | None = None,
+        params_dtype: torch.dtype = torch.float32,
+        reduce_scatter_embeddings: bool = False,
+        config: Any = None,
+        init_method: InitMethod | None = None,
+    ) -> None:
         super().__init__()
         form = _megatron_form("VocabParallelEmbedding", init_std, config, init_method, tp_group)
         device = torch.device("cpu")
         if form is not None:
-            tp_group, params_dtype, init_std, device = form.tp_group, form.params_dtype, form.init_std, form.device
+            tp_group, params_dtype, init_std, device = (
+                form.tp_group,
+                form.params_dtype,
+                form.init_std,
+                form.device,
+            )
         assert init_std is not None
         self.embedding_dim = embedding_dim
         self.tp_group = tp_group
@@ -280,11 +365,15 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.num_per_partition = _divide(num_embeddings, self.tp_size, "padded vocabulary size")
         self.vocab_start = mappings.group_rank(tp_group) * self.num_per_partition
-        self.vocab_start_index, self.vocab_end_index = self.vocab_start, self.vocab_start + self.num_per_partition
+        self.vocab_start_index, self.vocab_end_index = (
+            self.vocab_start,
+            self.vocab_start + self.num_per_partition,
+        )
         self.num_embeddings_per_partition = self.num_per_partition
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and self.tp_size > 1
-        self.weight = nn.Parameter(torch.empty(self.num_per_partition, embedding_dim, dtype=params_dtype,
-                                               device=device))
+        self.weight = nn.Parameter(
+            torch.empty(self.num_per_partition, embedding_dim, dtype=params_dtype, device=device)
+        )
         set_init_attrs(self.weight, std=init_std, partition_dim=0, partition_size=self.tp_size)
         if form is not None:
             form.init_weight_(self.weight, 0)

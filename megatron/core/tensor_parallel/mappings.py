@@ -223,8 +223,9 @@ def scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return _ScatterToSequence.apply(x, group) if group_size(group) > 1 else x
 
 
-def gather_from_sp(x: torch.Tensor, group: ProcessGroup | None,
-                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+def gather_from_sp(
+    x: torch.Tensor, group: ProcessGroup | None, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
     """Leave the sequence-parallel region. Forward: all-gather dim 0.
 
     Backward: reduce-scatter along dim 0 when the consumer is tensor-parallel (each rank holds a
@@ -254,46 +255,57 @@ def default_tp_group(group: ProcessGroup | None) -> ProcessGroup | None:
     return get_parallel_state().tp_group
 
 
-def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+def copy_to_tensor_model_parallel_region(
+    input_: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Enter a tp region with a replicated input. Forward: identity. Backward: all-reduce over ``group``
     (default: the default tp group)."""
     return copy_to_tp(input_, default_tp_group(group))
 
 
-def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None
-                                             ) -> torch.Tensor:
+def reduce_from_tensor_model_parallel_region(
+    input_: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Sum the ranks' partial results. Forward: all-reduce over ``group`` (default: the default tp
     group). Backward: identity."""
     return reduce_from_tp(input_, default_tp_group(group))
 
 
-def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None
-                                            ) -> torch.Tensor:
+def scatter_to_tensor_model_parallel_region(
+    input_: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Forward: keep this rank's block of the last dim. Backward: all-gather the last dim."""
     return scatter_to_tp(input_, default_tp_group(group))
 
 
-def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None
-                                             ) -> torch.Tensor:
+def gather_from_tensor_model_parallel_region(
+    input_: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Forward: all-gather the last dim in rank order. Backward: keep this rank's block."""
     return gather_from_tp(input_, default_tp_group(group))
 
 
-def scatter_to_sequence_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(
+    input_: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Forward: keep this rank's block of dim 0. Backward: all-gather dim 0."""
     return scatter_to_sp(input_, default_tp_group(group))
 
 
 def _check_no_split_sizes(name: str, value: object) -> None:
     if value is not None:
-        raise ConfigError(f"{name}: uneven splits are not supported here; pass {name}=None (equal blocks)",
-                          params=(name,))
+        raise ConfigError(
+            f"{name}: uneven splits are not supported here; pass {name}=None (equal blocks)", params=(name,)
+        )
 
 
-def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_output_grad: bool = True,
-                                         group: ProcessGroup | None = None,
-                                         output_split_sizes: list[int] | None = None,
-                                         use_global_buffer: bool = False) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    input_: torch.Tensor,
+    tensor_parallel_output_grad: bool = True,
+    group: ProcessGroup | None = None,
+    output_split_sizes: list[int] | None = None,
+    use_global_buffer: bool = False,
+) -> torch.Tensor:
     """Forward: all-gather dim 0. Backward: reduce-scatter dim 0 when ``tensor_parallel_output_grad``
     (the consumer is tensor-parallel), else keep this rank's block.
 
@@ -304,9 +316,12 @@ def gather_from_sequence_parallel_region(input_: torch.Tensor, tensor_parallel_o
     return gather_from_sp(input_, default_tp_group(group), bool(tensor_parallel_output_grad))
 
 
-def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None,
-                                               input_split_sizes: list[int] | None = None,
-                                               use_global_buffer: bool = False) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(
+    input_: torch.Tensor,
+    group: ProcessGroup | None = None,
+    input_split_sizes: list[int] | None = None,
+    use_global_buffer: bool = False,
+) -> torch.Tensor:
     """Forward: reduce-scatter along dim 0. Backward: all-gather dim 0. ``input_split_sizes`` must be
     None; ``use_global_buffer`` has no effect."""
     _check_no_split_sizes("input_split_sizes", input_split_sizes)
@@ -346,16 +361,18 @@ def _reduce_scatter_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> tor
     return _reduce_scatter(moved, group).squeeze(0)
 
 
-def all_gather_last_dim_from_tensor_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None
-                                                    ) -> torch.Tensor:
+def all_gather_last_dim_from_tensor_parallel_region(
+    input_: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Forward: all-gather the last dim. Backward: reduce-scatter the last dim (the gradient of every
     rank's copy is summed)."""
     group = default_tp_group(group)
     return _AllGatherLastDim.apply(input_, group) if group_size(group) > 1 else input_
 
 
-def reduce_scatter_last_dim_to_tensor_parallel_region(input_: torch.Tensor, group: ProcessGroup | None = None
-                                                      ) -> torch.Tensor:
+def reduce_scatter_last_dim_to_tensor_parallel_region(
+    input_: torch.Tensor, group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Forward: sum over the group and keep this rank's block of the last dim. Backward: all-gather
     the last dim."""
     group = default_tp_group(group)
@@ -366,16 +383,22 @@ class _AllToAll(torch.autograd.Function):
     """Forward: all-to-all of dim 0 blocks. Backward: the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx: Any, group: ProcessGroup, x: torch.Tensor, output_split_sizes: list[int] | None,
-                input_split_sizes: list[int] | None) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        group: ProcessGroup,
+        x: torch.Tensor,
+        output_split_sizes: list[int] | None,
+        input_split_sizes: list[int] | None,
+    ) -> torch.Tensor:
         ctx.group, ctx.splits = group, (output_split_sizes, input_split_sizes)
         x = x.contiguous()
         if output_split_sizes is None:
             out = torch.empty_like(x)
         else:
             out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
-        dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes,
-                               input_split_sizes=input_split_sizes, group=group)
+        dist.all_to_all_single(
+            out, x, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes, group=group
+        )
         return out
 
     @staticmethod
@@ -384,8 +407,13 @@ class _AllToAll(torch.autograd.Function):
         return None, _AllToAll.apply(ctx.group, g, in_sizes, out_sizes), None, None
 
 
-def all_to_all(group: ProcessGroup, input_: torch.Tensor, output_split_sizes_: list[int] | None = None,
-               input_split_sizes: list[int] | None = None, use_nccl_stream: bool = False) -> torch.Tensor:
+def all_to_all(
+    group: ProcessGroup,
+    input_: torch.Tensor,
+    output_split_sizes_: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    use_nccl_stream: bool = False,
+) -> torch.Tensor:
     """All-to-all along dim 0 over ``group`` (required, as in Megatron-Core): block ``j`` of this
     rank's input goes to rank ``j``; blocks are equal unless split sizes are given. Backward: the
     reverse exchange. ``use_nccl_stream`` has no effect.

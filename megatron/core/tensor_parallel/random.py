@@ -28,8 +28,19 @@ from megatron.core.tensor_parallel.rng_states import (
 )
 
 __all__ = [
-    "DATA_PARALLEL_RNG", "EXPERT_PARALLEL_RNG", "MODEL_PARALLEL_RNG", "CheckpointWithoutOutput",
-    "CudaRNGStatesTracker", "RNGStatesTracker", "checkpoint", "checkpoint_with_rng", "get_all_rng_states",
-    "get_cuda_rng_tracker", "get_data_parallel_rng_tracker_name", "get_expert_parallel_rng_tracker_name",
-    "is_graph_safe_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "model_parallel_seed",
+    "DATA_PARALLEL_RNG",
+    "EXPERT_PARALLEL_RNG",
+    "MODEL_PARALLEL_RNG",
+    "CheckpointWithoutOutput",
+    "CudaRNGStatesTracker",
+    "RNGStatesTracker",
+    "checkpoint",
+    "checkpoint_with_rng",
+    "get_all_rng_states",
+    "get_cuda_rng_tracker",
+    "get_data_parallel_rng_tracker_name",
+    "get_expert_parallel_rng_tracker_name",
+    "is_graph_safe_cuda_rng_tracker",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_seed",
 ]

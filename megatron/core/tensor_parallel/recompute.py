@@ -34,14 +34,21 @@ class _DistributedCheckpoint(torch.autograd.Function):
     recompute with a graph, backpropagate."""
 
     @staticmethod
-    def forward(ctx: Any, run_function: Callable[..., Any], tracker: RNGStatesTracker, group: ProcessGroup | None,
-                *args: Any) -> Any:
+    def forward(
+        ctx: Any,
+        run_function: Callable[..., Any],
+        tracker: RNGStatesTracker,
+        group: ProcessGroup | None,
+        *args: Any,
+    ) -> Any:
         ctx.run_function, ctx.tracker, ctx.group = run_function, tracker, group
         ctx.rng = capture_rng(tracker)
         outputs = run_function(*args)
         first = args[0]
-        ctx.first_shape, ctx.arg_requires_grad = first.shape, [isinstance(a, torch.Tensor) and a.requires_grad
-                                                           for a in args]
+        ctx.first_shape, ctx.arg_requires_grad = (
+            first.shape,
+            [isinstance(a, torch.Tensor) and a.requires_grad for a in args],
+        )
         ctx.constants = [None if isinstance(a, torch.Tensor) else a for a in args]
         shard = split_tensor_into_1d_equal_chunks(first.detach(), new_buffer=True, tp_group=group)
         ctx.save_for_backward(shard, *[a for a in args[1:] if isinstance(a, torch.Tensor)])
@@ -52,8 +59,10 @@ class _DistributedCheckpoint(torch.autograd.Function):
         shard, *rest = ctx.saved_tensors
         tensors = iter([gather_split_1d_tensor(shard, ctx.group).view(ctx.first_shape), *rest])
         args = tuple(next(tensors) if c is None else c for c in ctx.constants)
-        inputs = tuple(a.detach().requires_grad_(rg) if isinstance(a, torch.Tensor) else a
-                       for a, rg in zip(args, ctx.arg_requires_grad))
+        inputs = tuple(
+            a.detach().requires_grad_(rg) if isinstance(a, torch.Tensor) else a
+            for a, rg in zip(args, ctx.arg_requires_grad)
+        )
         with replaying_rng(ctx.rng, ctx.tracker), torch.enable_grad():
             outputs = ctx.run_function(*inputs)
         return (None, None, None, *grads_of(outputs, grads, inputs))
@@ -74,16 +83,20 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
         ValueError: distributing with a first argument that is not a tensor of a size divisible by tp.
     """
     if not isinstance(distribute_saved_activations, bool):
-        raise TypeError(f"checkpoint(function, distribute_saved_activations, *args): the second argument must "
-                        f"be a bool, got {type(distribute_saved_activations).__name__}; to checkpoint "
-                        f"{callable_name(function)}(x) call checkpoint(function, False, x)")
+        raise TypeError(
+            f"checkpoint(function, distribute_saved_activations, *args): the second argument must "
+            f"be a bool, got {type(distribute_saved_activations).__name__}; to checkpoint "
+            f"{callable_name(function)}(x) call checkpoint(function, False, x)"
+        )
     tracker = get_cuda_rng_tracker()
     group = default_tp_group(None)
     if not distribute_saved_activations or group_size(group) == 1:
         return checkpoint_with_rng(function, *args, tracker=tracker)
     if not args or not isinstance(args[0], torch.Tensor):
-        raise ValueError("checkpoint(..., distribute_saved_activations=True, *args): args[0] must be a tensor "
-                         "(the activation split across the tp group)")
+        raise ValueError(
+            "checkpoint(..., distribute_saved_activations=True, *args): args[0] must be a tensor "
+            "(the activation split across the tp group)"
+        )
     return _DistributedCheckpoint.apply(function, tracker, group, *args)
 
 
@@ -92,7 +105,9 @@ class _WithoutOutput(torch.autograd.Function):
     made by its hook, are backpropagated."""
 
     @staticmethod
-    def forward(ctx: Any, run_function: Callable[..., Any], owner: CheckpointWithoutOutput, *args: Any) -> Any:
+    def forward(
+        ctx: Any, run_function: Callable[..., Any], owner: CheckpointWithoutOutput, *args: Any
+    ) -> Any:
         ctx.constants = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*detached_like(tuple(a for a in args if isinstance(a, torch.Tensor))))
         owner.ctx = ctx
@@ -101,9 +116,11 @@ class _WithoutOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         if getattr(ctx, "outputs", None) is None:
-            raise RuntimeError("CheckpointWithoutOutput: the outputs were not recomputed before their gradient "
-                               "was needed; call discard_output_and_register_recompute(hook_tensor) with a "
-                               "tensor whose gradient is computed before the outputs are used in backward")
+            raise RuntimeError(
+                "CheckpointWithoutOutput: the outputs were not recomputed before their gradient "
+                "was needed; call discard_output_and_register_recompute(hook_tensor) with a "
+                "tensor whose gradient is computed before the outputs are used in backward"
+            )
         inputs, outputs = ctx.inputs, ctx.outputs
         ctx.inputs = ctx.outputs = None
         return (None, None, *grads_of(outputs, grads, inputs))
@@ -168,8 +185,9 @@ class CheckpointWithoutOutput:
                 output.untyped_storage().resize_(nbytes)
                 # An alias on the same storage: writing through it leaves the version counter of the
                 # tensor that later ops saved untouched, so autograd accepts the refilled values.
-                alias = output.new_empty(0).set_(output.untyped_storage(), output.storage_offset(),
-                                                 output.size(), output.stride())
+                alias = output.new_empty(0).set_(
+                    output.untyped_storage(), output.storage_offset(), output.size(), output.stride()
+                )
                 alias.copy_(value)
         ctx.inputs, ctx.outputs = inputs, fresh
         self.ctx, self.outputs, self.run_function = None, None, None

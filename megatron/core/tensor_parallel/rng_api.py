@@ -38,8 +38,11 @@ def _dropout_device() -> torch.device:
 def _refuse(**flags: bool) -> None:
     for name, value in flags.items():
         if value:
-            raise ConfigError(f"{name}=True needs a tracker this package does not have (Transformer Engine / "
-                              f"CUDA graphs); call it with {name}=False", params=(name,))
+            raise ConfigError(
+                f"{name}=True needs a tracker this package does not have (Transformer Engine / "
+                f"CUDA graphs); call it with {name}=False",
+                params=(name,),
+            )
 
 
 class CudaRNGStatesTracker(RNGStatesTracker):
@@ -75,8 +78,9 @@ class CudaRNGStatesTracker(RNGStatesTracker):
         return super().fork(name)
 
 
-def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
-                         use_cudagraphable_rng: bool = False) -> RNGStatesTracker:
+def get_cuda_rng_tracker(
+    use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False, use_cudagraphable_rng: bool = False
+) -> RNGStatesTracker:
     """The tracker ``model_parallel_cuda_manual_seed`` filled: the default ParallelState's
     ``rng_tracker``; before any seeding an empty :class:`CudaRNGStatesTracker` (the same object on
     every call, the one the next seeding fills).
@@ -96,11 +100,18 @@ def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker
     return layout.unbound_rng_tracker
 
 
-def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inference_rng_tracker: bool = False,
-                                    use_cudagraphable_rng: bool = False, tp_rank: int | None = None,
-                                    ep_rank: int | None = None, etp_rank: int | None = None,
-                                    force_reset_rng: bool = False, *,
-                                    parallel_state: ParallelState | None = None) -> RNGStatesTracker:
+def model_parallel_cuda_manual_seed(
+    seed: int,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    tp_rank: int | None = None,
+    ep_rank: int | None = None,
+    etp_rank: int | None = None,
+    force_reset_rng: bool = False,
+    *,
+    parallel_state: ParallelState | None = None,
+) -> RNGStatesTracker:
     """Megatron-Core's seeding entry point (call it after ``initialize_model_parallel``).
 
     Seeds the default generator of the device dropout runs on (the current CUDA device, else the
@@ -139,10 +150,13 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False, inf
         torch.cuda.manual_seed(seed)
     else:
         torch.manual_seed(seed)
-    model_parallel_seed(seed, parallel_state.tp_rank if tp_rank is None else tp_rank,
-                        parallel_state.axis_rank("ep") if ep_rank is None else ep_rank,
-                        getattr(parallel_state, "etp_rank", None) if etp_rank is None else etp_rank,
-                        tracker=tracker)
+    model_parallel_seed(
+        seed,
+        parallel_state.tp_rank if tp_rank is None else tp_rank,
+        parallel_state.axis_rank("ep") if ep_rank is None else ep_rank,
+        getattr(parallel_state, "etp_rank", None) if etp_rank is None else etp_rank,
+        tracker=tracker,
+    )
     parallel_state.rng_tracker = tracker
     return tracker
 
@@ -200,7 +214,9 @@ def replaying_rng(snapshot: RngSnapshot, tracker: RNGStatesTracker) -> Iterator[
 
 def detached_like(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Tensors detached (keeping ``requires_grad``) so a recompute builds its own graph."""
-    return tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
+    return tuple(
+        a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args
+    )
 
 
 def grads_of(outputs: Any, grads: tuple[torch.Tensor, ...], inputs: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -118,9 +118,14 @@ class RNGStatesTracker:
             self._set_rng_state(outside)
 
 
-def model_parallel_seed(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int | None = None,
-                        device: torch.device | str | None = None,
-                        tracker: RNGStatesTracker | None = None) -> RNGStatesTracker:
+def model_parallel_seed(
+    seed: int,
+    tp_rank: int,
+    ep_rank: int = 0,
+    etp_rank: int | None = None,
+    device: torch.device | str | None = None,
+    tracker: RNGStatesTracker | None = None,
+) -> RNGStatesTracker:
     """A tracker with Megatron's named states for this rank.
 
     * ``"model-parallel-rng"`` = ``seed + 2718 + tp_rank`` (dropout inside tp regions);
@@ -172,8 +177,9 @@ def _replay_contexts(tracker: RNGStatesTracker | None) -> tuple[Any, Any]:
     return contextlib.nullcontext(), recompute()
 
 
-def checkpoint_with_rng(function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None,
-                        **kwargs: Any) -> Any:
+def checkpoint_with_rng(
+    function: Callable[..., Any], *args: Any, tracker: RNGStatesTracker | None = None, **kwargs: Any
+) -> Any:
     """Activation checkpointing: run ``function(*args, **kwargs)`` without keeping its activations,
     and recompute them in backward.
 
@@ -182,6 +188,10 @@ def checkpoint_with_rng(function: Callable[..., Any], *args: Any, tracker: RNGSt
     ``tracker.fork()`` draws the same masks in the recompute as in the original forward.
     """
     return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False, preserve_rng_state=True,
-        context_fn=lambda: _replay_contexts(tracker), **kwargs,
+        function,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=lambda: _replay_contexts(tracker),
+        **kwargs,
     )

@@ -21,8 +21,9 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
-                                contiguous_split_chunks: bool = False) -> tuple[torch.Tensor, ...]:
+def split_tensor_along_last_dim(
+    tensor: torch.Tensor, num_partitions: int, contiguous_split_chunks: bool = False
+) -> tuple[torch.Tensor, ...]:
     """``num_partitions`` equal blocks of the last dim (views, or contiguous copies with
     ``contiguous_split_chunks``).
 
@@ -34,8 +35,9 @@ def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
     return tuple(c.contiguous() for c in chunks) if contiguous_split_chunks else tuple(chunks)
 
 
-def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = False,
-                                      tp_group: ProcessGroup | None = None) -> torch.Tensor:
+def split_tensor_into_1d_equal_chunks(
+    tensor: torch.Tensor, new_buffer: bool = False, tp_group: ProcessGroup | None = None
+) -> torch.Tensor:
     """This tp rank's block of ``tensor`` flattened into ``tp_size`` equal 1-D blocks: a view, or a new
     tensor with ``new_buffer``.
 
@@ -46,7 +48,7 @@ def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = F
     n = group_size(group)
     part = _divide(tensor.numel(), n, "the number of elements")
     start = part * group_rank(group)
-    data = tensor.reshape(-1)[start:start + part]
+    data = tensor.reshape(-1)[start : start + part]
     return data.clone() if new_buffer else data
 
 
@@ -68,13 +70,16 @@ class VocabUtility:
     equal blocks in rank order."""
 
     @staticmethod
-    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
-                                                  world_size: int) -> tuple[int, int]:
+    def vocab_range_from_per_partition_vocab_size(
+        per_partition_vocab_size: int, rank: int, world_size: int
+    ) -> tuple[int, int]:
         first = rank * per_partition_vocab_size
         return first, first + per_partition_vocab_size
 
     @staticmethod
-    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    def vocab_range_from_global_vocab_size(
+        global_vocab_size: int, rank: int, world_size: int
+    ) -> tuple[int, int]:
         """Raises ValueError when ``global_vocab_size`` is not divisible by ``world_size``."""
         per = _divide(global_vocab_size, world_size, "the vocabulary size")
         return VocabUtility.vocab_range_from_per_partition_vocab_size(per, rank, world_size)

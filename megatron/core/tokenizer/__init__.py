@@ -27,7 +27,13 @@ TOKENIZER_TYPES = (
     "NullTokenizer",
 )
 
-__all__ = ["MegatronTokenizer", "NullTokenizer", "TOKENIZER_TYPES", "build_tokenizer", "vocab_size_with_padding"]
+__all__ = [
+    "MegatronTokenizer",
+    "NullTokenizer",
+    "TOKENIZER_TYPES",
+    "build_tokenizer",
+    "vocab_size_with_padding",
+]
 
 
 def build_tokenizer(cfg: Any) -> MegatronTokenizer:
@@ -46,22 +52,34 @@ def build_tokenizer(cfg: Any) -> MegatronTokenizer:
     kind = getattr(cfg, "tokenizer_type", None)
     get = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731
     if kind == "NullTokenizer":
-        return NullTokenizer(get("vocab_size"), get("null_tokenizer_eod_id"), get("null_tokenizer_pad_id", -1))
+        return NullTokenizer(
+            get("vocab_size"), get("null_tokenizer_eod_id"), get("null_tokenizer_pad_id", -1)
+        )
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(get("vocab_file"), get("merge_file"))
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         return getattr(sentencepiece_tokenizer, kind)(get("tokenizer_model"))
     if kind == "TikTokenizer":
-        return TikTokenizer(get("tokenizer_model"), get("tiktoken_pattern", "v2"), get("vocab_size"),
-                            get("tiktoken_num_special_tokens", 1000))
+        return TikTokenizer(
+            get("tokenizer_model"),
+            get("tiktoken_pattern", "v2"),
+            get("vocab_size"),
+            get("tiktoken_num_special_tokens", 1000),
+        )
     if kind == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(get("tokenizer_model"))
-    raise ConfigError(f"tokenizer_type {kind!r} is not valid; choose one of {list(TOKENIZER_TYPES)}",
-                      params=("tokenizer_type",))
+    raise ConfigError(
+        f"tokenizer_type {kind!r} is not valid; choose one of {list(TOKENIZER_TYPES)}",
+        params=("tokenizer_type",),
+    )
 
 
-def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int,
-                            log: Callable[[str], Any] | None = print) -> int:
+def vocab_size_with_padding(
+    orig_vocab_size: int,
+    make_vocab_size_divisible_by: int,
+    tp_size: int,
+    log: Callable[[str], Any] | None = print,
+) -> int:
     """Round the vocabulary up to a multiple of ``make_vocab_size_divisible_by * tp_size``.
 
     Prints `` > padded vocab (size: V) with K dummy tokens (new size: P)`` through ``log``.
@@ -70,14 +88,19 @@ def vocab_size_with_padding(orig_vocab_size: int, make_vocab_size_divisible_by: 
         ValueError: a non-positive multiple or tensor-parallel size.
     """
     if make_vocab_size_divisible_by < 1:
-        raise ConfigError(f"make_vocab_size_divisible_by must be >= 1, got {make_vocab_size_divisible_by}",
-                          params=("make_vocab_size_divisible_by",))
+        raise ConfigError(
+            f"make_vocab_size_divisible_by must be >= 1, got {make_vocab_size_divisible_by}",
+            params=("make_vocab_size_divisible_by",),
+        )
     if tp_size < 1:
-        raise ConfigError(f"tensor_model_parallel_size must be >= 1, got {tp_size}",
-                          params=("tensor_model_parallel_size",))
+        raise ConfigError(
+            f"tensor_model_parallel_size must be >= 1, got {tp_size}", params=("tensor_model_parallel_size",)
+        )
     multiple = make_vocab_size_divisible_by * tp_size
     padded = -(-int(orig_vocab_size) // multiple) * multiple
     if log is not None:
-        log(f" > padded vocab (size: {orig_vocab_size}) with {padded - orig_vocab_size} dummy tokens "
-            f"(new size: {padded})")
+        log(
+            f" > padded vocab (size: {orig_vocab_size}) with {padded - orig_vocab_size} dummy tokens "
+            f"(new size: {padded})"
+        )
     return padded

@@ -104,6 +104,7 @@ def require_file(path: str | None, param: str, what: str) -> str:
     if not path:
         raise ConfigError(f"{param} is required for {what}", params=(param,))
     if not os.path.isfile(path):
-        raise ConfigError(f"{param} {path!r} does not exist or is not a file (needed by {what})",
-                          params=(param,))
+        raise ConfigError(
+            f"{param} {path!r} does not exist or is not a file (needed by {what})", params=(param,)
+        )
     return path

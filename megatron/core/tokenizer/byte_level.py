@@ -25,13 +25,22 @@ class ByteLevelTokenizer(MegatronTokenizer):
         ValueError: a ``vocab_size`` below 256.
     """
 
-    def __init__(self, special_tokens: Sequence[str] | None = None, vocab_size: int = 512, eos_id: int = 0,
-                 pad_id: int = 1, bos_id: int | None = None) -> None:
+    def __init__(
+        self,
+        special_tokens: Sequence[str] | None = None,
+        vocab_size: int = 512,
+        eos_id: int = 0,
+        pad_id: int = 1,
+        bos_id: int | None = None,
+    ) -> None:
         if int(vocab_size) < 256:
-            raise ConfigError(f"vocab_size {vocab_size} must be >= 256 for the byte-level tokenizer",
-                              params=("vocab_size",))
+            raise ConfigError(
+                f"vocab_size {vocab_size} must be >= 256 for the byte-level tokenizer", params=("vocab_size",)
+            )
         specials = list(special_tokens or [])
-        super().__init__(vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, special_tokens=specials)
+        super().__init__(
+            vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id, special_tokens=specials
+        )
         self._vocab_size = int(vocab_size) + len(specials)
         self.special_start = self._vocab_size - len(specials)
         self._eod = int(eos_id)
@@ -51,4 +60,8 @@ class ByteLevelTokenizer(MegatronTokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of the byte ids (special-token ids dropped), trailing whitespace removed."""
-        return bytes(int(i) for i in ids if int(i) < min(self.special_start, 256)).decode("utf-8", errors="ignore").rstrip()
+        return (
+            bytes(int(i) for i in ids if int(i) < min(self.special_start, 256))
+            .decode("utf-8", errors="ignore")
+            .rstrip()
+        )

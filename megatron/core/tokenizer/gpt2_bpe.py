@@ -24,7 +24,8 @@ def load_byte_level_bpe(vocab_file: str, merge_file: str) -> Any:
     except Exception as exc:  # the Rust error says what is wrong but not which flag to fix
         raise DataError(
             f"could not read vocab_file {vocab_file!r} / merge_file {merge_file!r} as GPT-2 BPE: {exc}",
-            params=("vocab_file", "merge_file")) from None
+            params=("vocab_file", "merge_file"),
+        ) from None
     tok = Tokenizer(model)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -50,13 +51,14 @@ class GPT2BPETokenizer(FastTokenizer):
             with open(vocab_file, encoding="utf-8") as f:
                 vocab = json.load(f)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DataError(f"vocab_file {vocab_file!r} is not a JSON vocabulary: {exc}",
-                            params=("vocab_file",)) from None
+            raise DataError(
+                f"vocab_file {vocab_file!r} is not a JSON vocabulary: {exc}", params=("vocab_file",)
+            ) from None
         if EOD_TOKEN not in vocab:
-            raise DataError(f"vocab_file {vocab_file!r} has no {EOD_TOKEN} token (the end-of-document id)",
-                            params=("vocab_file",))
+            raise DataError(
+                f"vocab_file {vocab_file!r} has no {EOD_TOKEN} token (the end-of-document id)",
+                params=("vocab_file",),
+            )
         self._eod = int(vocab[EOD_TOKEN])
         self._vocab_size = len(vocab)
         self._tok = load_byte_level_bpe(vocab_file, merge_file)
-
-

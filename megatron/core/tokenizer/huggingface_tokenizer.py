@@ -38,28 +38,33 @@ class HuggingFaceTokenizer(FastTokenizer):
         from tokenizers import Tokenizer
 
         if not path:
-            raise ConfigError("tokenizer_model is required for HuggingFaceTokenizer (a tokenizer.json or dir)",
-                              params=("tokenizer_model",))
+            raise ConfigError(
+                "tokenizer_model is required for HuggingFaceTokenizer (a tokenizer.json or dir)",
+                params=("tokenizer_model",),
+            )
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise DataError(
                 f"tokenizer_model {path!r}: {file!r} does not exist (give a local tokenizer.json or a "
-                "directory holding one; nothing is downloaded)", params=("tokenizer_model",))
+                "directory holding one; nothing is downloaded)",
+                params=("tokenizer_model",),
+            )
         super().__init__(file)
         try:
             self._tok = Tokenizer.from_file(file)
         except Exception as exc:
-            raise DataError(f"tokenizer_model {file!r} is not a tokenizers JSON file: {exc}",
-                            params=("tokenizer_model",)) from None
+            raise DataError(
+                f"tokenizer_model {file!r} is not a tokenizers JSON file: {exc}", params=("tokenizer_model",)
+            ) from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         eos = _eos_from_config(os.path.dirname(os.path.abspath(file)))
         names = [eos] if eos else [n for n in EOS_CANDIDATES if n in vocab]
         if not names or names[0] not in vocab:
-            raise DataError(f"tokenizer_model {file!r}: no end-of-document token found (tried {names or EOS_CANDIDATES})",
-                            params=("tokenizer_model",))
+            raise DataError(
+                f"tokenizer_model {file!r}: no end-of-document token found (tried {names or EOS_CANDIDATES})",
+                params=("tokenizer_model",),
+            )
         self._eod = int(vocab[names[0]])
         self._vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         pad = next((vocab[n] for n in ("<pad>", "[PAD]", "<|pad|>") if n in vocab), -1)
         self._pad = int(pad)
-
-

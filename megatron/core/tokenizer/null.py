@@ -22,18 +22,21 @@ class NullTokenizer(MegatronTokenizer):
 
     def __init__(self, vocab_size: int | None, eod_id: int | None = None, pad_id: int = -1) -> None:
         if vocab_size is None or int(vocab_size) < 1:
-            raise ConfigError(f"vocab_size must be a positive integer for NullTokenizer, got {vocab_size}",
-                              params=("vocab_size",))
+            raise ConfigError(
+                f"vocab_size must be a positive integer for NullTokenizer, got {vocab_size}",
+                params=("vocab_size",),
+            )
         vocab_size = int(vocab_size)
         eod_id = vocab_size - 1 if eod_id is None else int(eod_id)
         if not 0 <= eod_id < vocab_size:
-            raise ConfigError(f"null_tokenizer_eod_id {eod_id} must lie in [0, {vocab_size})",
-                              params=("null_tokenizer_eod_id",))
+            raise ConfigError(
+                f"null_tokenizer_eod_id {eod_id} must lie in [0, {vocab_size})",
+                params=("null_tokenizer_eod_id",),
+            )
         super().__init__(vocab_size=vocab_size, eod_id=eod_id, pad_id=pad_id)
         self._vocab_size = vocab_size
         self._eod = eod_id
         self._pad = int(pad_id)
-
 
     def tokenize(self, text: str) -> list[int]:
         try:

@@ -27,11 +27,15 @@ class SentencePieceTokenizer(MegatronTokenizer):
         try:
             self._sp.Load(model_file)
         except (OSError, RuntimeError) as exc:
-            raise DataError(f"tokenizer_model {model_file!r} is not a SentencePiece model: {exc}",
-                            params=("tokenizer_model",)) from None
+            raise DataError(
+                f"tokenizer_model {model_file!r} is not a SentencePiece model: {exc}",
+                params=("tokenizer_model",),
+            ) from None
         if self._sp.eos_id() < 0:
-            raise DataError(f"tokenizer_model {model_file!r} has no eos piece (used as end-of-document)",
-                            params=("tokenizer_model",))
+            raise DataError(
+                f"tokenizer_model {model_file!r} has no eos piece (used as end-of-document)",
+                params=("tokenizer_model",),
+            )
 
     @property
     def vocab_size(self) -> int:

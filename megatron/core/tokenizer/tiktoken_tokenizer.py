@@ -29,17 +29,22 @@ def load_ranks(path: str, max_vocab: int | None) -> dict[bytes, int]:
         if text.lstrip().startswith("["):
             entries = [(base64.b64decode(e["token_bytes"]), int(e["rank"])) for e in json.loads(text)]
         else:
-            entries = [(base64.b64decode(a), int(b)) for a, b in (ln.split() for ln in text.splitlines() if ln)]
+            entries = [
+                (base64.b64decode(a), int(b)) for a, b in (ln.split() for ln in text.splitlines() if ln)
+            ]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DataError(f"tokenizer_model {path!r} is not a tiktoken ranks file: {exc}",
-                        params=("tokenizer_model",)) from None
+        raise DataError(
+            f"tokenizer_model {path!r} is not a tiktoken ranks file: {exc}", params=("tokenizer_model",)
+        ) from None
     entries.sort(key=lambda e: e[1])
     if max_vocab is not None:
         entries = entries[:max_vocab]
     ranks = {tok: rank for tok, rank in entries}
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise DataError(f"tokenizer_model {path!r}: ranks must be unique and contiguous from 0",
-                        params=("tokenizer_model",))
+        raise DataError(
+            f"tokenizer_model {path!r}: ranks must be unique and contiguous from 0",
+            params=("tokenizer_model",),
+        )
     return ranks
 
 
@@ -53,19 +58,28 @@ class TikTokenizer(MegatronTokenizer):
         num_special_tokens: ``--tiktoken-num-special-tokens`` (default 1000).
     """
 
-    def __init__(self, path: str | None, pattern: str = "v2", vocab_size: int | None = None,
-                 num_special_tokens: int = 1000) -> None:
+    def __init__(
+        self,
+        path: str | None,
+        pattern: str = "v2",
+        vocab_size: int | None = None,
+        num_special_tokens: int = 1000,
+    ) -> None:
         import tiktoken
 
         path = require_file(path, "tokenizer_model", "TikTokenizer")
         if pattern not in ("v1", "v2"):
-            raise ConfigError(f"tiktoken_pattern {pattern!r} is not valid; choose one of ['v1', 'v2']",
-                              params=("tiktoken_pattern",))
+            raise ConfigError(
+                f"tiktoken_pattern {pattern!r} is not valid; choose one of ['v1', 'v2']",
+                params=("tiktoken_pattern",),
+            )
         vocab_size = 2**17 if vocab_size is None else int(vocab_size)
         if num_special_tokens < len(SPECIAL_TOKENS) or vocab_size <= num_special_tokens:
             raise ConfigError(
                 f"tiktoken_num_special_tokens {num_special_tokens} must be >= {len(SPECIAL_TOKENS)} "
-                f"and below vocab_size {vocab_size}", params=("vocab_size", "tiktoken_num_special_tokens"))
+                f"and below vocab_size {vocab_size}",
+                params=("vocab_size", "tiktoken_num_special_tokens"),
+            )
         super().__init__(path, pattern=pattern, vocab_size=vocab_size, num_special_tokens=num_special_tokens)
         ranks = load_ranks(path, vocab_size - num_special_tokens)
         self._num_special = num_special_tokens

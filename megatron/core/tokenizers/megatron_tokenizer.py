@@ -31,8 +31,9 @@ class MegatronTokenizer:
         raise OSError("MegatronTokenizer is not instantiated; call MegatronTokenizer.from_pretrained(...)")
 
     @staticmethod
-    def from_pretrained(tokenizer_path: str | None = None, metadata_path: str | dict | None = None,
-                        **kwargs: Any) -> MegatronTokenizerBase:
+    def from_pretrained(
+        tokenizer_path: str | None = None, metadata_path: str | dict | None = None, **kwargs: Any
+    ) -> MegatronTokenizerBase:
         """The tokenizer at ``tokenizer_path`` as its metadata describes it.
 
         Args:
@@ -55,22 +56,32 @@ class MegatronTokenizer:
             metadata_path = kwargs.pop("metdata_path")
         if not metadata_path:
             if not tokenizer_path:
-                raise ConfigError("give metadata_path (e.g. {'library': 'null-text'}) or tokenizer_path with a "
-                                 f"{METADATA_FILE} beside it")
+                raise ConfigError(
+                    "give metadata_path (e.g. {'library': 'null-text'}) or tokenizer_path with a "
+                    f"{METADATA_FILE} beside it"
+                )
             metadata_path = _default_metadata_path(tokenizer_path)
         metadata = _read_metadata(metadata_path)
         library = metadata.get("library")
         if library in VISION_LIBRARIES:
             raise ConfigError(f"tokenizer library {library!r}: vision/multimodal tokenizers are not provided")
         if library not in PATHLESS_LIBRARIES and not tokenizer_path:
-            raise ConfigError(f"tokenizer library {library!r} needs tokenizer_path (the tokenizer file or directory)")
+            raise ConfigError(
+                f"tokenizer library {library!r} needs tokenizer_path (the tokenizer file or directory)"
+            )
         metadata["metadata_path"] = metadata_path if isinstance(metadata_path, str) else None
         return _model_class(metadata)(tokenizer_path, metadata, **kwargs)
 
     @staticmethod
-    def write_metadata(tokenizer_path: str, tokenizer_library: str, model_type: str | None = None,
-                       tokenizer_class: type | None = None, chat_template: str | None = None,
-                       overwrite: bool = False, metadata_path: str | None = None) -> None:
+    def write_metadata(
+        tokenizer_path: str,
+        tokenizer_library: str,
+        model_type: str | None = None,
+        tokenizer_class: type | None = None,
+        chat_template: str | None = None,
+        overwrite: bool = False,
+        metadata_path: str | None = None,
+    ) -> None:
         """Write the metadata JSON ``from_pretrained`` reads (default: ``tokenizer_metadata.json``
         beside ``tokenizer_path``) with ``library``, ``class_name``, ``class_path``, ``model_type``
         (default ``"default-text"``) and ``chat_template``.
@@ -82,8 +93,10 @@ class MegatronTokenizer:
         if not os.path.exists(tokenizer_path):
             raise ConfigError(f"tokenizer_path {tokenizer_path!r} does not exist")
         if tokenizer_library not in TEXT_LIBRARIES + VISION_LIBRARIES:
-            raise ConfigError(f"tokenizer_library {tokenizer_library!r} is not valid; choose one of "
-                             f"{TEXT_LIBRARIES + VISION_LIBRARIES}")
+            raise ConfigError(
+                f"tokenizer_library {tokenizer_library!r} is not valid; choose one of "
+                f"{TEXT_LIBRARIES + VISION_LIBRARIES}"
+            )
         kind = "text" if tokenizer_library in TEXT_LIBRARIES else "vision"
         if model_type is None and tokenizer_class is None:
             model_type = f"default-{kind}"
@@ -113,8 +126,10 @@ def _read_metadata(metadata_path: str | dict) -> dict[str, Any]:
     if not isinstance(metadata_path, str):
         raise ValueError(f"metadata_path must be a str or a dict, got {type(metadata_path).__name__}")
     if not os.path.exists(metadata_path):
-        raise ConfigError(f"tokenizer metadata file {metadata_path!r} does not exist; write it with "
-                         "MegatronTokenizer.write_metadata(...) or pass metadata_path={'library': ...}")
+        raise ConfigError(
+            f"tokenizer metadata file {metadata_path!r} does not exist; write it with "
+            "MegatronTokenizer.write_metadata(...) or pass metadata_path={'library': ...}"
+        )
     with open(metadata_path) as f:
         return dict(json.load(f))
 
@@ -122,5 +137,7 @@ def _read_metadata(metadata_path: str | dict) -> dict[str, Any]:
 def _model_class(metadata: dict[str, Any]) -> type:
     model_type = metadata.get("model_type") or "default-text"
     if model_type not in MODEL_TYPES:
-        raise ConfigError(f"tokenizer model_type {model_type!r} is not provided; choose one of {sorted(MODEL_TYPES)}")
+        raise ConfigError(
+            f"tokenizer model_type {model_type!r} is not provided; choose one of {sorted(MODEL_TYPES)}"
+        )
     return MODEL_TYPES[model_type]

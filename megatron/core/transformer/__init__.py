@@ -5,5 +5,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-__all__ = ["MegatronModule", "ModuleSpec", "build_module", "MLATransformerConfig", "TransformerConfig",
-           "TransformerLayer", "TransformerLayerSubmodules"]
+__all__ = [
+    "MegatronModule",
+    "ModuleSpec",
+    "build_module",
+    "MLATransformerConfig",
+    "TransformerConfig",
+    "TransformerLayer",
+    "TransformerLayerSubmodules",
+]

@@ -56,14 +56,18 @@ def mask_for_attention(attention_mask: torch.Tensor | None, seq_length: int) -> 
     if attention_mask is None:
         return None
     if attention_mask.dtype != torch.bool:
-        raise ValueError(f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}; "
-                         "convert it with mask.bool()")
+        raise ValueError(
+            f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}; "
+            "convert it with mask.bool()"
+        )
     if attention_mask.dim() == 3:
         attention_mask = attention_mask.unsqueeze(1)  # [b, s, s] -> [b, 1, s, s]
     s = seq_length
     if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or tuple(attention_mask.shape[2:]) != (s, s):
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected [b, 1, {s}, {s}], "
-                         f"[1, 1, {s}, {s}] or [b, {s}, {s}] for sequences of {s} tokens")
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}; expected [b, 1, {s}, {s}], "
+            f"[1, 1, {s}, {s}] or [b, {s}, {s}] for sequences of {s} tokens"
+        )
     causal = causal_mask(s, attention_mask.device)
     if torch.equal(attention_mask, causal.expand_as(attention_mask)):
         return None
@@ -84,36 +88,55 @@ class DotProductAttention(nn.Module):
     ``attention_type`` must be ``"self"``.
     """
 
-    def __init__(self, config: Any, layer_number: int = 1, attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 attention_type: str = "self", attention_dropout: float | None = None,
-                 softmax_scale: float | None = None, cp_comm_type: str | None = None,
-                 rng_tracker: Any = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int = 1,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        rng_tracker: Any = None,
+    ) -> None:
         super().__init__()
         if attention_type != "self":
-            raise ConfigError(f"DotProductAttention attention_type={attention_type!r}: only 'self' attention is "
-                              "built; use 'self'", params=("attention_type",))
+            raise ConfigError(
+                f"DotProductAttention attention_type={attention_type!r}: only 'self' attention is "
+                "built; use 'self'",
+                params=("attention_type",),
+            )
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.rng_tracker = rng_tracker  # heads are split over tp: each rank draws its own mask
-        self.softmax_scale = getattr(config, "softmax_scale", None) if softmax_scale is None else softmax_scale
+        self.softmax_scale = (
+            getattr(config, "softmax_scale", None) if softmax_scale is None else softmax_scale
+        )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``q`` ``[s, b, n_q, d]``, ``k`` / ``v`` ``[s, b, n_kv, d]`` -> ``[s, b, n_q * d]``."""
         if self.rng_tracker is not None and self.training and self.dropout_p > 0:
             with self.rng_tracker.fork():
                 return self._attend(q, k, v, attention_mask)
         return self._attend(q, k, v, attention_mask)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
         s, b, n_q, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         mask = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=attention_mask is None and self.attn_mask_type != AttnMaskType.no_mask,
-            enable_gqa=k.shape[1] != n_q, scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != n_q,
+            scale=self.softmax_scale,
         )
         return out.permute(2, 0, 1, 3).reshape(s, b, n_q * d)
 
@@ -139,38 +162,64 @@ class SelfAttention(nn.Module):
     attention.
     """
 
-    def __init__(self, config: Any, submodules: SelfAttentionSubmodules, layer_number: int = 1,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, tp_group: ProcessGroup | None = None,
-                 sequence_parallel: bool = False, rng_tracker: Any = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int = 1,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        rng_tracker: Any = None,
+    ) -> None:
         super().__init__()
         tp = group_size(tp_group)
         n_h, n_g, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
         for what, n in (("num_attention_heads", n_h), ("num_query_groups", n_g)):
             if n % tp != 0:
-                raise ConfigError(f"{what} {n} is not divisible by tensor_model_parallel_size {tp}",
-                                  params=(what, "tensor_model_parallel_size"))
+                raise ConfigError(
+                    f"{what} {n} is not divisible by tensor_model_parallel_size {tp}",
+                    params=(what, "tensor_model_parallel_size"),
+                )
         self.heads_per_group = n_h // n_g
         self.num_groups_local = n_g // tp
         self.head_dim = d
         self.rotary = config.position_embedding_type == "rope"
-        common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
-        self.linear_qkv = build_module(
-            submodules.linear_qkv, config.hidden_size, (n_h + 2 * n_g) * d, init_std=config.init_method_std,
-            bias=config.add_bias_linear or config.add_qkv_bias, **common,
+        common = dict(
+            tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=config.params_dtype
         )
-        self.core_attention = build_module(submodules.core_attention, config, layer_number,
-                                           attn_mask_type=attn_mask_type, rng_tracker=rng_tracker)
+        self.linear_qkv = build_module(
+            submodules.linear_qkv,
+            config.hidden_size,
+            (n_h + 2 * n_g) * d,
+            init_std=config.init_method_std,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            **common,
+        )
+        self.core_attention = build_module(
+            submodules.core_attention,
+            config,
+            layer_number,
+            attn_mask_type=attn_mask_type,
+            rng_tracker=rng_tracker,
+        )
         self.rng_tracker = rng_tracker
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.linear_proj = build_module(
-            submodules.linear_proj, n_h * d, config.hidden_size, init_std=config.output_layer_init_std,
-            bias=config.add_bias_linear, skip_bias_add=True, **common,
+            submodules.linear_proj,
+            n_h * d,
+            config.hidden_size,
+            init_std=config.output_layer_init_std,
+            bias=config.add_bias_linear,
+            skip_bias_add=True,
+            **common,
         )
         self.q_layernorm = _qk_norm(submodules.q_layernorm, config, d)
         self.k_layernorm = _qk_norm(submodules.k_layernorm, config, d)
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rotary: Rotary = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, rotary: Rotary = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``hidden`` ``[s, b, h]`` -> ``(output [s, b, h], bias or None)``."""
         qkv, _ = self.linear_qkv(hidden)
         s, b = qkv.shape[:2]
@@ -184,7 +233,9 @@ class SelfAttention(nn.Module):
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.recompute_core_attention and self.training:
-            context = checkpoint_with_rng(self.core_attention, q, k, v, attention_mask, tracker=self.rng_tracker)
+            context = checkpoint_with_rng(
+                self.core_attention, q, k, v, attention_mask, tracker=self.rng_tracker
+            )
         else:
             context = self.core_attention(q, k, v, attention_mask)
         out: tuple[torch.Tensor, torch.Tensor | None] = self.linear_proj(context)

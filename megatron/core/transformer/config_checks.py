@@ -24,15 +24,20 @@ def check_fp8(config: Any) -> None:
     check_choice("fp8_gemm_impl", config.fp8_gemm_impl, GEMM_IMPLS)
     if config.fp8_gemm_impl == "torchao":
         if config.fp8_recipe != "tensorwise":
-            raise ConfigError(f"fp8_gemm_impl torchao runs the tensorwise recipe only, not fp8_recipe "
-                              f"{config.fp8_recipe}; set fp8_recipe tensorwise or use fp8_gemm_impl scaled_mm",
-                              params=("fp8_gemm_impl", "fp8_recipe"))
+            raise ConfigError(
+                f"fp8_gemm_impl torchao runs the tensorwise recipe only, not fp8_recipe "
+                f"{config.fp8_recipe}; set fp8_recipe tensorwise or use fp8_gemm_impl scaled_mm",
+                params=("fp8_gemm_impl", "fp8_recipe"),
+            )
         error = torchao_error()
         if error:
             raise ConfigError(error, params=("fp8_gemm_impl",))
     if not config.bf16:
-        raise ConfigError(f"fp8_format {config.fp8_format} needs bf16=True (FP8 GEMMs take bf16 activations and "
-                          "weights); set bf16=True", params=("fp8_format", "bf16"))
+        raise ConfigError(
+            f"fp8_format {config.fp8_format} needs bf16=True (FP8 GEMMs take bf16 activations and "
+            "weights); set bf16=True",
+            params=("fp8_format", "bf16"),
+        )
 
 
 def check_pipeline(config: Any) -> None:
@@ -45,29 +50,46 @@ def check_pipeline(config: Any) -> None:
     per_stage = config.num_layers_per_virtual_pipeline_stage
     if per_stage is not None:
         if config.virtual_pipeline_model_parallel_size is not None:
-            raise ConfigError("give num_layers_per_virtual_pipeline_stage or "
-                              "virtual_pipeline_model_parallel_size, not both",
-                              params=("num_layers_per_virtual_pipeline_stage", "virtual_pipeline_model_parallel_size"))
+            raise ConfigError(
+                "give num_layers_per_virtual_pipeline_stage or "
+                "virtual_pipeline_model_parallel_size, not both",
+                params=("num_layers_per_virtual_pipeline_stage", "virtual_pipeline_model_parallel_size"),
+            )
         check_positive("num_layers_per_virtual_pipeline_stage", per_stage)
         # The embedding / loss count as layers here when account_for_*_in_pipeline_split say so (Megatron).
-        counted = (config.num_layers + int(config.account_for_embedding_in_pipeline_split)
-                   + int(config.account_for_loss_in_pipeline_split))
-        what = ("num_layers" if counted == config.num_layers
-                else "num_layers + the layers counted by account_for_embedding/loss_in_pipeline_split")
-        names = ("num_layers_per_virtual_pipeline_stage", "num_layers", "pipeline_model_parallel_size",
-                 "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
-                 "decoder_last_pipeline_num_layers")
+        counted = (
+            config.num_layers
+            + int(config.account_for_embedding_in_pipeline_split)
+            + int(config.account_for_loss_in_pipeline_split)
+        )
+        what = (
+            "num_layers"
+            if counted == config.num_layers
+            else "num_layers + the layers counted by account_for_embedding/loss_in_pipeline_split"
+        )
+        names = (
+            "num_layers_per_virtual_pipeline_stage",
+            "num_layers",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+            "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers",
+        )
         if counted % pp != 0:
             raise ConfigError(
                 f"num_layers_per_virtual_pipeline_stage needs {what} ({counted}) divisible by "
                 f"pipeline_model_parallel_size ({pp}); for an uneven split use "
                 "virtual_pipeline_model_parallel_size with decoder_first_pipeline_num_layers / "
-                "decoder_last_pipeline_num_layers", params=names)
+                "decoder_last_pipeline_num_layers",
+                params=names,
+            )
         if (counted // pp) % per_stage != 0:
             raise ConfigError(
                 f"num_layers_per_virtual_pipeline_stage {per_stage} does not divide the "
                 f"{what} {counted} / pipeline_model_parallel_size {pp} layers per stage; "
-                f"use a divisor of {counted // pp}", params=names)
+                f"use a divisor of {counted // pp}",
+                params=names,
+            )
         config.virtual_pipeline_model_parallel_size = counted // pp // per_stage
     vpp = config.virtual_pipeline_model_parallel_size
     if vpp is not None:
@@ -75,34 +97,53 @@ def check_pipeline(config: Any) -> None:
         if vpp == 1:
             config.virtual_pipeline_model_parallel_size = vpp = None
         elif pp == 1:
-            raise ConfigError("virtual pipeline stages (virtual_pipeline_model_parallel_size / "
-                              "num_layers_per_virtual_pipeline_stage) need pipeline_model_parallel_size > 1",
-                              params=("virtual_pipeline_model_parallel_size",
-                                      "num_layers_per_virtual_pipeline_stage", "pipeline_model_parallel_size"))
+            raise ConfigError(
+                "virtual pipeline stages (virtual_pipeline_model_parallel_size / "
+                "num_layers_per_virtual_pipeline_stage) need pipeline_model_parallel_size > 1",
+                params=(
+                    "virtual_pipeline_model_parallel_size",
+                    "num_layers_per_virtual_pipeline_stage",
+                    "pipeline_model_parallel_size",
+                ),
+            )
     if config.microbatch_group_size_per_virtual_pipeline_stage is not None:
-        check_positive("microbatch_group_size_per_virtual_pipeline_stage",
-                       config.microbatch_group_size_per_virtual_pipeline_stage)
+        check_positive(
+            "microbatch_group_size_per_virtual_pipeline_stage",
+            config.microbatch_group_size_per_virtual_pipeline_stage,
+        )
     config.pipeline_layout(pp, vpp)  # raises
 
 
 def _apply_layout_string(config: Any, pp: int) -> None:
     """``pipeline_model_parallel_layout``: checked, and its virtual stages per rank set."""
     if pp == 1:
-        raise ConfigError("pipeline_model_parallel_layout needs pipeline_model_parallel_size > 1",
-                          params=("pipeline_model_parallel_layout", "pipeline_model_parallel_size"))
+        raise ConfigError(
+            "pipeline_model_parallel_layout needs pipeline_model_parallel_size > 1",
+            params=("pipeline_model_parallel_layout", "pipeline_model_parallel_size"),
+        )
     layout = parse_layout(config.pipeline_model_parallel_layout, config.num_layers, pp)  # type: ignore[arg-type]
     vpp = layout.vpp if layout.vpp > 1 else None
-    given = [name for name, value in (
-        ("num_layers_per_virtual_pipeline_stage", config.num_layers_per_virtual_pipeline_stage),
-        ("decoder_first_pipeline_num_layers", config.decoder_first_pipeline_num_layers),
-        ("decoder_last_pipeline_num_layers", config.decoder_last_pipeline_num_layers),
-        ("account_for_embedding_in_pipeline_split", config.account_for_embedding_in_pipeline_split or None),
-        ("account_for_loss_in_pipeline_split", config.account_for_loss_in_pipeline_split or None)) if value is not None]
+    given = [
+        name
+        for name, value in (
+            ("num_layers_per_virtual_pipeline_stage", config.num_layers_per_virtual_pipeline_stage),
+            ("decoder_first_pipeline_num_layers", config.decoder_first_pipeline_num_layers),
+            ("decoder_last_pipeline_num_layers", config.decoder_last_pipeline_num_layers),
+            (
+                "account_for_embedding_in_pipeline_split",
+                config.account_for_embedding_in_pipeline_split or None,
+            ),
+            ("account_for_loss_in_pipeline_split", config.account_for_loss_in_pipeline_split or None),
+        )
+        if value is not None
+    ]
     if config.virtual_pipeline_model_parallel_size not in (None, 1, vpp):
         given.append("virtual_pipeline_model_parallel_size")
     if given:
-        raise ConfigError(f"pipeline_model_parallel_layout sets the whole split; drop {', '.join(given)}",
-                          params=("pipeline_model_parallel_layout", *given))
+        raise ConfigError(
+            f"pipeline_model_parallel_layout sets the whole split; drop {', '.join(given)}",
+            params=("pipeline_model_parallel_layout", *given),
+        )
     config.virtual_pipeline_model_parallel_size = vpp
 
 

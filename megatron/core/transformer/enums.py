@@ -10,8 +10,15 @@ import enum
 
 from megatron.core.enums import ModelType
 
-__all__ = ["ModelType", "LayerType", "AttnType", "AttnMaskType", "AttnBackend", "CudaGraphModule",
-           "CudaGraphScope"]
+__all__ = [
+    "ModelType",
+    "LayerType",
+    "AttnType",
+    "AttnMaskType",
+    "AttnBackend",
+    "CudaGraphModule",
+    "CudaGraphScope",
+]
 
 
 class LayerType(enum.Enum):

@@ -59,28 +59,48 @@ def _activation(config: Any, given: Any) -> Activation:
         return config_activation(config)
     if isinstance(given, types.FunctionType):
         return given
-    raise ConfigError(f"MLPSubmodules.activation_func is not supported here as {given!r}: give a function of "
-                      "fc1's output (e.g. megatron.core.transformer.mlp.swiglu), or leave it None for the "
-                      "config's activation (activation_func / gated_linear_unit)", params=("activation_func",))
+    raise ConfigError(
+        f"MLPSubmodules.activation_func is not supported here as {given!r}: give a function of "
+        "fc1's output (e.g. megatron.core.transformer.mlp.swiglu), or leave it None for the "
+        "config's activation (activation_func / gated_linear_unit)",
+        params=("activation_func",),
+    )
 
 
 class MLP(nn.Module):
     """``h -> F -> h``. With SwiGLU, fc1 produces ``[gate; up]`` (2F rows, each half split across tp)."""
 
-    def __init__(self, config: Any, submodules: MLPSubmodules, tp_group: ProcessGroup | None = None,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        config: Any,
+        submodules: MLPSubmodules,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         gated = config.activation == "swiglu"
         self.activation = _activation(config, getattr(submodules, "activation_func", None))
-        common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=config.params_dtype,
-                      bias=config.add_bias_linear)
+        common = dict(
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            params_dtype=config.params_dtype,
+            bias=config.add_bias_linear,
+        )
         self.linear_fc1 = build_module(
-            submodules.linear_fc1, config.hidden_size, config.ffn_hidden_size * (2 if gated else 1),
-            init_std=config.init_method_std, partition_stride=2 if gated else 1, **common,
+            submodules.linear_fc1,
+            config.hidden_size,
+            config.ffn_hidden_size * (2 if gated else 1),
+            init_std=config.init_method_std,
+            partition_stride=2 if gated else 1,
+            **common,
         )
         self.linear_fc2 = build_module(
-            submodules.linear_fc2, config.ffn_hidden_size, config.hidden_size,
-            init_std=config.output_layer_init_std, skip_bias_add=True, **common,
+            submodules.linear_fc2,
+            config.ffn_hidden_size,
+            config.hidden_size,
+            init_std=config.output_layer_init_std,
+            skip_bias_add=True,
+            **common,
         )
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -103,15 +123,27 @@ class Fp8SwigluMLP(MLP):
         ConfigError: fc1 or fc2 without an FP8 GEMM, with a bias, or fc1 gathering its output.
     """
 
-    def __init__(self, config: Any, submodules: MLPSubmodules, tp_group: ProcessGroup | None = None,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        config: Any,
+        submodules: MLPSubmodules,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__(config, submodules, tp_group, sequence_parallel)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        if not (isinstance(fc1.fp8, Fp8Gemm) and isinstance(fc2.fp8, Fp8Gemm)) or config.activation != "swiglu" \
-                or fc1.bias is not None or fc2.bias is not None or fc1.gather_output:
-            raise ConfigError("Fp8SwigluMLP needs a SwiGLU MLP without biases (add_bias_linear=False) whose fc1 and "
-                              "fc2 have FP8 GEMMs (the layer spec's fp8_gemm); use MLP otherwise",
-                              params=("add_bias_linear",))
+        if (
+            not (isinstance(fc1.fp8, Fp8Gemm) and isinstance(fc2.fp8, Fp8Gemm))
+            or config.activation != "swiglu"
+            or fc1.bias is not None
+            or fc2.bias is not None
+            or fc1.gather_output
+        ):
+            raise ConfigError(
+                "Fp8SwigluMLP needs a SwiGLU MLP without biases (add_bias_linear=False) whose fc1 and "
+                "fc2 have FP8 GEMMs (the layer spec's fp8_gemm); use MLP otherwise",
+                params=("add_bias_linear",),
+            )
         self.fp8_swiglu = Fp8SwigluMlp(fc1.fp8, fc2.fp8, activation=self.activation, kernels=fc1.fp8.kernels)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -37,8 +37,9 @@ class MegatronModule(nn.Module):
         """The state dict a checkpoint saves: ``state_dict(prefix=prefix, keep_vars=keep_vars)``."""
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: dict | None = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """See the class docstring.
 
         Raises:
@@ -46,11 +47,15 @@ class MegatronModule(nn.Module):
                 default implementation).
         """
         if sharded_offsets:
-            raise ValueError(f"MegatronModule.sharded_state_dict(sharded_offsets={sharded_offsets!r}) is not "
-                             "supported by the default implementation; pass sharded_offsets=()")
+            raise ValueError(
+                f"MegatronModule.sharded_state_dict(sharded_offsets={sharded_offsets!r}) is not "
+                "supported by the default implementation; pass sharded_offsets=()"
+            )
         pg = getattr(self, "pg", None) or get_parallel_state()
-        return {prefix + name: shard_of(prefix + name, tensor, pg.tp_rank, pg.dp_rank)
-                for name, tensor in self.state_dict(prefix="", keep_vars=True).items()}
+        return {
+            prefix + name: shard_of(prefix + name, tensor, pg.tp_rank, pg.dp_rank)
+            for name, tensor in self.state_dict(prefix="", keep_vars=True).items()
+        }
 
     def set_is_first_microbatch(self) -> None:
         """Mark every submodule with an ``is_first_microbatch`` attribute (Megatron-Core's FP8 weight
@@ -73,13 +78,16 @@ def _convert(value: Any, fn: Callable[[Any], Any]) -> Any:
 def fp32_to_float16(value: Any, float16_convertor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """``value`` (a tensor, or tuples / lists of them) with every fp32 tensor converted by
     ``float16_convertor``; other values (integer tensors, None) unchanged."""
-    return _convert(value, lambda t: float16_convertor(t) if torch.is_tensor(t) and t.dtype == torch.float32 else t)
+    return _convert(
+        value, lambda t: float16_convertor(t) if torch.is_tensor(t) and t.dtype == torch.float32 else t
+    )
 
 
 def float16_to_fp32(value: Any) -> Any:
     """``value`` with every fp16 / bf16 tensor converted to fp32; other values unchanged."""
-    return _convert(value, lambda t: t.float() if torch.is_tensor(t) and t.dtype in (torch.float16, torch.bfloat16)
-                    else t)
+    return _convert(
+        value, lambda t: t.float() if torch.is_tensor(t) and t.dtype in (torch.float16, torch.bfloat16) else t
+    )
 
 
 class Float16Module(MegatronModule):
@@ -104,7 +112,9 @@ class Float16Module(MegatronModule):
             self.add_module("module", module.bfloat16())
             self.float16_convertor = lambda t: t.bfloat16()
         else:
-            raise ConfigError("Float16Module needs config.fp16=True or config.bf16=True", params=("fp16", "bf16"))
+            raise ConfigError(
+                "Float16Module needs config.fp16=True or config.bf16=True", params=("fp16", "bf16")
+            )
 
     def set_input_tensor(self, input_tensor: Any) -> Any:
         return self.module.set_input_tensor(input_tensor)
@@ -117,8 +127,13 @@ class Float16Module(MegatronModule):
             outputs = float16_to_fp32(outputs)
         return outputs
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
-                   keep_vars: bool = False) -> Any:
+    def state_dict(
+        self,
+        *args: Any,
+        destination: Any = None,
+        prefix: str = "",  # type: ignore[override]
+        keep_vars: bool = False,
+    ) -> Any:
         return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:

@@ -20,8 +20,9 @@ class Norm(nn.Module):
     group (they see only this rank's sequence shard).
     """
 
-    def __init__(self, config: Any, hidden_size: int, eps: float | None = None,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, config: Any, hidden_size: int, eps: float | None = None, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         self.kind = config.normalization
         self.eps = config.layernorm_epsilon if eps is None else eps

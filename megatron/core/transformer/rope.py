@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 
 
-def inverse_frequencies(rotary_dim: int, base: float, device: torch.device | str | None = None) -> torch.Tensor:
+def inverse_frequencies(
+    rotary_dim: int, base: float, device: torch.device | str | None = None
+) -> torch.Tensor:
     """``[rotary_dim / 2]`` fp32: channel pair ``i`` turns by ``base ** (-2i / rotary_dim)`` per position."""
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
 
 
-def rotary_angles(positions: torch.Tensor, inv_freq: torch.Tensor,
-                  seq_len_interpolation_factor: float | None = None) -> torch.Tensor:
+def rotary_angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, seq_len_interpolation_factor: float | None = None
+) -> torch.Tensor:
     """The rotation angles (Megatron-Core's ``freqs``) ``[*positions.shape, rotary_dim]`` in fp32 for
     positions of any shape: ``p * inv_freq``, repeated for the two halves that rotate together.
     With ``seq_len_interpolation_factor`` f (linear position interpolation) ``p`` becomes
@@ -23,12 +26,18 @@ def rotary_angles(positions: torch.Tensor, inv_freq: torch.Tensor,
     return torch.cat((freqs, freqs), dim=-1)
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, rotary_dim: int, base: float,
-                   seq_len_interpolation_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    position_ids: torch.Tensor,
+    rotary_dim: int,
+    base: float,
+    seq_len_interpolation_factor: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables for ``position_ids`` ``[b, s]``, each ``[s, b, 1, rotary_dim]`` in fp32
     (:func:`rotary_angles` of the positions)."""
     inv_freq = inverse_frequencies(rotary_dim, base, position_ids.device)
-    emb = rotary_angles(position_ids.t(), inv_freq, seq_len_interpolation_factor).unsqueeze(2)  # [s, b, 1, rd]
+    emb = rotary_angles(position_ids.t(), inv_freq, seq_len_interpolation_factor).unsqueeze(
+        2
+    )  # [s, b, 1, rd]
     return emb.cos(), emb.sin()
 
 

@@ -35,8 +35,14 @@ class TransformerLayerSubmodules:
     sharded_state_dict_keys_map: dict[str, str] = field(default_factory=dict)
 
 
-def bias_dropout_add(out: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
-                     training: bool, rng_tracker: Any = None) -> torch.Tensor:
+def bias_dropout_add(
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    training: bool,
+    rng_tracker: Any = None,
+) -> torch.Tensor:
     """residual + dropout(out + bias). ``rng_tracker`` forks the tensor-parallel RNG (sequence-sharded
     activations: every rank draws its own mask); otherwise the default RNG, identical across tp."""
     if bias is not None:
@@ -50,25 +56,41 @@ def bias_dropout_add(out: torch.Tensor, bias: torch.Tensor | None, residual: tor
 class TransformerLayer(nn.Module):
     """A decoder layer. ``layer_number`` is 1-based and global (pipeline stages offset it)."""
 
-    def __init__(self, config: Any, submodules: TransformerLayerSubmodules, layer_number: int = 1,
-                 hidden_dropout: float | None = None, tp_group: ProcessGroup | None = None,
-                 sequence_parallel: bool = False, rng_tracker: Any = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        submodules: TransformerLayerSubmodules,
+        layer_number: int = 1,
+        hidden_dropout: float | None = None,
+        tp_group: ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        rng_tracker: Any = None,
+    ) -> None:
         super().__init__()
         if getattr(submodules, "cross_attention", None) not in (None, IdentityOp):
-            raise ConfigError("TransformerLayerSubmodules.cross_attention is not built here (decoder-only layers); "
-                              "leave it None or IdentityOp")
+            raise ConfigError(
+                "TransformerLayerSubmodules.cross_attention is not built here (decoder-only layers); "
+                "leave it None or IdentityOp"
+            )
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         self.dropout_tracker = rng_tracker if sequence_parallel else None
         sp = dict(sequence_parallel=sequence_parallel)
         self.input_layernorm = build_module(submodules.input_layernorm, config, config.hidden_size, **sp)
-        self.self_attention = build_module(submodules.self_attention, config, layer_number=layer_number,
-                                           tp_group=tp_group, rng_tracker=rng_tracker, **sp)
+        self.self_attention = build_module(
+            submodules.self_attention,
+            config,
+            layer_number=layer_number,
+            tp_group=tp_group,
+            rng_tracker=rng_tracker,
+            **sp,
+        )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, config.hidden_size, **sp)
         self.mlp = build_module(submodules.mlp, config, tp_group=tp_group, **sp)
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                rotary: Rotary = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, rotary: Rotary = None
+    ) -> torch.Tensor:
         """``[s, b, h]`` -> ``[s, b, h]`` (``s`` is the local shard with sequence parallelism)."""
         out, bias = self.self_attention(self.input_layernorm(hidden), attention_mask, rotary)
         hidden = bias_dropout_add(out, bias, hidden, self.hidden_dropout, self.training, self.dropout_tracker)

@@ -25,8 +25,13 @@ from megatron.core.config_utils import ConfigError
 from megatron.core.datasets.errors import DataError
 
 
-def _check_common(total_samples: int, consumed_samples: int, micro_batch_size: int,
-                  data_parallel_rank: int, data_parallel_size: int) -> None:
+def _check_common(
+    total_samples: int,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+) -> None:
     if total_samples <= 0:
         raise DataError(f"the dataset is empty (no samples); check --data-path/--split, got {total_samples}")
     if micro_batch_size <= 0:
@@ -48,12 +53,23 @@ class MegatronPretrainingSampler:
         ValueError: nothing to sample, a bad rank, or ``consumed_samples`` past the end.
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True) -> None:
-        _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ) -> None:
+        _check_common(
+            total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
+        )
         if consumed_samples >= total_samples:
-            raise DataError(f"consumed samples {consumed_samples} >= dataset size {total_samples}; "
-                             "the run has used all its data (raise --train-samples/--train-iters)")
+            raise DataError(
+                f"consumed samples {consumed_samples} >= dataset size {total_samples}; "
+                "the run has used all its data (raise --train-samples/--train-iters)"
+            )
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -71,7 +87,7 @@ class MegatronPretrainingSampler:
             yield list(range(start + lo, start + lo + self.micro_batch_size))
             start += self.chunk
         if start < self.total_samples and not self.drop_last:
-            tail = list(range(start, self.total_samples))[lo:lo + self.micro_batch_size]
+            tail = list(range(start, self.total_samples))[lo : lo + self.micro_batch_size]
             if tail:
                 yield tail
 
@@ -84,9 +100,18 @@ class MegatronPretrainingRandomSampler:
     and the offset into it.
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, seed: int = 0) -> None:
-        _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        seed: int = 0,
+    ) -> None:
+        _check_common(
+            total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
+        )
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -96,7 +121,9 @@ class MegatronPretrainingRandomSampler:
         self.seed = seed
         self.active_total = total_samples - total_samples % self.chunk
         if self.active_total == 0:
-            raise DataError(f"dataset of {total_samples} samples is smaller than one global micro-batch of {self.chunk}")
+            raise DataError(
+                f"dataset of {total_samples} samples is smaller than one global micro-batch of {self.chunk}"
+            )
 
     def __len__(self) -> int:
         return self.total_samples
@@ -112,15 +139,22 @@ class MegatronPretrainingRandomSampler:
             g.manual_seed(self.seed + epoch)
             perm = torch.randperm(bucket, generator=g)[offset:].tolist()
             for i in range(0, len(perm) - self.micro_batch_size + 1, self.micro_batch_size):
-                yield [start + x for x in perm[i:i + self.micro_batch_size]]
+                yield [start + x for x in perm[i : i + self.micro_batch_size]]
                 consumed += self.chunk
             consumed = (epoch + 1) * self.active_total
 
 
-def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_batch_size: int,
-                                  data_parallel_rank: int, data_parallel_size: int, num_workers: int,
-                                  dataloader_type: str = "single", seed: int = 0,
-                                  drop_last: bool = True) -> DataLoader | None:
+def build_pretraining_data_loader(
+    dataset: Any,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    num_workers: int,
+    dataloader_type: str = "single",
+    seed: int = 0,
+    drop_last: bool = True,
+) -> DataLoader | None:
     """A DataLoader of collated micro-batches for this data-parallel rank, starting at the global
     sample ``consumed_samples``.
 
@@ -141,13 +175,22 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int, micro_bat
     if num_workers < 0:
         raise ConfigError(f"--num-workers must be >= 0, got {num_workers}")
     if dataloader_type == "single":
-        sampler: Any = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
-                                                  data_parallel_rank, data_parallel_size, drop_last)
+        sampler: Any = MegatronPretrainingSampler(
+            len(dataset),
+            consumed_samples,
+            micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+            drop_last,
+        )
     elif dataloader_type == "cyclic":
-        sampler = MegatronPretrainingRandomSampler(len(dataset), consumed_samples, micro_batch_size,
-                                                   data_parallel_rank, data_parallel_size, seed)
+        sampler = MegatronPretrainingRandomSampler(
+            len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, seed
+        )
     else:
-        raise ConfigError(f"--dataloader-type {dataloader_type!r} is not valid; choose one of ['single', 'cyclic']")
+        raise ConfigError(
+            f"--dataloader-type {dataloader_type!r} is not valid; choose one of ['single', 'cyclic']"
+        )
     if num_workers > 0:
         _reap_workers_at_exit()
     return _PretrainingDataLoader(
@@ -219,10 +262,13 @@ def _reap_workers_at_exit() -> None:
     the workers ignore SIGTERM, so a worker still running then (an iterator alive at exit, e.g. after
     an exception) would be joined forever. This hook, registered after multiprocessing's and so run
     before it, kills and reaps them first. Registered once per process."""
+
     def kill_workers() -> None:
         live = [w for w in list(_WORKERS) if w.is_alive()]
         if live:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's handler would call this a failure
+            signal.signal(
+                signal.SIGCHLD, signal.SIG_DFL
+            )  # the DataLoader's handler would call this a failure
         for worker in live:
             worker.kill()
             worker.join()

@@ -26,8 +26,10 @@ def _check_prefixes(blend: tuple[list[str], list[float] | None] | None, flag: st
             try:
                 open(path, "rb").close()
             except OSError as exc:
-                raise DataError(f"{flag}: cannot read {path!r} ({exc.strerror}); give the prefix without "
-                                 ".bin/.idx, as written by tools/preprocess_data.py") from None
+                raise DataError(
+                    f"{flag}: cannot read {path!r} ({exc.strerror}); give the prefix without "
+                    ".bin/.idx, as written by tools/preprocess_data.py"
+                ) from None
         try:
             IndexedDataset(prefix, mmap=mmap)
         except DataError as exc:
@@ -42,16 +44,19 @@ def is_dataset_built_on_rank(parallel_state: Any | None) -> bool:
     return parallel_state.tp_rank == 0 and first_or_last
 
 
-def core_gpt_dataset_config(data_cfg: Any, tokenizer: Any, seq_length: int, seed: int,
-                            log: Callable[[str], Any] = print) -> GPTDatasetConfig:
+def core_gpt_dataset_config(
+    data_cfg: Any, tokenizer: Any, seq_length: int, seed: int, log: Callable[[str], Any] = print
+) -> GPTDatasetConfig:
     """The GPTDatasetConfig a DataConfig describes (blend, per-split blends or mock data).
 
     Raises:
         ConfigError, DataError: no data source, a missing/corrupt file (naming the flag), or bad weights.
     """
     blend = get_blend_from_list(data_cfg.data_path)
-    per_split = [get_blend_from_list(getattr(data_cfg, f"{s}_data_path", None), f"--{s}-data-path")
-                 for s in ("train", "valid", "test")]
+    per_split = [
+        get_blend_from_list(getattr(data_cfg, f"{s}_data_path", None), f"--{s}-data-path")
+        for s in ("train", "valid", "test")
+    ]
     has_per_split = any(b is not None for b in per_split)
     if not data_cfg.mock_data and blend is None and not has_per_split:
         raise ConfigError("no training data: give --data-path (or --train-data-path ...) or --mock-data")
@@ -90,9 +95,11 @@ def named_prefixes(config: GPTDatasetConfig) -> dict[str, str]:
     out: dict[str, str] = {}
     blends = [("--data-path", config.blend)]
     if config.blend_per_split is not None:
-        blends += [(f"--{name}-data-path", b) for name, b in zip(("train", "valid", "test"), config.blend_per_split)]
+        blends += [
+            (f"--{name}-data-path", b) for name, b in zip(("train", "valid", "test"), config.blend_per_split)
+        ]
     for flag, blend in blends:
-        for prefix in (blend[0] if blend is not None else []):
+        for prefix in blend[0] if blend is not None else []:
             out.setdefault(prefix, flag)
     return out
 
@@ -106,8 +113,13 @@ def describe_tokenizer(tokenizer: Any) -> str:
     return f"{type(tokenizer).__name__} ({repr(paths[0]) + ': ' if paths else ''}{ids})"
 
 
-def check_token_ids(flag: str, prefix: str, token_range: tuple[int | None, int | None], tokenizer: Any,
-                    padded_vocab_size: int | None) -> None:
+def check_token_ids(
+    flag: str,
+    prefix: str,
+    token_range: tuple[int | None, int | None],
+    tokenizer: Any,
+    padded_vocab_size: int | None,
+) -> None:
     """Refuse data whose ids the model cannot take as they are meant.
 
     The bound is the tokenizer's vocabulary, not the padded one the embedding is built with: an id
@@ -127,19 +139,29 @@ def check_token_ids(flag: str, prefix: str, token_range: tuple[int | None, int |
     where = f"{flag}: {data_file_path(prefix)!r} holds token id"
     fix = "Train with the tokenizer the data was made with, or preprocess the data again with this one"
     if lo < 0:
-        raise DataError(f"{where} {lo}, a negative id that no tokenizer produces (the data is corrupt); {fix}")
+        raise DataError(
+            f"{where} {lo}, a negative id that no tokenizer produces (the data is corrupt); {fix}"
+        )
     if hi < min(vocab, rows):
         return
     if hi < vocab:  # an explicit --padded-vocab-size below the tokenizer's vocabulary
-        raise DataError(f"{where} {hi}, beyond the model's embedding of {rows} rows (--padded-vocab-size {rows}) "
-                         f"though inside the vocabulary of {describe_tokenizer(tokenizer)}; give a larger --padded-vocab-size")
-    effect = (f"index past the model's embedding of {rows} rows" if hi >= rows
-              else f"train padding row {hi} of the model's embedding of {rows} rows")
-    raise DataError(f"{where} {hi}, outside the vocabulary of {describe_tokenizer(tokenizer)}; it would {effect}. {fix}")
+        raise DataError(
+            f"{where} {hi}, beyond the model's embedding of {rows} rows (--padded-vocab-size {rows}) "
+            f"though inside the vocabulary of {describe_tokenizer(tokenizer)}; give a larger --padded-vocab-size"
+        )
+    effect = (
+        f"index past the model's embedding of {rows} rows"
+        if hi >= rows
+        else f"train padding row {hi} of the model's embedding of {rows} rows"
+    )
+    raise DataError(
+        f"{where} {hi}, outside the vocabulary of {describe_tokenizer(tokenizer)}; it would {effect}. {fix}"
+    )
 
 
-def check_data(config: GPTDatasetConfig, padded_vocab_size: int | None = None,
-               log: Callable[[str], Any] = print) -> None:
+def check_data(
+    config: GPTDatasetConfig, padded_vocab_size: int | None = None, log: Callable[[str], Any] = print
+) -> None:
     """Before any index is built: every dataset passes ``integrity.verify_dataset`` and its token ids
     fit the vocabulary (``check_token_ids``). Both come from ``integrity.dataset_stats``, computed
     once per version of the files (global rank 0; the first time a scan of the ``.bin`` unless its
@@ -152,12 +174,17 @@ def check_data(config: GPTDatasetConfig, padded_vocab_size: int | None = None,
         cache_dir = index_cache_dir(config, prefix)
         assert cache_dir is not None
         try:
-            stats = dataset_stats(IndexedDataset(prefix, mmap=config.mmap_bin_files), cache_dir,
-                                  config.cache_wait_timeout_s, log)
+            stats = dataset_stats(
+                IndexedDataset(prefix, mmap=config.mmap_bin_files),
+                cache_dir,
+                config.cache_wait_timeout_s,
+                log,
+            )
         except DataError as exc:
             raise DataError(f"{flag}: {exc}", params=exc.params) from None
-        check_token_ids(flag, prefix, (stats["token_id_min"], stats["token_id_max"]), config.tokenizer,
-                        padded_vocab_size)
+        check_token_ids(
+            flag, prefix, (stats["token_id_min"], stats["token_id_max"]), config.tokenizer, padded_vocab_size
+        )
 
 
 SPLIT_NAMES = ("train", "validation", "test")
@@ -172,10 +199,16 @@ def report_empty_splits(empty: dict[Split, str], log: Callable[[str], Any] = pri
         log(f" > {SPLIT_NAMES[split.value]} split is empty ({empty[split]}): {WITHOUT_SPLIT[split.value]}")
 
 
-def build_train_valid_test_datasets(data_cfg: Any, tokenizer: Any, seq_length: int, seed: int,
-                                    train_valid_test_num_samples: list[int], parallel_state: Any | None = None,
-                                    log: Callable[[str], Any] = print,
-                                    padded_vocab_size: int | None = None) -> tuple[Any, Any, Any]:
+def build_train_valid_test_datasets(
+    data_cfg: Any,
+    tokenizer: Any,
+    seq_length: int,
+    seed: int,
+    train_valid_test_num_samples: list[int],
+    parallel_state: Any | None = None,
+    log: Callable[[str], Any] = print,
+    padded_vocab_size: int | None = None,
+) -> tuple[Any, Any, Any]:
     """Build the three datasets on the ranks that hold data (None elsewhere and for unbuilt splits).
 
     Every rank must call this. Global rank 0 builds missing index caches; the other ranks poll for
@@ -199,10 +232,14 @@ def build_train_valid_test_datasets(data_cfg: Any, tokenizer: Any, seq_length: i
     config = core_gpt_dataset_config(data_cfg, tokenizer, seq_length, seed, log)
     cls = MockGPTDataset if config.mock else GPTDataset
     built_here = is_dataset_built_on_rank(parallel_state)
-    log(f"> building train, validation, and test datasets for GPT ({'mock data' if config.mock else 'indexed data'}) ...")
+    log(
+        f"> building train, validation, and test datasets for GPT ({'mock data' if config.mock else 'indexed data'}) ..."
+    )
     if not config.mock:
         check_data(config, padded_vocab_size, log)
-    builder = BlendedMegatronDatasetBuilder(cls, list(train_valid_test_num_samples), lambda: built_here, config)
+    builder = BlendedMegatronDatasetBuilder(
+        cls, list(train_valid_test_num_samples), lambda: built_here, config
+    )
     report_empty_splits(builder.empty_splits(), log)
     datasets = builder.build()
     for name, ds, want in zip(SPLIT_NAMES, datasets, train_valid_test_num_samples):
@@ -211,7 +248,9 @@ def build_train_valid_test_datasets(data_cfg: Any, tokenizer: Any, seq_length: i
         if isinstance(ds, BlendedDataset):
             log(f"    {name}: {len(ds)} samples (requested {want}) blended from {len(ds.datasets)} datasets")
         else:
-            log(f"    {name}: {len(ds)} samples (requested {want}), {ds.num_epochs} epoch(s) of "
-                f"{ds.dataset_path or 'mock data'}")
+            log(
+                f"    {name}: {len(ds)} samples (requested {want}), {ds.num_epochs} epoch(s) of "
+                f"{ds.dataset_path or 'mock data'}"
+            )
     log("> finished creating GPT datasets ...")
     return datasets[0], datasets[1], datasets[2]

@@ -16,7 +16,9 @@ def write_dataset(prefix: str, docs: list[np.ndarray], vocab_size: int = 1000) -
     return prefix
 
 
-def random_docs(seed: int, n: int, vocab_size: int = 1000, eod: int | None = None, max_len: int = 200) -> list[np.ndarray]:
+def random_docs(
+    seed: int, n: int, vocab_size: int = 1000, eod: int | None = None, max_len: int = 200
+) -> list[np.ndarray]:
     """Documents of random length whose last token is ``eod`` (vocab_size - 1 by default)."""
     rng = np.random.default_rng(seed)
     eod = vocab_size - 1 if eod is None else eod
@@ -27,15 +29,14 @@ def random_docs(seed: int, n: int, vocab_size: int = 1000, eod: int | None = Non
     return docs
 
 
-
-
 def train_byte_level_bpe(texts: list[str], out_dir: str, vocab_size: int = 400) -> tuple[str, str]:
     """A small GPT-2 style vocab.json + merges.txt trained on ``texts``."""
     from tokenizers import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer(add_prefix_space=False)
-    tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=1,
-                            special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=1, special_tokens=["<|endoftext|>"], show_progress=False
+    )
     tok.save_model(out_dir)
     return f"{out_dir}/vocab.json", f"{out_dir}/merges.txt"
 

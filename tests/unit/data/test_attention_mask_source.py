@@ -24,8 +24,9 @@ VOCAB, EOD, SEQ = 50, 49, 96
 
 
 def mock_train(**flags):
-    cfg = GPTDatasetConfig(random_seed=0, sequence_length=SEQ, tokenizer=NullTokenizer(VOCAB), log=lambda _: None,
-                           **flags)
+    cfg = GPTDatasetConfig(
+        random_seed=0, sequence_length=SEQ, tokenizer=NullTokenizer(VOCAB), log=lambda _: None, **flags
+    )
     return BlendedMegatronDatasetBuilder(MockGPTDataset, [64, 0, 0], lambda: True, cfg).build()[0]
 
 
@@ -52,12 +53,19 @@ def test_device_mask_is_the_loader_mask():
     assert torch.equal(document_attention_mask(batch["tokens"], EOD), batch["attention_mask"])
 
 
-@pytest.mark.parametrize("reset, in_loader, source, loader_mask", [
-    (False, True, CAUSAL, False), (False, False, CAUSAL, False),
-    (True, True, FROM_LOADER, True), (True, False, ON_DEVICE, False),
-])
+@pytest.mark.parametrize(
+    "reset, in_loader, source, loader_mask",
+    [
+        (False, True, CAUSAL, False),
+        (False, False, CAUSAL, False),
+        (True, True, FROM_LOADER, True),
+        (True, False, ON_DEVICE, False),
+    ],
+)
 def test_the_model_gets_a_mask_only_when_it_is_not_causal(reset, in_loader, source, loader_mask):
-    data = DataConfig(mock_data=True, reset_attention_mask=reset, create_attention_mask_in_dataloader=in_loader)
+    data = DataConfig(
+        mock_data=True, reset_attention_mask=reset, create_attention_mask_in_dataloader=in_loader
+    )
     assert attention_mask_source(data) == source
     config = core_gpt_dataset_config(data, NullTokenizer(VOCAB), SEQ, 0, log=lambda _: None)
     assert config.create_attention_mask is loader_mask  # the plain causal mask is never materialised
@@ -78,11 +86,17 @@ def test_the_model_gets_a_mask_only_when_it_is_not_causal(reset, in_loader, sour
 def test_the_flag_is_generated_with_megatrons_spelling():
     from megatron.training.arguments import parse_run_config
 
-    base = ("--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
-            "--train-iters 1 --lr 1e-3 --mock-data --vocab-size 64 --tokenizer-type NullTokenizer").split()
+    base = (
+        "--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 --micro-batch-size 1 "
+        "--train-iters 1 --lr 1e-3 --mock-data --vocab-size 64 --tokenizer-type NullTokenizer"
+    ).split()
     assert parse_run_config(base).data.create_attention_mask_in_dataloader is True  # Megatron's default
-    assert parse_run_config(base + ["--no-create-attention-mask-in-dataloader"]).data.create_attention_mask_in_dataloader \
+    assert (
+        parse_run_config(
+            base + ["--no-create-attention-mask-in-dataloader"]
+        ).data.create_attention_mask_in_dataloader
         is False
+    )
 
 
 def test_a_causal_mask_from_the_loader_is_not_passed_on():
@@ -95,4 +109,3 @@ def test_a_causal_mask_from_the_loader_is_not_passed_on():
     model = Recorder()
     forward_step(iter([batch]), model, attention_mask=CAUSAL)
     assert model.masks == [None]
-

@@ -45,8 +45,15 @@ def _worker(rank, world, init_file, prefix, cache, out_dir):
 
     if rank == 0:
         time.sleep(1.0)  # rank 1 must wait for the files, not build them itself
-    cfg = GPTDatasetConfig(random_seed=7, sequence_length=16, blend=([prefix], None), split="9,1,0",
-                           path_to_cache=cache, tokenizer=NullTokenizer(1000), log=lambda _: None)
+    cfg = GPTDatasetConfig(
+        random_seed=7,
+        sequence_length=16,
+        blend=([prefix], None),
+        split="9,1,0",
+        path_to_cache=cache,
+        tokenizer=NullTokenizer(1000),
+        log=lambda _: None,
+    )
     train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [100, 10, None], lambda: True, cfg).build()
     np.save(os.path.join(out_dir, f"rank{rank}.npy"), np.asarray(train.shuffle_index))
     dist.barrier()

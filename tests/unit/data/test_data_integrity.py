@@ -34,8 +34,15 @@ def megatron_pair(prefix: str, docs: list[np.ndarray], dtype=np.uint16) -> str:
 
 
 def config(prefixes, cache=None, vocab=1000) -> GPTDatasetConfig:
-    return GPTDatasetConfig(random_seed=1, sequence_length=16, blend=(prefixes, None), split="1,0,0",
-                            path_to_cache=cache, tokenizer=NullTokenizer(vocab), log=lambda _: None)
+    return GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=16,
+        blend=(prefixes, None),
+        split="1,0,0",
+        path_to_cache=cache,
+        tokenizer=NullTokenizer(vocab),
+        log=lambda _: None,
+    )
 
 
 # ------------------------------------------------------------------------------ replacing a pair
@@ -100,8 +107,11 @@ def test_bin_larger_than_its_index_is_refused(tmp_path):
     small = megatron_pair(str(tmp_path / "small"), random_docs(0, 10))
     big = megatron_pair(str(tmp_path / "big"), random_docs(1, 40))
     os.replace(small + ".idx", big + ".idx")
-    with pytest.raises(ValueError, match=r"holds \d+ bytes, but its index .*big.idx' ends its last document at "
-                                         r"byte \d+: they are not one dataset"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds \d+ bytes, but its index .*big.idx' ends its last document at "
+        r"byte \d+: they are not one dataset",
+    ):
         IndexedDataset(big)
 
 
@@ -119,15 +129,21 @@ def test_index_contents_are_checked(tmp_path):
     integrity.verify_dataset(IndexedDataset(prefix))
     idx(pointers=(0, 2, 6))  # sequence 1 overlaps sequence 0; the last one still ends at byte 10
     ds = IndexedDataset(prefix)  # the sizes agree: only the contents tell
-    with pytest.raises(ValueError, match=r"d.idx' is corrupt: sequence 1 starts at byte 2, but the lengths before "
-                                         r"it end at byte 4$"):
+    with pytest.raises(
+        ValueError,
+        match=r"d.idx' is corrupt: sequence 1 starts at byte 2, but the lengths before "
+        r"it end at byte 4$",
+    ):
         integrity.verify_dataset(ds)
     idx(documents=struct.pack("<4q", 0, 2, 1, 3))
     with pytest.raises(ValueError, match=r"d.idx' is corrupt: document 1 ends before it starts \(2 > 1\)$"):
         integrity.verify_dataset(IndexedDataset(prefix))
     idx(tail=b"\x00" * 7)
-    with pytest.raises(ValueError, match=r"d.idx' is corrupt: 109 bytes, its header describes 102 \(3 sequences, "
-                                         r"3 documents\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"d.idx' is corrupt: 109 bytes, its header describes 102 \(3 sequences, "
+        r"3 documents\)$",
+    ):
         IndexedDataset(prefix)
     idx(tail=b"\x00" * 3)  # sequence modes of a multimodal file: read as text data, as Megatron does
     integrity.verify_dataset(IndexedDataset(prefix))
@@ -138,8 +154,11 @@ def test_same_size_files_of_another_dataset_fail_the_record(tmp_path):
     a = write_dataset(str(tmp_path / "a"), docs)
     b = write_dataset(str(tmp_path / "b"), [(d + 1) % 999 for d in docs])  # same lengths, other tokens
     os.replace(b + ".bin", a + ".bin")
-    with pytest.raises(ValueError, match=r"a.bin/.idx do not match their checksum record .*a/checksum.json' "
-                                         r"\(sampled .bin blocks differ from the record\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"a.bin/.idx do not match their checksum record .*a/checksum.json' "
+        r"\(sampled .bin blocks differ from the record\)",
+    ):
         integrity.verify_dataset(IndexedDataset(a))
     a = write_dataset(str(tmp_path / "a2"), docs)
     c = write_dataset(str(tmp_path / "c"), docs[::-1])  # the same lengths in another order
@@ -198,13 +217,24 @@ def test_scan_in_chunks_matches_numpy(tmp_path, monkeypatch):
     assert integrity.scan_token_range(str(tmp_path / "x.bin"), np.int32, 0) is None
 
 
-@pytest.mark.parametrize("vocab, padded, message", [
-    (1000, 1024, None),
-    (990, 1024, r"^--data-path: '.*d.bin' holds token id 999, outside the vocabulary of NullTokenizer \(--vocab-size "
-                r"990: ids 0 to 989\); it would train padding row 999 of the model's embedding of 1024 rows\. "),
-    (900, 960, r"holds token id 999, .* it would index past the model's embedding of 960 rows"),
-    (1000, 512, r"holds token id 999, beyond the model's embedding of 512 rows \(--padded-vocab-size 512\)"),
-])
+@pytest.mark.parametrize(
+    "vocab, padded, message",
+    [
+        (1000, 1024, None),
+        (
+            990,
+            1024,
+            r"^--data-path: '.*d.bin' holds token id 999, outside the vocabulary of NullTokenizer \(--vocab-size "
+            r"990: ids 0 to 989\); it would train padding row 999 of the model's embedding of 1024 rows\. ",
+        ),
+        (900, 960, r"holds token id 999, .* it would index past the model's embedding of 960 rows"),
+        (
+            1000,
+            512,
+            r"holds token id 999, beyond the model's embedding of 512 rows \(--padded-vocab-size 512\)",
+        ),
+    ],
+)
 def test_vocabulary_bound(tmp_path, vocab, padded, message):
     prefix = write_dataset(str(tmp_path / "d"), random_docs(0, 40))  # ids 0 to 999
     cfg = config([prefix], vocab=vocab)
@@ -218,8 +248,13 @@ def test_vocabulary_bound(tmp_path, vocab, padded, message):
 def test_negative_ids_and_per_split_flags(tmp_path):
     good = write_dataset(str(tmp_path / "good"), random_docs(0, 20))
     bad = megatron_pair(str(tmp_path / "bad"), [np.array([3, -2, 5])], dtype=np.int32)
-    cfg = GPTDatasetConfig(random_seed=1, sequence_length=2, blend_per_split=[([good], None), ([bad], None), None],
-                           tokenizer=NullTokenizer(1000), log=lambda _: None)
+    cfg = GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=2,
+        blend_per_split=[([good], None), ([bad], None), None],
+        tokenizer=NullTokenizer(1000),
+        log=lambda _: None,
+    )
     with pytest.raises(ValueError, match=r"^--valid-data-path: '.*bad.bin' holds token id -2, a negative id"):
         check_data(cfg, 1024)
 
@@ -238,8 +273,13 @@ def test_other_ranks_wait_for_rank_0_and_share_its_error(tmp_path, monkeypatch):
 
     path, key = str(tmp_path / "c" / "x-stats.json"), {"k": 1}
     monkeypatch.setattr(utils, "global_rank", lambda: 1)
-    writer = threading.Timer(0.3, lambda: (os.makedirs(tmp_path / "c"), open(path, "w").write(
-        json.dumps({"key": key, "result": {"v": 3}}))))
+    writer = threading.Timer(
+        0.3,
+        lambda: (
+            os.makedirs(tmp_path / "c"),
+            open(path, "w").write(json.dumps({"key": key, "result": {"v": 3}})),
+        ),
+    )
     writer.start()
     assert build_or_wait_json(path, key, lambda: {"v": 0}, 10, poll_s=0.05) == {"v": 3}
     other = str(tmp_path / "c" / "y-stats.json")
@@ -254,16 +294,23 @@ def test_other_ranks_wait_for_rank_0_and_share_its_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="again"):
         build_or_wait_json(other, key, fail, 10)
     assert json.load(open(other + ".error")) == {"type": "ValueError", "message": "again"}
-    assert build_or_wait_json(other, key, lambda: {"v": 1}, 10) == {"v": 1} and not os.path.exists(other + ".error")
+    assert build_or_wait_json(other, key, lambda: {"v": 1}, 10) == {"v": 1} and not os.path.exists(
+        other + ".error"
+    )
 
 
 # ------------------------------------------------------------------------------ blends
 def test_weights_and_prefixes_must_alternate(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"^--data-path '0.5 A 0.5': weights and prefixes must alternate \(WEIGHT "
-                                         r"PREFIX \[WEIGHT PREFIX \.\.\.\], e\.g\. 0\.3 A 0\.7 B\) or be prefixes "
-                                         r"only; 3 entries cannot pair up$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--data-path '0.5 A 0.5': weights and prefixes must alternate \(WEIGHT "
+        r"PREFIX \[WEIGHT PREFIX \.\.\.\], e\.g\. 0\.3 A 0\.7 B\) or be prefixes "
+        r"only; 3 entries cannot pair up$",
+    ):
         get_blend_from_list(["0.5", "A", "0.5"])
-    with pytest.raises(ValueError, match=r"^--train-data-path 'A 0.5 B 0.5': .*; 'A' stands where a weight should be"):
+    with pytest.raises(
+        ValueError, match=r"^--train-data-path 'A 0.5 B 0.5': .*; 'A' stands where a weight should be"
+    ):
         get_blend_from_list(["A 0.5 B 0.5"], "--train-data-path")
     assert get_blend_from_list(["0.3", "A", "0.7", "B"]) == (["A", "B"], [0.3, 0.7])
     assert get_blend_from_list(["A", "B", "C"]) == (["A", "B", "C"], None)

@@ -13,8 +13,9 @@ from megatron.training.datasets.provider import report_empty_splits
 
 
 def builder(sizes, seq=16, on_rank=True, **blends):
-    cfg = GPTDatasetConfig(random_seed=1, sequence_length=seq, tokenizer=NullTokenizer(1000), log=lambda _: None,
-                           **blends)
+    cfg = GPTDatasetConfig(
+        random_seed=1, sequence_length=seq, tokenizer=NullTokenizer(1000), log=lambda _: None, **blends
+    )
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: on_rank, cfg)
 
 
@@ -31,16 +32,22 @@ def test_rounded_away_split_is_not_built_and_named(corpus_399):
     assert len(train) >= 40 and len(valid) >= 8 and test is None
     logs: list[str] = []
     report_empty_splits(b.empty_splits(), logs.append)
-    assert logs == [" > test split is empty (--split 949,50,1 gives it 0 of 399 documents): no test evaluation"]
+    assert logs == [
+        " > test split is empty (--split 949,50,1 gives it 0 of 399 documents): no test evaluation"
+    ]
 
 
 def test_every_rank_reaches_the_same_verdict(corpus_399):
     """A rank that builds no dataset still names the empty split and refuses an empty train split."""
-    assert builder([40, 8, 8], on_rank=False, blend=([corpus_399], None), split="949,50,1").empty_splits() \
-        == {Split.test: "--split 949,50,1 gives it 0 of 399 documents"}
+    assert builder(
+        [40, 8, 8], on_rank=False, blend=([corpus_399], None), split="949,50,1"
+    ).empty_splits() == {Split.test: "--split 949,50,1 gives it 0 of 399 documents"}
     for on_rank in (True, False):
-        with pytest.raises(ValueError, match=r"^train split is empty \(--split 0,50,50 gives it 0 of 399 "
-                                             r"documents\); give it a share, e.g. --split 969,30,1$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^train split is empty \(--split 0,50,50 gives it 0 of 399 "
+            r"documents\); give it a share, e.g. --split 969,30,1$",
+        ):
             builder([40, 8, 8], on_rank=on_rank, blend=([corpus_399], None), split="0,50,50").build()
 
 
@@ -54,8 +61,11 @@ def test_zero_share_and_too_few_tokens(tmp_path, corpus_399):
         Split.test: "--split 98,1,1 gives it 1 of 100 documents, 3 tokens, fewer than one sample of 17",
     }
     assert b.build()[1:] == [None, None]
-    with pytest.raises(ValueError, match=r"^train split is empty \(--split 1,1,1 gives it 33 of 100 documents, 99 "
-                                         r"tokens, fewer than one sample of 401\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^train split is empty \(--split 1,1,1 gives it 33 of 100 documents, 99 "
+        r"tokens, fewer than one sample of 401\)",
+    ):
         builder([40, 8, 8], seq=400, blend=([tiny], None), split="1,1,1").build()
 
 
@@ -81,22 +91,28 @@ def test_blends(tmp_path):
     test = b.build()[2]
     assert len(test) == len(test.datasets[0]) > 0 and len(test.datasets[1]) == 0
     assert builder([40, 8, 8], blend=([small, small], None), split="949,50,1").empty_splits() == {
-        Split.test: f"--split 949,50,1 gives it 0 of 10 documents of {small}; 0 of 10 documents of {small}"}
+        Split.test: f"--split 949,50,1 gives it 0 of 10 documents of {small}; 0 of 10 documents of {small}"
+    }
 
 
 def test_per_split_paths(tmp_path, corpus_399):
     tiny = write_dataset(str(tmp_path / "tiny"), [[1, 2, 3]])
     b = builder([40, 8, 8], blend_per_split=[([corpus_399], None), None, ([tiny], None)])
     assert b.empty_splits() == {
-        Split.test: f"--test-data-path gives it 1 of 1 documents of {tiny}, 3 tokens, fewer than one sample of 17"}
+        Split.test: f"--test-data-path gives it 1 of 1 documents of {tiny}, 3 tokens, fewer than one sample of 17"
+    }
     assert b.build()[1:] == [None, None]
-    with pytest.raises(ValueError, match=r"^train split is empty \(--train-data-path .*; give --train-data-path"):
+    with pytest.raises(
+        ValueError, match=r"^train split is empty \(--train-data-path .*; give --train-data-path"
+    ):
         builder([40, 8, 8], blend_per_split=[([tiny], None), None, None]).build()
 
 
 def test_mock_data_with_a_zero_share():
     cfg = GPTDatasetConfig(random_seed=1, sequence_length=16, tokenizer=NullTokenizer(100), split="100,0,0")
     b = BlendedMegatronDatasetBuilder(MockGPTDataset, [10, 8, 8], lambda: True, cfg)
-    assert b.empty_splits() == {Split.valid: "--split 100,0,0 gives it 0 of 100000 documents",
-                                Split.test: "--split 100,0,0 gives it 0 of 100000 documents"}
+    assert b.empty_splits() == {
+        Split.valid: "--split 100,0,0 gives it 0 of 100000 documents",
+        Split.test: "--split 100,0,0 gives it 0 of 100000 documents",
+    }
     assert len(b.build()[0]) >= 10

@@ -17,9 +17,15 @@ from megatron.core.tokenizer import NullTokenizer
 
 
 def build(prefixes, sizes, seed=1, seq=32, split="1,0,0", cache=None, weights=None, logs=None):
-    cfg = GPTDatasetConfig(random_seed=seed, sequence_length=seq, blend=(prefixes, weights), split=split,
-                           path_to_cache=cache, tokenizer=NullTokenizer(1000),
-                           log=(logs.append if logs is not None else lambda _: None))
+    cfg = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq,
+        blend=(prefixes, weights),
+        split=split,
+        path_to_cache=cache,
+        tokenizer=NullTokenizer(1000),
+        log=(logs.append if logs is not None else lambda _: None),
+    )
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, cfg).build()
 
 
@@ -70,8 +76,8 @@ def test_every_token_once_per_epoch(small_dataset):
     inverse = np.argsort(ds.shuffle_index)
     for j in range(len(ds)):
         s = ds[int(inverse[j])]
-        assert np.array_equal(s["tokens"].numpy(), stream[j * S:(j + 1) * S])
-        assert np.array_equal(s["labels"].numpy(), stream[j * S + 1:(j + 1) * S + 1])
+        assert np.array_equal(s["tokens"].numpy(), stream[j * S : (j + 1) * S])
+        assert np.array_equal(s["labels"].numpy(), stream[j * S + 1 : (j + 1) * S + 1])
 
 
 def test_multiple_epochs_and_separate_last_epoch(small_dataset):
@@ -95,7 +101,11 @@ def test_splits_are_disjoint_document_ranges(small_dataset):
 
 def test_deterministic_and_seed_dependent(small_dataset):
     prefix, _ = small_dataset
-    a, b, c = build([prefix], [50, 0, 0])[0], build([prefix], [50, 0, 0])[0], build([prefix], [50, 0, 0], seed=2)[0]
+    a, b, c = (
+        build([prefix], [50, 0, 0])[0],
+        build([prefix], [50, 0, 0])[0],
+        build([prefix], [50, 0, 0], seed=2)[0],
+    )
     assert np.array_equal(a.shuffle_index, b.shuffle_index)
     assert not np.array_equal(a.shuffle_index, c.shuffle_index)
 
@@ -146,7 +156,9 @@ def test_blend_without_weights_uses_sizes(tmp_path):
     (blend, _, _) = build(prefixes, [None, None, None])
     assert len(blend) == sum(len(d) for d in blend.datasets)
     for d, child in enumerate(blend.datasets):
-        assert sorted(blend.dataset_sample_index[blend.dataset_index == d].tolist()) == list(range(len(child)))
+        assert sorted(blend.dataset_sample_index[blend.dataset_index == d].tolist()) == list(
+            range(len(child))
+        )
 
 
 def test_too_small_split_names_the_flag(tmp_path):

@@ -20,7 +20,7 @@ def test_round_trip_and_partial_reads(small_dataset):
     for i in (0, 17, len(docs) - 1):
         assert np.array_equal(ds[i], docs[i])
         n = len(docs[i])
-        assert np.array_equal(ds.get(i, n // 2), docs[i][n // 2:])
+        assert np.array_equal(ds.get(i, n // 2), docs[i][n // 2 :])
         assert np.array_equal(ds.get(i, 0, min(3, n)), docs[i][: min(3, n)])
     with pytest.raises(IndexError):
         ds.get(0, 0, len(docs[0]) + 1)
@@ -84,14 +84,21 @@ def test_bulk_add_documents_equals_item_by_item(tmp_path):
         assert open(one + ext, "rb").read() == open(bulk + ext, "rb").read()
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda idx, bin_: idx.write_bytes(b"XXXXXXXXX" + idx.read_bytes()[9:]), "bad magic"),
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:9] + struct.pack("<Q", 2) + idx.read_bytes()[17:]),
-     "version 2"),
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:-9]), "truncated"),
-    (lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:-2]), "truncated"),
-    (lambda idx, bin_: bin_.unlink(), "does not exist"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda idx, bin_: idx.write_bytes(b"XXXXXXXXX" + idx.read_bytes()[9:]), "bad magic"),
+        (
+            lambda idx, bin_: idx.write_bytes(
+                idx.read_bytes()[:9] + struct.pack("<Q", 2) + idx.read_bytes()[17:]
+            ),
+            "version 2",
+        ),
+        (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:-9]), "truncated"),
+        (lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:-2]), "truncated"),
+        (lambda idx, bin_: bin_.unlink(), "does not exist"),
+    ],
+)
 def test_corruption_is_reported_with_the_file(small_dataset, damage, message):
     from pathlib import Path
 

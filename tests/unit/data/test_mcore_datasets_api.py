@@ -58,23 +58,34 @@ def test_exhaustive_validation_split_samples(tmp_path, extra, drop_last):
     lengths = [7, 1, 12, 5, 3, 9, 4]
     prefix = write_dataset(str(tmp_path / "d"), _docs(lengths))
     S = 8
-    cfg = GPTDatasetConfig(random_seed=3, sequence_length=S, blend=([prefix], None), split="0,1,0",
-                           tokenizer=NullTokenizer(1000), reset_position_ids=False, reset_attention_mask=False,
-                           eod_mask_loss=False, add_extra_token_to_sequence=extra,
-                           drop_last_partial_validation_sequence=drop_last, path_to_cache=str(tmp_path / "c"), **QUIET)
+    cfg = GPTDatasetConfig(
+        random_seed=3,
+        sequence_length=S,
+        blend=([prefix], None),
+        split="0,1,0",
+        tokenizer=NullTokenizer(1000),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        add_extra_token_to_sequence=extra,
+        drop_last_partial_validation_sequence=drop_last,
+        path_to_cache=str(tmp_path / "c"),
+        **QUIET,
+    )
     _, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [0, None, 0], lambda: True, cfg).build()
     e = int(extra)
     total = sum(lengths)
     n = (total - e) // S if drop_last else math.ceil((total - e) / S)
     assert len(valid) == n
     sizes = np.asarray(lengths)
-    np.testing.assert_array_equal(valid.sample_index, reference_sample_index(sizes, valid.document_index, S, e,
-                                                                             drop_last))
+    np.testing.assert_array_equal(
+        valid.sample_index, reference_sample_index(sizes, valid.document_index, S, e, drop_last)
+    )
     stream = np.concatenate([_docs(lengths)[d] for d in valid.document_index])
     by_position = {int(j): i for i, j in enumerate(valid.shuffle_index)}
     for j in range(n):
         sample = valid[by_position[j]]
-        text = stream[j * S: j * S + S + e]  # the real tokens of sample j; the rest is padding
+        text = stream[j * S : j * S + S + e]  # the real tokens of sample j; the rest is padding
         ntok, n_labels = min(len(text), S), len(text) - 1
         assert sample["tokens"].shape == sample["labels"].shape == (S,)
         np.testing.assert_array_equal(sample["tokens"][:ntok].numpy(), text[:ntok])
@@ -85,16 +96,34 @@ def test_exhaustive_validation_split_samples(tmp_path, extra, drop_last):
 
 
 def test_gpt_dataset_config_fields_and_defaults(null_tokenizer):
-    cfg = GPTDatasetConfig(random_seed=1, sequence_length=4, tokenizer=null_tokenizer, reset_position_ids=False,
-                           reset_attention_mask=False, eod_mask_loss=False)
+    cfg = GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=4,
+        tokenizer=null_tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
     defaults = {
-        "multiple_validation_sets": None, "full_validation": None, "num_dataset_builder_threads": 1,
-        "path_to_cache": None, "mmap_bin_files": True, "mid_level_dataset_surplus": 0.005,
-        "allow_ambiguous_pad_tokens": False, "fast_cache_load": False, "defer_npy_index_mmap": False,
-        "create_attention_mask": True, "drop_last_partial_validation_sequence": True,
-        "add_extra_token_to_sequence": True, "object_storage_cache_path": None, "data_parallel_size": 1,
-        "sequence_parallel_size": 0, "hybrid_context_parallel": False, "sequences_per_dataset": None,
-        "context_parallel_size": None, "inter_document_masking": False,
+        "multiple_validation_sets": None,
+        "full_validation": None,
+        "num_dataset_builder_threads": 1,
+        "path_to_cache": None,
+        "mmap_bin_files": True,
+        "mid_level_dataset_surplus": 0.005,
+        "allow_ambiguous_pad_tokens": False,
+        "fast_cache_load": False,
+        "defer_npy_index_mmap": False,
+        "create_attention_mask": True,
+        "drop_last_partial_validation_sequence": True,
+        "add_extra_token_to_sequence": True,
+        "object_storage_cache_path": None,
+        "data_parallel_size": 1,
+        "sequence_parallel_size": 0,
+        "hybrid_context_parallel": False,
+        "sequences_per_dataset": None,
+        "context_parallel_size": None,
+        "inter_document_masking": False,
     }
     for name, value in defaults.items():
         assert getattr(cfg, name) == value, name
@@ -105,30 +134,48 @@ def test_gpt_dataset_config_fields_and_defaults(null_tokenizer):
     init_false = {f.name for f in dataclasses.fields(GPTDatasetConfig) if not f.init}
     assert {"split_matrix", "mock", "token_dtype_code"} <= init_false
     # the masking flags default to None as in Megatron-Core; None reads as False here
-    assert GPTDatasetConfig(random_seed=1, sequence_length=4, tokenizer=null_tokenizer).reset_position_ids is None
+    assert (
+        GPTDatasetConfig(random_seed=1, sequence_length=4, tokenizer=null_tokenizer).reset_position_ids
+        is None
+    )
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"blend": (["a", "b"], [1.0])}, "blend"),
-    ({"blend": (["a"], None)}, "split"),
-    ({"blend_per_split": [(["a"], None), None]}, "blend_per_split"),
-    ({"blend_per_split": [(["a"], None), None, None], "split": "1,1,1"}, "split"),
-    ({"fast_cache_load": True}, "path_to_cache"),
-    ({"defer_npy_index_mmap": True}, "path_to_cache"),
-    ({"hybrid_context_parallel": True}, "hybrid_context_parallel"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"blend": (["a", "b"], [1.0])}, "blend"),
+        ({"blend": (["a"], None)}, "split"),
+        ({"blend_per_split": [(["a"], None), None]}, "blend_per_split"),
+        ({"blend_per_split": [(["a"], None), None, None], "split": "1,1,1"}, "split"),
+        ({"fast_cache_load": True}, "path_to_cache"),
+        ({"defer_npy_index_mmap": True}, "path_to_cache"),
+        ({"hybrid_context_parallel": True}, "hybrid_context_parallel"),
+    ],
+)
 def test_config_checks_name_the_field(null_tokenizer, kwargs, name):
     with pytest.raises(ValueError, match=name):
         GPTDatasetConfig(random_seed=1, sequence_length=4, tokenizer=null_tokenizer, **kwargs)
 
 
 def test_accepted_fields_without_effect(null_tokenizer, tmp_path):
-    cfg = GPTDatasetConfig(random_seed=1, sequence_length=4, tokenizer=null_tokenizer, data_parallel_size=4,
-                           sequence_parallel_size=2, context_parallel_size=2, full_validation=True,
-                           multiple_validation_sets=False, num_dataset_builder_threads=4,
-                           fast_cache_load=True, defer_npy_index_mmap=True, path_to_cache=str(tmp_path),
-                           blend_per_split=[None, None, None], object_storage_cache_path=str(tmp_path),
-                           sequences_per_dataset={"a": 1}, **QUIET)
+    cfg = GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=4,
+        tokenizer=null_tokenizer,
+        data_parallel_size=4,
+        sequence_parallel_size=2,
+        context_parallel_size=2,
+        full_validation=True,
+        multiple_validation_sets=False,
+        num_dataset_builder_threads=4,
+        fast_cache_load=True,
+        defer_npy_index_mmap=True,
+        path_to_cache=str(tmp_path),
+        blend_per_split=[None, None, None],
+        object_storage_cache_path=str(tmp_path),
+        sequences_per_dataset={"a": 1},
+        **QUIET,
+    )
     assert cfg.mock and cfg.blend_per_split is None
     with pytest.raises(ValueError, match="object storage"):
         GPTDataset.build_low_level_dataset("s3://bucket/data", cfg)
@@ -138,16 +185,22 @@ def test_inter_document_masking_cu_seqlens():
     """With inter_document_masking a sample carries cu_seqlens (document boundaries padded with S to
     S + 1 entries), max_seqlen and per-document positions, and no attention mask."""
     tok = NullTokenizer(5000)  # eod 4999, and mock documents are shorter than 4096 tokens
-    cfg = GPTDatasetConfig(random_seed=0, sequence_length=16, tokenizer=tok, inter_document_masking=True, **QUIET)
+    cfg = GPTDatasetConfig(
+        random_seed=0, sequence_length=16, tokenizer=tok, inter_document_masking=True, **QUIET
+    )
     low = MockGPTDataset.build_low_level_dataset(None, cfg)
     short = np.flatnonzero(low.sequence_lengths < 12)[:30].astype(np.int32)
     ds = MockGPTDataset(low, None, short, 6, Split.train, cfg)
     for i in range(len(ds)):
         s = ds[i]
-        assert "attention_mask" not in s and s["cu_seqlens"].shape == (17,) and s["cu_seqlens"].dtype == torch.int32
+        assert (
+            "attention_mask" not in s
+            and s["cu_seqlens"].shape == (17,)
+            and s["cu_seqlens"].dtype == torch.int32
+        )
         cu = s["cu_seqlens"]
         ends = [0] + [k + 1 for k in range(15) if s["tokens"][k] == 4999] + [16]
-        assert cu[: len(ends)].tolist() == ends and (cu[len(ends):] == 16).all()
+        assert cu[: len(ends)].tolist() == ends and (cu[len(ends) :] == 16).all()
         assert int(s["max_seqlen"]) == max(b - a for a, b in zip(ends, ends[1:]))
         for a, b in zip(ends, ends[1:]):
             assert s["position_ids"][a:b].tolist() == list(range(b - a))
@@ -181,9 +234,16 @@ class TokenListDataset(MegatronDataset):
 
 
 def test_custom_megatron_dataset_through_the_builder(null_tokenizer):
-    cfg = BlendedMegatronDatasetConfig(random_seed=1, sequence_length=3, blend=(["docs-10", "docs-20"], [1, 3]),
-                                       split="8,2,0", tokenizer=null_tokenizer)
-    train, valid, test = BlendedMegatronDatasetBuilder(TokenListDataset, [40, None, 0], lambda: True, cfg).build()
+    cfg = BlendedMegatronDatasetConfig(
+        random_seed=1,
+        sequence_length=3,
+        blend=(["docs-10", "docs-20"], [1, 3]),
+        split="8,2,0",
+        tokenizer=null_tokenizer,
+    )
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        TokenListDataset, [40, None, 0], lambda: True, cfg
+    ).build()
     assert test is None
     assert len(train) == 40 and len(valid) == 2 + 4
     first = train.datasets[0]
@@ -203,8 +263,13 @@ def test_base_class_contract():
         MegatronDataset(None, None, np.arange(1), None, Split.train, None)  # abstract
     with pytest.raises(NotImplementedError):
         MegatronDataset.numel_low_level_dataset([])
-    assert MegatronDataset._key_config_attributes() == ["random_seed", "sequence_length", "split", "split_matrix",
-                                                        "tokenizer"]
+    assert MegatronDataset._key_config_attributes() == [
+        "random_seed",
+        "sequence_length",
+        "split",
+        "split_matrix",
+        "tokenizer",
+    ]
     assert issubclass(GPTDataset, MegatronDataset) and issubclass(MockGPTDataset, GPTDataset)
 
 
@@ -212,13 +277,27 @@ def test_pad_colliding_with_eod_is_not_masked(null_tokenizer):
     tok = NullTokenizer(10, pad_id=9)  # pad == eod
     cfg = GPTDatasetConfig(random_seed=0, sequence_length=8, tokenizer=tok, **QUIET)
     with pytest.warns(UserWarning, match="pad token"):
-        ds = MockGPTDataset(MockGPTDataset.build_low_level_dataset(None, cfg), None, np.arange(3, dtype=np.int32),
-                            2, Split.train, cfg)
+        ds = MockGPTDataset(
+            MockGPTDataset.build_low_level_dataset(None, cfg),
+            None,
+            np.arange(3, dtype=np.int32),
+            2,
+            Split.train,
+            cfg,
+        )
     assert ds._pad_token_id == -1
-    cfg = GPTDatasetConfig(random_seed=0, sequence_length=8, tokenizer=tok, allow_ambiguous_pad_tokens=True, **QUIET)
+    cfg = GPTDatasetConfig(
+        random_seed=0, sequence_length=8, tokenizer=tok, allow_ambiguous_pad_tokens=True, **QUIET
+    )
     with pytest.warns(UserWarning, match="pad token"):
-        ds = MockGPTDataset(MockGPTDataset.build_low_level_dataset(None, cfg), None, np.arange(3, dtype=np.int32),
-                            2, Split.train, cfg)
+        ds = MockGPTDataset(
+            MockGPTDataset.build_low_level_dataset(None, cfg),
+            None,
+            np.arange(3, dtype=np.int32),
+            2,
+            Split.train,
+            cfg,
+        )
     assert ds._pad_token_id == 9
 
 
@@ -233,8 +312,14 @@ def test_utils_names():
 def test_padding_sample_is_sample_zero_without_loss(null_tokenizer):
     """ds[None] pads a batch: Megatron returns sample 0's tokens with a zero loss mask."""
     cfg = GPTDatasetConfig(random_seed=0, sequence_length=16, tokenizer=null_tokenizer, **QUIET)
-    ds = MockGPTDataset(MockGPTDataset.build_low_level_dataset(None, cfg), None, np.arange(3, dtype=np.int32), 2,
-                        Split.train, cfg)
+    ds = MockGPTDataset(
+        MockGPTDataset.build_low_level_dataset(None, cfg),
+        None,
+        np.arange(3, dtype=np.int32),
+        2,
+        Split.train,
+        cfg,
+    )
     pad, first = ds[None], ds[0]
     assert torch.equal(pad["tokens"], first["tokens"]) and torch.equal(pad["labels"], first["labels"])
     assert not pad["loss_mask"].any() and first["loss_mask"].all()

@@ -12,7 +12,9 @@ from data_test_utils import random_docs, write_dataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-_spec = importlib.util.spec_from_file_location("merge_datasets", os.path.join(ROOT, "tools", "merge_datasets.py"))
+_spec = importlib.util.spec_from_file_location(
+    "merge_datasets", os.path.join(ROOT, "tools", "merge_datasets.py")
+)
 merge_tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(merge_tool)
 
@@ -40,8 +42,10 @@ def documents(prefix: str) -> list[list[int]]:
 def two(tmp_path):
     """Datasets a and b in tmp_path/data, each also a directory holding an index cache."""
     os.makedirs(tmp_path / "data")
-    return [with_cache(write_dataset(str(tmp_path / "data" / name), random_docs(seed, 5 + seed)))
-            for seed, name in enumerate("ab")]
+    return [
+        with_cache(write_dataset(str(tmp_path / "data" / name), random_docs(seed, 5 + seed)))
+        for seed, name in enumerate("ab")
+    ]
 
 
 def test_prefix_that_is_also_a_directory(tmp_path, capsys, two):
@@ -58,23 +62,43 @@ def test_directory_merges_its_top_level_pairs_only(tmp_path, capsys, two):
         assert rc == 0, err
         assert documents(out) == documents(two[0]) + documents(two[1])
     rc, err = merge(capsys, two[0] + os.sep, out=str(tmp_path / "m"))  # DIR/ asks for the directory
-    assert rc == 2 and err == (f"error: --input directory '{two[0]}{os.sep}' holds no .bin/.idx pairs at its top "
-                               "level (sub-directories, such as index caches, are not read)")
+    assert rc == 2 and err == (
+        f"error: --input directory '{two[0]}{os.sep}' holds no .bin/.idx pairs at its top "
+        "level (sub-directories, such as index caches, are not read)"
+    )
 
 
-@pytest.mark.parametrize("case, message", [
-    ("lone_bin", "error: --input directory '{d}': '{d}/c.bin' has no '{d}/c.idx'; give both files of a dataset, "
-                 "or move it out"),
-    ("lone_idx", "error: --input directory '{d}': '{d}/c.idx' has no '{d}/c.bin'; give both files of a dataset, "
-                 "or move it out"),
-    ("twice", "error: --input names the dataset '{d}/a' twice (via '{d}' and '{d}/a'); list each dataset once"),
-    ("suffix", "error: --input '{d}/a.idx': give the prefix '{d}/a', without .bin/.idx"),
-    ("missing", "error: --input '{d}/nope' is neither a dataset prefix ({d}/nope.bin + {d}/nope.idx) nor a "
-                "directory"),
-    ("output_is_input", "error: --output-prefix '{d}/a' is also an --input; write to a new prefix"),
-    ("dtypes", "error: --input datasets store different token dtypes ({d}/a (uint16), {d}/b (uint16), {d}/c "
-               "(int32)); merge datasets preprocessed with one tokenizer"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (
+            "lone_bin",
+            "error: --input directory '{d}': '{d}/c.bin' has no '{d}/c.idx'; give both files of a dataset, "
+            "or move it out",
+        ),
+        (
+            "lone_idx",
+            "error: --input directory '{d}': '{d}/c.idx' has no '{d}/c.bin'; give both files of a dataset, "
+            "or move it out",
+        ),
+        (
+            "twice",
+            "error: --input names the dataset '{d}/a' twice (via '{d}' and '{d}/a'); list each dataset once",
+        ),
+        ("suffix", "error: --input '{d}/a.idx': give the prefix '{d}/a', without .bin/.idx"),
+        (
+            "missing",
+            "error: --input '{d}/nope' is neither a dataset prefix ({d}/nope.bin + {d}/nope.idx) nor a "
+            "directory",
+        ),
+        ("output_is_input", "error: --output-prefix '{d}/a' is also an --input; write to a new prefix"),
+        (
+            "dtypes",
+            "error: --input datasets store different token dtypes ({d}/a (uint16), {d}/b (uint16), {d}/c "
+            "(int32)); merge datasets preprocessed with one tokenizer",
+        ),
+    ],
+)
 def test_mistakes_stop_before_writing(tmp_path, capsys, two, case, message):
     d = str(tmp_path / "data")
     inputs, out = [d], str(tmp_path / "m")

@@ -16,19 +16,30 @@ from megatron.training.datasets.provider import build_train_valid_test_datasets
 
 
 def mock_datasets(seed=0, seq=64, vocab=100, sizes=(200, 20, 20), **flags):
-    cfg = GPTDatasetConfig(random_seed=seed, sequence_length=seq, tokenizer=NullTokenizer(vocab),
-                           log=lambda _: None, **flags)
+    cfg = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq, tokenizer=NullTokenizer(vocab), log=lambda _: None, **flags
+    )
     return BlendedMegatronDatasetBuilder(MockGPTDataset, list(sizes), lambda: True, cfg).build()
 
 
 def test_megatron_core_example():
-    cfg = GPTDatasetConfig(random_seed=0, sequence_length=64, reset_position_ids=False,
-                           reset_attention_mask=False, eod_mask_loss=False, tokenizer=NullTokenizer(100))
-    train, valid, test = BlendedMegatronDatasetBuilder(MockGPTDataset, [1000, None, None], lambda: True, cfg).build()
+    cfg = GPTDatasetConfig(
+        random_seed=0,
+        sequence_length=64,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        tokenizer=NullTokenizer(100),
+    )
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        MockGPTDataset, [1000, None, None], lambda: True, cfg
+    ).build()
     assert len(train) >= 1000 and len(valid) > 0 and len(test) > 0
     s = train[0]
     assert set(s) == {"tokens", "labels", "loss_mask", "position_ids", "attention_mask"}
-    assert torch.equal(s["attention_mask"], torch.ones(64, 64, dtype=torch.bool).triu(1)[None])  # True = masked
+    assert torch.equal(
+        s["attention_mask"], torch.ones(64, 64, dtype=torch.bool).triu(1)[None]
+    )  # True = masked
     assert s["tokens"].shape == (64,) and s["tokens"].dtype == torch.int64
     assert s["labels"].dtype == torch.int64 and s["loss_mask"].dtype == torch.float32
     assert torch.equal(s["tokens"][1:], s["labels"][:-1])
@@ -56,8 +67,9 @@ def test_deterministic_for_a_seed():
 
 
 def test_reset_flags_follow_eod():
-    (ds, _, _) = mock_datasets(seq=512, vocab=50, reset_position_ids=True, reset_attention_mask=True,
-                               eod_mask_loss=True)
+    (ds, _, _) = mock_datasets(
+        seq=512, vocab=50, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True
+    )
     eod = 49
     for i in range(10):
         s = ds[i]
@@ -77,9 +89,11 @@ def test_reset_flags_follow_eod():
 def test_loader_resumes_at_consumed_samples():
     train, _, _ = mock_datasets(sizes=(400, 0, 0))
     mbs, dp, steps = 2, 2, 6
+
     def batches(rank, consumed, workers):
         dl = build_pretraining_data_loader(train, consumed, mbs, rank, dp, workers)
         return [b["tokens"] for b in itertools.islice(dl, steps)]
+
     straight = [batches(r, 0, 0) for r in range(dp)]
     resumed = [batches(r, 3 * mbs * dp, 2) for r in range(dp)]
     for r in range(dp):
@@ -102,17 +116,21 @@ class _Range(torch.utils.data.Dataset):
 
 def test_cyclic_loader_resumes_and_wraps():
     n, mbs, dp = 42, 2, 2
+
     def idx(rank, consumed, k):
-        dl = build_pretraining_data_loader(_Range(n), consumed, mbs, rank, dp, 0, dataloader_type="cyclic", seed=5)
+        dl = build_pretraining_data_loader(
+            _Range(n), consumed, mbs, rank, dp, 0, dataloader_type="cyclic", seed=5
+        )
         return list(itertools.islice(iter(dl.batch_sampler), k))
+
     per_epoch = (n - n % (mbs * dp)) // (mbs * dp)  # micro-batches per rank per epoch
     straight = [idx(r, 0, 3 * per_epoch) for r in range(dp)]
     for r in range(dp):
         assert straight[r][7:] == idx(r, 7 * mbs * dp, 3 * per_epoch - 7)
     for e in range(3):  # each epoch covers every (kept) sample exactly once across the ranks
-        seen = [i for r in range(dp) for b in straight[r][e * per_epoch:(e + 1) * per_epoch] for i in b]
+        seen = [i for r in range(dp) for b in straight[r][e * per_epoch : (e + 1) * per_epoch] for i in b]
         assert sorted(seen) == list(range(n - n % (mbs * dp)))
-    assert straight[0][:per_epoch] != straight[0][per_epoch:2 * per_epoch]
+    assert straight[0][:per_epoch] != straight[0][per_epoch : 2 * per_epoch]
 
 
 def test_loader_errors():
@@ -126,13 +144,16 @@ def test_loader_errors():
 
 def test_provider_mock_and_errors():
     from megatron.core.tokenizer import NullTokenizer as Null
+
     logs = []
-    tr, va, te = build_train_valid_test_datasets(DataConfig(mock_data=True), Null(1000), 32, 1, [64, 8, 8],
-                                                 log=logs.append)
+    tr, va, te = build_train_valid_test_datasets(
+        DataConfig(mock_data=True), Null(1000), 32, 1, [64, 8, 8], log=logs.append
+    )
     assert len(tr) >= 64 and tr[0]["tokens"].shape == (32,)
     assert any("train" in line for line in logs)
     with pytest.raises(ValueError, match="--data-path"):
         build_train_valid_test_datasets(DataConfig(), Null(1000), 32, 1, [1, 1, 1], log=logs.append)
     with pytest.raises(ValueError, match="--data-path.*missing_prefix"):
-        build_train_valid_test_datasets(DataConfig(data_path=["missing_prefix"]), Null(1000), 32, 1, [1, 1, 1],
-                                        log=logs.append)
+        build_train_valid_test_datasets(
+            DataConfig(data_path=["missing_prefix"]), Null(1000), 32, 1, [1, 1, 1], log=logs.append
+        )

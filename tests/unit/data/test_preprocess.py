@@ -21,8 +21,12 @@ NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 
 
 def tool(name, *args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", name), *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", name), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def integer_corpus(path, n=500):
@@ -42,8 +46,17 @@ def test_golden_checksum_and_workers_agree(tmp_path):
     outs = {}
     for workers in (1, 2):
         prefix = str(tmp_path / f"w{workers}")
-        r = tool("preprocess_data.py", "--input", str(src), "--output-prefix", prefix, *NULL, "--append-eod",
-                 "--workers", str(workers))
+        r = tool(
+            "preprocess_data.py",
+            "--input",
+            str(src),
+            "--output-prefix",
+            prefix,
+            *NULL,
+            "--append-eod",
+            "--workers",
+            str(workers),
+        )
         assert r.returncode == 0, r.stderr
         outs[workers] = (md5(prefix + "_text_document.bin"), md5(prefix + "_text_document.idx"))
     assert outs[1] == outs[2]
@@ -61,13 +74,32 @@ def test_bpe_tokens_match_the_tokenizer_and_gzip_glob_inputs(tmp_path):
             for t in SAMPLE_TEXT[i::2]:
                 f.write(json.dumps({"text": t, "title": t[:10]}) + "\n")
     prefix = str(tmp_path / "bpe")
-    r = tool("preprocess_data.py", "--input", str(tmp_path / "part*.jsonl.gz"), "--output-prefix", prefix,
-             "--json-keys", "text", "title", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab,
-             "--merge-file", merges, "--append-eod", "--workers", "2", "--log-interval", "1")
+    r = tool(
+        "preprocess_data.py",
+        "--input",
+        str(tmp_path / "part*.jsonl.gz"),
+        "--output-prefix",
+        prefix,
+        "--json-keys",
+        "text",
+        "title",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        vocab,
+        "--merge-file",
+        merges,
+        "--append-eod",
+        "--workers",
+        "2",
+        "--log-interval",
+        "1",
+    )
     assert r.returncode == 0, r.stderr
     assert "Processed" in r.stderr and "MB/s" in r.stderr
-    tok = build_tokenizer(type("C", (), {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab,
-                                         "merge_file": merges})())
+    tok = build_tokenizer(
+        type("C", (), {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges})()
+    )
     ds = IndexedDataset(prefix + "_text_document")
     expected = SAMPLE_TEXT[0::2] + SAMPLE_TEXT[1::2]
     assert len(ds) == len(expected)
@@ -89,18 +121,25 @@ def test_malformed_lines_are_counted_and_skipped(tmp_path):
     r = tool("preprocess_data.py", "--input", str(src), "--output-prefix", prefix, *NULL, "--append-eod")
     assert r.returncode == 0, r.stderr
     assert "Skipped 4 lines" in r.stderr
-    for needle in ("bad.jsonl:2: malformed JSON", "bad.jsonl:3: missing key 'text'", "bad.jsonl:4: invalid UTF-8",
-                   "bad.jsonl:5: key 'text' is not a string"):
+    for needle in (
+        "bad.jsonl:2: malformed JSON",
+        "bad.jsonl:3: missing key 'text'",
+        "bad.jsonl:4: invalid UTF-8",
+        "bad.jsonl:5: key 'text' is not a string",
+    ):
         assert needle in r.stderr
     ds = IndexedDataset(prefix + "_text_document")
     assert [x.tolist() for x in ds[0:2]] == [[1, 2, 3, 999], [9, 999]]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--input", "/nonexistent.jsonl"], "--input '/nonexistent.jsonl' does not exist"),
-    (["--input", "/nonexistent*.jsonl"], "matches no file"),
-    (["--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file is required"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--input", "/nonexistent.jsonl"], "--input '/nonexistent.jsonl' does not exist"),
+        (["--input", "/nonexistent*.jsonl"], "matches no file"),
+        (["--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file is required"),
+    ],
+)
 def test_user_errors_print_one_line(tmp_path, args, message):
     src = tmp_path / "in.jsonl"
     integer_corpus(src, 3)
@@ -115,11 +154,18 @@ def test_merge_datasets(tmp_path):
     for i in range(2):
         src = tmp_path / f"in{i}.jsonl"
         integer_corpus(src, 50 + 10 * i)
-        assert tool("preprocess_data.py", "--input", str(src), "--output-prefix", str(tmp_path / f"p{i}"),
-                    *NULL).returncode == 0
+        assert (
+            tool(
+                "preprocess_data.py", "--input", str(src), "--output-prefix", str(tmp_path / f"p{i}"), *NULL
+            ).returncode
+            == 0
+        )
     out = str(tmp_path / "merged")
     r = tool("merge_datasets.py", "--input", str(tmp_path), "--output-prefix", out)
     assert r.returncode == 0, r.stderr
-    merged, a, b = (IndexedDataset(p) for p in (out, str(tmp_path / "p0_text_document"), str(tmp_path / "p1_text_document")))
+    merged, a, b = (
+        IndexedDataset(p)
+        for p in (out, str(tmp_path / "p0_text_document"), str(tmp_path / "p1_text_document"))
+    )
     assert len(merged) == len(a) + len(b)
-    assert all(np.array_equal(merged[i], x) for i, x in enumerate(list(a[0:len(a)]) + list(b[0:len(b)])))
+    assert all(np.array_equal(merged[i], x) for i, x in enumerate(list(a[0 : len(a)]) + list(b[0 : len(b)])))

@@ -26,11 +26,25 @@ def run_tool(monkeypatch, *flags):
 
 def test_runpy_returns_normally_and_writes_the_pair(tmp_path, monkeypatch):
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"text": " ".join(str(j) for j in range(i))}) + "\n" for i in range(1, 6)))
+    src.write_text(
+        "".join(json.dumps({"text": " ".join(str(j) for j in range(i))}) + "\n" for i in range(1, 6))
+    )
     prefix = str(tmp_path / "out")
     handler = signal.getsignal(signal.SIGINT)
-    module = run_tool(monkeypatch, "--input", str(src), "--output-prefix", prefix, "--tokenizer-type",
-                      "NullTokenizer", "--vocab-size", "100", "--append-eod", "--workers", "1")
+    module = run_tool(
+        monkeypatch,
+        "--input",
+        str(src),
+        "--output-prefix",
+        prefix,
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "100",
+        "--append-eod",
+        "--workers",
+        "1",
+    )
     assert signal.getsignal(signal.SIGINT) is handler  # the caller's handler is back
     ds = IndexedDataset(prefix + "_text_document")
     assert [ds[i].tolist() for i in range(len(ds))] == [list(range(i)) + [99] for i in range(1, 6)]
@@ -39,8 +53,17 @@ def test_runpy_returns_normally_and_writes_the_pair(tmp_path, monkeypatch):
 
 def test_runpy_failure_exits_non_zero(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
-        run_tool(monkeypatch, "--input", str(tmp_path / "missing.jsonl"), "--output-prefix", str(tmp_path / "o"),
-                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "100")
+        run_tool(
+            monkeypatch,
+            "--input",
+            str(tmp_path / "missing.jsonl"),
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "100",
+        )
     assert e.value.code == 2
 
 
@@ -52,21 +75,51 @@ def tool():
 def test_get_args_reads_sys_argv(tool, tmp_path, monkeypatch):
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "1 2"}\n')
-    monkeypatch.setattr(sys, "argv", [TOOL, "--input", str(src), "--output-prefix", str(tmp_path / "o"),
-                                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--append-eod"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            TOOL,
+            "--input",
+            str(src),
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "10",
+            "--append-eod",
+        ],
+    )
     args = tool["get_args"]()
     assert args.json_keys == ["text"] and args.append_eod and args.output_prefix == str(tmp_path / "o")
 
 
 def test_encoder_matches_the_tool_output(tool, tmp_path, monkeypatch):
     vocab, merges = train_byte_level_bpe(SAMPLE_TEXT, str(tmp_path))
-    docs = [{"text": SAMPLE_TEXT[0], "title": [SAMPLE_TEXT[1], "", SAMPLE_TEXT[2]]},
-            {"text": "", "title": [SAMPLE_TEXT[3]]}]
+    docs = [
+        {"text": SAMPLE_TEXT[0], "title": [SAMPLE_TEXT[1], "", SAMPLE_TEXT[2]]},
+        {"text": "", "title": [SAMPLE_TEXT[3]]},
+    ]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(d) + "\n" for d in docs))
     prefix = str(tmp_path / "bpe")
-    flags = ["--input", str(src), "--output-prefix", prefix, "--json-keys", "text", "title", "--tokenizer-type",
-             "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod"]
+    flags = [
+        "--input",
+        str(src),
+        "--output-prefix",
+        prefix,
+        "--json-keys",
+        "text",
+        "title",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        vocab,
+        "--merge-file",
+        merges,
+        "--append-eod",
+    ]
     run_tool(monkeypatch, *flags)
     monkeypatch.setattr(sys, "argv", [TOOL, *flags])
     encoder = tool["Encoder"](tool["get_args"]())
@@ -90,7 +143,9 @@ def test_encoder_matches_the_tool_output(tool, tmp_path, monkeypatch):
 
 
 def test_encoder_split_and_bad_line(tool):
-    args = argparse.Namespace(json_keys=["text"], append_eod=False, tokenizer_type="NullTokenizer", vocab_size=10)
+    args = argparse.Namespace(
+        json_keys=["text"], append_eod=False, tokenizer_type="NullTokenizer", vocab_size=10
+    )
     encoder = tool["Encoder"](args)
     encoder.initializer()
     assert encoder.split('{"text": "1 2"}') == (json.dumps({"text": ["1 2"]}), len('{"text": "1 2"}'))

@@ -61,8 +61,14 @@ def test_sentencepiece(tmp_path, kind):
     import sentencepiece as spm
 
     prefix = str(tmp_path / "sp")
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(SAMPLE_TEXT * 4), model_prefix=prefix, vocab_size=400,
-                                   model_type="bpe", byte_fallback=True, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(SAMPLE_TEXT * 4),
+        model_prefix=prefix,
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        minloglevel=2,
+    )
     tok = build_tokenizer(cfg(tokenizer_type=kind, tokenizer_model=prefix + ".model"))
     assert tok.vocab_size == 400 and tok.eod == 2  # sentencepiece's default eos id
     text = "The quick brown fox"
@@ -74,10 +80,23 @@ def test_sentencepiece(tmp_path, kind):
 def test_tiktoken_from_local_ranks(tmp_path):
     ranks = [bytes([i]) for i in range(256)] + [b"th", b"he", b"the", b" t", b" the"]
     path = tmp_path / "ranks.json"
-    path.write_text(json.dumps([{"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": ""}
-                                for i, t in enumerate(ranks)]))
-    tok = build_tokenizer(cfg(tokenizer_type="TikTokenizer", tokenizer_model=str(path), tiktoken_pattern="v2",
-                              vocab_size=None, tiktoken_num_special_tokens=1000))
+    path.write_text(
+        json.dumps(
+            [
+                {"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": ""}
+                for i, t in enumerate(ranks)
+            ]
+        )
+    )
+    tok = build_tokenizer(
+        cfg(
+            tokenizer_type="TikTokenizer",
+            tokenizer_model=str(path),
+            tiktoken_pattern="v2",
+            vocab_size=None,
+            tiktoken_num_special_tokens=1000,
+        )
+    )
     assert tok.vocab_size == 1000 + len(ranks) and tok.eod == 2
     ids = tok.tokenize("the theme")
     assert ids[0] == 1000 + ranks.index(b"the") and tok.detokenize(ids) == "the theme"
@@ -88,7 +107,9 @@ def test_huggingface_from_local_json(tmp_path):
     from tokenizers import ByteLevelBPETokenizer
 
     hf = ByteLevelBPETokenizer()
-    hf.train_from_iterator(SAMPLE_TEXT, vocab_size=300, special_tokens=["<|endoftext|>", "<pad>"], show_progress=False)
+    hf.train_from_iterator(
+        SAMPLE_TEXT, vocab_size=300, special_tokens=["<|endoftext|>", "<pad>"], show_progress=False
+    )
     hf.save(str(tmp_path / "tokenizer.json"))
     tok = build_tokenizer(cfg(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path)))
     assert tok.eod == 0 and tok.pad == 1 and tok.vocab_size == 300

@@ -18,14 +18,19 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from megatron.core.dist_checkpointing.strict import parse_strict_flag
 
 
-@pytest.mark.parametrize("call, params", [
-    (lambda: parse_strict_flag("bogus"), ("strict",)),
-    (lambda: get_default_save_sharded_strategy(backend="zarr"), ("backend",)),
-    (lambda: get_default_save_sharded_strategy(version=2), ("version",)),
-    (lambda: ShardedTensor.from_rank_offsets("w", torch.zeros(2), flattened_range=slice(0, 1)),
-     ("flattened_range",)),
-    (lambda: load_content_metadata(), ("checkpoint_dir", "preloaded_state_dict")),
-])
+@pytest.mark.parametrize(
+    "call, params",
+    [
+        (lambda: parse_strict_flag("bogus"), ("strict",)),
+        (lambda: get_default_save_sharded_strategy(backend="zarr"), ("backend",)),
+        (lambda: get_default_save_sharded_strategy(version=2), ("version",)),
+        (
+            lambda: ShardedTensor.from_rank_offsets("w", torch.zeros(2), flattened_range=slice(0, 1)),
+            ("flattened_range",),
+        ),
+        (lambda: load_content_metadata(), ("checkpoint_dir", "preloaded_state_dict")),
+    ],
+)
 def test_configuration_mistakes_are_config_errors_naming_the_parameter(call, params) -> None:
     with pytest.raises(ConfigError) as e:
         call()

@@ -43,6 +43,7 @@ def _whole(key: str, data: torch.Tensor) -> ShardedTensor:
 
 # --- core ---------------------------------------------------------------------------------------------
 
+
 def test_checkpointing_exception_catches_our_errors(tmp_path):
     d = str(tmp_path / "ckpt")
     with pytest.raises(CheckpointingException, match="does not exist"):
@@ -59,29 +60,37 @@ def test_checkpointing_exception_catches_our_errors(tmp_path):
 
 # --- dict_utils ---------------------------------------------------------------------------------------
 
+
 def test_dict_utils():
     sd = {"a": 1, "b": {"c": "x", "d": [2, "y", {"e": 3}]}, "empty": {}}
     match, rest = dict_utils.extract_matching_values(sd, lambda v: isinstance(v, int))
     assert match == {"a": 1, "b": {"d": [2, {"e": 3}]}}
     assert rest == {"b": {"c": "x", "d": ["y"]}, "empty": {}}
-    match, _ = dict_utils.extract_matching_values(sd, lambda v: isinstance(v, int), return_lists_as_dicts=True)
+    match, _ = dict_utils.extract_matching_values(
+        sd, lambda v: isinstance(v, int), return_lists_as_dicts=True
+    )
     assert match["b"]["d"] == {0: 2, 2: {"e": 3}}
     assert list(dict_utils.nested_values(sd)) == [1, "x", 2, "y", 3]
     assert dict_utils.dict_list_map_outplace(str, {"a": [1, (2, 3)]}) == {"a": ["1", "(2, 3)"]}
     x = {"a": [1, 2]}
     assert dict_utils.dict_list_map_inplace(lambda v: v * 10, x) is x and x == {"a": [10, 20]}
     assert dict_utils.merge({"a": {"b": 1}, "l": [{}]}, {"a": {"c": 2}, "l": [{"z": 0}]}) == {
-        "a": {"b": 1, "c": 2}, "l": [{"z": 0}]}
+        "a": {"b": 1, "c": 2},
+        "l": [{"z": 0}],
+    }
     with pytest.raises(ValueError):
         dict_utils.merge({"a": 1}, {"a": 2})
     with pytest.raises(ValueError):
         dict_utils.merge([1], [1, 2])
-    left, right, mismatch = dict_utils.diff({"a": torch.ones(2), "b": 1, "c": 0}, {"a": torch.zeros(2), "b": 1, "d": 0})
+    left, right, mismatch = dict_utils.diff(
+        {"a": torch.ones(2), "b": 1, "c": 0}, {"a": torch.zeros(2), "b": 1, "d": 0}
+    )
     assert left == [("c",)] and right == [("d",)] and [m[0] for m in mismatch] == [("a",)]
     assert dict_utils.map_reduce([1, 2, 3, 4], key_fn=lambda v: v % 2, reduce_fn=sum) == {1: 4, 0: 6}
 
 
 # --- mapping ------------------------------------------------------------------------------------------
+
 
 def test_sharded_tensor_from_rank_offsets_and_fields():
     t = ShardedTensor.from_rank_offsets("w", torch.zeros(2, 6), (0, 1, 2), replica_id=(0, 1))
@@ -96,7 +105,11 @@ def test_sharded_tensor_from_rank_offsets_and_fields():
     full = ShardedTensor("w", W, torch.float32, (4, 6), (8, 6), (4, 0), None, 1)
     assert full == ShardedTensor("w", W, (8, 6), (4, 0), replica_id=1)
     p = ShardedTensor.from_rank_offsets("layers", torch.zeros(3, 4), (0, 2, 5), prepend_axis_num=1)
-    assert (p.global_shape, p.global_offset, p.global_slice()) == ((5, 3, 4), (2, 0, 0), (2, slice(0, 3), slice(0, 4)))
+    assert (p.global_shape, p.global_offset, p.global_slice()) == (
+        (5, 3, 4),
+        (2, 0, 0),
+        (2, slice(0, 3), slice(0, 4)),
+    )
     with pytest.raises(CheckpointingException, match="rank offsets"):
         ShardedTensor.from_rank_offsets("w", W, (0, 2, 2))
     with pytest.raises(CheckpointingException, match="dtype"):
@@ -117,10 +130,21 @@ def test_narrow_shrinks_global_shape_and_offset():
 def test_narrow_prepend_axis_round_trip(tmp_path):
     # two ranks' [q; k] fused rows, saved as separate q and k tensors via narrow
     fused = [torch.arange(8.0).reshape(4, 2) + 100 * r for r in range(2)]
-    sd = {f"r{r}": [*ShardedTensor.from_rank_offsets("q", fused[r], (0, r, 2)).narrow(0, 0, 2),
-                    *ShardedTensor.from_rank_offsets("k", fused[r], (0, r, 2)).narrow(0, 2, 2)] for r in range(2)}
-    stack = {"s": [ShardedTensor.from_rank_offsets("stack", torch.full((3,), float(i)), (0, i, 2), prepend_axis_num=1)
-                   for i in range(2)]}
+    sd = {
+        f"r{r}": [
+            *ShardedTensor.from_rank_offsets("q", fused[r], (0, r, 2)).narrow(0, 0, 2),
+            *ShardedTensor.from_rank_offsets("k", fused[r], (0, r, 2)).narrow(0, 2, 2),
+        ]
+        for r in range(2)
+    }
+    stack = {
+        "s": [
+            ShardedTensor.from_rank_offsets(
+                "stack", torch.full((3,), float(i)), (0, i, 2), prepend_axis_num=1
+            )
+            for i in range(2)
+        ]
+    }
     dist_checkpointing.save({**sd, **stack}, str(tmp_path))
     meta = dist_checkpointing.load_tensors_metadata(str(tmp_path))
     assert meta["q"].global_shape == (4, 2) and meta["stack"].global_shape == (2, 3)
@@ -148,8 +172,10 @@ def test_sharded_object_grid(tmp_path):
 
 
 def _split_build(key, data, replica_id, flattened_range):
-    return {"lo": ShardedTensor.from_rank_offsets(f"{key}.lo", data[:2], replica_id=replica_id),
-            "hi": ShardedTensor.from_rank_offsets(f"{key}.hi", data[2:], replica_id=replica_id)}
+    return {
+        "lo": ShardedTensor.from_rank_offsets(f"{key}.lo", data[:2], replica_id=replica_id),
+        "hi": ShardedTensor.from_rank_offsets(f"{key}.hi", data[2:], replica_id=replica_id),
+    }
 
 
 def _split_merge(sub):
@@ -162,8 +188,10 @@ def test_factory_saved_as_built_and_merged_on_load(tmp_path):
     dist_checkpointing.save(sd, str(tmp_path))
     assert sd["model"]["w"] is factory  # save does not change the caller's dict
     assert set(dist_checkpointing.load_tensors_metadata(str(tmp_path))) == {"w.lo", "w.hi"}
-    out = dist_checkpointing.load({"model": {"w": ShardedTensorFactory("w", torch.zeros(4, 6), _split_build,
-                                                                       _split_merge)}}, str(tmp_path))
+    out = dist_checkpointing.load(
+        {"model": {"w": ShardedTensorFactory("w", torch.zeros(4, 6), _split_build, _split_merge)}},
+        str(tmp_path),
+    )
     torch.testing.assert_close(out["model"]["w"], W)
     built = {"w": ShardedTensorFactory("w", W, _split_build, _split_merge)}
     apply_factories(built)
@@ -172,19 +200,27 @@ def test_factory_saved_as_built_and_merged_on_load(tmp_path):
 
 
 def test_local_nonpersistent_object_not_saved(tmp_path):
-    dist_checkpointing.save({"w": _whole("w", W.clone()), "local": LocalNonpersistentObject("saved?")}, str(tmp_path))
+    dist_checkpointing.save(
+        {"w": _whole("w", W.clone()), "local": LocalNonpersistentObject("saved?")}, str(tmp_path)
+    )
     assert "local" not in dist_checkpointing.load_common_state_dict(str(tmp_path))
-    out = dist_checkpointing.load({"w": _whole("w", torch.zeros(4, 6)), "local": LocalNonpersistentObject(7)},
-                                  str(tmp_path))
+    out = dist_checkpointing.load(
+        {"w": _whole("w", torch.zeros(4, 6)), "local": LocalNonpersistentObject(7)}, str(tmp_path)
+    )
     assert out["local"] == 7
 
 
 def test_content_metadata(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    dist_checkpointing.save({"w": _whole("w", W.clone())}, a, content_metadata={"format": 2, "fused_qkv": True})
+    dist_checkpointing.save(
+        {"w": _whole("w", W.clone())}, a, content_metadata={"format": 2, "fused_qkv": True}
+    )
     assert dist_checkpointing.load_content_metadata(a) == {"format": 2, "fused_qkv": True}
     loaded = dist_checkpointing.load({"w": _whole("w", torch.zeros(4, 6))}, a)
-    assert dist_checkpointing.load_content_metadata(preloaded_state_dict=loaded) == {"format": 2, "fused_qkv": True}
+    assert dist_checkpointing.load_content_metadata(preloaded_state_dict=loaded) == {
+        "format": 2,
+        "fused_qkv": True,
+    }
     dist_checkpointing.save({"w": _whole("w", W.clone())}, b)
     assert dist_checkpointing.load_content_metadata(b) is None
     with pytest.raises(ValueError):
@@ -193,11 +229,18 @@ def test_content_metadata(tmp_path):
 
 # --- strict -------------------------------------------------------------------------------------------
 
+
 def test_strict_handling_members_and_parse():
     assert {m.name: m.value for m in StrictHandling} == {
-        "ASSUME_OK_UNEXPECTED": "assume_ok_unexpected", "LOG_UNEXPECTED": "log_unexpected", "LOG_ALL": "log_all",
-        "RAISE_UNEXPECTED": "raise_unexpected", "RAISE_ALL": "raise_all", "RETURN_UNEXPECTED": "return_unexpected",
-        "RETURN_ALL": "return_all", "IGNORE_ALL": "ignore_all"}
+        "ASSUME_OK_UNEXPECTED": "assume_ok_unexpected",
+        "LOG_UNEXPECTED": "log_unexpected",
+        "LOG_ALL": "log_all",
+        "RAISE_UNEXPECTED": "raise_unexpected",
+        "RAISE_ALL": "raise_all",
+        "RETURN_UNEXPECTED": "return_unexpected",
+        "RETURN_ALL": "return_all",
+        "IGNORE_ALL": "ignore_all",
+    }
     assert parse_strict_flag("log_all") is StrictHandling.LOG_ALL
     assert parse_strict_flag(StrictHandling.RAISE_ALL) is StrictHandling.RAISE_ALL
     assert parse_strict_flag(True) is StrictHandling.ASSUME_OK_UNEXPECTED
@@ -241,17 +284,25 @@ def test_strict_log(saved, caplog, mode, logged):
     assert "'x'" in text and "'q'" in text and ("'b'" in text) == logged
 
 
-@pytest.mark.parametrize("mode,missing", [(StrictHandling.RAISE_UNEXPECTED, False), (StrictHandling.RAISE_ALL, True)])
+@pytest.mark.parametrize(
+    "mode,missing", [(StrictHandling.RAISE_UNEXPECTED, False), (StrictHandling.RAISE_ALL, True)]
+)
 def test_strict_raise(saved, mode, missing):
     request = _request()
     with pytest.raises(CheckpointingException) as err:
         dist_checkpointing.load(request, saved, strict=mode)
     text = str(err.value)
-    assert "unexpected key 'x'" in text and "unexpected key 'q'" in text and ("missing key 'b'" in text) == missing
+    assert (
+        "unexpected key 'x'" in text
+        and "unexpected key 'q'" in text
+        and ("missing key 'b'" in text) == missing
+    )
     assert (request["a"].data == 0).all()  # raised before reading
 
 
-@pytest.mark.parametrize("mode,missing", [(StrictHandling.RETURN_UNEXPECTED, set()), (StrictHandling.RETURN_ALL, {"b"})])
+@pytest.mark.parametrize(
+    "mode,missing", [(StrictHandling.RETURN_UNEXPECTED, set()), (StrictHandling.RETURN_ALL, {"b"})]
+)
 def test_strict_return(saved, mode, missing):
     out, missing_keys, unexpected_keys = dist_checkpointing.load(_request(), saved, strict=mode)
     assert (missing_keys, unexpected_keys) == (missing, {"x", "q"})
@@ -266,6 +317,7 @@ def test_strict_ignore_all(saved, caplog):
 
 # --- save / load options and strategies ----------------------------------------------------------------
 
+
 def test_strategies_and_signatures(tmp_path):
     d = str(tmp_path)
     save_strategy = get_default_save_sharded_strategy()
@@ -274,7 +326,9 @@ def test_strategies_and_signatures(tmp_path):
     assert isinstance(get_default_load_sharded_strategy(d), TorchDistLoadShardedStrategy)
     dist_checkpointing.save({"w": _whole("w", W.clone())}, d, FullyParallelSaveStrategyWrapper(save_strategy))
     target = _whole("w", torch.zeros(4, 6))
-    out = dist_checkpointing.load({"w": target}, d, FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(d)))
+    out = dist_checkpointing.load(
+        {"w": target}, d, FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(d))
+    )
     assert out["w"] is target.data and torch.equal(target.data, W)
     with pytest.raises(ValueError, match="'zarr'"):
         get_default_save_sharded_strategy("zarr")
@@ -314,7 +368,12 @@ def test_verify_integrity(tmp_path):
 def test_utils_split_and_rename():
     from megatron.core.dist_checkpointing import utils
 
-    sd = {"w": _whole("decoder.w", W), "o": ShardedObject("decoder.o", 1), "n": LocalNonpersistentObject(2), "p": 3}
+    sd = {
+        "w": _whole("decoder.w", W),
+        "o": ShardedObject("decoder.o", 1),
+        "n": LocalNonpersistentObject(2),
+        "p": 3,
+    }
     tensors, rest = utils.extract_sharded_tensors(sd)
     assert set(tensors) == {"w"} and set(rest) == {"o", "n", "p"}
     assert set(utils.extract_sharded_base(sd)[0]) == {"w", "o"}

@@ -28,7 +28,7 @@ def _worker(rank: int, port: int, ckpt_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        rows = ShardedTensor.from_rank_offsets("w", FULL[4 * rank: 4 * rank + 4].clone(), (0, rank, WORLD))
+        rows = ShardedTensor.from_rank_offsets("w", FULL[4 * rank : 4 * rank + 4].clone(), (0, rank, WORLD))
         bias = ShardedTensor("b", torch.ones(3) * 7, (3,), (0,), replica_id=rank)  # replicated
         rng = ShardedObject("rng", f"state-{rank}", shard_key=f"r{rank}")
         dist_checkpointing.save({"w": rows, "b": bias, "rng": rng, "step": 3}, ckpt_dir)
@@ -38,7 +38,7 @@ def _worker(rank: int, port: int, ckpt_dir: str) -> None:
         out = dist_checkpointing.load(
             {"w": cols, "b": bias_in, "rng": ShardedObject("rng", None, shard_key=f"r{1 - rank}")}, ckpt_dir
         )
-        torch.testing.assert_close(cols.data, FULL[:, 2 * rank: 2 * rank + 2])
+        torch.testing.assert_close(cols.data, FULL[:, 2 * rank : 2 * rank + 2])
         torch.testing.assert_close(bias_in.data, torch.ones(3) * 7)
         assert out["rng"] == f"state-{1 - rank}" and out["step"] == 3
 
@@ -65,10 +65,16 @@ def test_two_ranks_save_reshard_and_single_process_load(tmp_path):
     mp.spawn(_worker, args=(_free_port(), ckpt_dir), nprocs=WORLD, join=True)
     whole = ShardedTensor("w", torch.zeros(8, 4), (8, 4), (0, 0))
     out = dist_checkpointing.load(
-        {"w": whole, "r0": ShardedObject("rng", None, shard_key="r0"),
-         "r1": ShardedObject("rng", None, shard_key="r1")},
+        {
+            "w": whole,
+            "r0": ShardedObject("rng", None, shard_key="r0"),
+            "r1": ShardedObject("rng", None, shard_key="r1"),
+        },
         ckpt_dir,
     )
     torch.testing.assert_close(whole.data, FULL)
     assert (out["r0"], out["r1"]) == ("state-0", "state-1")
-    assert sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]

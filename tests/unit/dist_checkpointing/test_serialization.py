@@ -60,8 +60,8 @@ def test_reshard_full_to_blocks_and_back(tmp_path):
     cols = [ShardedTensor.from_rank_offsets("w", torch.zeros(6, 4), (1, r, 2)) for r in range(2)]
     dist_checkpointing.load({"h": halves, "c": cols}, full_dir)
     for r in range(2):
-        torch.testing.assert_close(halves[r].data, FULL[3 * r: 3 * r + 3])
-        torch.testing.assert_close(cols[r].data, FULL[:, 4 * r: 4 * r + 4])
+        torch.testing.assert_close(halves[r].data, FULL[3 * r : 3 * r + 3])
+        torch.testing.assert_close(cols[r].data, FULL[:, 4 * r : 4 * r + 4])
 
     # save as a 2x2 grid of blocks, uneven offsets on load
     grid = [
@@ -90,8 +90,12 @@ def test_coverage_validation_on_save(tmp_path):
     gap = {"w": ShardedTensor("w", torch.zeros(3, 8), (6, 8), (0, 0))}
     with pytest.raises(ValueError, match=r"w: main replicas cover 24 of 48"):
         dist_checkpointing.save(gap, str(tmp_path / "a"))
-    overlap = {"w": [ShardedTensor("w", torch.zeros(4, 8), (6, 8), (0, 0)),
-                     ShardedTensor("w", torch.zeros(4, 8), (6, 8), (2, 0))]}
+    overlap = {
+        "w": [
+            ShardedTensor("w", torch.zeros(4, 8), (6, 8), (0, 0)),
+            ShardedTensor("w", torch.zeros(4, 8), (6, 8), (2, 0)),
+        ]
+    }
     with pytest.raises(ValueError, match="overlap"):
         dist_checkpointing.save(overlap, str(tmp_path / "b"))
     two_objects = {"a": ShardedObject("o", 1), "b": ShardedObject("o", 2)}
@@ -107,7 +111,9 @@ def test_load_errors_name_dir_and_key(tmp_path):
     dist_checkpointing.save({"w": _full("w", FULL.clone())}, d)
     with pytest.raises(ValueError, match=rf"(?s){d}.*'missing' is not in the checkpoint"):
         dist_checkpointing.load({"x": _full("missing", torch.zeros(2))}, d)
-    with pytest.raises(ValueError, match=r"(?s)ckpt.*w: global shape in checkpoint \(6, 8\) != requested \(6, 9\)"):
+    with pytest.raises(
+        ValueError, match=r"(?s)ckpt.*w: global shape in checkpoint \(6, 8\) != requested \(6, 9\)"
+    ):
         dist_checkpointing.load({"w": _full("w", torch.zeros(6, 9))}, d)
     out = dist_checkpointing.load({"x": _full("missing", torch.zeros(2))}, d, strict=False)
     assert "x" not in out

@@ -35,8 +35,9 @@ def batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, 
     return x.to(dtype), y
 
 
-def train_steps(model: torch.nn.Module, opt: MegatronOptimizer, steps: range, use_main_grad: bool = False,
-                scheduler=None) -> list:
+def train_steps(
+    model: torch.nn.Module, opt: MegatronOptimizer, steps: range, use_main_grad: bool = False, scheduler=None
+) -> list:
     """Forward/backward/step; with ``use_main_grad`` emulate DDP's fp32 ``main_grad`` buffers."""
     dtype = next(model.parameters()).dtype
     results = []

@@ -16,6 +16,7 @@ def test_adamw_step_takes_the_configured_compile_choice(monkeypatch, compile_hel
         def call(*args: torch.Tensor, compile: bool) -> None:
             seen.add(compile)
             real(*args, compile=compile)
+
         return call
 
     kernels = {k: tuple(recording(f) for f in fns) for k, fns in fused_adamw.KERNELS.items()}

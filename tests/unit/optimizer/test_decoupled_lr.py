@@ -27,18 +27,34 @@ class TinyLM(torch.nn.Module):
 
     def forward(self, tokens):  # [b, s] -> [b, s, V]
         pos = torch.arange(tokens.shape[1])
-        return self.output_layer(self.decoder(self.embedding.word_embeddings(tokens)
-                                              + self.embedding.position_embeddings(pos)))
+        return self.output_layer(
+            self.decoder(self.embedding.word_embeddings(tokens) + self.embedding.position_embeddings(pos))
+        )
 
 
 def build(decoupled_lr=0.5, decoupled_min_lr=0.01, **sched):
     model = TinyLM()
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1.0, min_lr=0.1, decoupled_lr=decoupled_lr,
-                                                 decoupled_min_lr=decoupled_min_lr, weight_decay=0.0), [model])
-    args = dict(init_lr=0.0, max_lr=1.0, min_lr=0.1, lr_warmup_steps=10, lr_decay_steps=110,
-                lr_decay_style="cosine", start_wd=0.0, end_wd=0.0, wd_incr_steps=110, wd_incr_style="constant",
-                use_checkpoint_opt_param_scheduler=False, decoupled_lr=decoupled_lr,
-                decoupled_min_lr=decoupled_min_lr)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            lr=1.0, min_lr=0.1, decoupled_lr=decoupled_lr, decoupled_min_lr=decoupled_min_lr, weight_decay=0.0
+        ),
+        [model],
+    )
+    args = dict(
+        init_lr=0.0,
+        max_lr=1.0,
+        min_lr=0.1,
+        lr_warmup_steps=10,
+        lr_decay_steps=110,
+        lr_decay_style="cosine",
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=110,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        decoupled_lr=decoupled_lr,
+        decoupled_min_lr=decoupled_min_lr,
+    )
     return model, opt, OptimizerParamScheduler(opt, **{**args, **sched})
 
 
@@ -56,9 +72,11 @@ def test_groups_hold_the_embedding_and_output_weights():
     model, opt, _ = build()
     names = {id(p): n for n, p in model.named_parameters()}
     groups = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in opt.param_groups}
-    assert groups == {"decay": ["decoder.weight", "embedding.position_embeddings.weight"],
-                      "no_decay": ["decoder.bias"],
-                      "decoupled_decay": ["embedding.word_embeddings.weight", "output_layer.weight"]}
+    assert groups == {
+        "decay": ["decoder.weight", "embedding.position_embeddings.weight"],
+        "no_decay": ["decoder.bias"],
+        "decoupled_decay": ["embedding.word_embeddings.weight", "output_layer.weight"],
+    }
     plain = get_megatron_optimizer(OptimizerConfig(lr=1.0), [TinyLM()])
     assert [g["name"] for g in plain.param_groups] == ["decay", "no_decay"]  # no flag: no extra groups
 
@@ -100,7 +118,9 @@ def test_checkpoint_keeps_the_decoupled_values():
         other.load_state_dict(sd)
     _, opt2, from_ckpt = build(decoupled_lr=0.25, use_checkpoint_opt_param_scheduler=True)
     from_ckpt.load_state_dict(sd)
-    assert from_ckpt.decoupled_lr == 0.5 and lrs(opt2)["decoupled_decay"] == pytest.approx(cosine(40, 0.5, 0.01))
+    assert from_ckpt.decoupled_lr == 0.5 and lrs(opt2)["decoupled_decay"] == pytest.approx(
+        cosine(40, 0.5, 0.01)
+    )
 
 
 def test_resume_from_a_checkpoint_without_decoupled_groups():
@@ -110,8 +130,20 @@ def test_resume_from_a_checkpoint_without_decoupled_groups():
     plain_model(torch.randint(0, 16, (2, 4))).sum().backward()
     plain.step()
     loaded = emulate_load(plain.sharded_state_dict(model_sharded(plain_model)))
-    old_sched = OptimizerParamScheduler(plain, 0.0, 1.0, 0.1, 10, 110, "cosine", 0.0, 0.0, 110, "constant",
-                                        use_checkpoint_opt_param_scheduler=False).state_dict()
+    old_sched = OptimizerParamScheduler(
+        plain,
+        0.0,
+        1.0,
+        0.1,
+        10,
+        110,
+        "cosine",
+        0.0,
+        0.0,
+        110,
+        "constant",
+        use_checkpoint_opt_param_scheduler=False,
+    ).state_dict()
     del old_sched["decoupled_lr"], old_sched["decoupled_min_lr"]  # as saved before the flag existed
 
     model, opt, sched = build()

@@ -11,8 +11,10 @@ from megatron.core.optimizer.fused_adamw import adamw_step
 
 def _params(dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(shape, generator=g, dtype=torch.float32).to(dtype))
-            for shape in [(7, 5), (5,), (3, 4, 2)]]
+    return [
+        torch.nn.Parameter(torch.randn(shape, generator=g, dtype=torch.float32).to(dtype))
+        for shape in [(7, 5), (5,), (3, 4, 2)]
+    ]
 
 
 @pytest.mark.parametrize("divisor", [None, 3.0])
@@ -20,8 +22,9 @@ def test_matches_torch_adamw_over_steps(divisor):
     ours, ref = _params(), _params()
     kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     opt = torch.optim.AdamW([{"params": ours[:2]}, {"params": ours[2:], "weight_decay": 0.0}], **kwargs)
-    ref_opt = torch.optim.AdamW([{"params": ref[:2]}, {"params": ref[2:], "weight_decay": 0.0}], foreach=False,
-                                **kwargs)
+    ref_opt = torch.optim.AdamW(
+        [{"params": ref[:2]}, {"params": ref[2:], "weight_decay": 0.0}], foreach=False, **kwargs
+    )
     g = torch.Generator().manual_seed(1)
     for step in range(5):
         for group in (opt.param_groups, ref_opt.param_groups):
@@ -35,8 +38,9 @@ def test_matches_torch_adamw_over_steps(divisor):
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            torch.testing.assert_close(opt.state[a][key], ref_opt.state[b][key].to(opt.state[a][key]),
-                                       rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(
+                opt.state[a][key], ref_opt.state[b][key].to(opt.state[a][key]), rtol=1e-5, atol=1e-8
+            )
 
 
 def test_writes_the_rounded_main_param_into_the_model_copy():
@@ -58,8 +62,9 @@ def test_megatron_optimizer_uses_it_and_matches_the_torch_kernels(tools):
     runs = []
     for one_pass in (True, False):
         model = tools["TinyMLP"](torch.bfloat16)
-        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, clip_grad=0.5, use_fused_adam=one_pass,
-                                                     weight_decay=0.1), [model])
+        opt = get_megatron_optimizer(
+            OptimizerConfig(lr=1e-2, clip_grad=0.5, use_fused_adam=one_pass, weight_decay=0.1), [model]
+        )
         assert opt._one_pass_adamw is one_pass
         runs.append((model, tools["train_steps"](model, opt, range(6))))
     (m1, r1), (m2, r2) = runs

@@ -10,8 +10,17 @@ from megatron.core.config_utils import ConfigError
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 # init_lr 0, max_lr 1.0, min_lr 0.1, warm-up 10 samples, decay 110 samples, WSD tail 20 samples.
-BASE = dict(init_lr=0.0, max_lr=1.0, min_lr=0.1, lr_warmup_steps=10, lr_decay_steps=110,
-            start_wd=0.05, end_wd=0.05, wd_incr_steps=100, wd_incr_style="constant")
+BASE = dict(
+    init_lr=0.0,
+    max_lr=1.0,
+    min_lr=0.1,
+    lr_warmup_steps=10,
+    lr_decay_steps=110,
+    start_wd=0.05,
+    end_wd=0.05,
+    wd_incr_steps=100,
+    wd_incr_style="constant",
+)
 
 
 def make(**overrides) -> OptimizerParamScheduler:
@@ -28,18 +37,18 @@ def lr_at(sched: OptimizerParamScheduler, step: int) -> float:
     "style,step,expected",
     [
         ("linear", 0, 0.0),
-        ("linear", 5, 0.5),            # warm-up: 5/10
+        ("linear", 5, 0.5),  # warm-up: 5/10
         ("linear", 10, 1.0),
-        ("linear", 60, 0.55),          # r = 0.5 -> 0.1 + 0.5 * 0.9
-        ("linear", 200, 0.1),          # past decay
+        ("linear", 60, 0.55),  # r = 0.5 -> 0.1 + 0.5 * 0.9
+        ("linear", 200, 0.1),  # past decay
         ("cosine", 35, 0.8681980515),  # r = 0.25 -> 0.1 + 0.9 * 0.5 (cos(pi/4) + 1)
         ("cosine", 60, 0.55),
         ("cosine", 110, 0.1),
         ("constant", 5, 0.5),
         ("constant", 500, 1.0),
-        ("inverse-square-root", 40, 0.5),           # sqrt(10) / sqrt(40)
+        ("inverse-square-root", 40, 0.5),  # sqrt(10) / sqrt(40)
         ("inverse-square-root", 90, 0.3333333333),  # sqrt(10 / 90)
-        ("inverse-square-root", 111, 0.1),          # past decay -> min_lr
+        ("inverse-square-root", 111, 0.1),  # past decay -> min_lr
     ],
 )
 def test_lr_styles(style, step, expected):
@@ -49,10 +58,10 @@ def test_lr_styles(style, step, expected):
 @pytest.mark.parametrize(
     "wsd_style,expected_95",
     [
-        ("linear", 0.775),               # r' = 5/20 -> 0.1 + 0.9 * 0.75
-        ("cosine", 0.8681980515),        # 0.1 + 0.9 * 0.5 (cos(pi/4) + 1)
-        ("exponential", 0.7136135475),   # 0.1 + 0.9 * (2 * 0.5**0.25 - 1)
-        ("minus_sqrt", 0.55),            # 0.1 + 0.9 * (1 - 0.5)
+        ("linear", 0.775),  # r' = 5/20 -> 0.1 + 0.9 * 0.75
+        ("cosine", 0.8681980515),  # 0.1 + 0.9 * 0.5 (cos(pi/4) + 1)
+        ("exponential", 0.7136135475),  # 0.1 + 0.9 * (2 * 0.5**0.25 - 1)
+        ("minus_sqrt", 0.55),  # 0.1 + 0.9 * (1 - 0.5)
     ],
 )
 def test_wsd(wsd_style, expected_95):
@@ -70,7 +79,7 @@ def test_wsd(wsd_style, expected_95):
         ("linear", 25, 0.025),
         ("cosine", 25, 0.0146446609),  # 0.1 * 0.5 (cos(0.75 pi) + 1)
         ("cosine", 50, 0.05),
-        ("linear", 150, 0.1),          # past the increment -> end_wd
+        ("linear", 150, 0.1),  # past the increment -> end_wd
     ],
 )
 def test_wd_styles(style, step, expected):
@@ -96,8 +105,11 @@ def test_constant_wd_and_group_multipliers():
         (dict(lr_decay_style="WSD"), "wsd_decay_steps", "--lr-wsd-decay"),
         (dict(lr_decay_style="exp"), "lr_decay_style", "--lr-decay-style"),
         (dict(start_wd=0.0, end_wd=0.1), "wd_incr_style", "--weight-decay-incr-style"),
-        (dict(use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=True),
-         "override_opt_param_scheduler", "--override-opt-param-scheduler"),
+        (
+            dict(use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=True),
+            "override_opt_param_scheduler",
+            "--override-opt-param-scheduler",
+        ),
     ],
 )
 def test_invalid_schedule_names_the_parameter_and_the_application_the_flag(overrides, param, flag):
@@ -125,8 +137,12 @@ def test_state_dict_flags():
     from_ckpt.load_state_dict(sd)
     assert from_ckpt.max_lr == 1.0 and from_ckpt.lr_decay_style == "cosine"
 
-    override = make(lr_decay_style="linear", max_lr=2.0, use_checkpoint_opt_param_scheduler=False,
-                    override_opt_param_scheduler=True)
+    override = make(
+        lr_decay_style="linear",
+        max_lr=2.0,
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
     override.load_state_dict(sd)
     assert override.max_lr == 2.0 and override.num_steps == 60
     assert override.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 + 0.5 * 1.9)

@@ -23,9 +23,19 @@ def build(tools, name: str, seed: int = 0):
     dtype, kw = SETUPS[name]
     model = tools["TinyMLP"](dtype, seed=seed)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, **kw), [model])
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=64,
-                                    lr_decay_steps=320, lr_decay_style="cosine", start_wd=0.0, end_wd=0.1,
-                                    wd_incr_steps=320, wd_incr_style="linear")
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-2,
+        min_lr=1e-3,
+        lr_warmup_steps=64,
+        lr_decay_steps=320,
+        lr_decay_style="cosine",
+        start_wd=0.0,
+        end_wd=0.1,
+        wd_incr_steps=320,
+        wd_incr_style="linear",
+    )
     return model, opt, sched
 
 

@@ -20,20 +20,20 @@ def test_hysteresis_backoff_min_and_growth():
     s.update(True)
     assert s.scale == 1024.0  # first overflow absorbed by hysteresis
     s.update(True)
-    assert s.scale == 512.0   # hysteresis exhausted: back off
+    assert s.scale == 512.0  # hysteresis exhausted: back off
     s.update(True)
-    assert s.scale == 256.0   # every further overflow backs off ...
+    assert s.scale == 256.0  # every further overflow backs off ...
     s.update(True)
-    assert s.scale == 256.0   # ... but never below min_scale
+    assert s.scale == 256.0  # ... but never below min_scale
     s.update(False)
     s.update(False)
-    s.update(True)            # resets the growth tracker
+    s.update(True)  # resets the growth tracker
     for _ in range(2):
         s.update(False)
     assert s.scale == 256.0
-    s.update(False)           # third consecutive clean step
+    s.update(False)  # third consecutive clean step
     assert s.scale == 512.0
-    s.update(True)            # growth refilled the hysteresis: no back-off yet
+    s.update(True)  # growth refilled the hysteresis: no back-off yet
     assert s.scale == 512.0
     assert s.state_dict() == {"scale": 512.0, "growth_tracker": 0, "hysteresis_tracker": 1}
 
@@ -56,8 +56,15 @@ def test_state_dict_and_validation():
 def fp16_optimizer(**kw):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3).half()
-    cfg = OptimizerConfig(lr=0.1, fp16=True, initial_loss_scale=2.0**10, min_loss_scale=2.0**8,
-                          loss_scale_window=2, hysteresis=2, **kw)
+    cfg = OptimizerConfig(
+        lr=0.1,
+        fp16=True,
+        initial_loss_scale=2.0**10,
+        min_loss_scale=2.0**8,
+        loss_scale_window=2,
+        hysteresis=2,
+        **kw,
+    )
     return model, get_megatron_optimizer(cfg, [model])
 
 

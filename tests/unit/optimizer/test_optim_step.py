@@ -12,10 +12,17 @@ def test_param_groups_exclude_bias_and_1d(tools):
     model = tools["TinyMLP"]()
     opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, weight_decay=0.2), [model, model])
     decay, no_decay = opt.param_groups
-    assert (decay["name"], decay["wd_mult"], decay["lr_mult"], decay["weight_decay"]) == ("decay", 1.0, 1.0, 0.2)
+    assert (decay["name"], decay["wd_mult"], decay["lr_mult"], decay["weight_decay"]) == (
+        "decay",
+        1.0,
+        1.0,
+        0.2,
+    )
     assert (no_decay["wd_mult"], no_decay["lr_mult"], no_decay["weight_decay"]) == (0.0, 1.0, 0.0)
     assert [tuple(p.shape) for p in decay["params"]] == [(16, 8), (4, 16)]
-    assert len(no_decay["params"]) == 4  # fc1.bias, norm.weight, norm.bias, fc2.bias; shared chunk listed once
+    assert (
+        len(no_decay["params"]) == 4
+    )  # fc1.bias, norm.weight, norm.bias, fc2.bias; shared chunk listed once
     assert isinstance(opt.optimizer, torch.optim.AdamW) and opt.optimizer.defaults["foreach"]
     sgd = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.8), [model])
     assert isinstance(sgd.optimizer, torch.optim.SGD) and sgd.optimizer.defaults["momentum"] == 0.8
@@ -44,8 +51,9 @@ def test_bf16_with_fp32_main_params_tracks_fp32(tools, use_main_grad):
 
 def test_fp32_params_are_updated_in_place_from_main_grad():
     model = torch.nn.Linear(3, 2)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.0, weight_decay=0.0,
-                                                 clip_grad=0.0), [model])
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0), [model]
+    )
     assert all(m is p for m, p in zip(opt.main_params, model.parameters()))
     before = model.weight.detach().clone()
     model.weight.main_grad = torch.ones(2, 3)
@@ -86,7 +94,9 @@ def test_clip_grad_zero_reports_norm_without_clipping(tools):
     for p, g in zip(model.parameters(), grads):
         p.grad = g.clone()
     _, norm, _ = opt.step()
-    assert norm == pytest.approx(float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))), rel=1e-6)
+    assert norm == pytest.approx(
+        float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))), rel=1e-6
+    )
     for p, g in zip(model.parameters(), grads):
         assert torch.equal(p.grad, g)
 
@@ -121,8 +131,9 @@ def test_fused_kernels_fold_clipping_into_the_gradient_read(tools, name, scale):
     results = []
     for fused in (False, True):
         model = tools["TinyMLP"]()
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer=name, lr=0.1, clip_grad=1.0, sgd_momentum=0.9),
-                                     [model])
+        opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer=name, lr=0.1, clip_grad=1.0, sgd_momentum=0.9), [model]
+        )
         for group in opt.optimizer.param_groups:
             group["fused"], group["foreach"] = fused, not fused
         for step in range(3):

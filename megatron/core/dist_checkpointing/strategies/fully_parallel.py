@@ -21,8 +21,14 @@ class FullyParallelSaveStrategyWrapper:
     """``FullyParallelSaveStrategyWrapper(strategy, parallelization_group=None, do_cache_distribution=False,
     backend="torch_dist", version=1)``: saves with ``strategy``."""
 
-    def __init__(self, strategy: TorchDistSaveShardedStrategy, parallelization_group: Any = None,
-                 do_cache_distribution: bool = False, backend: str = "torch_dist", version: int = 1) -> None:
+    def __init__(
+        self,
+        strategy: TorchDistSaveShardedStrategy,
+        parallelization_group: Any = None,
+        do_cache_distribution: bool = False,
+        backend: str = "torch_dist",
+        version: int = 1,
+    ) -> None:
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
@@ -34,8 +40,9 @@ class FullyParallelSaveStrategyWrapper:
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> None:
         self.base_strategy.save(sharded_state_dict, checkpoint_dir)
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path,
-                   async_strategy: str = "nvrx") -> Any:
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path, async_strategy: str = "nvrx"
+    ) -> Any:
         return self.base_strategy.async_save(sharded_state_dict, checkpoint_dir, async_strategy)
 
 
@@ -43,8 +50,13 @@ class FullyParallelLoadStrategyWrapper:
     """``FullyParallelLoadStrategyWrapper(strategy, parallelization_group=None, do_cache_distribution=False,
     exchange_algo="broadcast")``: loads with ``strategy``."""
 
-    def __init__(self, strategy: TorchDistLoadShardedStrategy, parallelization_group: Any = None,
-                 do_cache_distribution: bool = False, exchange_algo: str = "broadcast") -> None:
+    def __init__(
+        self,
+        strategy: TorchDistLoadShardedStrategy,
+        parallelization_group: Any = None,
+        do_cache_distribution: bool = False,
+        exchange_algo: str = "broadcast",
+    ) -> None:
         self.base_strategy = strategy
         self.parallelization_group = parallelization_group
         self.do_cache_distribution = do_cache_distribution
@@ -57,8 +69,9 @@ class FullyParallelLoadStrategyWrapper:
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path,
-             async_strategy: str = "mcore") -> StateDict:
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path, async_strategy: str = "mcore"
+    ) -> StateDict:
         return self.base_strategy.load(sharded_state_dict, checkpoint_dir, async_strategy)
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict:

@@ -24,11 +24,15 @@ BACKEND = "torch_dist"
 
 def _check_backend(backend: str, version: int) -> None:
     if backend != BACKEND:
-        raise ConfigError(f"backend={backend!r}: only the {BACKEND!r} checkpoint backend is implemented; "
-                          f"use {BACKEND!r}", params=("backend",))
+        raise ConfigError(
+            f"backend={backend!r}: only the {BACKEND!r} checkpoint backend is implemented; use {BACKEND!r}",
+            params=("backend",),
+        )
     if version != 1:
-        raise ConfigError(f"version={version}: the {BACKEND!r} backend has version 1 only; use version=1",
-                          params=("version",))
+        raise ConfigError(
+            f"version={version}: the {BACKEND!r} backend has version 1 only; use version=1",
+            params=("version",),
+        )
 
 
 class TorchDistSaveShardedStrategy:
@@ -64,17 +68,24 @@ class TorchDistSaveShardedStrategy:
         complete checkpoint (common values and ``metadata.json`` included)."""
         write_sharded(sharded_state_dict, str(checkpoint_dir))
 
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path,
-                   async_strategy: str = "nvrx") -> Any:
+    def async_save(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path, async_strategy: str = "nvrx"
+    ) -> Any:
         """Refused: asynchronous saving is not implemented (use ``save``)."""
-        raise ConfigError("async_save: asynchronous checkpoint saving is not implemented; call save() instead")
+        raise ConfigError(
+            "async_save: asynchronous checkpoint saving is not implemented; call save() instead"
+        )
 
 
 class TorchDistLoadShardedStrategy:
     """Loads (and reshards) sharded tensors and objects written by the ``torch_dist`` backend."""
 
-    def __init__(self, cache_metadata: bool = False, stream_ckpt_dequant: bool = True,
-                 checkpoint_name: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        cache_metadata: bool = False,
+        stream_ckpt_dequant: bool = True,
+        checkpoint_name: str | Path | None = None,
+    ) -> None:
         self.cache_metadata = cache_metadata
         self.stream_ckpt_dequant = stream_ckpt_dequant
         self.checkpoint_name = checkpoint_name
@@ -82,19 +93,24 @@ class TorchDistLoadShardedStrategy:
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path,
-             async_strategy: str = "mcore") -> StateDict:
+    def load(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path, async_strategy: str = "mcore"
+    ) -> StateDict:
         """``dist_checkpointing.load(sharded_state_dict, checkpoint_dir, sharded_strategy=self)``."""
         return read_sharded(sharded_state_dict, str(checkpoint_dir))
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path, metadata: Any = None) -> dict:
-        return tensors_metadata(metadata) if metadata is not None else load_tensors_metadata(str(checkpoint_dir))
+        return (
+            tensors_metadata(metadata) if metadata is not None else load_tensors_metadata(str(checkpoint_dir))
+        )
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> dict:
         return load_sharded_metadata(str(checkpoint_dir))
 
 
-def get_default_save_sharded_strategy(backend: str = BACKEND, version: int = 1) -> TorchDistSaveShardedStrategy:
+def get_default_save_sharded_strategy(
+    backend: str = BACKEND, version: int = 1
+) -> TorchDistSaveShardedStrategy:
     """The save strategy of ``backend`` (only ``torch_dist``).
 
     Raises:
@@ -103,6 +119,8 @@ def get_default_save_sharded_strategy(backend: str = BACKEND, version: int = 1) 
     return TorchDistSaveShardedStrategy(backend=backend, version=version)
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: str | Path | None = None) -> TorchDistLoadShardedStrategy:
+def get_default_load_sharded_strategy(
+    checkpoint_dir: str | Path | None = None,
+) -> TorchDistLoadShardedStrategy:
     """The load strategy for ``checkpoint_dir`` (every checkpoint here is ``torch_dist``)."""
     return TorchDistLoadShardedStrategy(checkpoint_name=checkpoint_dir)

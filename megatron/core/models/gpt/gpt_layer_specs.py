@@ -32,21 +32,29 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 
 def _refuse(function: str, **asked: Any) -> None:
-    what = {"num_experts": "experts (MoE) are not built yet (issue 28); leave it None",
-            "moe_grouped_gemm": "only with experts, which are not built yet (issue 28); leave it False",
-            "multi_latent_attention": "multi-latent attention is not built; leave it False",
-            "qk_l2_norm": "query/key L2 norm is not built; use qk_layernorm=True or leave it False",
-            "use_kitchen": "NVIDIA Kitchen is not used; leave it False",
-            "use_kitchen_attention": "NVIDIA Kitchen is not used; leave it False"}
+    what = {
+        "num_experts": "experts (MoE) are not built yet (issue 28); leave it None",
+        "moe_grouped_gemm": "only with experts, which are not built yet (issue 28); leave it False",
+        "multi_latent_attention": "multi-latent attention is not built; leave it False",
+        "qk_l2_norm": "query/key L2 norm is not built; use qk_layernorm=True or leave it False",
+        "use_kitchen": "NVIDIA Kitchen is not used; leave it False",
+        "use_kitchen_attention": "NVIDIA Kitchen is not used; leave it False",
+    }
     for name, value in asked.items():
         if value not in (None, False):
             raise ConfigError(f"{function}({name}={value!r}) is not supported here: {what[name]}")
 
 
 def get_gpt_layer_local_submodules(
-    num_experts: int | None = None, moe_grouped_gemm: bool | None = False, qk_layernorm: bool | None = False,
-    multi_latent_attention: bool | None = False, fp8: str | None = None, normalization: str | None = None,
-    qk_l2_norm: bool | None = False, use_kitchen: bool = False, use_kitchen_attention: bool = False,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool | None = False,
+    qk_layernorm: bool | None = False,
+    multi_latent_attention: bool | None = False,
+    fp8: str | None = None,
+    normalization: str | None = None,
+    qk_l2_norm: bool | None = False,
+    use_kitchen: bool = False,
+    use_kitchen_attention: bool = False,
     kitchen_attention_backend: str = "sdpa",
 ) -> TransformerLayerSubmodules:
     """The submodules of the local decoder layer.
@@ -62,9 +70,15 @@ def get_gpt_layer_local_submodules(
     Raises:
         ConfigError: one of the refused arguments set, naming it.
     """
-    _refuse("get_gpt_layer_local_submodules", num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
-            multi_latent_attention=multi_latent_attention, qk_l2_norm=qk_l2_norm, use_kitchen=use_kitchen,
-            use_kitchen_attention=use_kitchen_attention)
+    _refuse(
+        "get_gpt_layer_local_submodules",
+        num_experts=num_experts,
+        moe_grouped_gemm=moe_grouped_gemm,
+        multi_latent_attention=multi_latent_attention,
+        qk_l2_norm=qk_l2_norm,
+        use_kitchen=use_kitchen,
+        use_kitchen_attention=use_kitchen_attention,
+    )
     qk_norm = ModuleSpec(module=Norm, metainfo={"qk_layernorm": True}) if qk_layernorm else Norm
     return TransformerLayerSubmodules(
         input_layernorm=Norm,
@@ -85,33 +99,65 @@ def get_gpt_layer_local_submodules(
 
 
 def get_gpt_layer_local_spec(
-    num_experts: int | None = None, moe_grouped_gemm: bool | None = False, qk_layernorm: bool | None = False,
-    multi_latent_attention: bool | None = False, fp8: str | None = None, normalization: str | None = None,
-    qk_l2_norm: bool | None = False, use_kitchen: bool = False, use_kitchen_attention: bool = False,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool | None = False,
+    qk_layernorm: bool | None = False,
+    multi_latent_attention: bool | None = False,
+    fp8: str | None = None,
+    normalization: str | None = None,
+    qk_l2_norm: bool | None = False,
+    use_kitchen: bool = False,
+    use_kitchen_attention: bool = False,
     kitchen_attention_backend: str = "sdpa",
 ) -> ModuleSpec:
     """The local decoder layer's spec: ``ModuleSpec(TransformerLayer, submodules=
     get_gpt_layer_local_submodules(...))`` (same arguments)."""
-    return ModuleSpec(module=TransformerLayer, submodules=get_gpt_layer_local_submodules(
-        num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8, normalization, qk_l2_norm,
-        use_kitchen, use_kitchen_attention, kitchen_attention_backend))
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=get_gpt_layer_local_submodules(
+            num_experts,
+            moe_grouped_gemm,
+            qk_layernorm,
+            multi_latent_attention,
+            fp8,
+            normalization,
+            qk_l2_norm,
+            use_kitchen,
+            use_kitchen_attention,
+            kitchen_attention_backend,
+        ),
+    )
 
 
 def get_gpt_layer_with_transformer_engine_spec(
-    num_experts: int | None = None, moe_grouped_gemm: bool | None = False, qk_layernorm: bool | None = False,
-    multi_latent_attention: bool | None = False, fp8: str | None = None, **kwargs: Any,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool | None = False,
+    qk_layernorm: bool | None = False,
+    multi_latent_attention: bool | None = False,
+    fp8: str | None = None,
+    **kwargs: Any,
 ) -> ModuleSpec:
     """Megatron-Core's Transformer Engine layer spec. Transformer Engine is not used here: this is the
     local layer (:func:`get_gpt_layer_local_spec`), the same function with this package's kernels;
     the Transformer Engine-only keywords are accepted and have no effect."""
-    return get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, fp8,
-                                    qk_l2_norm=kwargs.get("qk_l2_norm", False),
-                                    use_kitchen=kwargs.get("use_kitchen", False))
+    return get_gpt_layer_local_spec(
+        num_experts,
+        moe_grouped_gemm,
+        qk_layernorm,
+        multi_latent_attention,
+        fp8,
+        qk_l2_norm=kwargs.get("qk_l2_norm", False),
+        use_kitchen=kwargs.get("use_kitchen", False),
+    )
 
 
-def get_mlp_module_spec(use_te: bool | None = True, num_experts: int | None = None,
-                        moe_grouped_gemm: bool | None = False, fp8: str | None = None,
-                        use_te_op_fuser: bool | None = False) -> ModuleSpec:
+def get_mlp_module_spec(
+    use_te: bool | None = True,
+    num_experts: int | None = None,
+    moe_grouped_gemm: bool | None = False,
+    fp8: str | None = None,
+    use_te_op_fuser: bool | None = False,
+) -> ModuleSpec:
     """The dense MLP's spec, ``ModuleSpec(MLP, submodules=MLPSubmodules(ColumnParallelLinear,
     RowParallelLinear))``. ``use_te=True`` (the default) and ``use_te_op_fuser`` build the same local MLP
     (no Transformer Engine here); ``fp8`` is ignored.
@@ -120,13 +166,19 @@ def get_mlp_module_spec(use_te: bool | None = True, num_experts: int | None = No
         ConfigError: ``num_experts`` or ``moe_grouped_gemm`` set (experts are not built yet).
     """
     _refuse("get_mlp_module_spec", num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                           linear_fc2=RowParallelLinear))
+    return ModuleSpec(
+        module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    )
 
 
-def get_gpt_decoder_block_spec(config: Any, use_transformer_engine: bool, normalization: str | None = None,
-                               qk_l2_norm: bool | None = False, vp_stage: int | None = None,
-                               pp_rank: int | None = None) -> TransformerBlockSubmodules:
+def get_gpt_decoder_block_spec(
+    config: Any,
+    use_transformer_engine: bool,
+    normalization: str | None = None,
+    qk_l2_norm: bool | None = False,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
+) -> TransformerBlockSubmodules:
     """The decoder block's spec: one local layer spec for each of ``config.num_layers`` layers (every
     layer is the same here, so the pipeline stage's slice is any ``num_layers`` of them; GPTModel
     builds its stage's layers) and the final norm.
@@ -134,21 +186,27 @@ def get_gpt_decoder_block_spec(config: Any, use_transformer_engine: bool, normal
     Raises:
         ConfigError: ``config.num_moe_experts`` or ``qk_l2_norm`` set.
     """
-    layer = get_gpt_layer_local_spec(num_experts=getattr(config, "num_moe_experts", None),
-                                     qk_layernorm=getattr(config, "qk_layernorm", False),
-                                     normalization=normalization, qk_l2_norm=qk_l2_norm)
+    layer = get_gpt_layer_local_spec(
+        num_experts=getattr(config, "num_moe_experts", None),
+        qk_layernorm=getattr(config, "qk_layernorm", False),
+        normalization=normalization,
+        qk_l2_norm=qk_l2_norm,
+    )
     return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=Norm)
 
 
-def _linear(cls: type, name: str, layer_number: int, plan: ExecutionPlan, builder: Fp8GemmBuilder | None) -> Any:
+def _linear(
+    cls: type, name: str, layer_number: int, plan: ExecutionPlan, builder: Fp8GemmBuilder | None
+) -> Any:
     """``cls``, or its spec with the FP8 GEMM builder where the plan runs ``name`` of this layer in FP8."""
     if builder is None or plan.fp8 is None or not plan.fp8.runs(layer_number, name):
         return cls
     return ModuleSpec(module=cls, params={"fp8_gemm": builder})
 
 
-def get_gpt_layer_plan_spec(plan: ExecutionPlan, layer_number: int,
-                            amax_reducer: AmaxReducer | None = None) -> ModuleSpec:
+def get_gpt_layer_plan_spec(
+    plan: ExecutionPlan, layer_number: int, amax_reducer: AmaxReducer | None = None
+) -> ModuleSpec:
     """The local decoder layer (:func:`get_gpt_layer_local_spec`) of global 1-based ``layer_number``
     with ``plan``'s implementations. ``amax_reducer``: delayed FP8 scaling's amax reduction across
     ranks (the trainer's; None: each rank keeps its own amaxes)."""
@@ -160,15 +218,20 @@ def get_gpt_layer_plan_spec(plan: ExecutionPlan, layer_number: int,
     swiglu = plan.config.activation == "swiglu"
     activation = swiglu_triton_backward if swiglu and plan.swiglu == "triton" else None
     block = plan.fp8 is not None and plan.fp8.swiglu_block and layer_number in plan.fp8.layers
-    submodules.mlp = ModuleSpec(module=Fp8SwigluMLP if block else MLP, submodules=MLPSubmodules(
-        linear_fc1=_linear(ColumnParallelLinear, "linear_fc1", layer_number, plan, builder),
-        linear_fc2=_linear(RowParallelLinear, "linear_fc2", layer_number, plan, builder),
-        activation_func=activation))
+    submodules.mlp = ModuleSpec(
+        module=Fp8SwigluMLP if block else MLP,
+        submodules=MLPSubmodules(
+            linear_fc1=_linear(ColumnParallelLinear, "linear_fc1", layer_number, plan, builder),
+            linear_fc2=_linear(RowParallelLinear, "linear_fc2", layer_number, plan, builder),
+            activation_func=activation,
+        ),
+    )
     return ModuleSpec(module=TransformerLayer, submodules=submodules)
 
 
-def get_gpt_decoder_block_plan_spec(plan: ExecutionPlan,
-                                    amax_reducer: AmaxReducer | None = None) -> TransformerBlockSubmodules:
+def get_gpt_decoder_block_plan_spec(
+    plan: ExecutionPlan, amax_reducer: AmaxReducer | None = None
+) -> TransformerBlockSubmodules:
     """One :func:`get_gpt_layer_plan_spec` per layer of the model (``plan.config.num_layers``; layers
     the plan treats alike share one spec) and the final norm; GPTModel builds its stage's layers."""
     fp8_layers = plan.fp8.layers if plan.fp8 is not None else frozenset()

@@ -62,19 +62,39 @@ class GPTModel(LanguageModule):
             an ``execution_plan`` resolved for another tensor-parallel size.
     """
 
-    def __init__(self, config: TransformerConfig, transformer_layer_spec, vocab_size: int,
-                 max_sequence_length: int, pre_process: bool = True, post_process: bool = True,
-                 share_embeddings_and_output_weights: bool | None = None,
-                 position_embedding_type: str | None = None, rotary_percent: float | None = None,
-                 rotary_base: int | None = None, seq_len_interpolation_factor: float | None = None,
-                 parallel_output: bool = True, parallel_state: ParallelState | None = None,
-                 num_layers: int | None = None, layer_offset: int = 0, sequence_parallel: bool | None = None,
-                 device: torch.device | str | None = None, seed: int | None = None, vp_stage: int | None = None,
-                 fp16_lm_cross_entropy: bool = False, rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
-                 scatter_embedding_sequence_parallel: bool = True, mtp_block_spec: Any = None,
-                 pg_collection: Any = None, execution_plan: ExecutionPlan | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        transformer_layer_spec,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        share_embeddings_and_output_weights: bool | None = None,
+        position_embedding_type: str | None = None,
+        rotary_percent: float | None = None,
+        rotary_base: int | None = None,
+        seq_len_interpolation_factor: float | None = None,
+        parallel_output: bool = True,
+        parallel_state: ParallelState | None = None,
+        num_layers: int | None = None,
+        layer_offset: int = 0,
+        sequence_parallel: bool | None = None,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+        vp_stage: int | None = None,
+        fp16_lm_cross_entropy: bool = False,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
+        mtp_block_spec: Any = None,
+        pg_collection: Any = None,
+        execution_plan: ExecutionPlan | None = None,
+    ):
         super().__init__(config)
-        _refuse_unbuilt(fp16_lm_cross_entropy, rope_scaling, scatter_embedding_sequence_parallel, mtp_block_spec)
+        _refuse_unbuilt(
+            fp16_lm_cross_entropy, rope_scaling, scatter_embedding_sequence_parallel, mtp_block_spec
+        )
         self.pg = _groups(parallel_state, pg_collection)
         config.check_parallel_sizes(self.pg.tp_size, self.pg.pp_size)
         plan = _plan_for(execution_plan, config, self.pg.tp_size)
@@ -86,31 +106,54 @@ class GPTModel(LanguageModule):
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.share_embeddings_and_output_weights = (
-            config.share_embeddings_and_output_weights if share_embeddings_and_output_weights is None
+            config.share_embeddings_and_output_weights
+            if share_embeddings_and_output_weights is None
             else share_embeddings_and_output_weights
         )
         self.position_embedding_type = position_embedding_type or config.position_embedding_type
         self.rotary_dim = int(config.kv_channels * (rotary_percent or config.rotary_percent))
         self.rotary_base = rotary_base or config.rotary_base
-        self.seq_len_interpolation_factor = (config.rotary_seq_len_interpolation_factor
-                                             if seq_len_interpolation_factor is None else seq_len_interpolation_factor)
+        self.seq_len_interpolation_factor = (
+            config.rotary_seq_len_interpolation_factor
+            if seq_len_interpolation_factor is None
+            else seq_len_interpolation_factor
+        )
         # As in Megatron-Core, the config's sequence_parallel decides unless the argument overrides it.
-        sp = (config.sequence_parallel if sequence_parallel is None else sequence_parallel) and self.pg.tp_size > 1
+        sp = (
+            config.sequence_parallel if sequence_parallel is None else sequence_parallel
+        ) and self.pg.tp_size > 1
         self.sequence_parallel = sp
         with torch.device("meta"):
             if pre_process:
-                self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                        self.position_embedding_type, tp_group, sp,
-                                                        rng_tracker=self.pg.rng_tracker)
-            self.decoder = TransformerBlock(config, transformer_layer_spec, num_layers=num_layers,
-                                            layer_offset=layer_offset, post_layer_norm=post_process,
-                                            tp_group=tp_group, sequence_parallel=sp,
-                                            rng_tracker=self.pg.rng_tracker)
+                self.embedding = LanguageModelEmbedding(
+                    config,
+                    vocab_size,
+                    max_sequence_length,
+                    self.position_embedding_type,
+                    tp_group,
+                    sp,
+                    rng_tracker=self.pg.rng_tracker,
+                )
+            self.decoder = TransformerBlock(
+                config,
+                transformer_layer_spec,
+                num_layers=num_layers,
+                layer_offset=layer_offset,
+                post_layer_norm=post_process,
+                tp_group=tp_group,
+                sequence_parallel=sp,
+                rng_tracker=self.pg.rng_tracker,
+            )
             if post_process:
                 tied_here = self.share_embeddings_and_output_weights and pre_process
                 self.output_layer = ColumnParallelLinear(
-                    config.hidden_size, vocab_size, init_std=config.init_method_std, bias=False,
-                    tp_group=tp_group, sequence_parallel=sp, skip_weight_param_allocation=tied_here,
+                    config.hidden_size,
+                    vocab_size,
+                    init_std=config.init_method_std,
+                    bias=False,
+                    tp_group=tp_group,
+                    sequence_parallel=sp,
+                    skip_weight_param_allocation=tied_here,
                     params_dtype=config.params_dtype,
                 )
         self._materialize(torch.device(device or "cpu"), torch.initial_seed() if seed is None else seed)
@@ -151,7 +194,7 @@ class GPTModel(LanguageModule):
         """Layout-independent name: ``decoder.layers.<local>`` becomes the global layer index."""
         prefix = "decoder.layers."
         if local_name.startswith(prefix):
-            idx, rest = local_name[len(prefix):].split(".", 1)
+            idx, rest = local_name[len(prefix) :].split(".", 1)
             return f"{prefix}{int(idx) + self.decoder.layer_offset}.{rest}"
         if local_name == "output_layer.weight" and self.share_embeddings_and_output_weights:
             return "embedding.word_embeddings.weight"  # a tied copy on the last stage
@@ -179,9 +222,15 @@ class GPTModel(LanguageModule):
             self.input_tensor = input_tensor
 
     # ----------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                attention_mask: torch.Tensor | None, labels: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None, decoder_input: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        decoder_input: torch.Tensor | None = None,
+    ):
         """Logits ``[b, s, V(/tp)]`` when ``labels`` is None, else per-token losses ``[b, s]`` (fp32).
 
         ``decoder_input`` (else the tensor given to ``set_input_tensor``) replaces the embedding on
@@ -206,12 +255,16 @@ class GPTModel(LanguageModule):
             if position_ids is None:  # a later pipeline stage: positions 0..s-1 of the full sequence
                 seq = hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
                 position_ids = torch.arange(seq, device=hidden.device).expand(hidden.shape[1], seq)
-            rotary = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, self.seq_len_interpolation_factor)
+            rotary = rotary_cos_sin(
+                position_ids, self.rotary_dim, self.rotary_base, self.seq_len_interpolation_factor
+            )
         seq = hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
         hidden = self.decoder(hidden, mask_for_attention(attention_mask, seq), rotary)
         if not self.post_process:
             return hidden
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        weight = (
+            self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        )
         if labels is not None:
             return self.output_loss(hidden, self.output_layer, weight, labels, loss_mask)  # [b, s]
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, V/tp]
@@ -227,8 +280,13 @@ class GPTModel(LanguageModule):
         fixed = {}
         for name, value in state_dict.items():
             param = params.get(name)
-            if (param is not None and torch.is_tensor(value) and getattr(param, "partition_stride", 1) > 1
-                    and value.shape != param.shape and value.numel() == param.numel()):
+            if (
+                param is not None
+                and torch.is_tensor(value)
+                and getattr(param, "partition_stride", 1) > 1
+                and value.shape != param.shape
+                and value.numel() == param.numel()
+            ):
                 value = value.reshape(param.shape)
             fixed[name] = value
         return super().load_state_dict(fixed, strict=strict, assign=assign)
@@ -256,15 +314,24 @@ class GPTModel(LanguageModule):
         return out
 
 
-def _refuse_unbuilt(fp16_lm_cross_entropy: bool, rope_scaling: bool, scatter_embedding_sequence_parallel: bool,
-                    mtp_block_spec: Any) -> None:
+def _refuse_unbuilt(
+    fp16_lm_cross_entropy: bool,
+    rope_scaling: bool,
+    scatter_embedding_sequence_parallel: bool,
+    mtp_block_spec: Any,
+) -> None:
     """Megatron-Core's GPTModel arguments that ask for what is not built here raise, naming them."""
     for name, value, ok, hint in (
-            ("fp16_lm_cross_entropy", fp16_lm_cross_entropy, False, "the cross entropy is computed in fp32"),
-            ("rope_scaling", rope_scaling, False, "Llama 3 RoPE scaling is not built into GPTModel"),
-            ("scatter_embedding_sequence_parallel", scatter_embedding_sequence_parallel, True,
-             "with sequence parallelism the embedding output is always scattered"),
-            ("mtp_block_spec", mtp_block_spec, None, "multi-token prediction is not built")):
+        ("fp16_lm_cross_entropy", fp16_lm_cross_entropy, False, "the cross entropy is computed in fp32"),
+        ("rope_scaling", rope_scaling, False, "Llama 3 RoPE scaling is not built into GPTModel"),
+        (
+            "scatter_embedding_sequence_parallel",
+            scatter_embedding_sequence_parallel,
+            True,
+            "with sequence parallelism the embedding output is always scattered",
+        ),
+        ("mtp_block_spec", mtp_block_spec, None, "multi-token prediction is not built"),
+    ):
         if value is not ok and value != ok:
             raise ConfigError(f"GPTModel({name}={value!r}) is not supported here: {hint}; pass {ok!r}")
 
@@ -278,9 +345,11 @@ def _plan_for(plan: ExecutionPlan | None, config: TransformerConfig, tp_size: in
     if plan is None:
         return ExecutionPlan.plain(config, tp_size)
     if plan.tp_size != tp_size:
-        raise ConfigError(f"the execution plan was resolved for tensor_model_parallel_size {plan.tp_size}, the "
-                          f"model is built on process groups of size {tp_size}; resolve it for those",
-                          params=("tensor_model_parallel_size",))
+        raise ConfigError(
+            f"the execution plan was resolved for tensor_model_parallel_size {plan.tp_size}, the "
+            f"model is built on process groups of size {tp_size}; resolve it for those",
+            params=("tensor_model_parallel_size",),
+        )
     return plan
 
 
@@ -300,8 +369,10 @@ def _groups(parallel_state: ParallelState | None, pg_collection: Any) -> Paralle
         for name, group in (("tp", default.tp_group), ("pp", default.pp_group)):
             given = getattr(pg_collection, name, None)
             if given is not None and given is not group:
-                raise ConfigError(f"GPTModel(pg_collection=...) holds a {name} group other than parallel_state's; "
-                                  "pass parallel_state=<the ParallelState of those groups> instead")
+                raise ConfigError(
+                    f"GPTModel(pg_collection=...) holds a {name} group other than parallel_state's; "
+                    "pass parallel_state=<the ParallelState of those groups> instead"
+                )
     return default
 
 
@@ -310,7 +381,10 @@ def _stage_layers(config: TransformerConfig, pg: ParallelState, vp_stage: int | 
     vpp = config.virtual_pipeline_model_parallel_size or 1
     chunk = 0 if vp_stage is None else vp_stage
     if not 0 <= chunk < vpp:
-        raise ConfigError(f"vp_stage {vp_stage} is not a virtual pipeline stage of this rank; use 0 .. {vpp - 1} "
-                          "(virtual_pipeline_model_parallel_size)", params=("virtual_pipeline_model_parallel_size",))
+        raise ConfigError(
+            f"vp_stage {vp_stage} is not a virtual pipeline stage of this rank; use 0 .. {vpp - 1} "
+            "(virtual_pipeline_model_parallel_size)",
+            params=("virtual_pipeline_model_parallel_size",),
+        )
     layout = config.pipeline_layout(pg.pp_size, config.virtual_pipeline_model_parallel_size)
     return layout.num_layers_of(pg.pp_rank, chunk), layout.offset_of(pg.pp_rank, chunk)

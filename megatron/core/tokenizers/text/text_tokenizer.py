@@ -24,24 +24,48 @@ ANY = object()
 """Marks an option accepted with any value (it changes nothing here)."""
 
 _HF_OPTIONS: dict[str, Any] = {
-    "additional_special_tokens": (None, []), "use_fast": ANY, "trust_remote_code": ANY,
-    "include_special_tokens": ANY, "chat_template": ANY, "mask_token": (None,), "bos_token": (None,),
-    "eos_token": (None,), "pad_token": (None,), "sep_token": (None,), "cls_token": (None,),
+    "additional_special_tokens": (None, []),
+    "use_fast": ANY,
+    "trust_remote_code": ANY,
+    "include_special_tokens": ANY,
+    "chat_template": ANY,
+    "mask_token": (None,),
+    "bos_token": (None,),
+    "eos_token": (None,),
+    "pad_token": (None,),
+    "sep_token": (None,),
+    "cls_token": (None,),
     "unk_token": (None,),
 }
 
 # Per library: the options accepted and the values that leave our class's ids unchanged.
 OPTIONS: dict[str, dict[str, Any]] = {
     "null-text": {"vocab_size": ANY, "eod_id": ANY, "pad_id": ANY, "chat_template": ANY},
-    "sentencepiece": {"special_tokens": (None, [], {}), "legacy": (False,), "ignore_extra_whitespaces": (True,),
-                      "trim_spm_separator_after_special_token": ANY, "spm_separator": ("\u2581",),
-                      "chat_template": ANY},
+    "sentencepiece": {
+        "special_tokens": (None, [], {}),
+        "legacy": (False,),
+        "ignore_extra_whitespaces": (True,),
+        "trim_spm_separator_after_special_token": ANY,
+        "spm_separator": ("\u2581",),
+        "chat_template": ANY,
+    },
     "huggingface": {**_HF_OPTIONS, "vocab_file": (None,), "merges_file": (None,)},
     "megatron": {**_HF_OPTIONS, "vocab_file": ANY, "merges_file": ANY},
-    "byte-level": {"special_tokens": ANY, "vocab_size": ANY, "_eos_id": ANY, "_pad_id": ANY, "_bos_id": ANY,
-                   "chat_template": ANY},
-    "tiktoken": {"pattern": ANY, "vocab_size": ANY, "num_special_tokens": ANY, "special_tokens": (None,),
-                 "chat_template": ANY},
+    "byte-level": {
+        "special_tokens": ANY,
+        "vocab_size": ANY,
+        "_eos_id": ANY,
+        "_pad_id": ANY,
+        "_bos_id": ANY,
+        "chat_template": ANY,
+    },
+    "tiktoken": {
+        "pattern": ANY,
+        "vocab_size": ANY,
+        "num_special_tokens": ANY,
+        "special_tokens": (None,),
+        "chat_template": ANY,
+    },
 }
 
 REFUSED_LIBRARIES = {
@@ -53,8 +77,10 @@ REFUSED_LIBRARIES = {
 
 def _null(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
     if kw.get("vocab_size") is None:
-        raise ConfigError("library 'null-text' needs vocab_size=..., e.g. from_pretrained(metadata_path="
-                         "{'library': 'null-text'}, vocab_size=32000)")
+        raise ConfigError(
+            "library 'null-text' needs vocab_size=..., e.g. from_pretrained(metadata_path="
+            "{'library': 'null-text'}, vocab_size=32000)"
+        )
     return NullTokenizer(kw["vocab_size"], kw.get("eod_id"), kw.get("pad_id", -1))
 
 
@@ -68,23 +94,36 @@ def _huggingface(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
 
 def _megatron(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
     if path != "GPT2BPETokenizer":
-        raise ConfigError(f"library 'megatron': tokenizer_path {path!r} is not provided; use 'GPT2BPETokenizer' "
-                         "with vocab_file= and merges_file=")
+        raise ConfigError(
+            f"library 'megatron': tokenizer_path {path!r} is not provided; use 'GPT2BPETokenizer' "
+            "with vocab_file= and merges_file="
+        )
     return GPT2BPETokenizer(kw.get("vocab_file"), kw.get("merges_file"))
 
 
 def _tiktoken(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
-    return TikTokenizer(path, kw.get("pattern", "v2"), kw.get("vocab_size", 2**17), kw.get("num_special_tokens", 1000))
+    return TikTokenizer(
+        path, kw.get("pattern", "v2"), kw.get("vocab_size", 2**17), kw.get("num_special_tokens", 1000)
+    )
 
 
 def _byte_level(path: str | None, kw: dict[str, Any]) -> MegatronTokenizer:
-    return ByteLevelTokenizer(kw.get("special_tokens"), kw.get("vocab_size", 512), kw.get("_eos_id", 0),
-                              kw.get("_pad_id", 1), kw.get("_bos_id"))
+    return ByteLevelTokenizer(
+        kw.get("special_tokens"),
+        kw.get("vocab_size", 512),
+        kw.get("_eos_id", 0),
+        kw.get("_pad_id", 1),
+        kw.get("_bos_id"),
+    )
 
 
 BUILDERS: dict[str, Callable[[str | None, dict[str, Any]], MegatronTokenizer]] = {
-    "null-text": _null, "sentencepiece": _sentencepiece, "huggingface": _huggingface, "megatron": _megatron,
-    "tiktoken": _tiktoken, "byte-level": _byte_level,
+    "null-text": _null,
+    "sentencepiece": _sentencepiece,
+    "huggingface": _huggingface,
+    "megatron": _megatron,
+    "tiktoken": _tiktoken,
+    "byte-level": _byte_level,
 }
 
 
@@ -96,18 +135,23 @@ def restore_model(library: str | None, path: str | None, kwargs: dict[str, Any])
             accept or whose value would change the ids (named, with the accepted values).
     """
     if library in REFUSED_LIBRARIES:
-        raise ConfigError(f"tokenizer library {library!r}: {REFUSED_LIBRARIES[library]}; choose one of "
-                         f"{sorted(BUILDERS)}")
+        raise ConfigError(
+            f"tokenizer library {library!r}: {REFUSED_LIBRARIES[library]}; choose one of {sorted(BUILDERS)}"
+        )
     if library not in BUILDERS:
         raise ConfigError(f"tokenizer library {library!r} is not valid; choose one of {sorted(BUILDERS)}")
     accepted = OPTIONS[library]
     for name, value in kwargs.items():
         if name not in accepted:
-            raise ConfigError(f"tokenizer library {library!r} takes no option {name!r}; it takes {sorted(accepted)}")
+            raise ConfigError(
+                f"tokenizer library {library!r} takes no option {name!r}; it takes {sorted(accepted)}"
+            )
         neutral = accepted[name]
         if neutral is not ANY and value not in neutral:
-            raise ConfigError(f"tokenizer library {library!r}: {name}={value!r} is not supported here; leave it at "
-                             f"{neutral[0]!r}")
+            raise ConfigError(
+                f"tokenizer library {library!r}: {name}={value!r} is not supported here; leave it at "
+                f"{neutral[0]!r}"
+            )
     return BUILDERS[library](path, kwargs)
 
 
@@ -150,7 +194,9 @@ class MegatronTokenizerText(MegatronTokenizer):
     def detokenize(self, ids: Sequence[int], skip_special_tokens: bool | None = None) -> str:
         """Text of ``ids``; ``skip_special_tokens=True`` is refused (special tokens are kept)."""
         if skip_special_tokens:
-            raise ValueError("detokenize(skip_special_tokens=True) is not supported here; special tokens are kept")
+            raise ValueError(
+                "detokenize(skip_special_tokens=True) is not supported here; special tokens are kept"
+            )
         return self._tokenizer.detokenize(ids)
 
     def apply_chat_template(self, conversation: Any, chat_template: str | None = None, **kwargs: Any) -> Any:

@@ -13,8 +13,16 @@ from megatron.core.tokenizers.megatron_tokenizer import MegatronTokenizer
 
 MEGATRON_TOKENIZERS = ["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer"]
 SP_TOKENIZERS = ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"]
-SUPPORTED_TOKENIZERS = ["HuggingFaceTokenizer", "TikTokenizer", "MultimodalTokenizer", "NullTokenizer",
-                        "NullMultimodalTokenizer", "SFTTokenizer", *MEGATRON_TOKENIZERS, *SP_TOKENIZERS]
+SUPPORTED_TOKENIZERS = [
+    "HuggingFaceTokenizer",
+    "TikTokenizer",
+    "MultimodalTokenizer",
+    "NullTokenizer",
+    "NullMultimodalTokenizer",
+    "SFTTokenizer",
+    *MEGATRON_TOKENIZERS,
+    *SP_TOKENIZERS,
+]
 
 logger = logging.getLogger(__name__)
 
@@ -22,37 +30,62 @@ logger = logging.getLogger(__name__)
 def _library_path_options(args: Any) -> tuple[str, str | None, dict[str, Any]]:
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     kind = args.tokenizer_type
-    hf_options = {"additional_special_tokens": get("special_tokens") or [],
-                  "use_fast": not get("tokenizer_hf_no_use_fast", False),
-                  "trust_remote_code": get("trust_remote_code", False),
-                  "include_special_tokens": not get("tokenizer_hf_no_include_special_tokens", False)}
+    hf_options = {
+        "additional_special_tokens": get("special_tokens") or [],
+        "use_fast": not get("tokenizer_hf_no_use_fast", False),
+        "trust_remote_code": get("trust_remote_code", False),
+        "include_special_tokens": not get("tokenizer_hf_no_include_special_tokens", False),
+    }
     if kind in MEGATRON_TOKENIZERS:
-        return "megatron", kind, {**hf_options, "vocab_file": get("vocab_file"), "merges_file": get("merge_file")}
+        return (
+            "megatron",
+            kind,
+            {**hf_options, "vocab_file": get("vocab_file"), "merges_file": get("merge_file")},
+        )
     if kind in SP_TOKENIZERS:
-        return "sentencepiece", get("tokenizer_model"), {
-            "chat_template": get("chat_template"),
-            "ignore_extra_whitespaces": get("tokenizer_sentencepiece_ignore_extra_whitespaces", True),
-            "legacy": get("tokenizer_sentencepiece_legacy", False), "special_tokens": get("special_tokens")}
+        return (
+            "sentencepiece",
+            get("tokenizer_model"),
+            {
+                "chat_template": get("chat_template"),
+                "ignore_extra_whitespaces": get("tokenizer_sentencepiece_ignore_extra_whitespaces", True),
+                "legacy": get("tokenizer_sentencepiece_legacy", False),
+                "special_tokens": get("special_tokens"),
+            },
+        )
     if kind == "TikTokenizer":
-        options = {"chat_template": get("chat_template"), "num_special_tokens": get("tiktoken_num_special_tokens", 1000),
-                   "special_tokens": get("special_tokens")}
+        options = {
+            "chat_template": get("chat_template"),
+            "num_special_tokens": get("tiktoken_num_special_tokens", 1000),
+            "special_tokens": get("special_tokens"),
+        }
         if get("tiktoken_pattern"):
             options["pattern"] = get("tiktoken_pattern")
         if get("vocab_size"):
             options["vocab_size"] = get("vocab_size")
         return "tiktoken", get("tokenizer_model"), options
     if kind == "HuggingFaceTokenizer":
-        return "huggingface", get("tokenizer_model"), {**hf_options, "chat_template": get("chat_template"),
-                                                        "vocab_file": get("vocab_file"),
-                                                        "merges_file": get("merge_file")}
+        return (
+            "huggingface",
+            get("tokenizer_model"),
+            {
+                **hf_options,
+                "chat_template": get("chat_template"),
+                "vocab_file": get("vocab_file"),
+                "merges_file": get("merge_file"),
+            },
+        )
     if kind == "NullTokenizer":
         options = {"vocab_size": get("vocab_size")} if get("vocab_size") else {}
         for flag, name in (("null_tokenizer_eod_id", "eod_id"), ("null_tokenizer_pad_id", "pad_id")):
             if get(flag) is not None:
                 options[name] = get(flag)
         return "null-text", None, options
-    library = {"MultimodalTokenizer": "multimodal", "NullMultimodalTokenizer": "null-multimodal",
-               "SFTTokenizer": "sft"}[kind]
+    library = {
+        "MultimodalTokenizer": "multimodal",
+        "NullMultimodalTokenizer": "null-multimodal",
+        "SFTTokenizer": "sft",
+    }[kind]
     return library, get("tokenizer_model"), {}
 
 
@@ -66,12 +99,15 @@ def build_tokenizer(args: Any, **kwargs: Any) -> MegatronTokenizerBase:
             ``MegatronTokenizer.from_pretrained`` refuses.
     """
     if getattr(args, "tokenizer_type", None) not in SUPPORTED_TOKENIZERS:
-        raise ConfigError(f"tokenizer_type {getattr(args, 'tokenizer_type', None)!r} is not supported; choose one of "
-                         f"{SUPPORTED_TOKENIZERS}")
+        raise ConfigError(
+            f"tokenizer_type {getattr(args, 'tokenizer_type', None)!r} is not supported; choose one of "
+            f"{SUPPORTED_TOKENIZERS}"
+        )
     library, path, options = _library_path_options(args)
     metadata = getattr(args, "metadata_path", None) if library != "null-text" else None
-    tokenizer = MegatronTokenizer.from_pretrained(tokenizer_path=path, metadata_path=metadata or {"library": library},
-                                                  **options)
+    tokenizer = MegatronTokenizer.from_pretrained(
+        tokenizer_path=path, metadata_path=metadata or {"library": library}, **options
+    )
     if getattr(args, "pad_vocab_size", False) and getattr(args, "padded_vocab_size", None) is None:
         args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
     return tokenizer
@@ -81,4 +117,6 @@ def vocab_size_with_padding(orig_vocab_size: int, args: Any, logging_enabled: bo
     """``orig_vocab_size`` rounded up to a multiple of ``args.make_vocab_size_divisible_by *
     args.tensor_model_parallel_size`` (logged on rank 0 when ``logging_enabled``)."""
     log = logger.info if logging_enabled and getattr(args, "rank", 0) == 0 else None
-    return _pad_vocab(orig_vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, log)
+    return _pad_vocab(
+        orig_vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size, log
+    )

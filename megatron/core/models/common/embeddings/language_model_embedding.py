@@ -14,20 +14,32 @@ from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 class LanguageModelEmbedding(nn.Module):
     """``[b, s]`` ids (and positions) -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism)."""
 
-    def __init__(self, config, vocab_size: int, max_sequence_length: int, position_embedding_type: str,
-                 tp_group=None, sequence_parallel: bool = False, rng_tracker=None):
+    def __init__(
+        self,
+        config,
+        vocab_size: int,
+        max_sequence_length: int,
+        position_embedding_type: str,
+        tp_group=None,
+        sequence_parallel: bool = False,
+        rng_tracker=None,
+    ):
         super().__init__()
         self.rng_tracker = rng_tracker
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and mappings.group_size(tp_group) > 1
         self.dropout_p = config.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_std=config.init_method_std, tp_group=tp_group,
+            vocab_size,
+            config.hidden_size,
+            init_std=config.init_method_std,
+            tp_group=tp_group,
             params_dtype=config.params_dtype,
         )
         if position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(max_sequence_length, config.hidden_size,
-                                                    dtype=config.params_dtype)
+            self.position_embeddings = nn.Embedding(
+                max_sequence_length, config.hidden_size, dtype=config.params_dtype
+            )
             set_init_attrs(self.position_embeddings.weight, std=config.init_method_std)
         else:
             self.position_embeddings = None

@@ -14,8 +14,15 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import _refuse_
 from megatron.core.transformer.rope import apply_rotary
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: Any, cu_seqlens: torch.Tensor | None = None,
-                         mscale: float = 1.0, cp_group: Any = None, mla_rotary_interleaved: bool = False) -> torch.Tensor:
+def apply_rotary_pos_emb(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    config: Any,
+    cu_seqlens: torch.Tensor | None = None,
+    mscale: float = 1.0,
+    cp_group: Any = None,
+    mla_rotary_interleaved: bool = False,
+) -> torch.Tensor:
     """``t`` ``[s, b, n, d]`` with its first ``freqs.shape[-1]`` channels rotated by the angles ``freqs``
     ``[s, 1 or b, 1, rd]`` (``RotaryEmbedding``'s output), the rest passed through; cos / sin are
     scaled by ``mscale`` and cast to ``t``'s dtype.
@@ -25,10 +32,14 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: Any, cu_s
             interleaved RoPE (``config.rotary_interleaved`` or ``mla_rotary_interleaved``).
     """
     if cu_seqlens is not None:
-        raise ConfigError("apply_rotary_pos_emb(cu_seqlens=...) is not supported here: packed (thd) sequences are "
-                          "not built; pass [s, b, n, d] tensors and cu_seqlens=None")
+        raise ConfigError(
+            "apply_rotary_pos_emb(cu_seqlens=...) is not supported here: packed (thd) sequences are "
+            "not built; pass [s, b, n, d] tensors and cu_seqlens=None"
+        )
     _refuse_cp(cp_group, "apply_rotary_pos_emb")
     if getattr(config, "rotary_interleaved", False) or mla_rotary_interleaved:
-        raise ConfigError("apply_rotary_pos_emb with interleaved RoPE is not supported here: RoPE rotates halves; "
-                          "set rotary_interleaved=False")
+        raise ConfigError(
+            "apply_rotary_pos_emb with interleaved RoPE is not supported here: RoPE rotates halves; "
+            "set rotary_interleaved=False"
+        )
     return apply_rotary(t, freqs.cos() * mscale, freqs.sin() * mscale)

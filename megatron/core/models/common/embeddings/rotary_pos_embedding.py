@@ -17,9 +17,13 @@ from megatron.core.tensor_parallel.mappings import group_size
 from megatron.core.transformer.rope import inverse_frequencies, rotary_angles
 
 
-def llama3_scaled_inverse_frequencies(inv_freq: torch.Tensor, factor: float = 8.0, low_freq_factor: float = 1.0,
-                                      high_freq_factor: float = 4.0,
-                                      original_max_position_embeddings: int = 8192) -> torch.Tensor:
+def llama3_scaled_inverse_frequencies(
+    inv_freq: torch.Tensor,
+    factor: float = 8.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position_embeddings: int = 8192,
+) -> torch.Tensor:
     """Llama 3.x's RoPE frequency scaling: wavelengths longer than ``original / low_freq_factor`` are
     divided by ``factor``, shorter than ``original / high_freq_factor`` kept, and the band between
     interpolated smoothly."""
@@ -27,7 +31,9 @@ def llama3_scaled_inverse_frequencies(inv_freq: torch.Tensor, factor: float = 8.
     long_wave = wavelen > original_max_position_embeddings / low_freq_factor
     short_wave = wavelen < original_max_position_embeddings / high_freq_factor
     scaled = torch.where(long_wave, inv_freq / factor, inv_freq)
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     return torch.where(~short_wave & ~long_wave, smoothed, scaled)
 
@@ -52,14 +58,24 @@ class RotaryEmbedding(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, kv_channels: int, rotary_percent: float, rotary_interleaved: bool = False,
-                 seq_len_interpolation_factor: float | None = None, rotary_base: int = 10000,
-                 rope_scaling: bool = False, rope_scaling_factor: float = 8.0, use_cpu_initialization: bool = False,
-                 cp_group: Any = None) -> None:
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float,
+        rotary_interleaved: bool = False,
+        seq_len_interpolation_factor: float | None = None,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        use_cpu_initialization: bool = False,
+        cp_group: Any = None,
+    ) -> None:
         super().__init__()
         if rotary_interleaved:
-            raise ConfigError("RotaryEmbedding(rotary_interleaved=True) is not supported here: RoPE rotates halves "
-                              "(the non-interleaved layout); pass rotary_interleaved=False")
+            raise ConfigError(
+                "RotaryEmbedding(rotary_interleaved=True) is not supported here: RoPE rotates halves "
+                "(the non-interleaved layout); pass rotary_interleaved=False"
+            )
         _refuse_cp(cp_group, "RotaryEmbedding")
         dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
         self.rotary_interleaved = False
@@ -78,7 +94,9 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_seq_len, device=self.inv_freq.device) + offset
         return rotary_angles(positions, self.inv_freq, self.seq_len_interpolation_factor)[:, None, None, :]
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> torch.Tensor:
+    def forward(
+        self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None
+    ) -> torch.Tensor:
         """``[max_seq_len, 1, 1, dim]`` fp32 rotation angles (Megatron-Core's ``rotary_pos_emb``)."""
         _refuse_cp(cp_group, "RotaryEmbedding.forward")
         return self.get_emb(max_seq_len, offset)
@@ -86,5 +104,7 @@ class RotaryEmbedding(nn.Module):
 
 def _refuse_cp(cp_group: Any, where: str) -> None:
     if cp_group is not None and group_size(cp_group) > 1:
-        raise ConfigError(f"{where}(cp_group=<{group_size(cp_group)} ranks>) is not supported here: context "
-                          "parallelism is not built yet (issue 29); pass no cp_group")
+        raise ConfigError(
+            f"{where}(cp_group=<{group_size(cp_group)} ranks>) is not supported here: context "
+            "parallelism is not built yet (issue 29); pass no cp_group"
+        )

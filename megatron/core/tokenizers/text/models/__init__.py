@@ -15,4 +15,11 @@ MODEL_TYPES: dict[str, type[MegatronTokenizerText]] = {
     "t5": T5Tokenizer,
 }
 
-__all__ = ["MODEL_TYPES", "BertTokenizer", "DefaultTokenizerText", "GPTTokenizer", "MambaTokenizer", "T5Tokenizer"]
+__all__ = [
+    "MODEL_TYPES",
+    "BertTokenizer",
+    "DefaultTokenizerText",
+    "GPTTokenizer",
+    "MambaTokenizer",
+    "T5Tokenizer",
+]
