@@ -1,4 +1,5 @@
-"""The split rules of a ``TransformerConfig`` (FP8 and pipeline fields), checked on construction.
+"""The split rules of a ``TransformerConfig`` (FP8, tensor- and pipeline-parallel, recompute fields),
+checked on construction.
 
 Kept beside the config so that ``transformer_config`` holds the fields and their documentation;
 each check raises ``ConfigError`` naming the fields (``params``) and a value that would be valid.
@@ -154,3 +155,42 @@ def divisor_near(n: int, target: int, multiple_of: int = 1) -> int:
     divisors = [d for d in range(1, n + 1) if n % d == 0]
     fitting = [d for d in divisors if d % multiple_of == 0] or divisors
     return min(fitting, key=lambda d: (abs(d - target), d))
+
+
+def check_tp_divides(config: Any, tp: int) -> None:
+    """Heads, query groups and FFN channels split evenly over ``tp`` ranks."""
+    for name, value in (
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_query_groups", config.num_query_groups),
+        ("ffn_hidden_size", config.ffn_hidden_size),
+    ):
+        assert value is not None, name  # filled in by __post_init__
+        if value % tp != 0:
+            raise ConfigError(
+                f"{name} {value} is not divisible by tensor_model_parallel_size {tp}; "
+                f"use a tensor-parallel size that divides it (e.g. {divisor_near(value, tp)})",
+                params=(name, "tensor_model_parallel_size"),
+            )
+
+
+def check_parallelism(config: Any) -> None:
+    """The parallel split (tensor-parallel divisibility, the pipeline fields) and the recompute fields of a
+    ``TransformerConfig``, checked last on construction (after the defaults are filled in)."""
+    tp = config.tensor_model_parallel_size
+    check_positive("tensor_model_parallel_size", tp)
+    check_tp_divides(config, tp)
+    # sequence_parallel is kept as given: it applies where the process groups' tp size is > 1.
+    check_pipeline(config)
+    if config.recompute_granularity == "full":
+        if config.recompute_method is None or not config.recompute_num_layers:
+            raise ConfigError(
+                "recompute_granularity full needs recompute_method uniform|block and "
+                "recompute_num_layers N (e.g. recompute_method uniform recompute_num_layers 1)",
+                params=("recompute_granularity", "recompute_method", "recompute_num_layers"),
+            )
+    elif config.recompute_method is not None:
+        raise ConfigError(
+            "recompute_method only applies with recompute_granularity full",
+            params=("recompute_method", "recompute_granularity"),
+        )
+    check_positive("layernorm_epsilon", config.layernorm_epsilon)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from megatron.core.config_utils import ConfigError, check_choice, check_positive, doc
 from megatron.core.model_parallel_config import check_refused
 from megatron.core.pipeline_parallel.layout import PipelineLayout, build_pipeline_layout
-from megatron.core.transformer import config_checks, config_support
+from megatron.core.transformer import config_aliases, config_checks, config_support
 from megatron.core.transformer.mcore_config_fields import MegatronCoreTransformerFields
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -330,13 +330,13 @@ class TransformerConfig(MegatronCoreTransformerFields):
             self.params_dtype = torch.bfloat16
         super().__post_init__()
         check_refused(self, config_support.TC_REFUSED)
-        swiglu_flag_default_ffn = self._sync_activation()
+        swiglu_flag_default_ffn = config_aliases.sync_activation(self)
         if self.bias_activation_fusion and self.activation == "gelu" and not self.add_bias_linear:
             raise ConfigError(
                 "bias_activation_fusion=True with a GELU MLP needs add_bias_linear=True (it fuses the "
                 "bias into the GELU); set bias_activation_fusion=False"
             )
-        self._sync_megatron_names()
+        config_aliases.sync_megatron_names(self)
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ConfigError(
@@ -395,81 +395,7 @@ class TransformerConfig(MegatronCoreTransformerFields):
                 params=("pipeline_dtype",),
             )
         config_checks.check_fp8(self)
-        self._check_parallelism()
-
-    def _sync_activation(self) -> bool:
-        """Make ``activation`` and Megatron-Core's ``gated_linear_unit`` / ``activation_func`` agree.
-        True when SwiGLU was asked for by ``activation="swiglu"`` (``--swiglu``) alone, whose default
-        ffn_hidden_size is Megatron-LM's int(8h/3 / 64) * 64 (Megatron-Core's fields default to 4h)."""
-        if self.activation == "swiglu" and not self.gated_linear_unit and self.activation_func is F.gelu:
-            self.gated_linear_unit, self.activation_func = True, F.silu
-            return True
-        name = config_support.activation_name(self.gated_linear_unit, self.activation_func)
-        if self.activation == "swiglu" and name != "swiglu":
-            raise ConfigError(
-                f"activation='swiglu' contradicts gated_linear_unit={self.gated_linear_unit} with "
-                "activation_func=F.gelu; give gated_linear_unit=True, activation_func=F.silu",
-                params=("activation", "gated_linear_unit", "activation_func"),
-            )
-        self.activation = name
-        return False
-
-    def _sync_megatron_names(self) -> None:
-        """Megatron-Core's names of settings this package spells differently read the same value."""
-        for ours, theirs in (
-            ("fp8_format", "fp8"),
-            ("decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage"),
-            ("decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage"),
-            ("microbatch_group_size_per_virtual_pipeline_stage", "microbatch_group_size_per_vp_stage"),
-        ):
-            a, b = getattr(self, ours), getattr(self, theirs)
-            if a is not None and b is not None and a != b:
-                raise ConfigError(
-                    f"TransformerConfig.{ours}={a!r} contradicts {theirs}={b!r} (the same setting); "
-                    "give one of them",
-                    params=(ours, theirs),
-                )
-            value = a if a is not None else b
-            setattr(self, ours, value)
-            setattr(self, theirs, value)
-        if self.apply_query_key_layer_scaling:
-            self.attention_softmax_in_fp32 = True
-        if self.transformer_impl not in ("local", "transformer_engine"):
-            raise ConfigError(
-                f"TransformerConfig.transformer_impl={self.transformer_impl!r} is not supported here; "
-                "use 'local' (or 'transformer_engine', which builds the same local layers)",
-                params=("transformer_impl",),
-            )
-        if self.recompute_modules is None:
-            self.recompute_modules = ["core_attn"]
-        if self.recompute_granularity == "selective":
-            if list(self.recompute_modules) != ["core_attn"]:
-                raise ConfigError(
-                    f"TransformerConfig.recompute_modules={self.recompute_modules!r} is not supported "
-                    "here: selective recompute covers the core attention; use ['core_attn']",
-                    params=("recompute_modules",),
-                )
-            if self.recompute_num_layers is not None:
-                raise ConfigError(
-                    "recompute_num_layers must be None with recompute_granularity='selective' "
-                    f"(got {self.recompute_num_layers}); it applies to 'full' recompute",
-                    params=("recompute_num_layers", "recompute_granularity"),
-                )
-
-    def _check_tp_divides(self, tp: int) -> None:
-        """Heads, query groups and FFN channels split evenly over ``tp`` ranks."""
-        for name, value in (
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_query_groups", self.num_query_groups),
-            ("ffn_hidden_size", self.ffn_hidden_size),
-        ):
-            assert value is not None, name  # filled in by __post_init__
-            if value % tp != 0:
-                raise ConfigError(
-                    f"{name} {value} is not divisible by tensor_model_parallel_size {tp}; "
-                    f"use a tensor-parallel size that divides it (e.g. {config_checks.divisor_near(value, tp)})",
-                    params=(name, "tensor_model_parallel_size"),
-                )
+        config_checks.check_parallelism(self)
 
     def check_parallel_sizes(self, tp_size: int, pp_size: int) -> None:
         """Check this config against the process groups a model is built on (``tp_size`` x ``pp_size``).
@@ -493,27 +419,7 @@ class TransformerConfig(MegatronCoreTransformerFields):
                     f"{actual}{follow}",
                     params=(name,),
                 )
-        self._check_tp_divides(tp_size)
-
-    def _check_parallelism(self) -> None:
-        tp = self.tensor_model_parallel_size
-        check_positive("tensor_model_parallel_size", tp)
-        self._check_tp_divides(tp)
-        # sequence_parallel is kept as given: it applies where the process groups' tp size is > 1.
-        config_checks.check_pipeline(self)
-        if self.recompute_granularity == "full":
-            if self.recompute_method is None or not self.recompute_num_layers:
-                raise ConfigError(
-                    "recompute_granularity full needs recompute_method uniform|block and "
-                    "recompute_num_layers N (e.g. recompute_method uniform recompute_num_layers 1)",
-                    params=("recompute_granularity", "recompute_method", "recompute_num_layers"),
-                )
-        elif self.recompute_method is not None:
-            raise ConfigError(
-                "recompute_method only applies with recompute_granularity full",
-                params=("recompute_method", "recompute_granularity"),
-            )
-        check_positive("layernorm_epsilon", self.layernorm_epsilon)
+        config_checks.check_tp_divides(self, tp_size)
 
     def pipeline_layout(self, pp: int | None = None, vpp: int | None = None) -> PipelineLayout:
         """Layer counts per virtual stage for ``pp`` ranks x ``vpp`` chunks (default: this config's)."""
