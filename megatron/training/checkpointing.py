@@ -8,10 +8,10 @@ A save writes every file into ``iter_XXXXXXX.saving`` (``metadata.json`` last), 
 ``checkpoint_dirs``), then writes the tracker file, atomically. A save killed at any point therefore
 leaves the tracker naming a complete checkpoint; a save that fails (disk full) removes what it wrote
 and ends the run with one line. Each checkpoint records whether its model and optimizer tensors were
-all finite (``finite``). What is stored: ``model`` and ``optimizer`` (sharded), ``opt_param_scheduler`` (plain),
-``rng_state`` (one ShardedObject per (tp, pp) rank), ``fp8_state`` (delayed FP8 scaling's amax
-histories, when FP8 is on) and the caller's ``extra_state`` (iteration, consumed samples, FLOPs so
-far, ``args``, ``checkpoint_version``) as common values.
+all finite (``finite``). What is stored: ``model`` and ``optimizer`` (sharded), ``opt_param_scheduler``
+(plain), ``rng_state`` (one ShardedObject per (tp, pp) rank: ``checkpoint_rng``), ``fp8_state`` (delayed
+FP8 scaling's amax histories, when FP8 is on) and the caller's ``extra_state`` (iteration, consumed
+samples, FLOPs so far, ``args``, ``checkpoint_version``) as common values.
 
 Loading also reads Megatron-LM's legacy ``torch`` format (``mp_rank_*`` folders), told apart by its
 files: see ``legacy_checkpoint``.
@@ -20,13 +20,10 @@ files: see ``legacy_checkpoint``.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing
@@ -35,7 +32,6 @@ from megatron.core.dist_checkpointing import (
     CheckpointError,
     CheckpointReadError,
     CheckpointWriteError,
-    ShardedObject,
 )
 from megatron.core.dist_checkpointing.torch_dist import read_dcp_metadata
 from megatron.training import checkpoint_advice, checkpoint_dirs, legacy_checkpoint
@@ -50,6 +46,7 @@ from megatron.training.checkpoint_common import (
     rank,
 )
 from megatron.training.checkpoint_dirs import TRACKER_FILENAME, read_tracker, write_tracker
+from megatron.training.checkpoint_rng import get_rng_state, load_rng_state, rng_object, set_rng_state
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -81,44 +78,6 @@ _RESERVED_KEYS = (
 def get_checkpoint_name(root: str, iteration: int) -> str:
     """``<root>/iter_{iteration:07d}``."""
     return checkpoint_dirs.iteration_dir(root, iteration)
-
-
-def _rng_object(parallel_state: Any, data: Any) -> ShardedObject:
-    """RNG state of this rank: one object per (tp, pp) rank; dp/cp/ep copies are replicas.
-
-    Without a ``parallel_state`` every rank counts as a data-parallel rank (tp = pp = 1).
-    """
-    if parallel_state is None:
-        return ShardedObject("rng_state", data, replica_id=(rank(), 0, 0), shard_key="tp_0_of_1.pp_0_of_1")
-    tp, tp_size = getattr(parallel_state, "tp_rank", 0), getattr(parallel_state, "tp_size", 1)
-    pp, pp_size = getattr(parallel_state, "pp_rank", 0), getattr(parallel_state, "pp_size", 1)
-    replica = tuple(int(getattr(parallel_state, f"{axis}_rank", 0)) for axis in ("dp", "cp", "ep"))
-    return ShardedObject(
-        "rng_state", data, replica_id=replica, shard_key=f"tp_{tp}_of_{tp_size}.pp_{pp}_of_{pp_size}"
-    )
-
-
-def get_rng_state(rng_state_fn: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """Python, NumPy, torch CPU and CUDA generator states, plus ``rng_state_fn()`` under ``extra``."""
-    state: dict[str, Any] = {"random": random.getstate(), "torch": torch.get_rng_state()}
-    state["numpy"] = np.random.get_state()
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if rng_state_fn is not None:
-        state["extra"] = rng_state_fn()
-    return state
-
-
-def set_rng_state(state: dict[str, Any], rng_restore_fn: Callable[[Any], None] | None = None) -> None:
-    """Restore what ``get_rng_state`` captured (``extra`` goes to ``rng_restore_fn`` if given)."""
-    random.setstate(state["random"])
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "extra" in state and rng_restore_fn is not None:
-        rng_restore_fn(state["extra"])
 
 
 class NonFiniteStateError(RuntimeError):
@@ -226,7 +185,7 @@ def _state_to_save(
     if opt_param_scheduler is not None:
         common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if save_rng:
-        state["rng_state"] = _rng_object(parallel_state, get_rng_state(rng_state_fn))
+        state["rng_state"] = rng_object(parallel_state, get_rng_state(rng_state_fn))
     if fp8_state:
         state["fp8_state"] = fp8_state
     common[CONTENTS_KEY] = sorted(
@@ -417,7 +376,7 @@ def load_checkpoint(
             say,
         )
         if load_rng and not finetune:
-            _load_rng(ckpt_dir, parallel_state, rng_restore_fn, say)
+            load_rng_state(ckpt_dir, parallel_state, rng_restore_fn, say)
         if fp8_state and not finetune:
             _load_fp8_state(ckpt_dir, fp8_state, say)
     except CheckpointReadError as e:
@@ -470,23 +429,6 @@ def _load_state(
         if opt_param_scheduler is not None and "opt_param_scheduler" in common:
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     return common
-
-
-def _load_rng(
-    ckpt_dir: str,
-    parallel_state: Any,
-    rng_restore_fn: Callable[[Any], None] | None,
-    log: Callable[[str], None],
-) -> None:
-    wanted = _rng_object(parallel_state, None)
-    got = dist_checkpointing.load({"rng_state": wanted}, ckpt_dir, strict=False)
-    if "rng_state" not in got:
-        log(
-            f"not loading RNG state: {ckpt_dir} has none for {wanted.unique_key} "
-            "(saved with --no-save-rng or under another (tp, pp) layout)"
-        )
-        return
-    set_rng_state(got["rng_state"], rng_restore_fn)
 
 
 def _load_fp8_state(ckpt_dir: str, fp8_state: dict, log: Callable[[str], None]) -> None:
