@@ -13,7 +13,7 @@ the expert grid (expert-tp x ep x expert-dp x pp over the same ranks); library c
 records it as the default instance, which only public entry points read: the Megatron-named
 getters below (``get_tensor_model_parallel_group()``, ...) are such entry points.
 
-The pieces live in ``parallel_state_grid`` (grid arithmetic, group building), ``parallel_state_init``
+The pieces live in ``rank_grid`` (grid arithmetic), ``parallel_state_grid`` (group building), ``parallel_state_init``
 (the default instance, kept in the runtime's layout state: ``megatron.core.runtime``) and
 ``parallel_state_api`` (the getters); this module re-exports them.
 """
