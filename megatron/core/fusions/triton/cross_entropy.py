@@ -6,8 +6,6 @@ and the fused cross entropy's path without Triton."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from megatron.core.fusions.triton.common import compare, tl, triton
@@ -15,15 +13,15 @@ from megatron.core.fusions.triton.common import compare, tl, triton
 if triton is not None:
 
     @triton.jit
-    def ce_grad_kernel(
-        logits_ptr: Any,
-        stride: Any,
-        target_ptr: Any,
-        weight_ptr: Any,
-        loss_ptr: Any,
-        v: Any,
+    def ce_grad_kernel(  # type: ignore[no-untyped-def]  # Triton resolves annotations: only tl.constexpr
+        logits_ptr,
+        stride,
+        target_ptr,
+        weight_ptr,
+        loss_ptr,
+        v,
         BLOCK: tl.constexpr,
-    ) -> None:
+    ):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         target = tl.load(target_ptr + row)

@@ -11,8 +11,6 @@ launches the kernels from its generated code; called eagerly, they run the same 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from megatron.core.fusions.triton.common import op, tl, triton
@@ -24,7 +22,7 @@ CT_TILE = (64, 128)
 if triton is not None:
 
     @triton.jit
-    def amax_kernel(x_ptr: Any, amax_ptr: Any, n: Any, BLOCK: tl.constexpr) -> None:
+    def amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton resolves annotations: only tl.constexpr
         """``amax_ptr[0] = max(amax_ptr[0], max |x|)`` over ``n`` contiguous elements; each program
         strides over blocks and adds one atomic (NaN counts as inf, so its scale falls back to 1)."""
         pid = tl.program_id(0)
@@ -37,25 +35,25 @@ if triton is not None:
         tl.atomic_max(amax_ptr, tl.max(acc, 0))
 
     @triton.jit
-    def tile_amax(x: Any) -> Any:
+    def tile_amax(x):  # type: ignore[no-untyped-def]  # Triton resolves annotations: only tl.constexpr
         """max |x| over a 2-D tile (NaN counts as inf, so its scale falls back to 1)."""
         a = tl.abs(x)
         return tl.max(tl.max(tl.where(a != a, float("inf"), a), 1), 0)
 
     @triton.jit
-    def store_cast_transpose(
-        x: Any,
-        scale: Any,
-        out_ptr: Any,
-        out_t_ptr: Any,
-        rm: Any,
-        rn: Any,
-        m: Any,
-        n: Any,
-        out_stride: Any,
-        col0: Any,
+    def store_cast_transpose(  # type: ignore[no-untyped-def]  # Triton resolves annotations: only tl.constexpr
+        x,
+        scale,
+        out_ptr,
+        out_t_ptr,
+        rm,
+        rn,
+        m,
+        n,
+        out_stride,
+        col0,
         FMAX: tl.constexpr,
-    ) -> None:
+    ):
         """``x * scale`` (a ``[rows rm, cols rn]`` tile, fp32) saturated to +-FMAX and cast, stored at
         columns ``col0 + rn`` of ``out [m, out_stride]`` and transposed at rows ``col0 + rn`` of
         ``out_t [out_stride, m]`` (both coalesced; the transpose goes through shared memory); ``n``:
@@ -74,20 +72,20 @@ if triton is not None:
         )
 
     @triton.jit
-    def cast_transpose_kernel(
-        x_ptr: Any,
-        scale_ptr: Any,
-        out_ptr: Any,
-        out_t_ptr: Any,
-        part_ptr: Any,
-        m: Any,
-        n: Any,
-        x_stride: Any,
+    def cast_transpose_kernel(  # type: ignore[no-untyped-def]  # Triton resolves annotations: only tl.constexpr
+        x_ptr,
+        scale_ptr,
+        out_ptr,
+        out_t_ptr,
+        part_ptr,
+        m,
+        n,
+        x_stride,
         FMAX: tl.constexpr,
         AMAX: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
-    ) -> None:
+    ):
         """One ``[BM, BN]`` tile of ``x [m, n]``: ``x * scale`` saturated to +-FMAX and cast, stored
         row-major into ``out [m, n]`` and transposed into ``out_t [n, m]``; with AMAX, the tile's
         max |x| into its own slot of ``part_ptr`` (a store per tile, no atomics on one address)."""

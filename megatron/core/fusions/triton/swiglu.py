@@ -5,8 +5,6 @@ on their own")."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -16,22 +14,22 @@ from megatron.core.fusions.triton.common import rows as _rows
 if triton is not None:
 
     @triton.jit
-    def swiglu_grads(g: Any, a: Any, b: Any) -> Any:
+    def swiglu_grads(g, a, b):  # type: ignore[no-untyped-def]  # Triton resolves annotations: only tl.constexpr
         """``(d gate, d up)`` of ``silu(a) * b`` for the incoming gradient ``g`` (fp32)."""
         s = tl.sigmoid(a)
         return g * b * s * (1.0 + a * (1.0 - s)), g * a * s
 
     @triton.jit
-    def swiglu_bwd_kernel(
-        grad_ptr: Any,
-        x_ptr: Any,
-        dx_ptr: Any,
-        f: Any,
-        grad_stride: Any,
-        x_stride: Any,
-        dx_stride: Any,
+    def swiglu_bwd_kernel(  # type: ignore[no-untyped-def]  # Triton resolves annotations: only tl.constexpr
+        grad_ptr,
+        x_ptr,
+        dx_ptr,
+        f,
+        grad_stride,
+        x_stride,
+        dx_stride,
         BLOCK: tl.constexpr,
-    ) -> None:
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < f

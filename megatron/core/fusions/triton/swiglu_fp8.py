@@ -9,8 +9,6 @@ the kernel's but for rare neighbours (the self-check's tolerance).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from megatron.core.fusions.triton.common import op, rows, tl, triton
@@ -22,19 +20,19 @@ if triton is not None:
     from megatron.core.fusions.triton.swiglu import swiglu_grads
 
     @triton.jit
-    def swiglu_cast_transpose_kernel(
-        x_ptr: Any,
-        scale_ptr: Any,
-        out_ptr: Any,
-        out_t_ptr: Any,
-        part_ptr: Any,
-        m: Any,
-        f: Any,
-        x_stride: Any,
+    def swiglu_cast_transpose_kernel(  # type: ignore[no-untyped-def]  # Triton resolves annotations: only tl.constexpr
+        x_ptr,
+        scale_ptr,
+        out_ptr,
+        out_t_ptr,
+        part_ptr,
+        m,
+        f,
+        x_stride,
         FMAX: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
-    ) -> None:
+    ):
         """SwiGLU's forward and fc2's input quantisation in one pass: for a ``[BM, BN]`` tile of the
         output ``silu(gate) * up`` over ``x = [gate; up]`` ``[m, 2f]``, rounded to x's dtype (the value
         the unfused path stores), times ``scale``, saturated and cast, stored row-major into ``out [m,
@@ -50,21 +48,21 @@ if triton is not None:
         tl.store(part_ptr + pid_m * tl.num_programs(1) + pid_n, tile_amax(y))
 
     @triton.jit
-    def swiglu_bwd_cast_transpose_kernel(
-        grad_ptr: Any,
-        x_ptr: Any,
-        scale_ptr: Any,
-        out_ptr: Any,
-        out_t_ptr: Any,
-        part_ptr: Any,
-        m: Any,
-        f: Any,
-        grad_stride: Any,
-        x_stride: Any,
+    def swiglu_bwd_cast_transpose_kernel(  # type: ignore[no-untyped-def]  # Triton resolves annotations: only tl.constexpr
+        grad_ptr,
+        x_ptr,
+        scale_ptr,
+        out_ptr,
+        out_t_ptr,
+        part_ptr,
+        m,
+        f,
+        grad_stride,
+        x_stride,
         FMAX: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
-    ) -> None:
+    ):
         """SwiGLU's backward and fc1's gradient quantisation in one pass: for a ``[BM, BN]`` tile of
         ``grad [m, f]`` and the matching gate and up tiles of ``x [m, 2f]``, the two gradient tiles of
         ``d [m, 2f]`` (rounded to x's dtype, as the unfused path stores them), times ``scale``,
