@@ -6,6 +6,8 @@ schedules' activation shape follows the groups they are given."""
 from __future__ import annotations
 
 import pytest
+
+from megatron.core.config_utils import ConfigError
 import torch
 from harness import device, distributed_test
 
@@ -55,11 +57,12 @@ def test_default_config_is_split_by_the_tp_groups(ps: ParallelState) -> None:
     torch.testing.assert_close(loss, ref)
 
     with pytest.raises(
-        ValueError,
-        match=r"tensor_model_parallel_size \(--tensor-model-parallel-size\) is 4 but the "
+        ConfigError,
+        match=r"TransformerConfig.tensor_model_parallel_size is 4 but the "
         "model is built on process groups of size 2",
-    ):
+    ) as error:
         _build(_config(tensor_model_parallel_size=4))
+    assert error.value.params == ("tensor_model_parallel_size",)  # the application names the flag
     assert _build(_config(tensor_model_parallel_size=2)).pg.tp_size == 2  # an explicit, matching size
 
 

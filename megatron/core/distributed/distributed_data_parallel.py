@@ -177,6 +177,11 @@ class _Bucket:
 class DistributedDataParallel(nn.Module):
     """Wraps ``module``; ``forward`` is the module's. Megatron-Core's constructor signature."""
 
+    @property
+    def tied_weight(self) -> torch.Tensor | None:
+        """The word embedding / output-layer weight this chunk ties to another stage's copy, or None."""
+        return self._tied[0] if self._tied else None
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -202,7 +207,9 @@ class DistributedDataParallel(nn.Module):
         # (None when the model does not tie them); finalize_model_grads sums its gradient over both.
         tied_weight = getattr(module, "shared_embedding_or_output_weight", None)
         share = bool(getattr(module, "share_embeddings_and_output_weights", False))
-        self.tied_weight: torch.Tensor | None = tied_weight() if share and callable(tied_weight) else None
+        # Held in a tuple: an nn.Parameter attribute would register it as this wrapper's parameter
+        # ("tied_weight"), renaming it for the optimizer's groups and checkpoints.
+        self._tied: tuple[torch.Tensor, ...] = (tied_weight(),) if share and callable(tied_weight) else ()
         aliasable: frozenset[int] = frozenset()
         if ddp_config.alias_single_gradients:
             # Gradients summed across ranks after backward (finalize_model_grads) need the storage;
