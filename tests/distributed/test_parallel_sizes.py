@@ -6,11 +6,10 @@ schedules' activation shape follows the groups they are given."""
 from __future__ import annotations
 
 import pytest
-
-from megatron.core.config_utils import ConfigError
 import torch
 from harness import device, distributed_test
 
+from megatron.core.config_utils import ConfigError
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.parallel_state import ParallelState, RankGrid
