@@ -32,58 +32,93 @@ def stable_seed(seed: int, name: str, block: int = 0) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _logical_rows(
-    name: str, seed: int, full_shape: tuple[int, ...], std: float, r0: int, r1: int
-) -> torch.Tensor:
-    """Rows [r0, r1) of the logical tensor, float32 on the CPU."""
+def _fill_rows_(
+    dest: torch.Tensor,
+    name: str,
+    seed: int,
+    full_shape: tuple[int, ...],
+    std: float,
+    r0: int,
+    r1: int,
+    dim: int = 0,
+    start: int = 0,
+) -> None:
+    """``dest`` <- rows [r0, r1) of the logical tensor of ``full_shape``, narrowed along ``dim`` >= 1 to
+    ``dest.shape[dim]`` elements from ``start`` (``dim`` 0: whole rows). One row block is generated at a
+    time, in float32 on the CPU, then copied (rounded to ``dest``'s dtype, moved to its device)."""
     cols = full_shape[1:]
-    out = torch.empty((r1 - r0, *cols), dtype=torch.float32)
-    first, last = r0 // ROWS_PER_BLOCK, (r1 - 1) // ROWS_PER_BLOCK
     gen = torch.Generator()
-    for block in range(first, last + 1):
+    for block in range(r0 // ROWS_PER_BLOCK, (r1 - 1) // ROWS_PER_BLOCK + 1 if r1 > r0 else 0):
         b0 = block * ROWS_PER_BLOCK
         b1 = min(b0 + ROWS_PER_BLOCK, full_shape[0])
         gen.manual_seed(stable_seed(seed, name, block))
         values = torch.randn((b1 - b0, *cols), generator=gen) * std
         lo, hi = max(b0, r0), min(b1, r1)
-        out[lo - r0 : hi - r0] = values[lo - b0 : hi - b0]
-    return out
+        piece = values[lo - b0 : hi - b0]
+        if dim > 0:
+            piece = piece.narrow(dim, start, dest.shape[dim])
+        dest[lo - r0 : hi - r0].copy_(piece)
 
 
 @torch.no_grad()
 def init_param_(param: torch.Tensor, name: str, seed: int, tp_rank: int = 0) -> None:
     """Fill ``param`` in place with its shard of the logical tensor named ``name``."""
-    std = getattr(param, "init_std", 0.0)
-    if std <= 0.0:
+    if param.dim() == 0:
         param.fill_(getattr(param, "init_value", 0.0))
         return
-    dim = getattr(param, "partition_dim", -1)
-    parts = getattr(param, "partition_size", 1) if dim >= 0 else 1
-    stride = getattr(param, "partition_stride", 1)
-    local = tuple(param.shape)
+    init_param_rows_(param, param, name, seed, tp_rank, 0, param.shape[0])
+
+
+@torch.no_grad()
+def init_param_rows_(
+    dest: torch.Tensor,
+    param_like: torch.Tensor,
+    name: str,
+    seed: int,
+    tp_rank: int,
+    row_start: int,
+    row_stop: int,
+) -> None:
+    """Fill ``dest`` with rows [row_start, row_stop) of ``param_like``'s tensor-parallel shard of the
+    logical tensor named ``name``: what ``init_param_`` would write to ``param_like[row_start:row_stop]``,
+    bitwise, generating only the row blocks of the logical tensor that those rows come from.
+
+    Args:
+        dest: ``[row_stop - row_start, *param_like.shape[1:]]``, any dtype and device.
+        param_like: carries the recipe attributes (``init_std``, ``partition_dim``, ...) and the local
+            shard's shape; its values are not read (it may be on the meta device, or a DTensor).
+        tp_rank: this rank's block of a tensor-parallel split.
+        row_start, row_stop: a range of the local shard's rows (dim 0), e.g. a data-parallel shard.
+    """
+    local = tuple(param_like.shape)
+    assert 0 <= row_start <= row_stop <= local[0], (name, local, row_start, row_stop)
+    assert tuple(dest.shape) == (row_stop - row_start, *local[1:]), (name, tuple(dest.shape), local)
+    std = getattr(param_like, "init_std", 0.0)
+    if std <= 0.0:
+        dest.fill_(getattr(param_like, "init_value", 0.0))
+        return
+    dim = getattr(param_like, "partition_dim", -1)
+    parts = getattr(param_like, "partition_size", 1) if dim >= 0 else 1
     if parts == 1:
-        param.copy_(_logical_rows(name, seed, local, std, 0, local[0]).to(param.dtype))
+        _fill_rows_(dest, name, seed, local, std, row_start, row_stop)
         return
     full = list(local)
     full[dim] *= parts
-    if dim == 0:
-        # Rows: each of ``stride`` stacked sub-tensors is split into ``parts`` row blocks.
-        sub_full, sub_local = full[0] // stride, local[0] // stride
-        pieces = [
-            _logical_rows(
-                name,
-                seed,
-                tuple(full),
-                std,
-                s * sub_full + tp_rank * sub_local,
-                s * sub_full + (tp_rank + 1) * sub_local,
+    if dim > 0:
+        # Columns: every row of the shard is a row of the logical tensor, narrowed to block tp_rank.
+        _fill_rows_(dest, name, seed, tuple(full), std, row_start, row_stop, dim, tp_rank * local[dim])
+        return
+    # Rows: each of ``stride`` stacked sub-tensors is split into ``parts`` row blocks; local row
+    # s * sub_local + j is logical row s * sub_full + tp_rank * sub_local + j.
+    stride = getattr(param_like, "partition_stride", 1)
+    sub_full, sub_local = full[0] // stride, local[0] // stride
+    for s in range(stride):
+        lo, hi = max(row_start, s * sub_local), min(row_stop, (s + 1) * sub_local)
+        if lo < hi:
+            shift = s * sub_full + tp_rank * sub_local - s * sub_local
+            _fill_rows_(
+                dest[lo - row_start : hi - row_start], name, seed, tuple(full), std, lo + shift, hi + shift
             )
-            for s in range(stride)
-        ]
-        param.copy_(torch.cat(pieces, 0).to(param.dtype))
-    else:
-        rows = _logical_rows(name, seed, tuple(full), std, 0, full[0])
-        param.copy_(rows.narrow(dim, tp_rank * local[dim], local[dim]).to(param.dtype))
 
 
 def set_init_attrs(

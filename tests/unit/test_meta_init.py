@@ -1,0 +1,75 @@
+"""init_param_rows_: any row range of a parameter's tensor-parallel shard, generated on its own, is
+bitwise the same rows as init_param_ writes for the whole shard (every recipe kind: constant, unsplit,
+row split, strided row split, column split; ranges across block boundaries, empty and one-row ones)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.core.tensor_parallel.init import ROWS_PER_BLOCK, init_param_, init_param_rows_, set_init_attrs
+
+# (local shape, std, partition_dim, partition_size, partition_stride)
+RECIPES = {
+    "constant": ((300, 8), 0.0, -1, 1, 1),
+    "unsplit": ((2 * ROWS_PER_BLOCK + 37, 8), 0.02, -1, 1, 1),
+    "unsplit_1d": ((ROWS_PER_BLOCK + 3,), 0.5, -1, 1, 1),
+    "rows": ((ROWS_PER_BLOCK + 44, 6), 0.02, 0, 3, 1),
+    "rows_1d": ((130,), 0.1, 0, 2, 1),
+    "rows_strided": ((2 * 150, 6), 0.02, 0, 3, 2),  # SwiGLU fc1: [gate; up], each half split
+    "columns": ((2 * ROWS_PER_BLOCK + 5, 7), 0.3, 1, 4, 1),
+}
+RANGES = [(0, 1), (0, 37), (5, ROWS_PER_BLOCK + 9), (140, 160), (149, 151), (17, 17)]
+
+
+def _param(recipe: tuple, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    shape, std, dim, parts, stride = recipe
+    return set_init_attrs(
+        torch.empty(shape, dtype=dtype, device=device),
+        std=std,
+        value=1.0,
+        partition_dim=dim,
+        partition_size=parts,
+        partition_stride=stride,
+    )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", sorted(RECIPES))
+def test_rows_equal_rows_of_whole_shard(kind: str, dtype: torch.dtype) -> None:
+    recipe = RECIPES[kind]
+    rows = recipe[0][0]
+    for tp_rank in range(recipe[3]):
+        whole = _param(recipe, dtype)
+        init_param_(whole, "decoder.layers.3.w", seed=11, tp_rank=tp_rank)
+        meta = _param(recipe, dtype, "meta")  # only the recipe and shape are read
+        for start, stop in [*(r for r in RANGES if r[1] <= rows), (rows - 3, rows), (0, rows)]:
+            dest = torch.full((stop - start, *recipe[0][1:]), float("nan"), dtype=dtype)
+            init_param_rows_(dest, meta, "decoder.layers.3.w", 11, tp_rank, start, stop)
+            assert torch.equal(_bits(dest), _bits(whole[start:stop])), (kind, tp_rank, start, stop)
+
+
+def test_data_parallel_chunks_tile_the_shard() -> None:
+    """FSDP2's dim-0 chunks (ceil(rows/dp) rows each, the last ones shorter or empty) put together are
+    the shard; a different seed or name gives other values."""
+    recipe = RECIPES["rows_strided"]
+    whole = _param(recipe, torch.float32)
+    init_param_(whole, "w", seed=1, tp_rank=2)
+    rows, dp = recipe[0][0], 7
+    chunk = -(-rows // dp)
+    parts = []
+    for r in range(dp):
+        start, stop = min(r * chunk, rows), min((r + 1) * chunk, rows)
+        dest = torch.empty(stop - start, *recipe[0][1:])
+        init_param_rows_(dest, whole, "w", 1, 2, start, stop)
+        parts.append(dest)
+    assert torch.equal(torch.cat(parts), whole)
+    other = torch.empty(10, *recipe[0][1:])
+    init_param_rows_(other, whole, "w", 2, 2, 0, 10)
+    assert not torch.equal(other, whole[:10])
+    init_param_rows_(other, whole, "v", 1, 2, 0, 10)
+    assert not torch.equal(other, whole[:10])
