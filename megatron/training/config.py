@@ -326,8 +326,9 @@ class CheckpointConfig:
         "layout. torch: Megatron-LM's legacy per-rank files (mp_rank_XX[_YYY]/model_optim_rng.pt), read only: "
         "weights (under any layout), iteration, consumed samples and LR schedule; the optimizer state is not read "
         "(it restarts from the weights, as with --no-load-optim) nor are RNG states; saves are always torch_dist, so "
-        "torch with --save is refused. Either way the format of --load is detected from its files.",
-        choices=("torch_dist", "torch"),
+        "torch with --save is refused. Either way the format of --load is detected from its files. "
+        "fsdp_dtensor (Megatron-FSDP's name): the torch_dist layout, which FSDP2 runs save and load too.",
+        choices=("torch_dist", "torch", "fsdp_dtensor"),
     )
 
     def __post_init__(self) -> None:

@@ -91,19 +91,20 @@ OFFLOAD = (
     "activations are not offloaded to the CPU; --recompute-granularity full trades compute for activation "
     "memory instead"
 )
-OPT_OFFLOAD_KNOB = "tunes optimizer CPU offload, which is not built (--optimizer-cpu-offload is refused)"
 ASYNC_KNOB = "tunes --async-save, which is not built (checkpoints are written synchronously and atomically)"
 LOCAL_CKPT_KNOB = (
     "tunes non-persistent local checkpoints, which are not built (--non-persistent-save-interval is refused)"
 )
-FSDP_KNOB = "tunes FSDP, which is not built yet (--use-torch-fsdp2 and --use-megatron-fsdp are refused)"
+FSDP_KNOB = (
+    "tunes Megatron-FSDP's own buffers and communication; --use-megatron-fsdp and --use-torch-fsdp2 run on "
+    "PyTorch's FSDP2 here, which has no such knob"
+)
 DATA_KNOB = (
     "dataset indices are built once by global rank 0 and cached (--data-cache-path); loading a cache is already"
     " a memory map"
 )
 PAD_TOKENS = "GPT samples here are never padded, so no pad token reaches the loss"
 INIT = "weights are initialised from the seed and each parameter's global name, then overwritten by --load"
-META_INIT = "the model is always built on the meta device and then materialised on its device"
 SYNC = "the loop waits only for the step whose results it reads, so the host never runs far ahead"
 SIGNAL_SHUTDOWN = (
     "without --exit-signal-handler a stop signal ends the run (the newest complete checkpoint stays the "
@@ -144,17 +145,9 @@ CP = (
     "--tensor-model-parallel-size, or --recompute-granularity full"
 )
 MOE = "mixture-of-experts layers are not built yet (dense models only)"
-FSDP = (
-    "FSDP is not built yet; --use-distributed-optimizer shards the optimizer state and fp32 main parameters "
-    "over the data-parallel ranks"
-)
 OPT_DTYPES = (
     "the optimizer keeps fp32 main parameters and Adam moments (main gradients fp32, or bf16 with "
     "--grad-reduce-in-bf16); drop it, or pass fp32"
-)
-OPT_OFFLOAD = (
-    "optimizer CPU offload is not built yet; --use-distributed-optimizer shards the optimizer state over the "
-    "data-parallel ranks"
 )
 ASYNC = (
     "asynchronous checkpoint saving is not built yet: checkpoints are written synchronously and atomically "

@@ -46,9 +46,7 @@ REFUSED_ROWS: list[ForeignFlag] = [
         --use-grouped-gemm-for-shared-expert --use-fused-weighted-squared-relu
     """,
     ),
-    *entries(REFUSED, why.FSDP, "--use-torch-fsdp2 --use-megatron-fsdp --data-parallel-sharding-strategy=1"),
     *entries(REFUSED, why.OPT_DTYPES, "--use-precision-aware-optimizer"),
-    *entries(REFUSED, why.OPT_OFFLOAD, "--optimizer-cpu-offload"),
     *entries(REFUSED, why.ASYNC, "--async-save"),
     *entries(REFUSED, why.LOCAL_CKPT, "--non-persistent-save-interval=1"),
     *entries(REFUSED, why.RETAIN, "--save-retain-interval=1"),

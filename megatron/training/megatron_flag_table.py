@@ -178,14 +178,6 @@ _TABLE: list[ForeignFlag] = [
     ),
     *entries(
         NO_EFFECT,
-        why.OPT_OFFLOAD_KNOB,
-        """
-        --optimizer-offload-fraction=1 --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d
-        --no-pin-cpu-grads --no-pin-cpu-params
-    """,
-    ),
-    *entries(
-        NO_EFFECT,
         why.ASYNC_KNOB,
         """
         --async-strategy=1 --async-ckpt-cpu-priority=1 --async-ckpt-io-priority=1 --async-ckpt-use-cpu-shm
@@ -204,7 +196,7 @@ _TABLE: list[ForeignFlag] = [
         NO_EFFECT,
         why.FSDP_KNOB,
         """
-        --torch-fsdp2-no-reshard-after-forward --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail
+        --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail
         --fsdp-manual-registration --enable-full-sharding-in-hsdp --outer-dp-sharding-strategy=1
         --disable-strict-fsdp-dtensor-load --no-strict-fsdp-dtensor-load --no-use-layer-wise-param-layout
         --megatron-fsdp-enable-fine-grained-param-gather --megatron-fsdp-grad-comm-dtype=1
@@ -222,7 +214,6 @@ _TABLE: list[ForeignFlag] = [
     ),
     *entries(NO_EFFECT, why.PAD_TOKENS, "--allow-ambiguous-pad-tokens --null-tokenizer-pad-id=1"),
     *entries(NO_EFFECT, why.INIT, "--no-initialization"),
-    *entries(ALWAYS, why.META_INIT, "--init-model-with-meta-device"),
     *entries(NO_EFFECT, why.SYNC, "--train-sync-interval=1"),
     *entries(NO_EFFECT, why.SIGNAL_SHUTDOWN, "--exit-signal-handler-for-training"),
     *entries(NO_EFFECT, why.TIMEOUT, "--distributed-timeout-seconds-after-init=1"),

@@ -32,6 +32,7 @@ from megatron.training.config import (
 )
 from megatron.training.config_sections import SECTIONS, ModelImplConfig, flag_name
 from megatron.training.flag_parsing import Parser, ParseStop, Value, attach_negative_values, unknown
+from megatron.training.fsdp_flags import resolve_megatron_fsdp
 from megatron.training.megatron_flag_table import FOREIGN, describe
 from megatron.training.megatron_flags import GIVEN, judge, register
 from megatron.training.user_errors import USER_ERRORS, name_flags
@@ -418,6 +419,7 @@ def run_config_from_values(values: dict, notes: list[str], world_size: int | Non
         if cfg.model.sequence_parallel and cfg.model.tensor_model_parallel_size == 1:
             cfg.model.sequence_parallel = False  # as Megatron-LM does
             notes.append("note: --sequence-parallel is off: it needs --tensor-model-parallel-size > 1")
+        notes.extend(resolve_megatron_fsdp(cfg))
         cfg.notes = notes
         validate_run_config(cfg, world_size)
     except USER_ERRORS as e:

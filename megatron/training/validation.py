@@ -188,9 +188,10 @@ def check_optimizer(cfg) -> None:
             "--loss-scale only applies with --fp16; drop it (bf16 and fp32 need no loss scaling)"
         )
     d = cfg.ddp
-    if d.overlap_param_gather and not (d.use_distributed_optimizer and d.overlap_grad_reduce):
+    sharded = d.use_distributed_optimizer or d.fsdp_sharding() is not None
+    if d.overlap_param_gather and not (sharded and d.overlap_grad_reduce):
         raise ConfigError(
-            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce; "
+            "--overlap-param-gather needs --use-distributed-optimizer (or FSDP) and --overlap-grad-reduce; "
             "add both or drop --overlap-param-gather"
         )
 

@@ -242,7 +242,7 @@ def test_context_and_expert_parallel_sizes_other_than_one_are_refused(capsys, fl
         (["--async-save"], "--async-save: asynchronous checkpoint saving is not built yet"),
         (["--moe-router-topk", "2"], "--moe-router-topk 2: mixture-of-experts layers are not built yet"),
         (
-            ["--checkpoint-activations", "--use-torch-fsdp2"],
+            ["--checkpoint-activations", "--async-save"],
             "--checkpoint-activations: Megatron-LM removed it; use --recompute-granularity full",
         ),
         (["--fp8-output-proj", "--num-layer", "3"], "--fp8-output-proj: this FP8 setting is not built"),

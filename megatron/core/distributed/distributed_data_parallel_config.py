@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.config_utils import doc
+from megatron.core.config_utils import ConfigError, check_choice, doc
+
+# Megatron-FSDP's --data-parallel-sharding-strategy values, ZeRO-0 to ZeRO-3.
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass
@@ -49,3 +52,52 @@ class DistributedDataParallelConfig:
         "execution plan (off with --torch-compile off). No effect on the CPU.",
         flag=None,
     )
+    use_torch_fsdp2: bool = doc(
+        False,
+        "Fully sharded data parallelism with PyTorch's FSDP2 (fully_shard per transformer layer and per "
+        "model chunk): parameters, gradients and optimizer state sharded over the data-parallel ranks, "
+        "composed with tensor and pipeline parallelism; compute in the run's bf16/fp16, gradients "
+        "reduced in fp32, sharded parameters kept in fp32 as the optimizer's main parameters.",
+    )
+    torch_fsdp2_reshard_after_forward: bool = doc(
+        True,
+        "FSDP2: free each layer's gathered parameters after its forward (gathered again for backward, "
+        "ZeRO-3); off keeps them until backward (ZeRO-2: more memory, one all-gather less per layer).",
+        flag="--torch-fsdp2-no-reshard-after-forward",
+    )
+    use_megatron_fsdp: bool = doc(
+        False,
+        "Megatron-FSDP's flag: runs on PyTorch FSDP2 here, with --data-parallel-sharding-strategy "
+        "choosing what is sharded (no_shard: plain data parallelism; optim: the distributed optimizer; "
+        "optim_grads / optim_grads_params: FSDP2 with parameters gathered until backward / per use). Its "
+        "buffer tuning flags have no effect.",
+    )
+    data_parallel_sharding_strategy: str = doc(
+        "optim_grads_params",
+        "With --use-megatron-fsdp: what the data-parallel ranks shard, ZeRO-0 to ZeRO-3 "
+        "(no_shard, optim, optim_grads, optim_grads_params).",
+        choices=SHARDING_STRATEGIES,
+    )
+
+    def __post_init__(self) -> None:
+        check_choice(
+            "data_parallel_sharding_strategy", self.data_parallel_sharding_strategy, SHARDING_STRATEGIES
+        )
+        if self.use_torch_fsdp2 and self.use_megatron_fsdp:
+            raise ConfigError(
+                "use_torch_fsdp2 and use_megatron_fsdp both ask for fully sharded data parallelism; "
+                "set one of them (both run on FSDP2 here)",
+                params=("use_torch_fsdp2", "use_megatron_fsdp"),
+            )
+
+    def fsdp_sharding(self) -> str | None:
+        """What FSDP2 shards: None (no FSDP), ``"optim_grads"`` (ZeRO-2: a layer's parameters stay
+        gathered from its forward to its backward) or ``"optim_grads_params"`` (ZeRO-3)."""
+        if self.use_torch_fsdp2:
+            return "optim_grads_params" if self.torch_fsdp2_reshard_after_forward else "optim_grads"
+        if self.use_megatron_fsdp and self.data_parallel_sharding_strategy in (
+            "optim_grads",
+            "optim_grads_params",
+        ):
+            return self.data_parallel_sharding_strategy
+        return None

@@ -21,11 +21,6 @@ NO_EFFECT: dict[str, str] = {
     "use_distributed_optimizer": "the distributed optimizer is chosen by DistributedDataParallelConfig."
     "use_distributed_optimizer of the model's DDP wrapper",
     "overlap_param_gather": "set on DistributedDataParallelConfig (the DDP wrapper overlaps the gather)",
-    "optimizer_offload_fraction": "only with optimizer_cpu_offload, which is not built",
-    "use_torch_optimizer_for_cpu_offload": "only with optimizer_cpu_offload, which is not built",
-    "overlap_cpu_optimizer_d2h_h2d": "only with optimizer_cpu_offload, which is not built",
-    "pin_cpu_grads": "only with optimizer_cpu_offload, which is not built",
-    "pin_cpu_params": "only with optimizer_cpu_offload, which is not built",
     "barrier_with_L1_time": "the optimizer step has no internal timers",
     "timers": "the optimizer step has no internal timers",
     "config_logger_dir": "configs are not logged by the optimizer",
@@ -51,7 +46,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
         False,
         "not built; use DistributedDataParallelConfig.overlap_param_gather; keep False",
     ),
-    "optimizer_cpu_offload": (False, "CPU offload of the optimizer is not built; keep False"),
     "optimizer_cuda_graph": (False, "the optimizer step is not CUDA-graphed; keep False"),
 }
 
@@ -141,12 +135,27 @@ class OptimizerConfig:
     use_layer_wise_distributed_optimizer: bool = doc(False, "Refused if True.", flag=None)
     overlap_param_gather: bool = doc(False, "No effect (see NO_EFFECT).", flag=None)
     overlap_param_gather_with_optimizer_step: bool = doc(False, "Refused if True.", flag=None)
-    optimizer_cpu_offload: bool = doc(False, "Refused if True.", flag=None)
-    optimizer_offload_fraction: float = doc(0.0, "No effect.", flag=None)
-    use_torch_optimizer_for_cpu_offload: bool = doc(False, "No effect.", flag=None)
-    overlap_cpu_optimizer_d2h_h2d: bool = doc(False, "No effect.", flag=None)
-    pin_cpu_grads: bool = doc(True, "No effect.", flag=None)
-    pin_cpu_params: bool = doc(True, "No effect.", flag=None)
+    optimizer_cpu_offload: bool = doc(
+        False,
+        "Keep the fp32 main parameters and optimizer moments of --optimizer-offload-fraction of the "
+        "parameters in host memory and run their optimizer step on the CPU (gradients copied to the "
+        "host, updated parameters back).",
+    )
+    optimizer_offload_fraction: float = doc(
+        0.0,
+        "With --optimizer-cpu-offload: the fraction of the parameters (by elements) offloaded, in [0, 1].",
+        app_default=1.0,
+    )
+    use_torch_optimizer_for_cpu_offload: bool = doc(
+        False, "With --optimizer-cpu-offload: step the host parameters with torch.optim.AdamW as is."
+    )
+    overlap_cpu_optimizer_d2h_h2d: bool = doc(
+        False,
+        "With --optimizer-cpu-offload: overlap the gradient copies to the host and the parameter copies "
+        "back with the CPU step, group by group.",
+    )
+    pin_cpu_grads: bool = doc(True, "With --optimizer-cpu-offload: host gradient buffers in pinned memory.")
+    pin_cpu_params: bool = doc(True, "With --optimizer-cpu-offload: host parameters in pinned memory.")
     barrier_with_L1_time: bool = doc(False, "No effect.", flag=None)
     timers: Callable | None = doc(None, "No effect.", flag=None)
     config_logger_dir: str = doc("", "No effect.", flag=None)
@@ -183,6 +192,11 @@ class OptimizerConfig:
                 f"grad_norm_skip_threshold must be > 0 (inf: never skip), got "
                 f"{self.grad_norm_skip_threshold}",
                 params=("grad_norm_skip_threshold",),
+            )
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ConfigError(
+                f"optimizer_offload_fraction must be in [0, 1], got {self.optimizer_offload_fraction}",
+                params=("optimizer_offload_fraction",),
             )
         for name, (built, why) in REFUSED.items():
             if getattr(self, name) != built:

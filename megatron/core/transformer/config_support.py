@@ -38,7 +38,6 @@ TC_NO_EFFECT: dict[str, str] = {
     "window_attn_skip_freq": "only with window_size, which is refused",
     "qk_clip_alpha": "only with qk_clip, which is refused",
     "qk_clip_threshold": "only with qk_clip, which is refused",
-    "init_model_with_meta_device": "models are always built on the meta device, then materialised",
     "apply_query_key_layer_scaling": "SDPA scales by 1/sqrt(d) once (the same function); it sets "
     "attention_softmax_in_fp32 as in Megatron-Core",
     "attention_softmax_in_fp32": "SDPA accumulates its softmax in fp32",

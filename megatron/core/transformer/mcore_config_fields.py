@@ -79,7 +79,6 @@ class MegatronCoreTransformerFields(ModelParallelConfig):
     output_layer_init_method: Callable | None = doc(None, flag=None)
     embedding_init_method: Callable | None = doc(None, flag=None)
     embedding_init_method_std: float | None = doc(None, flag=None)
-    init_model_with_meta_device: bool = doc(False, flag=None)
     use_mup: bool = doc(False, flag=None)
     mup_width_mult: float = doc(1.0, flag=None)
     mup_base_hidden_size: int | None = doc(None, flag=None)

@@ -131,6 +131,12 @@ class TransformerConfig(MegatronCoreTransformerFields):
         "params_dtype.",
         flag=None,
     )
+    init_model_with_meta_device: bool = doc(
+        False,
+        "With --use-torch-fsdp2: build the model on the meta device and let each rank allocate and "
+        "initialise only its shards (the same weights as a single-process run). Without FSDP every rank "
+        "already materialises only its tensor/pipeline shard.",
+    )
     use_cpu_initialization: bool = doc(
         False,
         "Allocate and initialise the model's parameters in CPU memory, then move the whole model to "
