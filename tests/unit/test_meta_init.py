@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.core.tensor_parallel import init as init_module
 from megatron.core.tensor_parallel.init import ROWS_PER_BLOCK, init_param_, init_param_rows_, set_init_attrs
 
 # (local shape, std, partition_dim, partition_size, partition_stride)
@@ -73,3 +74,26 @@ def test_data_parallel_chunks_tile_the_shard() -> None:
     assert not torch.equal(other, whole[:10])
     init_param_rows_(other, whole, "v", 1, 2, 0, 10)
     assert not torch.equal(other, whole[:10])
+
+
+def test_only_the_overlapping_row_blocks_are_generated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows [300, 310) of a 3-block tensor come from block 1 alone; a strided split's rows from the
+    blocks of each half's logical rows only."""
+    blocks: list[int] = []
+    real = init_module.stable_seed
+
+    def spy(seed: int, name: str, block: int = 0) -> int:
+        blocks.append(block)
+        return real(seed, name, block)
+
+    monkeypatch.setattr(init_module, "stable_seed", spy)
+    plain = _param(((3 * ROWS_PER_BLOCK, 4), 0.02, -1, 1, 1), torch.float32, "meta")
+    init_param_rows_(torch.empty(10, 4), plain, "w", 1, 0, 300, 310)
+    assert blocks == [1]
+    blocks.clear()
+    # [gate; up] of 2 x 512 logical rows split over tp 2: tp rank 1's local rows 0..9 are logical rows
+    # 256..265 (gate, block 1), its local rows 256..265 are logical rows 768..777 (up, block 3).
+    strided = _param(((2 * ROWS_PER_BLOCK, 4), 0.02, 0, 2, 2), torch.float32, "meta")
+    init_param_rows_(torch.empty(10, 4), strided, "w", 1, 1, 0, 10)
+    init_param_rows_(torch.empty(10, 4), strided, "w", 1, 1, 256, 266)
+    assert blocks == [1, 3]
