@@ -1,26 +1,34 @@
 """Optimizer state as ShardedTensors that mirror the model's sharding.
 
-For each optimized param, the model's sharded state dict holds a ``ShardedTensor`` whose ``data`` is
-that very param. Each per-param state tensor (``fp32_param`` for bf16/fp16 params, ``exp_avg``,
-``exp_avg_sq``, ``momentum_buffer``) becomes a ShardedTensor keyed
-``optimizer.state.<kind>.<model key>`` with the model param's global shape, offset and replica id,
-so the optimizer state reshards exactly like the weights. Everything else (group hyper-parameters,
-step counts, loss-scaler state) is one ``ShardedObject`` keyed ``optimizer.common``.
+Each optimized tensor ``t`` (an entry of ``model_params``) is matched by address to the model's
+ShardedTensors: those whose data lie inside ``t``'s storage (``t`` is the param itself, or a local
+shard that holds several blocks of it, as under FSDP2), or else the one whose data hold ``t`` (a
+distributed-optimizer piece: a flat range of one param). Each per-tensor state (``fp32_param`` for
+bf16/fp16 params, ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) is cut into the same blocks by
+flat offset (a piece's range as rectangles, ``flat_range_blocks``) and becomes ShardedTensors keyed
+``optimizer.state.<kind>.<model key>`` with the model tensor's global shape, offsets and replica id,
+so the optimizer state reshards exactly like the weights, across optimizers and data-parallel sizes.
+Everything else (group hyper-parameters, step counts, loss-scaler state) is one ``ShardedObject``
+keyed ``optimizer.common``.
 
 Layout of the dict::
 
-    {"param_state": {<model key>: {<kind>: ShardedTensor}}, "common": ShardedObject}
+    {"param_state": {<block name>: {<kind>: ShardedTensor}}, "common": ShardedObject}
+
+A block's name is its model key; a second block of the same key on this rank is ``<key>#1``, etc.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.errors import CheckpointError
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.flat_ranges import flat_range_blocks
+from megatron.core.dist_checkpointing.mapping import ReplicaId, ShardedObject, ShardedTensor
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 if TYPE_CHECKING:
@@ -61,45 +69,119 @@ def _collect(obj: Any, out: list[ShardedTensor]) -> None:
             _collect(v, out)
 
 
-def _model_tensors(opt: MegatronOptimizer, model_sd: dict) -> list[ShardedTensor]:
-    """The model ShardedTensor of each optimized param, matched by identity (or storage and view)."""
+@dataclass(frozen=True)
+class _Match:
+    """A model ShardedTensor ``st`` that shares storage with an optimized tensor ``t``.
+
+    ``within_model`` False: ``st``'s data is the flat range [start, stop) of ``t`` (``t`` is the whole
+    param, or a local shard holding several blocks). True: ``t`` is the flat range [start, stop) of
+    ``st``'s data (a distributed-optimizer piece of a param).
+    """
+
+    st: ShardedTensor
+    start: int
+    stop: int
+    within_model: bool
+
+
+def _flat_extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses of a contiguous tensor."""
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def _matches(opt: MegatronOptimizer, model_sd: dict) -> list[list[_Match]]:
+    """For each optimized tensor (``opt.model_params``), the model ShardedTensors whose data lie in
+    its storage, or the one whose data hold it, matched by address (see :class:`_Match`).
+
+    Raises:
+        CheckpointError: an optimized tensor shares storage with no model ShardedTensor.
+    """
     found: list[ShardedTensor] = []
     _collect(model_sd, found)
-    by_id = {id(st.data): st for st in found}
-    # A model shard may be a reshaped view of its param (SwiGLU's fc1 is stored as [2, F, h]).
-    by_view = {(d.data_ptr(), d.numel(), d.dtype): st for st in found for d in (st.local_data(),)}
+    tensors: dict[tuple[int, int, torch.dtype], ShardedTensor] = {}
+    for st in found:  # a tensor listed twice (a tied weight) is matched once, under its first key
+        d = st.local_data()
+        if d.is_contiguous() and d.numel() > 0:
+            tensors.setdefault((d.data_ptr(), d.numel(), d.dtype), st)
     result = []
-    for p in opt.model_params:
-        st = by_id.get(id(p)) or by_view.get((p.data_ptr(), p.numel(), p.dtype))
-        if st is None:
+    for t in opt.model_params:
+        lo, hi = _flat_extent(t)
+        size = t.element_size()
+        inside, holding = [], []
+        for (ptr, numel, dtype), st in tensors.items():
+            end = ptr + numel * size
+            if dtype != t.dtype or end <= lo or ptr >= hi:
+                continue
+            if lo <= ptr and end <= hi:
+                start = (ptr - lo) // size
+                inside.append(_Match(st, start, start + numel, within_model=False))
+            elif ptr <= lo and hi <= end:
+                start = (lo - ptr) // size
+                holding.append(_Match(st, start, start + t.numel(), within_model=True))
+        if not inside and not holding:
             raise CheckpointError(
-                f"a trainable param of shape {tuple(p.shape)} has no ShardedTensor in the model's sharded "
+                f"a trainable param of shape {tuple(t.shape)} has no ShardedTensor in the model's sharded "
                 "state dict, so its optimizer state could not be checkpointed"
             )
-        result.append(st)
+        result.append(sorted(inside, key=lambda m: m.start) if inside else holding[:1])
     return result
 
 
-def param_keys(opt: MegatronOptimizer, model_sd: dict) -> list[str]:
-    """The model's global key of each optimized param, in ``opt.model_params`` order."""
-    return [st.key for st in _model_tensors(opt, model_sd)]
-
-
-def _like(st: ShardedTensor, kind: str, data: torch.Tensor, owner_writes: bool = False) -> ShardedTensor:
-    """``data`` sharded like the model tensor ``st``. ``owner_writes`` (distributed optimizer): the
-    state exists only on the param's owner, so the data-parallel part of the replica id (its last
-    entry) is 0 there; the other entries (tensor-parallel copies, tied-embedding copies) still decide."""
+def _replica_id(st: ShardedTensor, owner_writes: bool) -> ReplicaId:
+    """``st``'s replica id. ``owner_writes`` (distributed optimizer): the state exists only on the
+    rank that owns it, so the data-parallel part of the replica id (its last entry) is 0 there; the
+    other entries (tensor-parallel copies, tied-embedding copies) still decide."""
     rid = st.replica_id
     if owner_writes:
         rid = (*rid[:-1], 0) if isinstance(rid, tuple) else 0
-    return ShardedTensor(
-        key=f"optimizer.state.{kind}.{st.key}",
-        data=data.view(st.local_data().shape),
-        global_shape=st.global_shape,
-        global_offset=st.global_offset,
-        replica_id=rid,
-        allow_shape_mismatch=st.allow_shape_mismatch,
-    )
+    return rid
+
+
+def _blocks(match: _Match, kind: str, flat: torch.Tensor, owner_writes: bool) -> list[ShardedTensor]:
+    """The state ``flat`` (1-D, as long as the optimized tensor) of ``match``, as ShardedTensors
+    keyed ``optimizer.state.<kind>.<model key>`` with the model tensor's global placement."""
+    st, key = match.st, f"optimizer.state.{kind}.{match.st.key}"
+    rid = _replica_id(st, owner_writes)
+    if match.within_model:
+        return flat_range_blocks(st, flat, match.start, match.stop, key=key, replica_id=rid)
+    data = flat[match.start : match.stop].view(st.local_data().shape)
+    return [replace(st, key=key, data=data, dtype=data.dtype, replica_id=rid)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where each optimized tensor's state goes in the sharded dict: per tensor, ``(name, start,
+    stop)`` for each block, ``name`` being the block's entry in ``param_state`` and [start, stop) its
+    flat range within the tensor."""
+
+    blocks: list[list[tuple[str, int, int]]]
+
+    def keys(self) -> list[str]:
+        """The first entry name of each optimized tensor (its model key)."""
+        return [b[0][0] for b in self.blocks]
+
+
+def _layout(opt: MegatronOptimizer, model_sd: dict) -> tuple[list[list[_Match]], Plan]:
+    matches = _matches(opt, model_sd)
+    names: dict[str, int] = {}
+    plan = []
+    for t, tensor_matches in zip(opt.model_params, matches):
+        flat = t.detach().view(-1)
+        entries = []
+        for m in tensor_matches:
+            for block in _blocks(m, "fp32_param", flat, owner_writes=False):
+                start = (block.local_data().data_ptr() - flat.data_ptr()) // flat.element_size()
+                seen = names.get(m.st.key, 0)
+                names[m.st.key] = seen + 1
+                name = m.st.key if seen == 0 else f"{m.st.key}#{seen}"
+                entries.append((name, start, start + block.local_data().numel()))
+        plan.append(entries)
+    return matches, Plan(plan)
+
+
+def param_keys(opt: MegatronOptimizer, model_sd: dict) -> Plan:
+    """Where each optimized param's state goes (:class:`Plan`), in ``opt.model_params`` order."""
+    return _layout(opt, model_sd)[1]
 
 
 def _group_step(opt: MegatronOptimizer, group: dict[str, Any]) -> float | None:
@@ -128,22 +210,28 @@ def _agree_on_steps(opt: MegatronOptimizer, groups: dict[str, dict[str, Any]]) -
             groups[name]["step"] = step if step >= 0 else None
 
 
-def build(
-    opt: MegatronOptimizer, model_sd: dict, common_replica_id: int = 0
-) -> tuple[dict[str, Any], list[str]]:
-    """The sharded state dict of ``opt`` and the model key of each param (see module docstring)."""
+def build(opt: MegatronOptimizer, model_sd: dict, common_replica_id: int = 0) -> tuple[dict[str, Any], Plan]:
+    """The sharded state dict of ``opt`` and where each param's state lies in it (see module docstring)."""
     opt.init_state()
-    tensors = _model_tensors(opt, model_sd)
+    matches, plan = _layout(opt, model_sd)
     owner_writes = opt.param_sync is not None
     param_state: dict[str, dict[str, ShardedTensor]] = {}
-    for model_p, main_p, st in zip(opt.model_params, opt.main_params, tensors):
-        entry = {}
+    for model_p, main_p, tensor_matches, entries in zip(
+        opt.model_params, opt.main_params, matches, plan.blocks
+    ):
+        kinds: dict[str, torch.Tensor] = {}
         if main_p is not model_p:
-            entry["fp32_param"] = _like(st, "fp32_param", main_p, owner_writes)
+            kinds["fp32_param"] = main_p
         for kind, value in opt.optimizer.state[main_p].items():
             if kind != "step" and torch.is_tensor(value) and value.shape == main_p.shape:
-                entry[kind] = _like(st, kind, value, owner_writes)
-        param_state[st.key] = entry
+                kinds[kind] = value
+        for kind, value in kinds.items():
+            blocks = [b for m in tensor_matches for b in _blocks(m, kind, value.view(-1), owner_writes)]
+            assert len(blocks) == len(entries), "every state tensor is cut like the param"
+            for (name, _, _), block in zip(entries, blocks):
+                param_state.setdefault(name, {})[kind] = block
+        for name, _, _ in entries:
+            param_state.setdefault(name, {})
     groups = {}
     for group in opt.optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -160,7 +248,7 @@ def build(
         "param_state": param_state,
         "common": ShardedObject(COMMON_KEY, common, replica_id=common_replica_id),
     }
-    return sharded, [st.key for st in tensors]
+    return sharded, plan
 
 
 def _saved_group(saved_groups: dict[str, Any], name: str) -> dict[str, Any]:
@@ -175,7 +263,7 @@ def _saved_group(saved_groups: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def apply(opt: MegatronOptimizer, loaded: dict[str, Any], keys: list[str]) -> None:
+def apply(opt: MegatronOptimizer, loaded: dict[str, Any], plan: Plan) -> None:
     """Copy loaded tensors into the optimizer state; set steps, lr/wd and the loss scaler.
 
     Raises:
@@ -191,19 +279,23 @@ def apply(opt: MegatronOptimizer, loaded: dict[str, Any], keys: list[str]) -> No
             f"this run's optimizer is {opt.config.optimizer!r}"
         )
     param_state = loaded["param_state"]
-    for model_p, main_p, key in zip(opt.model_params, opt.main_params, keys):
-        if key not in param_state:
-            raise CheckpointError(f"optimizer state for {key} is missing from the loaded checkpoint")
-        entry = param_state[key]
+    for model_p, main_p, entries in zip(opt.model_params, opt.main_params, plan.blocks):
         state = opt.optimizer.state[main_p]
-        for kind, value in entry.items():
-            value = value.local_data() if isinstance(value, ShardedTensor) else value
-            if kind == "fp32_param":
-                if main_p is not model_p:
-                    main_p.copy_(value.reshape(main_p.shape))
-            elif kind in state:
-                state[kind].copy_(value.reshape(state[kind].shape))
-        if main_p is not model_p and "fp32_param" not in entry:
+        has_main = True
+        for name, start, stop in entries:
+            if name not in param_state:
+                raise CheckpointError(f"optimizer state for {name} is missing from the loaded checkpoint")
+            entry = param_state[name]
+            has_main = has_main and "fp32_param" in entry
+            for kind, value in entry.items():
+                value = value.local_data() if isinstance(value, ShardedTensor) else value
+                if kind == "fp32_param":
+                    target = main_p if main_p is not model_p else None
+                else:
+                    target = state.get(kind)
+                if target is not None:
+                    target.view(-1)[start:stop].copy_(value.reshape(-1))
+        if main_p is not model_p and not has_main:
             main_p.copy_(model_p)  # saved from a run without main copies: start from the weights
     for group in opt.optimizer.param_groups:
         saved = _saved_group(common["param_groups"], group["name"])
