@@ -1,0 +1,336 @@
+"""Fully sharded data parallelism on PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+``TorchFullyShardedDataParallel`` wraps one model chunk as ``DistributedDataParallel`` does and
+offers what the schedules, ``finalize_model_grads``, the optimizer and the checkpoint code call on
+it. ``fully_shard`` runs on every ``TransformerLayer`` (one all-gather / reduce-scatter unit each)
+and on the chunk root (embedding, final norm, output layer), over a 1-D ``DeviceMesh`` built from
+this rank's data-parallel group: tensor parallelism stays ours, so what FSDP2 shards on dim 0 is
+each rank's local tensor-parallel shard, and pipeline stages shard over their own dp group.
+
+Parameters. Sharded parameters are kept in fp32 (the optimizer's main parameters, updated in
+place); ``MixedPrecisionPolicy`` gathers them in the run's bf16 / fp16 and reduces gradients in fp32.
+Each sharded parameter (a DTensor) has a *local view*: an ``nn.Parameter`` sharing the storage of
+the DTensor's local shard, carrying the original parameter's attributes (``tensor_model_parallel``,
+``sequence_parallel``, ...). ``parameters()`` / ``named_parameters()`` of the wrapper yield these
+views, so ``get_megatron_optimizer`` builds a MegatronOptimizer over the local fp32 shards, and the
+grad statistics (reduced over the whole world) count each element once.
+
+Gradients. Outside ``no_sync`` FSDP2 reduce-scatters (averages over dp) each layer's gradients
+during backward; inside it, gradients accumulate unsharded. ``finish_grad_sync`` sets ``main_grad``
+of every view (and of its DTensor) to the local shard of the reduced gradient (zeros where none), so
+``finalize_model_grads`` sums sequence-parallel and tied-embedding gradients on the local shards:
+the shards of a tp-replicated parameter cover the same rows on every tp rank of a dp rank, as do
+the first and last stage's copies of a tied embedding.
+
+Checkpoints. ``sharded_state_dict`` yields, for each parameter, the blocks of its local dim-0 shard
+(rows [a, b) of the local tp shard are its flat range [a * cols, b * cols)) under the keys and
+global shapes the unwrapped model gives, with data viewing the local shard: FSDP2 runs save and load
+the same checkpoints as any other layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Collection, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from megatron.core.config_utils import ConfigError
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.parallel_state import ParallelState, get_parallel_state
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+ShardInit = Callable[[nn.Module], None]
+
+
+def compute_dtype(config: Any) -> torch.dtype | None:
+    """The dtype FSDP2 gathers parameters in: bf16 / fp16 with ``config.bf16`` / ``fp16``, else None
+    (the sharded fp32)."""
+    if getattr(config, "bf16", False):
+        return torch.bfloat16
+    if getattr(config, "fp16", False):
+        return torch.float16
+    return None
+
+
+def _param_attrs(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """Each parameter's Python attributes (tensor-parallel metadata), by name."""
+    return {name: dict(vars(p)) for name, p in module.named_parameters()}
+
+
+class TorchFullyShardedDataParallel(nn.Module):
+    """FSDP2 over one model chunk; Megatron-Core's constructor signature (plus ours, keyword-only).
+
+    Args:
+        config: the model's TransformerConfig (precision: ``bf16`` / ``fp16``).
+        ddp_config: ``fsdp_sharding()`` picks ZeRO-3 (reshard after forward) or ZeRO-2.
+        module: the chunk; its parameters become sharded DTensors.
+        sub_modules_to_wrap: module types sharded as units of their own (default TransformerLayer).
+        process_group: the group to shard over (default: the parallel state's dp x cp group).
+        parallel_state: the groups (default: the one ``initialize_model_parallel`` recorded).
+        init_shards: called with the sharded chunk before anything reads its parameters (the
+            meta-device path materialises each rank's local shards there).
+
+    Raises:
+        ConfigError: no data-parallel process group (torch.distributed is not initialised).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        ddp_config: DistributedDataParallelConfig,
+        module: nn.Module,
+        sub_modules_to_wrap: Collection[type[nn.Module]] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        parallel_state: ParallelState | None = None,
+        init_shards: ShardInit | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.ddp_config = ddp_config
+        self.pg = parallel_state if parallel_state is not None else get_parallel_state()
+        group = process_group if process_group is not None else self.pg.dp_cp_group
+        if group is None:
+            raise ConfigError(
+                "use_torch_fsdp2 needs torch.distributed initialised and a data-parallel process group",
+                params=("use_torch_fsdp2",),
+            )
+        self.dp_group = group
+        self.dp_size = dist.get_world_size(group)
+        attrs = _param_attrs(module)
+        tied = self._tied_name(module)
+        if compute_dtype(config) is not None:
+            module.float()  # sharded params are the optimizer's fp32 main params
+        self.module = module
+        self._shard(module, tuple(sub_modules_to_wrap or (TransformerLayer,)))
+        if init_shards is not None:
+            init_shards(module)
+        self._views: dict[str, nn.Parameter] = {}
+        self._dtensors: dict[str, DTensor] = {}
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                assert isinstance(p, DTensor), f"fully_shard left {name} unsharded"
+                view = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
+                for target in (p, view):
+                    for key, value in attrs.get(name, {}).items():
+                        setattr(target, key, value)
+                self._views[name] = view
+                self._dtensors[name] = p
+        self._tied = (self._views[tied],) if tied is not None else ()
+        self._zeros: dict[str, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------------------------- set-up
+    @staticmethod
+    def _tied_name(module: nn.Module) -> str | None:
+        """The name of the parameter this chunk ties to another stage's copy (or None)."""
+        weight_of = getattr(module, "shared_embedding_or_output_weight", None)
+        if not getattr(module, "share_embeddings_and_output_weights", False) or not callable(weight_of):
+            return None
+        weight = weight_of()
+        return next((n for n, p in module.named_parameters() if p is weight), None)
+
+    def _shard(self, module: nn.Module, unit_types: tuple[type[nn.Module], ...]) -> None:
+        """``fully_shard`` on every unit and on the root; forward / backward prefetch of the next unit."""
+        device_type = "cuda" if dist.get_backend(self.dp_group) == "nccl" else "cpu"
+        mesh = DeviceMesh.from_group(self.dp_group, device_type, mesh_dim_names=("dp",))
+        dtype = compute_dtype(self.config)
+        mp_policy = (
+            MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            if dtype is not None
+            else MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        )
+        reshard = self.ddp_config.fsdp_sharding() != "optim_grads"
+        units = [m for m in module.modules() if isinstance(m, unit_types) and m is not module]
+        for unit in units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fsdp_units = [u for u in units if isinstance(u, FSDPModule)]
+        for prev, nxt in zip(fsdp_units, fsdp_units[1:]):
+            prev.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([prev])
+
+    @property
+    def fsdp_module(self) -> FSDPModule:
+        assert isinstance(self.module, FSDPModule)
+        return self.module
+
+    @property
+    def tied_weight(self) -> torch.Tensor | None:
+        """The local view of the weight this chunk ties to another stage's copy, or None."""
+        return self._tied[0] if self._tied else None
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The local fp32 shard views (what the optimizer updates), named as DDP names them."""
+        base = prefix + ("." if prefix else "") + "module."
+        for name, view in self._views.items():
+            yield base + name, view
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, view in self.named_parameters():
+            yield view
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    # ---------------------------------------------------------------------------------- gradients
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients unsharded, without reduce-scatter (all micro-batches but the last)."""
+        self.fsdp_module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.fsdp_module.set_requires_gradient_sync(True)
+
+    def zero_grad_buffer(self) -> None:
+        """Start a step: drop the sharded gradients (FSDP2 would accumulate into them)."""
+        for name, p in self._dtensors.items():
+            p.grad = None
+            p.main_grad = None  # type: ignore[attr-defined]
+            view = self._views[name]
+            view.grad = None
+            view.main_grad = None  # type: ignore[attr-defined]
+
+    def finish_grad_sync(self) -> None:
+        """Every view's (and DTensor's) ``main_grad`` is its local shard of the dp-averaged gradient;
+        zeros for parameters that got no gradient this step."""
+        with torch.no_grad():
+            for name, p in self._dtensors.items():
+                view = self._views[name]
+                grad = p.grad
+                if grad is None:
+                    local = self._zeros.get(name)
+                    if local is None:
+                        local = self._zeros[name] = torch.zeros_like(view)
+                    else:
+                        local.zero_()
+                else:
+                    local = grad.to_local() if isinstance(grad, DTensor) else grad
+                assert p.to_local().data_ptr() == view.data_ptr(), f"{name}'s local shard moved"
+                p.main_grad = local  # type: ignore[attr-defined]
+                view.main_grad = local  # type: ignore[attr-defined]
+
+    def scale_gradients(self, factor: float | torch.Tensor) -> None:
+        for view in self._views.values():
+            grad = getattr(view, "main_grad", None)
+            if grad is not None:
+                grad.mul_(factor)
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def _rows(self, name: str) -> tuple[int, int, int]:
+        """(first row, end row, elements per row) of this rank's dim-0 shard of parameter ``name``."""
+        p = self._dtensors[name]
+        assert p.dim() > 0, f"FSDP2 shards dim 0; {name} is a scalar"
+        rows = p.shape[0]
+        cols = p.numel() // rows if rows else 0
+        per_rank = -(-rows // self.dp_size)  # FSDP2's torch.chunk: ceil(rows / dp) rows per rank
+        start = min(dist.get_rank(self.dp_group) * per_rank, rows)
+        return start, start + self._views[name].shape[0], cols
+
+    def sharded_state_dict(self, prefix: str = "", *args: Any, **kwargs: Any) -> dict:
+        """The unwrapped model's sharded state dict, each parameter as the blocks of its local shard."""
+        stand_ins = {name: _stand_in(p, self._views[name]) for name, p in self._dtensors.items()}
+
+        def substitute(_module: nn.Module, state: dict, sd_prefix: str, _meta: Any) -> None:
+            for name in list(state):
+                local = name[len(sd_prefix) :]
+                if local in stand_ins:
+                    state[name] = stand_ins[local]
+
+        handle = self.module.register_state_dict_post_hook(substitute)
+        try:
+            out = self.module.sharded_state_dict(prefix, *args, **kwargs)  # type: ignore[operator]
+        finally:
+            handle.remove()
+        for name in self._dtensors:
+            key = prefix + name
+            st = out.get(key)
+            if isinstance(st, ShardedTensor):
+                out[key] = self._blocks(name, st)
+        return out
+
+    def _blocks(self, name: str, st: ShardedTensor) -> list[ShardedTensor]:
+        start, stop, cols = self._rows(name)
+        rid = st.replica_id
+        rid = (*rid[:-1], 0) if isinstance(rid, tuple) else 0  # each dp rank writes its own rows
+        flat = self._views[name].detach().view(-1)
+        return flat_range_blocks(st, flat, start * cols, stop * cols, replica_id=rid)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.load_state_dict(*args, **kwargs)
+
+
+def _stand_in(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``p``'s (tensor-parallel local) shape with the view's attributes: what the
+    unwrapped model's sharded_state_dict reads to name and place the parameter."""
+    meta = torch.empty(p.shape, dtype=view.dtype, device="meta")
+    for key, value in vars(view).items():
+        if key != "main_grad":
+            setattr(meta, key, value)
+    return meta
+
+
+def flat_range_blocks(
+    st: ShardedTensor, data: torch.Tensor, start: int, stop: int, *, replica_id: Any = None
+) -> list[ShardedTensor]:
+    """Elements [start, stop) of ``st``'s local tensor (row-major) as rectangular blocks; data views
+    into the 1-D ``data`` (length stop - start)."""
+    shape = tuple(st.local_shape)
+    rid = st.replica_id if replica_id is None else replica_id
+    out: list[ShardedTensor] = []
+
+    def emit(offset: tuple[int, ...], block: tuple[int, ...], flat_start: int) -> None:
+        n = 1
+        for d in block:
+            n *= d
+        glob = tuple(g + o for g, o in zip(st.global_offset, offset))
+        piece = data[flat_start - start : flat_start - start + n].view(block)
+        out.append(ShardedTensor(st.key, piece, tuple(st.global_shape), glob, replica_id=rid))
+
+    def split(dims: tuple[int, ...], prefix: tuple[int, ...], lo: int, hi: int, base: int) -> None:
+        # [lo, hi) relative to the sub-tensor at ``prefix`` of shape ``dims`` starting at flat ``base``
+        if lo >= hi:
+            return
+        inner = 1
+        for d in dims[1:]:
+            inner *= d
+        if not dims[1:] or (lo % inner == 0 and hi % inner == 0):
+            rest = (0,) * (len(dims) - 1)
+            emit(
+                prefix + (lo // inner,) + rest,
+                (1,) * len(prefix) + ((hi - lo) // inner, *dims[1:]),
+                base + lo,
+            )
+            return
+        first_full = -(-lo // inner)
+        last_full = hi // inner
+        if first_full > last_full:  # inside one row
+            row = lo // inner
+            split(dims[1:], prefix + (row,), lo - row * inner, hi - row * inner, base + row * inner)
+            return
+        if lo < first_full * inner:
+            row = first_full - 1
+            split(dims[1:], prefix + (row,), lo - row * inner, inner, base + row * inner)
+        if first_full < last_full:
+            split(dims, prefix, first_full * inner, last_full * inner, base)
+        if last_full * inner < hi:
+            split(dims[1:], prefix + (last_full,), 0, hi - last_full * inner, base + last_full * inner)
+
+    split(shape, (), start, stop, 0)
+    return out

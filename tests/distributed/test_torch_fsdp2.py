@@ -1,0 +1,208 @@
+"""TorchFullyShardedDataParallel (FSDP2): training over dp ranks (and x tp) matches one process;
+its checkpoints load under the plain layout and the other way round."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import device, distributed_test
+from torch.distributed.tensor import DTensor
+from torch.testing import assert_close
+
+from megatron.core import dist_checkpointing
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.parallel_state import ParallelState, RankGrid
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+VOCAB, SEQ, MBS, MICRO, STEPS = 64, 16, 2, 2, 3
+FSDP = DistributedDataParallelConfig(use_torch_fsdp2=True)
+
+
+def _model(ps: ParallelState, swiglu: bool = False, recompute: str | None = None) -> GPTModel:
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=40 if swiglu else None,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=ps.tp_size,
+        sequence_parallel=ps.tp_size > 1,
+        share_embeddings_and_output_weights=True,
+        recompute_granularity=recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
+    )
+    return GPTModel(
+        cfg,
+        get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        parallel_state=ps,
+        device=device(),
+        seed=7,
+    )
+
+
+def _batch(step: int, micro: int, dp_rank: int, dp_size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    full = torch.randint(0, VOCAB, (MBS * 4, SEQ), generator=g)  # the global micro-batch (dp <= 4)
+    per = MBS * 4 // dp_size
+    return full[dp_rank * per : (dp_rank + 1) * per].to(device())
+
+
+def _optimizer(model: torch.nn.Module, ps: ParallelState, stats_group: dist.ProcessGroup | None) -> Any:
+    config = OptimizerConfig(lr=1e-2, clip_grad=0.05, weight_decay=0.1)
+    return get_megatron_optimizer(config, [model], grad_stats_group=stats_group, tp_rank=ps.tp_rank)
+
+
+def _train(
+    model: torch.nn.Module,
+    ps: Any,
+    stats_group: dist.ProcessGroup | None,
+    steps: range = range(STEPS),
+    opt: Any = None,
+) -> list[tuple]:
+    """Adam steps of MICRO micro-batches; (loss, grad norm) per step (loss averaged over dp)."""
+    opt = _optimizer(model, ps, stats_group) if opt is None else opt
+    out = []
+    for step in steps:
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        total = torch.zeros((), device=device())
+        for m in range(MICRO):
+            ids = _batch(step, m, ps.dp_rank, ps.dp_size)
+            ctx = model.no_sync() if m < MICRO - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = model(ids, None, None, labels=ids).mean() / MICRO
+                loss.backward()
+            total += loss.detach()
+        finalize_model_grads([model])
+        _, grad_norm, _ = opt.step()
+        if ps.dp_size > 1:
+            dist.all_reduce(total, group=ps.dp_cp_group)
+        out.append((total.item() / ps.dp_size, grad_norm))
+    return out
+
+
+def _solo(swiglu: bool = False, recompute: str | None = None) -> tuple[list[tuple], GPTModel]:
+    solo = ParallelState(grid=RankGrid(), rank=0)
+    model = DistributedDataParallel(
+        _model(solo).config, DistributedDataParallelConfig(), _model(solo, swiglu, recompute), solo
+    )
+    return _train(model, _Solo(solo), None), model.module
+
+
+class _Solo:
+    """The one process's view: dp 1, but it sees every dp rank's samples in each micro-batch."""
+
+    def __init__(self, ps: ParallelState) -> None:
+        self.tp_rank, self.dp_rank, self.dp_size, self.dp_cp_group = 0, 0, 1, None
+
+
+def _check_against_solo(ps: ParallelState, swiglu: bool = False, recompute: str | None = None) -> None:
+    model = TorchFullyShardedDataParallel(
+        _model(ps).config, FSDP, _model(ps, swiglu, recompute), parallel_state=ps
+    )
+    assert all(isinstance(p, DTensor) for p in model.module.parameters())
+    assert all(not isinstance(p, DTensor) for p in model.parameters())
+    curve = _train(model, ps, dist.group.WORLD)
+    reference, solo_model = _solo(swiglu, recompute)
+    for (loss, norm), (ref_loss, ref_norm) in zip(curve, reference):
+        assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+    # The trained weights: gathered over dp, this rank's tp shard of the one-process weights.
+    solo_sd = solo_model.sharded_state_dict()
+    for name, p in model.module.named_parameters():
+        st = solo_sd[name]
+        full = p.full_tensor()
+        ref = st.data
+        if getattr(model._views[name], "tensor_model_parallel", False):
+            ref = _tp_slice(solo_model, name, ps)
+        # Adam normalises each update, so rounding-level gradient differences move weights by ~lr * 1e-4.
+        assert_close(full, ref.view_as(full), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _tp_slice(solo_model: GPTModel, name: str, ps: ParallelState) -> torch.Tensor:
+    p = dict(solo_model.named_parameters())[name]
+    dim, stride = getattr(p, "partition_dim", 0), getattr(p, "partition_stride", 1)
+    if stride > 1:
+        halves = p.data.chunk(stride, dim=dim)
+        return torch.cat([h.chunk(ps.tp_size, dim=dim)[ps.tp_rank] for h in halves], dim=dim)
+    return p.data.chunk(ps.tp_size, dim=dim)[ps.tp_rank]
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@distributed_test(world_size="dp")
+def test_fsdp2_matches_one_process(ps: ParallelState, dp: int) -> None:
+    _check_against_solo(ps, swiglu=dp == 4)
+
+
+@distributed_test(world_size=4, tp=2)
+def test_fsdp2_with_tp2_and_sequence_parallel_matches_one_process(ps: ParallelState) -> None:
+    _check_against_solo(ps, swiglu=True)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+@distributed_test(world_size=2)
+def test_fsdp2_with_recompute_matches_one_process(ps: ParallelState, recompute: str) -> None:
+    _check_against_solo(ps, recompute=recompute)
+
+
+def _save(path: str, model: torch.nn.Module, opt: Any) -> None:
+    model_sd = model.sharded_state_dict()
+    dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, path)
+
+
+def _load(path: str, model: torch.nn.Module, opt: Any) -> None:
+    model_sd = model.sharded_state_dict()
+    request = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}
+    opt.load_sharded_state_dict(dist_checkpointing.load(request, path)["optimizer"])
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@distributed_test(world_size=2)
+def test_fsdp2_checkpoint_resumes_under_plain_layout_and_back(ps: ParallelState, tmp_path, swiglu) -> None:
+    """Model and optimizer state of an FSDP2 run load into plain data parallelism (same keys and
+    global shapes) and continue on the same losses; and the plain run's checkpoint loads into FSDP2."""
+    fsdp = TorchFullyShardedDataParallel(_model(ps).config, FSDP, _model(ps, swiglu), parallel_state=ps)
+    fsdp_opt = _optimizer(fsdp, ps, dist.group.WORLD)
+    _train(fsdp, ps, dist.group.WORLD, range(0, 1), fsdp_opt)
+    _save(str(tmp_path / "fsdp"), fsdp, fsdp_opt)
+    plain_module = _model(ps, swiglu)
+    with torch.no_grad():
+        for p in plain_module.parameters():
+            p.add_(1.0)  # other weights than the saved ones
+    plain = DistributedDataParallel(plain_module.config, DistributedDataParallelConfig(), plain_module, ps)
+    plain_opt = _optimizer(plain, ps, ps.mp_group)
+    _load(str(tmp_path / "fsdp"), plain, plain_opt)
+    for name, p in fsdp.module.named_parameters():
+        assert torch.equal(p.full_tensor(), dict(plain_module.named_parameters())[name]), name
+    resumed = _train(plain, ps, ps.mp_group, range(1, 3), plain_opt)
+    assert_close(resumed, _train(fsdp, ps, dist.group.WORLD, range(1, 3), fsdp_opt), rtol=1e-5, atol=1e-6)
+    # And back: the plain run's checkpoint into a fresh FSDP2 chunk.
+    _save(str(tmp_path / "plain"), plain, plain_opt)
+    back = TorchFullyShardedDataParallel(_model(ps).config, FSDP, _model(ps, swiglu), parallel_state=ps)
+    back_opt = _optimizer(back, ps, dist.group.WORLD)
+    _load(str(tmp_path / "plain"), back, back_opt)
+    assert_close(
+        _train(back, ps, dist.group.WORLD, range(3, 5), back_opt),
+        _train(plain, ps, ps.mp_group, range(3, 5), plain_opt),
+        rtol=1e-5,
+        atol=1e-6,
+    )
