@@ -71,27 +71,20 @@ def _collect(obj: Any, out: list[ShardedTensor]) -> None:
 
 @dataclass(frozen=True)
 class _Match:
-    """A model ShardedTensor ``st`` that shares storage with an optimized tensor ``t``.
-
-    ``within_model`` False: ``st``'s data is the flat range [start, stop) of ``t`` (``t`` is the whole
-    param, or a local shard holding several blocks). True: ``t`` is the flat range [start, stop) of
-    ``st``'s data (a distributed-optimizer piece of a param).
-    """
+    """Elements [start, stop) of model ShardedTensor ``st``'s (flat, row-major) data are the elements
+    from ``offset`` on of an optimized tensor: all of ``st`` when ``st`` lies inside it (the param
+    itself, or one of several blocks a local shard holds, as under FSDP2), a range of ``st`` when the
+    optimized tensor is a flat piece of a param (the distributed optimizer)."""
 
     st: ShardedTensor
     start: int
     stop: int
-    within_model: bool
-
-
-def _flat_extent(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte addresses of a contiguous tensor."""
-    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    offset: int
 
 
 def _matches(opt: MegatronOptimizer, model_sd: dict) -> list[list[_Match]]:
-    """For each optimized tensor (``opt.model_params``), the model ShardedTensors whose data lie in
-    its storage, or the one whose data hold it, matched by address (see :class:`_Match`).
+    """For each optimized tensor (``opt.model_params``), the model ShardedTensors sharing its storage
+    (by address), in the optimized tensor's flat order.
 
     Raises:
         CheckpointError: an optimized tensor shares storage with no model ShardedTensor.
@@ -105,25 +98,20 @@ def _matches(opt: MegatronOptimizer, model_sd: dict) -> list[list[_Match]]:
             tensors.setdefault((d.data_ptr(), d.numel(), d.dtype), st)
     result = []
     for t in opt.model_params:
-        lo, hi = _flat_extent(t)
-        size = t.element_size()
-        inside, holding = [], []
+        size, lo = t.element_size(), t.data_ptr()
+        hi = lo + t.numel() * size
+        matches = []
         for (ptr, numel, dtype), st in tensors.items():
-            end = ptr + numel * size
-            if dtype != t.dtype or end <= lo or ptr >= hi:
-                continue
-            if lo <= ptr and end <= hi:
-                start = (ptr - lo) // size
-                inside.append(_Match(st, start, start + numel, within_model=False))
-            elif ptr <= lo and hi <= end:
-                start = (lo - ptr) // size
-                holding.append(_Match(st, start, start + t.numel(), within_model=True))
-        if not inside and not holding:
+            first, last = max(lo, ptr), min(hi, ptr + numel * size)
+            if dtype == t.dtype and first < last:
+                start, stop = (first - ptr) // size, (last - ptr) // size
+                matches.append(_Match(st, start, stop, (first - lo) // size))
+        if not matches:
             raise CheckpointError(
                 f"a trainable param of shape {tuple(t.shape)} has no ShardedTensor in the model's sharded "
                 "state dict, so its optimizer state could not be checkpointed"
             )
-        result.append(sorted(inside, key=lambda m: m.start) if inside else holding[:1])
+        result.append(sorted(matches, key=lambda m: m.offset))
     return result
 
 
@@ -138,14 +126,15 @@ def _replica_id(st: ShardedTensor, owner_writes: bool) -> ReplicaId:
 
 
 def _blocks(match: _Match, kind: str, flat: torch.Tensor, owner_writes: bool) -> list[ShardedTensor]:
-    """The state ``flat`` (1-D, as long as the optimized tensor) of ``match``, as ShardedTensors
-    keyed ``optimizer.state.<kind>.<model key>`` with the model tensor's global placement."""
+    """The part of state ``flat`` (1-D, as long as the optimized tensor) that ``match`` covers, as
+    ShardedTensors keyed ``optimizer.state.<kind>.<model key>`` placed like the model tensor."""
     st, key = match.st, f"optimizer.state.{kind}.{match.st.key}"
     rid = _replica_id(st, owner_writes)
-    if match.within_model:
-        return flat_range_blocks(st, flat, match.start, match.stop, key=key, replica_id=rid)
-    data = flat[match.start : match.stop].view(st.local_data().shape)
-    return [replace(st, key=key, data=data, dtype=data.dtype, replica_id=rid)]
+    data = flat[match.offset : match.offset + match.stop - match.start]
+    if match.start == 0 and match.stop == st.local_data().numel():
+        data = data.view(st.local_data().shape)
+        return [replace(st, key=key, data=data, dtype=data.dtype, replica_id=rid)]
+    return flat_range_blocks(st, data, match.start, match.stop, key=key, replica_id=rid)
 
 
 @dataclass(frozen=True)
