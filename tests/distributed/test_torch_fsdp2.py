@@ -31,12 +31,12 @@ VOCAB, SEQ, MBS, MICRO, STEPS = 64, 16, 2, 2, 3
 FSDP = DistributedDataParallelConfig(use_torch_fsdp2=True)
 
 
-def _model(ps: ParallelState, swiglu: bool = False, recompute: str | None = None) -> GPTModel:
+def _model(ps: ParallelState, swiglu: bool = False, recompute: str | None = None, ffn: int = 40) -> GPTModel:
     cfg = TransformerConfig(
         num_layers=2,
         hidden_size=32,
         num_attention_heads=4,
-        ffn_hidden_size=40 if swiglu else None,
+        ffn_hidden_size=ffn if swiglu else None,
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         hidden_dropout=0.0,
@@ -175,16 +175,21 @@ def _load(path: str, model: torch.nn.Module, opt: Any) -> None:
     opt.load_sharded_state_dict(dist_checkpointing.load(request, path)["optimizer"])
 
 
-@pytest.mark.parametrize("swiglu", [False, True])
-@distributed_test(world_size=2)
-def test_fsdp2_checkpoint_resumes_under_plain_layout_and_back(ps: ParallelState, tmp_path, swiglu) -> None:
+@pytest.mark.parametrize("dp,swiglu", [(2, False), (4, True)])
+@distributed_test(world_size="dp")
+def test_fsdp2_checkpoint_resumes_under_plain_layout_and_back(
+    ps: ParallelState, tmp_path, dp: int, swiglu: bool
+) -> None:
     """Model and optimizer state of an FSDP2 run load into plain data parallelism (same keys and
-    global shapes) and continue on the same losses; and the plain run's checkpoint loads into FSDP2."""
-    fsdp = TorchFullyShardedDataParallel(_model(ps).config, FSDP, _model(ps, swiglu), parallel_state=ps)
+    global shapes) and continue on the same losses; and the plain run's checkpoint loads into FSDP2.
+    dp4 with SwiGLU's fc1 of 2 x 39 rows: rank 1's 20 rows [20, 40) span both halves (two blocks)."""
+    fsdp = TorchFullyShardedDataParallel(
+        _model(ps).config, FSDP, _model(ps, swiglu, ffn=39), parallel_state=ps
+    )
     fsdp_opt = _optimizer(fsdp, ps, dist.group.WORLD)
     _train(fsdp, ps, dist.group.WORLD, range(0, 1), fsdp_opt)
     _save(str(tmp_path / "fsdp"), fsdp, fsdp_opt)
-    plain_module = _model(ps, swiglu)
+    plain_module = _model(ps, swiglu, ffn=39)
     with torch.no_grad():
         for p in plain_module.parameters():
             p.add_(1.0)  # other weights than the saved ones
@@ -193,11 +198,16 @@ def test_fsdp2_checkpoint_resumes_under_plain_layout_and_back(ps: ParallelState,
     _load(str(tmp_path / "fsdp"), plain, plain_opt)
     for name, p in fsdp.module.named_parameters():
         assert torch.equal(p.full_tensor(), dict(plain_module.named_parameters())[name]), name
+    if swiglu:
+        fc1 = fsdp.sharded_state_dict()["decoder.layers.0.mlp.linear_fc1.weight"]
+        assert len(fc1) == (2 if ps.dp_rank == 1 else 1)
     resumed = _train(plain, ps, ps.mp_group, range(1, 3), plain_opt)
     assert_close(resumed, _train(fsdp, ps, dist.group.WORLD, range(1, 3), fsdp_opt), rtol=1e-5, atol=1e-6)
     # And back: the plain run's checkpoint into a fresh FSDP2 chunk.
     _save(str(tmp_path / "plain"), plain, plain_opt)
-    back = TorchFullyShardedDataParallel(_model(ps).config, FSDP, _model(ps, swiglu), parallel_state=ps)
+    back = TorchFullyShardedDataParallel(
+        _model(ps).config, FSDP, _model(ps, swiglu, ffn=39), parallel_state=ps
+    )
     back_opt = _optimizer(back, ps, dist.group.WORLD)
     _load(str(tmp_path / "plain"), back, back_opt)
     assert_close(

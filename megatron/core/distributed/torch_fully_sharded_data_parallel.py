@@ -42,8 +42,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from megatron.core.config_utils import ConfigError
+from megatron.core.dist_checkpointing.flat_ranges import flat_range_blocks
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.distributed.meta_init import param_attrs, restore_param_attrs_
 from megatron.core.parallel_state import ParallelState, get_parallel_state
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -61,11 +63,6 @@ def compute_dtype(config: Any) -> torch.dtype | None:
     if getattr(config, "fp16", False):
         return torch.float16
     return None
-
-
-def _param_attrs(module: nn.Module) -> dict[str, dict[str, Any]]:
-    """Each parameter's Python attributes (tensor-parallel metadata), by name."""
-    return {name: dict(vars(p)) for name, p in module.named_parameters()}
 
 
 class TorchFullyShardedDataParallel(nn.Module):
@@ -108,23 +105,24 @@ class TorchFullyShardedDataParallel(nn.Module):
             )
         self.dp_group = group
         self.dp_size = dist.get_world_size(group)
-        attrs = _param_attrs(module)
+        attrs = param_attrs(module)  # fully_shard's DTensor parameters do not carry them
         tied = self._tied_name(module)
         if compute_dtype(config) is not None:
             module.float()  # sharded params are the optimizer's fp32 main params
         self.module = module
         self._shard(module, tuple(sub_modules_to_wrap or (TransformerLayer,)))
+        restore_param_attrs_(module, attrs)
         if init_shards is not None:
             init_shards(module)
+            restore_param_attrs_(module, attrs)
         self._views: dict[str, nn.Parameter] = {}
         self._dtensors: dict[str, DTensor] = {}
         with torch.no_grad():
             for name, p in module.named_parameters():
                 assert isinstance(p, DTensor), f"fully_shard left {name} unsharded"
                 view = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
-                for target in (p, view):
-                    for key, value in attrs.get(name, {}).items():
-                        setattr(target, key, value)
+                for key, value in attrs.get(name, {}).items():
+                    setattr(view, key, value)
                 self._views[name] = view
                 self._dtensors[name] = p
         self._tied = (self._views[tied],) if tied is not None else ()
@@ -284,53 +282,3 @@ def _stand_in(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
         if key != "main_grad":
             setattr(meta, key, value)
     return meta
-
-
-def flat_range_blocks(
-    st: ShardedTensor, data: torch.Tensor, start: int, stop: int, *, replica_id: Any = None
-) -> list[ShardedTensor]:
-    """Elements [start, stop) of ``st``'s local tensor (row-major) as rectangular blocks; data views
-    into the 1-D ``data`` (length stop - start)."""
-    shape = tuple(st.local_shape)
-    rid = st.replica_id if replica_id is None else replica_id
-    out: list[ShardedTensor] = []
-
-    def emit(offset: tuple[int, ...], block: tuple[int, ...], flat_start: int) -> None:
-        n = 1
-        for d in block:
-            n *= d
-        glob = tuple(g + o for g, o in zip(st.global_offset, offset))
-        piece = data[flat_start - start : flat_start - start + n].view(block)
-        out.append(ShardedTensor(st.key, piece, tuple(st.global_shape), glob, replica_id=rid))
-
-    def split(dims: tuple[int, ...], prefix: tuple[int, ...], lo: int, hi: int, base: int) -> None:
-        # [lo, hi) relative to the sub-tensor at ``prefix`` of shape ``dims`` starting at flat ``base``
-        if lo >= hi:
-            return
-        inner = 1
-        for d in dims[1:]:
-            inner *= d
-        if not dims[1:] or (lo % inner == 0 and hi % inner == 0):
-            rest = (0,) * (len(dims) - 1)
-            emit(
-                prefix + (lo // inner,) + rest,
-                (1,) * len(prefix) + ((hi - lo) // inner, *dims[1:]),
-                base + lo,
-            )
-            return
-        first_full = -(-lo // inner)
-        last_full = hi // inner
-        if first_full > last_full:  # inside one row
-            row = lo // inner
-            split(dims[1:], prefix + (row,), lo - row * inner, hi - row * inner, base + row * inner)
-            return
-        if lo < first_full * inner:
-            row = first_full - 1
-            split(dims[1:], prefix + (row,), lo - row * inner, inner, base + row * inner)
-        if first_full < last_full:
-            split(dims, prefix, first_full * inner, last_full * inner, base)
-        if last_full * inner < hi:
-            split(dims[1:], prefix + (last_full,), 0, hi - last_full * inner, base + last_full * inner)
-
-    split(shape, (), start, stop, 0)
-    return out
