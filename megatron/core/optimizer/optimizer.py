@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.dist_checkpointing import CheckpointError
-from megatron.core.optimizer import sharded_state
+from megatron.core.optimizer import cpu_offload, sharded_state
 from megatron.core.optimizer.clip_grads import (
     count_zeros,
     grad_norm_sq,
@@ -44,9 +44,12 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 _KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def make_inner_optimizer(config: OptimizerConfig, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """torch AdamW (fused on CUDA, foreach elsewhere) or SGD with momentum over ``groups``."""
-    params = [p for g in groups for p in g["params"]]
+def make_inner_optimizer(
+    config: OptimizerConfig, groups: list[dict[str, Any]], host: frozenset[int] = frozenset()
+) -> torch.optim.Optimizer:
+    """torch AdamW (fused on CUDA, foreach elsewhere) or SGD with momentum over ``groups``; the
+    kernels follow the params other than ``host`` (ids of offloaded main params it never steps)."""
+    params = [p for g in groups for p in g["params"] if id(p) not in host]
     if not config.use_fused_adam:
         kernel: dict[str, bool] = {"foreach": False}
     elif all(p.is_cuda for p in params):
@@ -103,10 +106,17 @@ class MegatronOptimizer:
         self.model_params: list[torch.nn.Parameter] = []
         self.main_params: list[torch.Tensor] = []
         inner_groups = []
+        # CPU offload: these params' fp32 main copies live in host memory (.cpu_offload).
+        every = [p for group in param_groups for p in group["params"]]
+        fraction = config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0
+        to_host = {id(p) for p, h in zip(every, cpu_offload.select_offloaded(every, fraction)) if h}
         for group in param_groups:
             mains = []
             for p in group["params"]:
-                main = p if p.dtype == torch.float32 else p.detach().clone().float()
+                if id(p) in to_host:
+                    main = cpu_offload.host_main_param(p, config)
+                else:
+                    main = p if p.dtype == torch.float32 else p.detach().clone().float()
                 self.model_params.append(p)
                 self.main_params.append(main)
                 mains.append(main)
@@ -114,9 +124,14 @@ class MegatronOptimizer:
             inner["params"] = mains
             inner_groups.append(inner)
         self._counts_in_stats = [param_is_not_duplicate(p, tp_rank) for p in self.model_params]
-        self._copy_pairs = [(p, m) for p, m in zip(self.model_params, self.main_params) if p is not m]
-        self.device = self.main_params[0].device if self.main_params else torch.device("cpu")
-        self.optimizer = make_inner_optimizer(config, inner_groups)
+        offloaded = [(p, m) for p, m in zip(self.model_params, self.main_params) if id(p) in to_host]
+        self._copy_pairs = [
+            (p, m) for p, m in zip(self.model_params, self.main_params) if p is not m and id(p) not in to_host
+        ]
+        self.device = self.model_params[0].device if self.model_params else torch.device("cpu")
+        host = frozenset(id(m) for _, m in offloaded)
+        self.optimizer = make_inner_optimizer(config, inner_groups, host)
+        self._offload = cpu_offload.CpuOffload(config, self.optimizer, offloaded) if offloaded else None
         # AdamW with the multi-tensor/fused kernel choice runs our one-pass step (fused_adamw.py).
         self._one_pass_adamw = config.optimizer == "adam" and config.use_fused_adam
         self._model_of_main = {id(m): p for p, m in self._copy_pairs}
@@ -153,7 +168,8 @@ class MegatronOptimizer:
                 continue
             if g.dtype != main_p.dtype:
                 g = g.to(main_p.dtype)
-            main_p.grad = g
+            if self._offload is None or not self._offload.holds(main_p):
+                main_p.grad = g  # an offloaded (host) main's gradient reaches it in CpuOffload.step
             grads.append(g)
         return grads
 
@@ -205,6 +221,11 @@ class MegatronOptimizer:
         if math.isfinite(self.config.grad_norm_skip_threshold) and present:
             if math.sqrt(stats[1].item()) > self.config.grad_norm_skip_threshold:
                 return self._skipped(stats, sync)
+        if self._offload is not None:  # offloaded params: gradients to the host, stepped there below
+            on_host = [self._offload.holds(m) for m in self.main_params]
+            divisor = self._clip_divisor(grad_norm) if present else None
+            self._offload.start_grad_copies([g for g, h in zip(grads, on_host) if h], divisor)
+            grads = [None if h else g for g, h in zip(grads, on_host)]
         if self._one_pass_adamw:
             divisor = self._clip_divisor(grad_norm) if present else None
             adamw_step(
@@ -215,8 +236,10 @@ class MegatronOptimizer:
                 compile=self.config.compile_helpers,
             )
         else:
-            self._clipped_inner_step(present, grad_norm)
+            self._clipped_inner_step([g for g in grads if g is not None], grad_norm)
             self._copy_main_params_to_model_params()
+        if self._offload is not None:
+            self._offload.step()
         if self.param_sync is not None:
             self.param_sync()
         num_zeros = stats[2] if self.config.log_num_zeros_in_grad else None
@@ -277,6 +300,8 @@ class MegatronOptimizer:
         """Re-copy the model params into the fp32 main params (after loading model weights only)."""
         if self._copy_pairs:
             torch._foreach_copy_([m for _, m in self._copy_pairs], [p for p, _ in self._copy_pairs])
+        if self._offload is not None:
+            self._offload.reload_from_model()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop ``.grad`` of model and main params and zero the ``main_grad`` buffers in place."""
@@ -299,8 +324,12 @@ class MegatronOptimizer:
         return {
             "optimizer": self.optimizer.state_dict(),
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "fp32_from_fp16_params": [m for _, m in self._copy_pairs],
+            "fp32_from_fp16_params": [m for _, m in self._fp32_from_fp16_pairs()],
         }
+
+    def _fp32_from_fp16_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model param, fp32 main) of every bf16/fp16 param, on the device or offloaded."""
+        return [(p, m) for p, m in zip(self.model_params, self.main_params) if p.dtype != m.dtype]
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -317,15 +346,16 @@ class MegatronOptimizer:
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         saved = state_dict.get("fp32_from_fp16_params") or []
-        if not saved and self._copy_pairs:
-            self.reload_model_params()  # checkpoint from an fp32 run
+        pairs = self._fp32_from_fp16_pairs()
+        if not saved and (pairs or self._offload is not None):
+            self.reload_model_params()  # checkpoint from an fp32 run (or the model's own fp32 weights)
             return
-        if len(saved) != len(self._copy_pairs):
+        if len(saved) != len(pairs):
             raise CheckpointError(
-                f"checkpoint has {len(saved)} fp32 main params, this model has {len(self._copy_pairs)} "
+                f"checkpoint has {len(saved)} fp32 main params, this model has {len(pairs)} "
                 "bf16/fp16 params: was it saved with a different model or precision (bf16 / fp16)?"
             )
-        for (_, main), value in zip(self._copy_pairs, saved):
+        for (_, main), value in zip(pairs, saved):
             if main.shape != value.shape:
                 raise CheckpointError(
                     f"fp32 main param shape {tuple(value.shape)} != model's {tuple(main.shape)}"

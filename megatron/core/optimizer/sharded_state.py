@@ -209,7 +209,7 @@ def build(opt: MegatronOptimizer, model_sd: dict, common_replica_id: int = 0) ->
         opt.model_params, opt.main_params, matches, plan.blocks
     ):
         kinds: dict[str, torch.Tensor] = {}
-        if main_p is not model_p:
+        if main_p.dtype != model_p.dtype:  # an fp32 param offloaded to the host has no fp32 copy
             kinds["fp32_param"] = main_p
         for kind, value in opt.optimizer.state[main_p].items():
             if kind != "step" and torch.is_tensor(value) and value.shape == main_p.shape:
