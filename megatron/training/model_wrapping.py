@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
+from megatron.core.distributed.meta_init import materialize_fsdp_shards_
 
 
 def uses_fsdp(cfg: Any) -> bool:
@@ -17,11 +19,33 @@ def uses_fsdp(cfg: Any) -> bool:
     return cfg.ddp.fsdp_sharding() is not None
 
 
-def wrap_model_chunks(cfg: Any, chunks: list[nn.Module], pg: Any) -> list[nn.Module]:
-    """One data-parallel wrapper per model chunk (virtual pipeline stage), as Megatron-Core makes them."""
+def model_build_device(cfg: Any, device: torch.device) -> torch.device:
+    """Where the model provider builds the chunks: the meta device with FSDP2 and
+    --init-model-with-meta-device (each rank then materialises only its shards), else ``device``."""
+    if uses_fsdp(cfg) and cfg.model.init_model_with_meta_device:
+        return torch.device("meta")
+    return device
+
+
+def wrap_model_chunks(cfg: Any, chunks: list[nn.Module], pg: Any, device: torch.device) -> list[nn.Module]:
+    """One data-parallel wrapper per model chunk (virtual pipeline stage), as Megatron-Core makes them.
+    Chunks built on the meta device (``model_build_device``) get their local shards on ``device``."""
     if not uses_fsdp(cfg):
         return [DistributedDataParallel(cfg.model, cfg.ddp, c, pg) for c in chunks]
-    return [TorchFullyShardedDataParallel(cfg.model, cfg.ddp, c, parallel_state=pg) for c in chunks]
+    seed = cfg.training.seed
+
+    def materialize(chunk: nn.Module) -> None:
+        materialize_fsdp_shards_(chunk, device, seed, pg.tp_rank, chunk.global_param_name)  # type: ignore[arg-type]
+
+    wrapped: list[nn.Module] = []
+    for chunk in chunks:
+        on_meta = any(p.is_meta for p in chunk.parameters())
+        wrapped.append(
+            TorchFullyShardedDataParallel(
+                cfg.model, cfg.ddp, chunk, parallel_state=pg, init_shards=materialize if on_meta else None
+            )
+        )
+    return wrapped
 
 
 def grad_stats_group(cfg: Any, pg: Any) -> dist.ProcessGroup | None:

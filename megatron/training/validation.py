@@ -282,6 +282,30 @@ def check_fp8(cfg) -> None:
         )
 
 
+def check_fsdp(cfg) -> None:
+    """What FSDP2 (--use-torch-fsdp2, or --use-megatron-fsdp with a strategy sharding gradients)
+    cannot compose with yet: one line naming both flags and what to use instead."""
+    d = cfg.ddp
+    if d.fsdp_sharding() is None:
+        return
+    flag = "--use-torch-fsdp2" if d.use_torch_fsdp2 else "--use-megatron-fsdp"
+    if d.use_torch_fsdp2 and d.use_distributed_optimizer:
+        raise ConfigError(
+            "--use-distributed-optimizer with --use-torch-fsdp2: FSDP2 already shards the optimizer "
+            "state over the data-parallel ranks; drop --use-distributed-optimizer"
+        )
+    if cfg.model.fp8_format is not None and cfg.model.fp8_recipe == "delayed":
+        raise ConfigError(
+            f"--fp8-recipe delayed (the default with --fp8-format) with {flag} is not built (delayed "
+            "scaling's amax history of dp-sharded weights); use --fp8-recipe tensorwise"
+        )
+    if cfg.logger.log_params_norm:
+        raise ConfigError(
+            f"--log-params-norm with {flag} is not built (the norm of dp-sharded parameters); "
+            "drop --log-params-norm"
+        )
+
+
 def check_logging(cfg) -> None:
     if cfg.logger.wandb_project:
         try:
@@ -309,6 +333,7 @@ CHECKS = (
     check_checkpointing,
     check_implementation,
     check_fp8,
+    check_fsdp,
     check_logging,
 )
 # Last: the schedule is built from values the checks above vouch for (--lr given, units consistent).

@@ -221,6 +221,11 @@ class TorchFullyShardedDataParallel(nn.Module):
                 p.main_grad = local  # type: ignore[attr-defined]
                 view.main_grad = local  # type: ignore[attr-defined]
 
+    def owned_main_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """``param.main_grad`` after ``finish_grad_sync``: its local shard, all of which this rank owns."""
+        grad: torch.Tensor = param.main_grad  # type: ignore[attr-defined]
+        return grad
+
     def scale_gradients(self, factor: float | torch.Tensor) -> None:
         for view in self._views.values():
             grad = getattr(view, "main_grad", None)
