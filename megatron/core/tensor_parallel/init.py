@@ -46,13 +46,16 @@ def _fill_rows_(
     """``dest`` <- rows [r0, r1) of the logical tensor of ``full_shape``, narrowed along ``dim`` >= 1 to
     ``dest.shape[dim]`` elements from ``start`` (``dim`` 0: whole rows). One row block is generated at a
     time, in float32 on the CPU, then copied (rounded to ``dest``'s dtype, moved to its device)."""
+    if r1 <= r0:
+        return
     cols = full_shape[1:]
     gen = torch.Generator()
-    for block in range(r0 // ROWS_PER_BLOCK, (r1 - 1) // ROWS_PER_BLOCK + 1 if r1 > r0 else 0):
+    buffer = torch.empty((min(ROWS_PER_BLOCK, full_shape[0]), *cols))  # one block, reused
+    for block in range(r0 // ROWS_PER_BLOCK, (r1 - 1) // ROWS_PER_BLOCK + 1):
         b0 = block * ROWS_PER_BLOCK
         b1 = min(b0 + ROWS_PER_BLOCK, full_shape[0])
         gen.manual_seed(stable_seed(seed, name, block))
-        values = torch.randn((b1 - b0, *cols), generator=gen) * std
+        values = torch.randn((b1 - b0, *cols), generator=gen, out=buffer[: b1 - b0]).mul_(std)
         lo, hi = max(b0, r0), min(b1, r1)
         piece = values[lo - b0 : hi - b0]
         if dim > 0:
