@@ -14,7 +14,8 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.fusions.fp8 import Fp8Gemm
 from megatron.core.num_microbatches_calculator import set_num_microbatches_calculator
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import DistributedOptimizer, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import memory_report
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_seed
 from megatron.training import checkpointing
@@ -94,14 +95,8 @@ class Trainer(TrainerCheckpointing):
         self.optimizer = get_megatron_optimizer(
             cfg.optimizer, list(self.model), grad_stats_group=self.pg.mp_group, tp_rank=self.pg.tp_rank
         )
-        if self.optimizer.param_sync is not None:
-            every = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
-            mine = sum(p.numel() for p in self.optimizer.model_params)
-            print_rank_0(
-                f" > distributed optimizer: data-parallel rank 0 of {self.pg.dp_size} holds the optimizer "
-                f"state of {len(self.optimizer.model_params)} params, {100 * mine / every:.1f}% of the "
-                f"elements (even share {100 / self.pg.dp_size:.1f}%)"
-            )
+        if isinstance(self.optimizer, DistributedOptimizer):
+            print_rank_0(memory_report(self.optimizer, self.model))
         if cfg.model.fp16:
             cfg.model.grad_scale_func = self.optimizer.scale_loss
         # The final global batch size; evaluation always runs it. Training steps follow the schedule.

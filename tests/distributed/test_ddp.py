@@ -140,32 +140,56 @@ def test_param_without_gradient_reads_zero_in_uninitialised_bucket(monkeypatch) 
 
 
 @distributed_test(world_size=2)
-def test_distributed_optimizer_keeps_state_only_for_owned_params(ps: ParallelState) -> None:
-    """Each rank holds fp32 main params and Adam moments for its own params only; together the two
-    ranks cover every param exactly once, and after a step the replicas hold identical weights."""
+def test_distributed_optimizer_keeps_state_only_for_owned_bucket_slices(ps: ParallelState) -> None:
+    """Megatron's layout: every bucket is padded to a multiple of lcm(dp, 128) with params starting at
+    multiples of 64 elements, and each rank's optimizer holds fp32 state only for the param elements
+    of its contiguous half of every bucket; together the ranks cover every element exactly once, the
+    params are views into the parameter buffers, and after a step the replicas hold identical weights."""
     import torch.distributed as dist
 
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model = DistributedDataParallel(
-        _model(ps).config, DistributedDataParallelConfig(use_distributed_optimizer=True), _model(ps), ps
-    )
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=3000)
+    model = DistributedDataParallel(_model(ps).config, ddp_config, _model(ps), ps)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2), [model])
-    every = list(model.module.parameters())
-    mine = opt.model_params
-    assert 0 < len(mine) < len(every)
-    counts = torch.zeros(len(every), device=device())
-    for i, p in enumerate(every):
-        counts[i] = float(any(p is q for q in mine))
-    dist.all_reduce(counts)
-    assert torch.equal(counts, torch.ones_like(counts))
+    assert len(model.buckets) > 2 and len(model.param_buffers) == len(model.buckets)
+    counts = []
+    for bucket, buffer in zip(model.buckets, model.param_buffers):
+        assert bucket.numel % 128 == 0 and buffer.data.numel() == bucket.numel
+        assert all(bucket.offsets[id(p)] % 64 == 0 for p in bucket.params)
+        assert all(p.data_ptr() == buffer.data[bucket.offsets[id(p)] :].data_ptr() for p in bucket.params)
+        lo, hi = buffer.shard
+        assert (lo, hi) == (ps.dp_rank * bucket.numel // 2, (ps.dp_rank + 1) * bucket.numel // 2)
+        owned = torch.zeros(bucket.numel, device=device())
+        for piece in buffer.pieces:
+            start = bucket.offsets[id(piece.param)]
+            assert lo <= start + piece.start < start + piece.stop <= hi
+            owned[start + piece.start : start + piece.stop] += 1
+        counts.append(owned)
+    flat_counts = torch.cat(counts)
+    dist.all_reduce(flat_counts)
+    in_params = torch.cat(
+        [
+            torch.zeros(b.numel, device=device()).index_fill_(
+                0,
+                torch.cat(
+                    [torch.arange(b.offsets[id(p)], b.offsets[id(p)] + p.numel()) for p in b.params]
+                ).to(device()),
+                1.0,
+            )
+            for b in model.buckets
+        ]
+    )
+    assert torch.equal(flat_counts, in_params)  # every param element once, no padding element
+    assert all(t.dim() == 1 for t in opt.model_params)
+    assert sum(t.numel() for t in opt.model_params) == sum(int(c.sum()) for c in counts)
     ids = _batches(ps.dp_rank, ps.dp_size)[0]
     model.zero_grad_buffer()
     model(ids, None, None, labels=ids).mean().backward()
     finalize_model_grads([model])
     ok, _, _ = opt.step()
-    assert ok and len(opt.optimizer.state) == len(mine)
-    flat = torch.cat([p.detach().reshape(-1) for p in every])
+    assert ok and len(opt.optimizer.state) == len(opt.model_params)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(2)]
     dist.all_gather(gathered, flat)
     assert torch.equal(gathered[0], gathered[1])
@@ -279,22 +303,30 @@ def test_gradients_reduced_where_autograd_left_them_match_the_bucket_copy(
             (b.view is not None, [getattr(p, "sequence_parallel", False) for p in b.params])
             for b in model.buckets
         ]
-        grads = {n: p.main_grad.clone() for n, p in module.named_parameters()}
+        grads = {n: model.owned_main_grad(p).clone() for n, p in module.named_parameters()}
         assert opt.step()[0]
         opt.finish_param_sync()
         return storage, grads, [p.detach().clone() for p in module.parameters()]
 
     storage, grads, weights = run(alias=True)
     # Without aliasing every bucket has storage; with it, only the sequence-parallel norm's own bucket.
-    assert [sp for held, sp in storage if held] == [[True]]
+    # The distributed optimizer reduce-scatters each bucket's storage: it never aliases.
+    if distopt:
+        assert all(held for held, _ in storage)
+    else:
+        assert [sp for held, sp in storage if held] == [[True]]
     assert sum(len(sp) for _, sp in storage) == len(grads) and len(storage) > 2
     ref_storage, ref_grads, ref_weights = run(alias=False)
     assert all(held for held, _ in ref_storage)
-    if not distopt:  # (with the distributed optimizer only each owner's sum is meaningful: the weights below)
-        for name, g in grads.items():
-            assert g.dtype == torch.bfloat16 and torch.equal(g, ref_grads[name]), name
+    for name, g in grads.items():  # (with the distributed optimizer: each rank's owned slice)
+        assert g.dtype == torch.bfloat16 and torch.equal(g, ref_grads[name]), name
     for w, r in zip(weights, ref_weights):
         assert torch.equal(w, r)
+
+
+_DISTOPT = DistributedDataParallelConfig(
+    use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=3000
+)
 
 
 def _distopt_run(
@@ -330,15 +362,15 @@ def _distopt_run(
 
 @distributed_test(world_size=2)
 def test_overlapped_param_broadcast_matches_waiting_at_the_step(ps: ParallelState) -> None:
-    """--overlap-param-gather: the step returns with the weight broadcasts in flight, the next forward
-    waits for each layer's own, and the run is bit-identical to waiting at the step."""
+    """--overlap-param-gather: the step returns with every bucket's all-gather in flight, the next
+    forward waits for each layer's own buckets, and the run is bit-identical to waiting at the step."""
     import torch.distributed as dist
 
     losses, weights, in_flight = _distopt_run(ps, overlap=False)
     o_losses, o_weights, o_in_flight = _distopt_run(ps, overlap=True)
     assert in_flight == [0, 0, 0]
-    n_params = len(list(_model(ps).parameters()))
-    assert o_in_flight == [n_params] * 3
+    n_buckets = len(DistributedDataParallel(_model(ps).config, _DISTOPT, _model(ps), ps).buckets)
+    assert n_buckets > 2 and o_in_flight == [n_buckets] * 3  # one all-gather per bucket
     assert o_losses == losses
     assert torch.equal(o_weights, weights)
     gathered = [torch.empty_like(o_weights) for _ in range(2)]

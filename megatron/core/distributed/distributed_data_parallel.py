@@ -34,6 +34,7 @@ Megatron-Core entry point). Nothing below the constructor reads the default.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.distributed.param_owners import assign_owners
+from megatron.core.distributed.param_and_grad_buffer import ParamBuffer, bucket_layout, shard_range
 from megatron.core.fusions.compile import maybe_compiled
 from megatron.core.parallel_state import ParallelState, get_parallel_state
 
@@ -81,17 +82,18 @@ class _Bucket:
         device: torch.device,
         aliasable: frozenset[int] = frozenset(),
         compile_helpers: bool = True,
+        layout: tuple[list[int], int] | None = None,
     ) -> None:
         self.params = params
-        self.numel = sum(p.numel() for p in params)
         self.dtype, self.device = dtype, device
         self.aliasable = aliasable
         self.compile_helpers = compile_helpers
-        self.offsets: dict[int, int] = {}
-        offset = 0
-        for p in params:
-            self.offsets[id(p)] = offset
-            offset += p.numel()
+        # (start of each param, length): packed, or the distributed optimizer's aligned, padded layout.
+        packed = list(itertools.accumulate((p.numel() for p in params), initial=0))
+        starts, self.numel = layout or (packed[:-1], packed[-1])
+        self.offsets = {id(p): start for p, start in zip(params, starts)}
+        ends = [start + p.numel() for p, start in zip(params, starts)]
+        self.gaps = [(a, b) for a, b in zip([0, *ends], [*starts, self.numel]) if a < b]  # padding
         self.view: torch.Tensor | None = None
         self.written: set[int] = set()  # params whose main_grad holds this step's gradient
         self.aliased: set[int] = set()  # ... as the gradient tensor itself (no storage)
@@ -107,6 +109,8 @@ class _Bucket:
         Params holding an aliased gradient keep it (``_to_storage`` moves it in)."""
         if self.view is None:
             self.view = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            for a, b in self.gaps:
+                self.view[a:b].zero_()
             for p in self.params:
                 if id(p) not in self.aliased:
                     p.main_grad = self._slice(p)  # type: ignore[attr-defined]
@@ -211,7 +215,10 @@ class DistributedDataParallel(nn.Module):
         # ("tied_weight"), renaming it for the optimizer's groups and checkpoints.
         self._tied: tuple[torch.Tensor, ...] = (tied_weight(),) if share and callable(tied_weight) else ()
         aliasable: frozenset[int] = frozenset()
-        if ddp_config.alias_single_gradients:
+        # --use-distributed-optimizer: Megatron's bucket-sharded layout (param_and_grad_buffer.py).
+        # Each bucket's gradients are reduce-scattered from its contiguous storage: none is aliased.
+        self.distributed_optimizer = ddp_config.use_distributed_optimizer and self.dp_size > 1
+        if ddp_config.alias_single_gradients and not self.distributed_optimizer:
             # Gradients summed across ranks after backward (finalize_model_grads) need the storage;
             # reduced over DP, a gradient must already be in the dtype it is reduced in.
             tied = self.tied_weight if self.pg.pp_size > 1 else None
@@ -224,14 +231,16 @@ class DistributedDataParallel(nn.Module):
             )
         self.buckets = self._make_buckets(list(reversed(params)), grad_dtype, device, aliasable)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        # --use-distributed-optimizer: each parameter's gradient is reduced to its owner only.
-        self.param_owner: dict[int, int] | None = None
-        if ddp_config.use_distributed_optimizer and self.dp_size > 1:
-            dp_group = self.dp_group
-            assert dp_group is not None, "a data-parallel size > 1 has a data-parallel group"
-            pinned = (self.tied_weight,) if self.tied_weight is not None else ()
-            self.param_owner = assign_owners(params, self.dp_size, pinned=pinned)
-            self._owner_global_rank = [dist.get_global_rank(dp_group, r) for r in range(self.dp_size)]
+        # The distributed optimizer's parameter buffers, one per bucket (model params become views
+        # into them); empty without it.
+        self.param_buffers: list[ParamBuffer] = []
+        if self.distributed_optimizer:
+            self.param_buffers = [
+                ParamBuffer(
+                    b.params, [b.offsets[id(p)] for p in b.params], b.numel, self.dp_size, self._dp_rank()
+                )
+                for b in self.buckets
+            ]
         # NCCL averages inside the collective (ncclAvg pre-multiplies each contribution by 1/DP): no
         # separate pass over the gradient buffer.
         self._avg_in_nccl = self.dp_size > 1 and dist.get_backend(self.dp_group) == "nccl"
@@ -260,7 +269,14 @@ class DistributedDataParallel(nn.Module):
                     current, size = [], 0
             return groups + [current] if current else groups
 
-        if self.dp_size > 1 and aliasable:
+        if self.distributed_optimizer:
+            # One param dtype per bucket (its parameter buffer), and a tied embedding alone, so that
+            # both pipeline stages holding it lay it out, and shard it, alike.
+            tied = self.tied_weight if self.pg.pp_size > 1 else None
+            groups = [[p] for p in params if p is tied]
+            for param_dtype in dict.fromkeys(p.dtype for p in params):
+                groups += cut([p for p in params if p.dtype == param_dtype and p is not tied])
+        elif self.dp_size > 1 and aliasable:
             # A bucket reduced in place needs every gradient aliased: keep the others (sequence-
             # parallel norms, a tied embedding) in buckets of their own.
             groups = cut([p for p in params if id(p) in aliasable]) + cut(
@@ -270,10 +286,19 @@ class DistributedDataParallel(nn.Module):
             groups = cut(params)
         return [
             _Bucket(
-                g, dtype, device, frozenset(id(p) for p in g) & aliasable, self.ddp_config.compile_helpers
+                g,
+                dtype,
+                device,
+                frozenset(id(p) for p in g) & aliasable,
+                self.ddp_config.compile_helpers,
+                bucket_layout([p.numel() for p in g], self.dp_size) if self.distributed_optimizer else None,
             )
             for g in groups
         ]
+
+    def _dp_rank(self) -> int:
+        """This rank's index in the data-parallel (x context-parallel) group."""
+        return dist.get_rank(self.dp_group) if self.dp_group is not None else 0
 
     @property
     def grad_buffer(self) -> torch.Tensor:
@@ -315,21 +340,18 @@ class DistributedDataParallel(nn.Module):
             if bucket.view is None
             else [bucket.materialize()]
         )
-        if self.param_owner is None and self.ddp_config.average_in_collective:
+        if self.ddp_config.average_in_collective:
             op = dist.ReduceOp.AVG
         else:
             op = [self._average_op(t) for t in tensors][0]  # one op for all (pre-scaled where needed)
-        if self.param_owner is not None:
-            # Distributed optimizer: only the owner needs the sum (a reduce moves half an all-reduce's data).
+        if self.distributed_optimizer:
+            # Only this rank's slice of the sum is needed: reduce-scattered into the bucket in place.
+            lo, hi = shard_range(bucket.numel, self.dp_size, self._dp_rank())
+            storage = tensors[0]
             bucket.handle = [
-                dist.reduce(
-                    p.main_grad,  # type: ignore[attr-defined]
-                    dst=self._owner_global_rank[self.param_owner[id(p)]],
-                    op=op,
-                    group=self.dp_group,
-                    async_op=True,
+                dist.reduce_scatter_tensor(
+                    storage[lo:hi], storage, op=op, group=self.dp_group, async_op=async_op
                 )
-                for p in bucket.params
             ]
             return
         bucket.handle = [dist.all_reduce(t, op=op, group=self.dp_group, async_op=async_op) for t in tensors]
@@ -367,6 +389,18 @@ class DistributedDataParallel(nn.Module):
                     handle.wait()
             bucket.handle = None
             bucket.ready.clear()
+
+    def owned_main_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """``param.main_grad`` after ``finish_grad_sync``, flat: the elements this rank owns under the
+        distributed optimizer (the only ones reduced), else all of it."""
+        grad: torch.Tensor = param.main_grad  # type: ignore[attr-defined]
+        if not self.distributed_optimizer:
+            return grad
+        bucket = self._bucket_of[id(param)]
+        start = bucket.offsets[id(param)]
+        lo, hi = shard_range(bucket.numel, self.dp_size, self._dp_rank())
+        first = min(max(lo - start, 0), param.numel())
+        return grad.view(-1)[first : max(first, min(hi - start, param.numel()))]
 
     def scale_gradients(self, factor: float | torch.Tensor) -> None:
         for bucket in self.buckets:

@@ -38,18 +38,18 @@ def _allreduce_embedding_grads(model_chunks: list[DistributedDataParallel]) -> N
     if pg.pp_size == 1 or pg.embedding_group is None:
         return
     if pg.pp_rank == 0:
-        weight = model_chunks[0].tied_weight
+        chunk = model_chunks[0]
     elif pg.pp_rank == pg.pp_size - 1:
-        weight = model_chunks[-1].tied_weight
+        chunk = model_chunks[-1]
     else:
         return
+    weight = chunk.tied_weight
     if weight is None or not weight.requires_grad:
         return
-    grad = getattr(weight, "main_grad", None)
-    if grad is None:
-        grad = weight.grad
-    assert grad is not None, "finish_grad_sync gives every trainable parameter a main_grad"
-    dist.all_reduce(grad, group=pg.embedding_group)
+    assert getattr(weight, "main_grad", None) is not None, "finish_grad_sync gives every param a main_grad"
+    # Distributed optimizer: both stages own the same slice of the weight (its bucket of its own is
+    # laid out alike), the only part reduced over data-parallel ranks and read by the optimizer.
+    dist.all_reduce(chunk.owned_main_grad(weight), group=pg.embedding_group)
 
 
 def sync_shared_embedding(model_chunks: list[DistributedDataParallel]) -> None:

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.config_utils import ConfigError
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
-from megatron.core.distributed.param_owners import ParamBroadcast
-from megatron.core.optimizer.chained import ChainedOptimizer, DistributedOptimizer
+from megatron.core.optimizer.chained import ChainedOptimizer
 from megatron.core.optimizer.clip_grads import param_is_not_duplicate
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -205,31 +205,13 @@ def get_megatron_optimizer(
             "model_chunks have no trainable parameters (requires_grad=True) to optimize",
             params=("model_chunks",),
         )
-    owners: dict[int, int] = {}
-    for chunk in model_chunks:
-        owners.update(getattr(chunk, "param_owner", None) or {})
-    if not owners:
+    sharded = [c for c in model_chunks if isinstance(c, DistributedDataParallel) and c.distributed_optimizer]
+    if not sharded:
         return MegatronOptimizer(config, groups, _make_grad_scaler(config), grad_stats_group, tp_rank)
-    # Distributed optimizer: this rank optimizes the params it owns and broadcasts them afterwards.
-    # Every group is kept (maybe empty) so that all ranks describe the same groups in checkpoints;
-    # grad statistics then sum over every rank (each owned param counted once, on its owner).
-    ddp = model_chunks[0]
-    assert isinstance(ddp, DistributedDataParallel), "only DDP chunks have a param_owner"
-    dp_rank, dp_group = ddp.pg.dp_rank, ddp.dp_group
-    assert dp_group is not None, "a distributed optimizer spans a data-parallel group"
-    # Broadcast in the order the forward pass uses the params (registration order), so that with
-    # --overlap-param-gather the first layers' weights arrive first.
-    in_groups = {id(p) for g in groups for p in g["params"]}
-    every = [p for chunk in model_chunks for p in chunk.parameters() if id(p) in in_groups]
-    every = list({id(p): p for p in every}.values())  # a tied weight once
-    owned = [dict(g, params=[p for p in g["params"] if owners[id(p)] == dp_rank]) for g in groups]
-    overlap = bool(getattr(getattr(ddp, "ddp_config", None), "overlap_param_gather", False))
-    sync = ParamBroadcast(every, owners, dp_group, overlap=overlap)
-    if overlap:
-        sync.attach(model_chunks)
-    return DistributedOptimizer(
-        config, owned, _make_grad_scaler(config), dist.group.WORLD, tp_rank, param_sync=sync
-    )
+    # Distributed optimizer: this rank optimizes its slice of every gradient bucket and all-gathers
+    # the updated params afterwards; grad statistics sum over every rank (each element owned once).
+    assert len(sharded) == len(model_chunks), "every chunk of one model has the same DDP config"
+    return DistributedOptimizer(config, groups, _make_grad_scaler(config), sharded, tp_rank)
 
 
 def _stats_groups(

@@ -1,6 +1,6 @@
-"""Megatron-Core's other optimizer class names: ``DistributedOptimizer`` (what ``get_megatron_optimizer``
-returns for a model whose DDP wrapper shards the optimizer state) and ``ChainedOptimizer`` (several
-optimizers stepped as one)."""
+"""Megatron-Core's ``ChainedOptimizer`` (several optimizers stepped as one); ``DistributedOptimizer``
+(what ``get_megatron_optimizer`` returns for a model whose DDP wrapper shards the optimizer state)
+lives in :mod:`.distrib_optimizer` and is re-exported here, where it used to be defined."""
 
 from __future__ import annotations
 
@@ -11,14 +11,10 @@ import torch
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.dist_checkpointing import CheckpointError
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-
-class DistributedOptimizer(MegatronOptimizer):
-    """A MegatronOptimizer over the params this data-parallel rank owns, which broadcasts the updated
-    params from their owners after each step (``param_sync``). Built by ``get_megatron_optimizer``
-    when ``DistributedDataParallelConfig.use_distributed_optimizer`` is on; its constructor is
-    MegatronOptimizer's, not Megatron-Core's."""
+__all__ = ["ChainedOptimizer", "DistributedOptimizer"]
 
 
 class ChainedOptimizer:

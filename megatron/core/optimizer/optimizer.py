@@ -157,10 +157,7 @@ class MegatronOptimizer:
         (an alias); a bf16/fp16 one is widened into a fresh fp32 ``.grad``, unless ``keep_model_dtype``
         (the one-pass AdamW widens as it reads): then it is returned as is and ``.grad`` stays None."""
         grads: list[torch.Tensor | None] = []
-        for model_p, main_p in zip(self.model_params, self.main_params):
-            g = getattr(model_p, "main_grad", None)
-            if g is None:
-                g = model_p.grad
+        for model_p, main_p, g in zip(self.model_params, self.main_params, self._model_grads()):
             if g is None or (keep_model_dtype and g.dtype != main_p.dtype):
                 if main_p is not model_p:
                     main_p.grad = None
@@ -171,6 +168,14 @@ class MegatronOptimizer:
             if self._offload is None or not self._offload.holds(main_p):
                 main_p.grad = g  # an offloaded (host) main's gradient reaches it in CpuOffload.step
             grads.append(g)
+        return grads
+
+    def _model_grads(self) -> list[torch.Tensor | None]:
+        """Each model param's gradient: its ``main_grad`` (a DDP buffer) when set, else ``.grad``."""
+        grads = []
+        for p in self.model_params:
+            g = getattr(p, "main_grad", None)
+            grads.append(g if g is not None else p.grad)
         return grads
 
     def _reduce_stats(self, stats: torch.Tensor) -> None:
