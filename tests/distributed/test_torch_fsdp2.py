@@ -216,3 +216,48 @@ def test_fsdp2_checkpoint_resumes_under_plain_layout_and_back(
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+@distributed_test(world_size=2)
+def test_fsdp2_bf16_matches_plain_bf16_and_composes_with_optimizer_cpu_offload(ps: ParallelState) -> None:
+    """--bf16: sharded params stay fp32 (the main params), compute in bf16, gradients reduced in fp32;
+    the losses are the plain bf16 run's (fp32 main params and grads there too). And the optimizer's
+    CPU offload steps the local fp32 shards as it steps whole params: the same losses as without."""
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
+
+    def build() -> GPTModel:
+        return GPTModel(
+            cfg, get_gpt_layer_local_spec(), VOCAB, SEQ, parallel_state=ps, device=device(), seed=7
+        )
+
+    def bf16_optimizer(model: torch.nn.Module, group: Any, **offload: Any) -> Any:
+        config = OptimizerConfig(lr=1e-2, clip_grad=0.05, bf16=True, **offload)
+        return get_megatron_optimizer(config, [model], grad_stats_group=group, tp_rank=ps.tp_rank)
+
+    fsdp = TorchFullyShardedDataParallel(cfg, FSDP, build(), parallel_state=ps)
+    assert {p.dtype for p in fsdp.parameters()} == {torch.float32}
+    world = dist.group.WORLD
+    curve = _train(fsdp, ps, world, range(3), bf16_optimizer(fsdp, world))
+    plain = DistributedDataParallel(cfg, DistributedDataParallelConfig(), build(), ps)
+    assert_close(curve, _train(plain, ps, ps.mp_group, range(3), bf16_optimizer(plain, ps.mp_group)))
+    # fp32 params (CPU offload keeps a host copy of each offloaded local shard, steps it there and
+    # copies it back); the host step is torch's fused AdamW: rounding-level differences.
+    offload = OptimizerConfig(
+        lr=1e-2, clip_grad=0.05, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5
+    )
+    runs = []
+    for config in (offload, OptimizerConfig(lr=1e-2, clip_grad=0.05)):
+        model = TorchFullyShardedDataParallel(_model(ps).config, FSDP, _model(ps), parallel_state=ps)
+        opt = get_megatron_optimizer(config, [model], grad_stats_group=world, tp_rank=ps.tp_rank)
+        host = [m for p, m in zip(opt.model_params, opt.main_params) if m is not p]
+        assert bool(host) == config.optimizer_cpu_offload  # offloaded shards: a host copy of their own
+        runs.append(_train(model, ps, world, range(3), opt))
+    assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-6)
