@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.fusions.fp8 import Fp8Gemm
 from megatron.core.num_microbatches_calculator import set_num_microbatches_calculator
 from megatron.core.optimizer import DistributedOptimizer, get_megatron_optimizer
@@ -36,6 +36,7 @@ from megatron.training.loop_utils import (
     train_iters_of,
 )
 from megatron.training.metrics import MetricsWriter, format_validation
+from megatron.training.model_wrapping import grad_stats_group, model_build_device, wrap_model_chunks
 from megatron.training.profiling import OPTIMIZER_RANGE, StepProfiler
 from megatron.training.trainer_checkpointing import TrainerCheckpointing
 from megatron.training.trainer_checkpointing import TrainingDiverged as TrainingDiverged
@@ -73,7 +74,12 @@ class Trainer(TrainerCheckpointing):
         self.amax_reducer = amax_reducer(self.plan, self.pg, cfg.model.tp_only_amax_red)
         apply_compile_choice(cfg, self.plan)
         chunks = providers.model(
-            cfg, self.padded_vocab_size, self.pg, self.device, plan=self.plan, amax_reducer=self.amax_reducer
+            cfg,
+            self.padded_vocab_size,
+            self.pg,
+            model_build_device(cfg, self.device),
+            plan=self.plan,
+            amax_reducer=self.amax_reducer,
         )
         chunks = chunks if isinstance(chunks, list) else [chunks]
         num_params = sum(p.numel() for c in chunks for p in c.parameters())
@@ -86,14 +92,17 @@ class Trainer(TrainerCheckpointing):
         compile_model(self.plan, chunks)
         fp8_linears = sum(isinstance(m, Fp8Gemm) for c in chunks for m in c.modules())
         print_rank_0("\n".join(self.plan.report_lines(cfg.optimizer, fp8_linears)))
-        # One DDP wrapper (gradient buffer) per model chunk, as Megatron-Core does for virtual stages.
-        self.model = [DistributedDataParallel(cfg.model, cfg.ddp, c, self.pg) for c in chunks]
+        # One DDP (or FSDP2) wrapper per model chunk, as Megatron-Core does for virtual stages.
+        self.model = wrap_model_chunks(cfg, chunks, self.pg, self.device)
         cfg.model.finalize_model_grads_func = finalize_model_grads
         cfg.model.no_sync_func = (
             [c.no_sync for c in self.model] if len(self.model) > 1 else self.model[0].no_sync
         )
         self.optimizer = get_megatron_optimizer(
-            cfg.optimizer, list(self.model), grad_stats_group=self.pg.mp_group, tp_rank=self.pg.tp_rank
+            cfg.optimizer,
+            list(self.model),
+            grad_stats_group=grad_stats_group(cfg, self.pg),
+            tp_rank=self.pg.tp_rank,
         )
         if isinstance(self.optimizer, DistributedOptimizer):
             print_rank_0(memory_report(self.optimizer, self.model))
