@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
 from megatron.core.logging_utils import log_single_rank
 from megatron.core.runtime import GlobalMemoryBuffer, get_runtime
 from megatron.core.transformer.module import Float16Module
@@ -169,8 +169,9 @@ def get_model_config(model: Any) -> Any:
 
 
 def unwrap_model(model: Any, module_instances: Any = None) -> Any:
-    """The model inside DDP / Float16Module wrappers (or ``module_instances``); a list maps to a list."""
-    wrappers: Any = (DistributedDataParallel, Float16Module) if module_instances is None else module_instances
+    """The model inside DDP / FSDP2 / Float16Module wrappers (or ``module_instances``); a list maps to a list."""
+    default = (DistributedDataParallel, TorchFullyShardedDataParallel, Float16Module)
+    wrappers: Any = default if module_instances is None else module_instances
     models: list[Any] = model if isinstance(model, list) else [model]
     out = []
     for m in models:

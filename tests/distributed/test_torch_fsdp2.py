@@ -26,6 +26,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import ParallelState, RankGrid
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import unwrap_model
 
 VOCAB, SEQ, MBS, MICRO, STEPS = 64, 16, 2, 2, 3
 FSDP = DistributedDataParallelConfig(use_torch_fsdp2=True)
@@ -121,6 +122,7 @@ def _check_against_solo(ps: ParallelState, swiglu: bool = False, recompute: str 
     )
     assert all(isinstance(p, DTensor) for p in model.module.parameters())
     assert all(not isinstance(p, DTensor) for p in model.parameters())
+    assert unwrap_model(model) is model.module
     curve = _train(model, ps, dist.group.WORLD)
     reference, solo_model = _solo(swiglu, recompute)
     for (loss, norm), (ref_loss, ref_norm) in zip(curve, reference):
