@@ -27,9 +27,11 @@ def model_build_device(cfg: Any, device: torch.device) -> torch.device:
     return device
 
 
-def wrap_model_chunks(cfg: Any, chunks: list[nn.Module], pg: Any, device: torch.device) -> list[nn.Module]:
-    """One data-parallel wrapper per model chunk (virtual pipeline stage), as Megatron-Core makes them.
-    Chunks built on the meta device (``model_build_device``) get their local shards on ``device``."""
+def wrap_model_chunks(cfg: Any, chunks: list[nn.Module], pg: Any, device: torch.device) -> list[Any]:
+    """One data-parallel wrapper per model chunk (virtual pipeline stage), as Megatron-Core makes them:
+    DistributedDataParallel or TorchFullyShardedDataParallel, which offer the schedules,
+    finalize_model_grads and the checkpoint code the same methods. Chunks built on the meta device
+    (``model_build_device``) get their local shards on ``device``."""
     if not uses_fsdp(cfg):
         return [DistributedDataParallel(cfg.model, cfg.ddp, c, pg) for c in chunks]
     seed = cfg.training.seed
@@ -37,7 +39,7 @@ def wrap_model_chunks(cfg: Any, chunks: list[nn.Module], pg: Any, device: torch.
     def materialize(chunk: nn.Module) -> None:
         materialize_fsdp_shards_(chunk, device, seed, pg.tp_rank, chunk.global_param_name)  # type: ignore[arg-type]
 
-    wrapped: list[nn.Module] = []
+    wrapped: list[Any] = []
     for chunk in chunks:
         on_meta = any(p.is_meta for p in chunk.parameters())
         wrapped.append(
