@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness import device, distributed_test
+from harness import device, distributed_test, run_distributed
 from torch.testing import assert_close
 
 from megatron.core import dist_checkpointing
@@ -19,6 +19,7 @@ from megatron.core.distributed import (
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import memory_report
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.parallel_state import ParallelState
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -153,7 +154,7 @@ def _build(ps: ParallelState, distopt: bool, overlap: bool = False, bf16: bool =
 
 
 def _train(model, opt, ps: ParallelState, steps: range) -> list[tuple[float, float]]:
-    """(loss on the last stage else 0, grad norm) of each step."""
+    """(loss of the global batch on the last stage, else 0; grad norm) of each step."""
     schedule = get_forward_backward_func(ps.pp_size, 1)
     out = []
     for step in steps:
@@ -170,8 +171,9 @@ def _train(model, opt, ps: ParallelState, steps: range) -> list[tuple[float, flo
         finalize_model_grads([model])
         ok, grad_norm, _ = opt.step()
         assert ok
-        loss = float(sum(m["lm loss"] for m in metrics) / MICRO) if metrics else 0.0
-        out.append((loss, grad_norm))
+        loss = sum(m["lm loss"] for m in metrics) / MICRO if metrics else torch.zeros((), device=device())
+        dist.all_reduce(loss, group=ps.dp_group)  # the global batch's loss
+        out.append((float(loss) / ps.dp_size, grad_norm))
     opt.finish_param_sync()
     return out
 
@@ -180,42 +182,129 @@ def _weights(model) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
 
 
-def _matches_plain(ps: ParallelState, overlap: bool, bf16: bool) -> None:
-    curves, weights = {}, {}
-    for distopt in (False, True):
-        model, opt = _build(ps, distopt, overlap, bf16)
-        assert isinstance(opt, DistributedOptimizer) == distopt
-        curves[distopt] = _train(model, opt, ps, range(10))
-        weights[distopt] = _weights(model)
-    rtol = 2e-2 if bf16 else 1e-5
-    for (loss, norm), (ref_loss, ref_norm) in zip(curves[True], curves[False]):
-        assert loss == pytest.approx(ref_loss, rel=rtol, abs=1e-6)
-        assert norm == pytest.approx(ref_norm, rel=rtol)
-    # (the clipping factor differs in its last bits: the norm sums per piece, not per param)
-    assert_close(weights[True], weights[False], rtol=rtol, atol=1e-2 if bf16 else 1e-5)
-    # Every data-parallel replica holds the same weights.
-    gathered = [torch.empty_like(weights[True]) for _ in range(ps.dp_size)]
-    dist.all_gather(gathered, weights[True], group=ps.dp_group)
-    assert all(torch.equal(g, gathered[0]) for g in gathered)
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-@distributed_test(world_size=2)
-def test_matches_the_plain_optimizer_dp2(ps: ParallelState, overlap: bool) -> None:
-    _matches_plain(ps, overlap, bf16=False)
+def _matches_plain(ps: ParallelState, bf16: bool, overlaps: tuple[bool, ...] = (False, True)) -> None:
+    """10 steps of the plain optimizer, then of the distributed one (without and with overlapped
+    reduce-scatter and all-gather): the same losses, grad norms and weights, on every replica."""
+    model, opt = _build(ps, distopt=False, bf16=bf16)
+    ref_curve, ref_weights = _train(model, opt, ps, range(10)), _weights(model)
+    rtol = 1e-2 if bf16 else 1e-5
+    for overlap in overlaps:
+        model, opt = _build(ps, distopt=True, overlap=overlap, bf16=bf16)
+        assert isinstance(opt, DistributedOptimizer)
+        curve, weights = _train(model, opt, ps, range(10)), _weights(model)
+        for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve):
+            assert loss == pytest.approx(ref_loss, rel=rtol, abs=1e-6), overlap
+            assert norm == pytest.approx(ref_norm, rel=rtol), overlap
+        # (the clipping factor differs in its last bits: the norm sums per piece, not per param)
+        assert_close(weights, ref_weights, rtol=rtol, atol=1e-2 if bf16 else 1e-5)
+        gathered = [torch.empty_like(weights) for _ in range(ps.dp_size)]
+        dist.all_gather(gathered, weights, group=ps.dp_group)
+        assert all(torch.equal(g, gathered[0]) for g in gathered)  # every replica holds the same weights
 
 
 @distributed_test(world_size=2)
-def test_matches_the_plain_optimizer_dp2_bf16(ps: ParallelState) -> None:
-    _matches_plain(ps, overlap=True, bf16=True)
+def test_matches_the_plain_optimizer_dp2(ps: ParallelState) -> None:
+    _matches_plain(ps, bf16=False)
+
+
+@distributed_test(world_size=2)
+def test_matches_the_plain_bf16_optimizer_dp2(ps: ParallelState) -> None:
+    """bf16 params with fp32 main params and gradient reduction, against the plain bf16 path."""
+    _matches_plain(ps, bf16=True, overlaps=(True,))
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["dp4", "tp2xdp2-sp", "pp2xdp2"])
+@distributed_test(world_size=4, tp="tp", pp="pp")
+def test_matches_the_plain_optimizer_on_four_ranks(ps: ParallelState, tp: int, pp: int) -> None:
+    """dp4, tp2 x dp2 (sequence parallel) and pp2 x dp2 (the tied embedding across the stages)."""
+    _matches_plain(ps, bf16=False)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def _state_in_param_space(opt: MegatronOptimizer, model: DistributedDataParallel, ps: ParallelState) -> dict:
+    """``{(param name, kind): flat fp32 array}`` of the whole optimizer state, whichever layout holds it."""
+    if isinstance(opt, DistributedOptimizer):
+        where = {id(pc.param): [] for pc in opt.pieces}
+        for pc, main in zip(opt.pieces, opt.main_params):
+            where[id(pc.param)].append((pc.start, pc.stop, main))
+    else:
+        where = {id(p): [(0, p.numel(), m)] for p, m in zip(opt.model_params, opt.main_params)}
+    out = {}
+    for name, p in model.module.named_parameters():
+        for kind in ("fp32_param", "exp_avg", "exp_avg_sq"):
+            full = torch.zeros(p.numel(), device=device())
+            for start, stop, main in where.get(id(p), []):
+                value = main if kind == "fp32_param" else opt.optimizer.state[main][kind]
+                full[start:stop] = value.detach().reshape(-1)
+            if isinstance(opt, DistributedOptimizer):
+                dist.all_reduce(full, group=ps.dp_group)
+            out[name, kind] = full.cpu().numpy()  # (a tensor would cross to pytest as a shared-memory handle)
+    return out
+
+
+def _save_body(ps: ParallelState, ckpt: str, distopt: bool, bf16: bool) -> dict:
+    model, opt = _build(ps, distopt, overlap=True, bf16=bf16)
+    _train(model, opt, ps, range(3))
+    model_sd = model.sharded_state_dict()
+    dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, ckpt)
+    return _state_in_param_space(opt, model, ps)
+
+
+def _resume_body(ps: ParallelState, ckpt: str, distopt: bool, bf16: bool) -> tuple[dict, list]:
+    model, opt = _build(ps, distopt, overlap=True, bf16=bf16)
+    model_sd = model.sharded_state_dict()
+    request = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}
+    opt.load_sharded_state_dict(dist_checkpointing.load(request, ckpt)["optimizer"])
+    return _state_in_param_space(opt, model, ps), _train(model, opt, ps, range(3, 6))
+
+
+def _straight_body(ps: ParallelState, bf16: bool) -> list:
+    model, opt = _build(ps, distopt=False, bf16=bf16)
+    return _train(model, opt, ps, range(6))
 
 
 @pytest.mark.parametrize(
-    "tp, pp, overlap", [(1, 1, True), (2, 1, False), (2, 1, True), (1, 2, False), (1, 2, True)]
+    "save, load, bf16",
+    [
+        ((2, True), (1, False), True),
+        ((1, False), (2, True), True),
+        ((2, True), (4, True), False),
+        ((4, True), (2, True), False),
+    ],
+    ids=["distopt-dp2-to-plain-dp1", "plain-dp1-to-distopt-dp2", "dp2-to-dp4", "dp4-to-dp2"],
 )
-@distributed_test(world_size=4, tp="tp", pp="pp")
-def test_matches_the_plain_optimizer_on_four_ranks(
-    ps: ParallelState, tp: int, pp: int, overlap: bool
-) -> None:
-    """dp4, tp2 x dp2 (sequence parallel) and pp2 x dp2 (tied embedding across the stages)."""
-    _matches_plain(ps, overlap, bf16=False)
+def test_checkpoints_reshard_between_optimizers_and_data_parallel_sizes(tmp_path, save, load, bf16) -> None:
+    """Saved after 3 steps under one layout, loaded under another: every element of the fp32 main
+    params and Adam moments arrives where the saving layout held it (bitwise), and training continues
+    on the uninterrupted one-process curve."""
+    ckpt = str(tmp_path / "ck")
+    saved = run_distributed(_save_body, save[0], kwargs=dict(ckpt=ckpt, distopt=save[1], bf16=bf16))[0]
+    loaded, resumed = run_distributed(
+        _resume_body, load[0], kwargs=dict(ckpt=ckpt, distopt=load[1], bf16=bf16)
+    )[-1]
+    assert set(loaded) == set(saved)
+    for key, value in saved.items():
+        if key[1] != "fp32_param" or bf16:
+            assert (loaded[key] == value).all(), key
+    straight = run_distributed(_straight_body, 1, kwargs=dict(bf16=bf16))[0]
+    rtol = 1e-2 if bf16 else 1e-5
+    for (loss, norm), (ref_loss, ref_norm) in zip(resumed, straight[3:]):
+        assert loss == pytest.approx(ref_loss, rel=rtol) and norm == pytest.approx(ref_norm, rel=rtol)
+
+
+@distributed_test(world_size=4)
+def test_optimizer_state_per_rank_falls_by_the_data_parallel_size(ps: ParallelState) -> None:
+    """dp4, bf16 params: each rank holds 12 bytes (fp32 main param and two moments) per element of
+    its quarter of every bucket; the ranks' states add up to the plain optimizer's exactly, so each
+    differs from a quarter of it by at most the padding, and the start-up line says both figures."""
+    model, opt = _build(ps, distopt=True, bf16=True)
+    mine = sum(t.numel() for t in opt.model_params) * 12
+    plain = sum(p.numel() for p in model.module.parameters()) * 12
+    padding = sum(b.numel for b in model.buckets) * 12 - plain
+    total = torch.tensor([mine], dtype=torch.float64)
+    dist.all_reduce(total)
+    assert int(total) == plain and abs(mine - plain / 4) <= padding
+    assert padding < plain / 4  # the layout pads little: the drop is about 4-fold
+    line = memory_report(opt, [model])
+    assert f"holds {mine / 2**20:.2f} MiB" in line and f"would hold {plain / 2**20:.2f} MiB" in line
+    assert "owns 1/4 of every gradient bucket" in line
