@@ -5,7 +5,7 @@ and FSDP2 checkpoints resume under a non-FSDP layout and back."""
 from __future__ import annotations
 
 import pytest
-from launch import torchrun
+from launch import torchrun_many
 from test_layouts import MODEL, assert_curves_match, curves
 
 from megatron.training.cli import run
@@ -25,31 +25,31 @@ MEGATRON_FSDP = (
 
 @pytest.mark.slow
 def test_fsdp2_trains_the_one_process_model_and_resumes_across_layouts(tmp_path):
-    """8 steps of the one-process run, as three runs sharing one checkpoint directory:
-    1-3 tp2 x FSDP2 dp2 (sequence parallel, full recompute, meta-device init), saved at 3;
-    4-6 tp2 without FSDP from that checkpoint, saved at 6;
-    7-8 pp2 x dp2 under Megatron-FSDP's example flags (FSDP2 ZeRO-3) from the tp2 checkpoint.
-    Every step's loss and grad norm equal the uninterrupted one-process run's."""
+    """8 steps of the one-process run, as three runs of one 4-process launch sharing a checkpoint
+    directory: 1-3 tp2 x FSDP2 dp2 (sequence parallel, full recompute, meta-device init), saved at 3;
+    4-6 tp2 x dp2 without FSDP from that checkpoint, saved at 6; 7-8 pp2 x dp2 under Megatron-FSDP's
+    example flags (FSDP2 ZeRO-3) from the non-FSDP checkpoint. Every step's loss and grad norm equal
+    the uninterrupted one-process run's."""
     assert run(ARGS + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
     ref = curves(f"{tmp_path}/ref.jsonl")
     ck, out = f"{tmp_path}/ck", f"{tmp_path}/runs.jsonl"
-    torchrun(
+    fsdp2 = (
+        "--use-torch-fsdp2 --tensor-model-parallel-size 2 --sequence-parallel --init-model-with-meta-device "
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    )
+    runs = torchrun_many(
         4,
-        ARGS
-        + "--use-torch-fsdp2 --tensor-model-parallel-size 2 --sequence-parallel --init-model-with-meta-device "
-        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
-        + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {out}".split(),
+        [
+            ARGS + f"{fsdp2} --save {ck} --save-interval 3 --exit-interval 3 --metrics-file {out}".split(),
+            ARGS
+            + "--tensor-model-parallel-size 2".split()
+            + f"--load {ck} --save {ck} --save-interval 3 --exit-interval 6 --metrics-file {out}".split(),
+            ARGS
+            + MEGATRON_FSDP
+            + f"--pipeline-model-parallel-size 2 --load {ck} --metrics-file {out}".split(),
+        ],
     )
-    torchrun(
-        2,
-        ARGS
-        + "--tensor-model-parallel-size 2".split()
-        + f"--load {ck} --save {ck} --save-interval 3 --exit-interval 6 --metrics-file {out}".split(),
-    )
-    res = torchrun(
-        4, ARGS + MEGATRON_FSDP + f"--pipeline-model-parallel-size 2 --load {ck} --metrics-file {out}".split()
-    )
-    assert "runs on PyTorch FSDP2" in res.stdout
+    assert "runs on PyTorch FSDP2" in runs[2].stdout
     got = curves(out)
     assert sorted(got) == list(range(1, 9))
     assert_curves_match(got, ref, "fsdp2 / tp2 / pp2 x fsdp2")
