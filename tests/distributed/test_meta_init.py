@@ -109,7 +109,8 @@ def test_meta_fsdp_shards_equal_single_process_weights(
     labels = ids.roll(-1, 1)
     loss = model(ids.to(device()), None, None, labels=labels.to(device())).mean()
     loss.backward()
-    torch.testing.assert_close(loss.cpu(), reference(ids, None, None, labels=labels).mean().detach())
+    expected_loss = reference(ids, None, None, labels=labels).mean().detach()
+    torch.testing.assert_close(loss.detach().cpu(), expected_loss, rtol=1e-5, atol=1e-5)  # CPU or GPU kernels
 
 
 @distributed_test(world_size=4)
