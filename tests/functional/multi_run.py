@@ -6,8 +6,9 @@ Each run is ``megatron.training.cli.run(argv)``, as pretrain_gpt.py calls it, an
 separate launch would, so that a test pays for the interpreters' start-up once:
 
 - every run gets a store server of its own (hosted by rank 0, its port published through torchrun's
-  store; ``MASTER_PORT`` points at it for the run). A process group or error channel made again on
-  the store of an earlier run would meet that run's keys (gloo's rendezvous hangs on the third);
+  store; ``MASTER_PORT`` points at it for the run): a process group or error channel made again on
+  an earlier run's store would meet that run's keys (a default group's name repeats after it is
+  destroyed, and gloo's rendezvous can then hang);
 - ``cli.run`` ends each run with the library's teardown (``destroy_model_parallel``, the default
   process group destroyed), and the process's runtime state is replaced by a fresh one;
 - the ranks meet before each run, and rank 0 prints ``multi_run.py: run <k> of <n>`` on stdout and

@@ -15,10 +15,11 @@ BASE = (
     "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --mock-data --vocab-size 256 "
     "--num-workers 0 --log-interval 1 --eval-iters 1 --eval-interval 2 --train-iters 4"
 ).split()
-# tp2 + sequence parallel with dropout: the tensor-parallel RNG tracker's streams are in the losses
 FIRST = (
     BASE + "--num-layers 4 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1".split()
 )
+# tp2 + sequence parallel, dropout at its default 0.1: the tensor-parallel RNG tracker's streams are in
+# the losses
 SECOND = BASE + "--num-layers 2 --tensor-model-parallel-size 2 --sequence-parallel".split()
 TIMINGS = ("time", "iteration-time", "throughput", "tokens-per-sec-per-gpu")
 
