@@ -116,9 +116,14 @@ class _Solo:
         self.tp_rank, self.dp_rank, self.dp_size, self.dp_cp_group = 0, 0, 1, None
 
 
-def _check_against_solo(ps: ParallelState, swiglu: bool = False, recompute: str | None = None) -> None:
+def _check_against_solo(
+    ps: ParallelState,
+    swiglu: bool = False,
+    recompute: str | None = None,
+    ddp_config: DistributedDataParallelConfig = FSDP,
+) -> None:
     model = TorchFullyShardedDataParallel(
-        _model(ps).config, FSDP, _model(ps, swiglu, recompute), parallel_state=ps
+        _model(ps).config, ddp_config, _model(ps, swiglu, recompute), parallel_state=ps
     )
     assert all(isinstance(p, DTensor) for p in model.module.parameters())
     assert all(not isinstance(p, DTensor) for p in model.parameters())
@@ -164,6 +169,33 @@ def test_fsdp2_with_tp2_and_sequence_parallel_matches_one_process(ps: ParallelSt
 @distributed_test(world_size=2)
 def test_fsdp2_with_recompute_matches_one_process(ps: ParallelState, recompute: str) -> None:
     _check_against_solo(ps, recompute=recompute)
+
+
+@pytest.mark.parametrize(
+    "ddp_config,gathered_after_forward",
+    [
+        (FSDP, False),
+        (DistributedDataParallelConfig(use_torch_fsdp2=True, torch_fsdp2_reshard_after_forward=False), True),
+        (
+            DistributedDataParallelConfig(
+                use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads"
+            ),
+            True,
+        ),
+    ],
+)
+@distributed_test(world_size=2)
+def test_zero3_reshards_after_forward_and_zero2_keeps_layers_gathered_until_backward(
+    ps: ParallelState, ddp_config: DistributedDataParallelConfig, gathered_after_forward: bool
+) -> None:
+    model = TorchFullyShardedDataParallel(_model(ps).config, ddp_config, _model(ps), parallel_state=ps)
+    ids = _batch(0, 0, ps.dp_rank, ps.dp_size)
+    loss = model(ids, None, None, labels=ids).mean()
+    fc1 = model.module.decoder.layers[0].mlp.linear_fc1.weight  # what the layer holds between passes
+    assert isinstance(fc1, DTensor) != gathered_after_forward
+    loss.backward()
+    if gathered_after_forward:
+        _check_against_solo(ps, ddp_config=ddp_config)  # ZeRO-2 trains the same model
 
 
 def _save(path: str, model: torch.nn.Module, opt: Any) -> None:
