@@ -97,3 +97,33 @@ def test_only_the_overlapping_row_blocks_are_generated(monkeypatch: pytest.Monke
     init_param_rows_(torch.empty(10, 4), strided, "w", 1, 1, 0, 10)
     init_param_rows_(torch.empty(10, 4), strided, "w", 1, 1, 256, 266)
     assert blocks == [1, 3]
+
+
+def _logical(name: str, seed: int, shape: tuple[int, ...], std: float) -> torch.Tensor:
+    """The logical tensor as the module docstring defines it: row blocks of randn * std, each block
+    from a generator seeded by (seed, name, block)."""
+    blocks = []
+    for block, b0 in enumerate(range(0, shape[0], ROWS_PER_BLOCK)):
+        gen = torch.Generator().manual_seed(init_module.stable_seed(seed, name, block))
+        blocks.append(torch.randn((min(ROWS_PER_BLOCK, shape[0] - b0), *shape[1:]), generator=gen) * std)
+    return torch.cat(blocks)
+
+
+@pytest.mark.parametrize("kind", ["unsplit", "rows", "rows_strided", "columns"])
+def test_shards_are_slices_of_the_logical_tensor(kind: str) -> None:
+    shape, std, dim, parts, stride = RECIPES[kind]
+    full_shape = list(shape)
+    if dim >= 0:
+        full_shape[dim] *= parts
+    logical = _logical("w", 4, tuple(full_shape), std).to(torch.bfloat16)
+    for tp_rank in range(parts):
+        shard = _param(RECIPES[kind], torch.bfloat16)
+        init_param_(shard, "w", seed=4, tp_rank=tp_rank)
+        if dim < 0:
+            expected = logical
+        elif dim == 0:
+            sub = shape[0] // stride
+            expected = logical.view(stride, -1, *shape[1:]).narrow(1, tp_rank * sub, sub).reshape(shape)
+        else:
+            expected = logical.narrow(dim, tp_rank * shape[dim], shape[dim])
+        assert torch.equal(_bits(shard), _bits(expected)), (kind, tp_rank)
