@@ -13,9 +13,20 @@ import pytest
 import torch
 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-from megatron.core.optimizer import OptimizerConfig, cpu_offload, get_megatron_optimizer
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, cpu_offload, get_megatron_optimizer
 from megatron.core.optimizer import optimizer as optimizer_module
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.parallel_state import ParallelState
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.distributed.harness import run_distributed
 
 
 class TinyMLP(torch.nn.Module):
@@ -169,6 +180,7 @@ def test_offloaded_state_lives_in_host_tensors(dtype, monkeypatch):
         torch.testing.assert_close(model_p.detach().float(), main.to(dtype).float(), rtol=0, atol=0)
     numel = sum(m.numel() for _, m in offloaded)
     assert opt._offload.host_bytes() >= 12 * numel
+    assert f"({numel} elements)" in opt._offload.describe()
 
 
 def test_offload_fraction_zero_is_plain():
@@ -267,3 +279,85 @@ def test_reload_model_params_refreshes_host_mains():
     opt.reload_model_params()
     for p, m in zip(opt.model_params, opt.main_params):
         torch.testing.assert_close(m, p.detach(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- with the distributed optimizer
+VOCAB, SEQ, MICRO, GLOBAL = 64, 16, 2, 8  # GLOBAL samples per step over MICRO micro-batches
+
+
+def _forward_step(data_iterator, model):
+    ids = next(data_iterator)
+    out = model(ids, None, None, labels=ids)
+    return out, lambda y: (y.float().mean(), {"lm loss": y.detach().float().mean()})
+
+
+def _distopt_run(ps: ParallelState, bf16: bool, offload_kw: dict) -> tuple[list, torch.Tensor, dict]:
+    """4 steps of a 2-layer GPT under DDP with the bucket-sharded distributed optimizer (overlapped
+    reduce-scatter and all-gather): (losses and grad norms, weights, flat sharded optimizer state)."""
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=bf16,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+    module = GPTModel(
+        cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ, parallel_state=ps, seed=7
+    )
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=2000
+    )
+    model = DistributedDataParallel(module.config, ddp_config, module, ps)
+    module.config.no_sync_func = model.no_sync
+    module.config.finalize_model_grads_func = None
+    config = OptimizerConfig(
+        lr=3e-3, weight_decay=0.1, clip_grad=0.05, bf16=bf16, use_fused_adam=False, **offload_kw
+    )
+    opt = get_megatron_optimizer(config, [model], grad_stats_group=ps.mp_group, tp_rank=ps.tp_rank)
+    assert isinstance(opt, DistributedOptimizer)
+    assert (opt._offload is not None) == bool(offload_kw)
+    schedule = get_forward_backward_func(ps.pp_size, 1)
+    curve = []
+    for step in range(4):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(1000 + step)
+        full = torch.randint(0, VOCAB, (MICRO, GLOBAL // MICRO, SEQ), generator=g)
+        mbs = GLOBAL // MICRO // ps.dp_size
+        batches = [full[m, ps.dp_rank * mbs : (ps.dp_rank + 1) * mbs] for m in range(MICRO)]
+        metrics = schedule(
+            forward_step_func=_forward_step,
+            data_iterator=iter(batches),
+            model=[model],
+            num_microbatches=MICRO,
+            seq_length=SEQ,
+            micro_batch_size=mbs,
+        )
+        finalize_model_grads([model])
+        ok, grad_norm, _ = opt.step()
+        assert ok
+        curve.append((sum(float(m["lm loss"]) for m in metrics), grad_norm))
+    opt.finish_param_sync()
+    weights = torch.cat([p.detach().float().reshape(-1) for p in model.module.parameters()])
+    model_sd = model.sharded_state_dict()
+    state = {k: v.clone() for k, v in _flat(opt.sharded_state_dict(model_sd)).items() if torch.is_tensor(v)}
+    return curve, weights, state
+
+
+def _distopt_body(ps: ParallelState, bf16: bool) -> None:
+    ref_curve, ref_weights, ref_state = _distopt_run(ps, bf16, {})
+    curve, weights, state = _distopt_run(ps, bf16, offload(0.5))
+    assert curve == ref_curve
+    torch.testing.assert_close(weights, ref_weights, rtol=0, atol=0)
+    assert sorted(state) == sorted(ref_state)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_distributed_optimizer_pieces_offload(bf16):
+    """dp2 with the bucket-sharded distributed optimizer, half of each rank's pieces offloaded: the
+    losses, grad norms, weights and sharded optimizer state of the run without offload, bit for bit."""
+    run_distributed(_distopt_body, 2, kwargs=dict(bf16=bf16))

@@ -364,6 +364,16 @@ class CpuOffload:
             for e in chunk.entries:
                 e.main.copy_(e.model.detach())
 
+    def describe(self) -> str:
+        """One line for the start-up log: what is offloaded, how it is stepped and copied."""
+        kernel = host_kernel(self.config) or {"torch default": True}
+        copies = "overlapped on side streams" if self.overlap else "blocking"
+        return (
+            f"optimizer CPU offload: {sum(len(c.entries) for c in self.chunks)} tensors "
+            f"({self.numel} elements) with fp32 main params and state in host memory, stepped on the CPU "
+            f"in {len(self.chunks)} chunks by {type(self.inner).__name__}({', '.join(kernel)}); copies {copies}"
+        )
+
     def host_bytes(self) -> int:
         """Bytes of host memory held for the offloaded params: mains, optimizer state, slots."""
         total = sum(e.main.numel() * 4 for c in self.chunks for e in c.entries)
