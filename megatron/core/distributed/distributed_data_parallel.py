@@ -26,6 +26,13 @@ all-reduce starts as soon as its last gradient has been accumulated, overlapping
 with the rest of backward; ``finish_grad_sync`` waits for them (and reduces any bucket whose
 parameters got no gradient). Without overlap, everything is reduced in ``finish_grad_sync``.
 
+With ``use_distributed_optimizer`` (and more than one DP rank) the buckets take Megatron's layout
+(:mod:`.param_and_grad_buffer`): params aligned to 64 elements, each bucket padded to a multiple of
+lcm(DP, 128), one param dtype per bucket and a pipeline-tied embedding in a bucket of its own; each
+bucket is reduce-scattered (DP rank r keeps the slice [r*len/DP, (r+1)*len/DP) of the sum, the only
+part ``owned_main_grad`` and the optimizer read), no gradient is aliased, and the model params become
+views into ``param_buffers``, which the distributed optimizer all-gathers after its step.
+
 Process groups: the constructor takes a ``ParallelState`` (``parallel_state=``); only when none is
 given does it read the default one that ``initialize_model_parallel`` recorded (DDP is a
 Megatron-Core entry point). Nothing below the constructor reads the default.

@@ -63,6 +63,8 @@ class DistributedOptimizer(MegatronOptimizer):
         if overlap:
             sync.attach(list(model_chunks))
         super().__init__(config, groups, grad_scaler, dist.group.WORLD, tp_rank, param_sync=sync)
+        if buffers:  # (a rank may own padding only: its statistics still live on the model's device)
+            self.device = buffers[0].data.device
         by_data = {id(piece.data): piece for piece in piece_of.values()}
         self.pieces: list[Piece] = [by_data[id(t)] for t in self.model_params]
         self._counts_in_stats = [param_is_not_duplicate(pc.param, tp_rank) for pc in self.pieces]
