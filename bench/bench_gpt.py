@@ -139,7 +139,7 @@ def run_ours(
     name: str, iters: int, nproc: int, extra: str, workdir: str, tag: str = "", random_tokens: bool = False
 ) -> tuple[list[dict], dict]:
     """(the per-step metric records, GPU clock/power summary) of one pretrain_gpt.py run."""
-    metrics = os.path.join(workdir, f"{name}.jsonl")
+    metrics = os.path.join(workdir, f"{name}{tag}.jsonl")  # a file per run: runs of one config differ by tag
     common = COMMON.split()
     if random_tokens:
         prefix = random_token_data(name, iters * nproc, workdir)
