@@ -115,23 +115,31 @@ def test_meta_fsdp_shards_equal_single_process_weights(
 
 @distributed_test(world_size=4)
 def test_short_and_empty_shards(ps: ParallelState) -> None:
-    """A 3-row weight over dp 4: ranks 0-2 hold one row each, rank 3 none; a 9-row one: 3, 3, 3, 0."""
+    """A 3-row weight over dp 4: ranks 0-2 hold one row each, rank 3 none; a 9-row one: 3, 3, 3, 0. A
+    parameter outside every FSDP2 unit is materialised whole."""
     with torch.device("meta"):
-        module = torch.nn.Module()
-        module.a = torch.nn.Parameter(torch.empty(3, 5))
-        module.b = torch.nn.Parameter(torch.empty(9))
-    set_init_attrs(module.a, std=0.5, partition_dim=0, partition_size=1)
-    set_init_attrs(module.b, std=0.1)
-    _shard(module, DeviceMesh.from_group(ps.dp_group, device().type))
-    materialize_fsdp_shards_(module, device(), SEED, 0, lambda name: f"extra.{name}")
+        outer, inner = torch.nn.Module(), torch.nn.Module()
+        inner.a = torch.nn.Parameter(torch.empty(3, 5))
+        inner.b = torch.nn.Parameter(torch.empty(9))
+        outer.inner = inner
+        outer.c = torch.nn.Parameter(torch.empty(4, 3))
+    set_init_attrs(inner.a, std=0.5, partition_dim=0, partition_size=1)
+    set_init_attrs(inner.b, std=0.1)
+    set_init_attrs(outer.c, std=0.2)
+    _shard(inner, DeviceMesh.from_group(ps.dp_group, device().type))
+    materialize_fsdp_shards_(outer, device(), SEED, 0, lambda name: f"extra.{name}")
     for name, rows in (("a", 3), ("b", 9)):
-        param = getattr(module, name)
+        param = getattr(inner, name)
         local = param.to_local()
         chunk = -(-rows // 4)
         assert local.shape[0] == max(0, min(chunk, rows - ps.dp_rank * chunk)), name
         expected = set_init_attrs(torch.empty(param.shape), std=param.init_std)
-        init_param_(expected, f"extra.{name}", SEED)
+        init_param_(expected, f"extra.inner.{name}", SEED)
         assert torch.equal(param.full_tensor().cpu(), expected), name
+    assert not isinstance(outer.c, DTensor) and outer.c.device.type == device().type
+    expected = set_init_attrs(torch.empty(4, 3), std=0.2)
+    init_param_(expected, "extra.c", SEED)
+    assert torch.equal(outer.c.detach().cpu(), expected)
 
 
 @distributed_test(world_size=2)
