@@ -35,6 +35,7 @@ from megatron.training.loop_utils import (
     signal_name,
     train_iters_of,
 )
+from megatron.training.memory_estimate import report_memory
 from megatron.training.metrics import MetricsWriter, format_validation
 from megatron.training.model_wrapping import grad_stats_group, model_build_device, wrap_model_chunks
 from megatron.training.profiling import OPTIMIZER_RANGE, StepProfiler
@@ -92,6 +93,7 @@ class Trainer(TrainerCheckpointing):
         compile_model(self.plan, chunks)
         fp8_linears = sum(isinstance(m, Fp8Gemm) for c in chunks for m in c.modules())
         print_rank_0("\n".join(self.plan.report_lines(cfg.optimizer, fp8_linears)))
+        report_memory(cfg, self.padded_vocab_size, self.world_size, self.plan, self.device, dist.get_rank())
         # One DDP (or FSDP2) wrapper per model chunk, as Megatron-Core does for virtual stages.
         self.model = wrap_model_chunks(cfg, chunks, self.pg, self.device)
         cfg.model.finalize_model_grads_func = finalize_model_grads
