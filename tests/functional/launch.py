@@ -35,6 +35,18 @@ def torchrun_many(
     return [subprocess.CompletedProcess(res.args, 0, out, err) for out, err in zip(outs, errs)]
 
 
+def torchrun_by_size(runs: dict[str, tuple[int, list[str]]]) -> dict[str, subprocess.CompletedProcess]:
+    """``name -> (processes, flags)``: the runs of one process count share one launch
+    (``torchrun_many``, in the order given), one launch per count. Returns each run's output by name."""
+    sizes: dict[int, list[str]] = {}
+    for name, (nproc, _) in runs.items():
+        sizes.setdefault(nproc, []).append(name)
+    out: dict[str, subprocess.CompletedProcess] = {}
+    for nproc, names in sizes.items():
+        out.update(zip(names, torchrun_many(nproc, [runs[n][1] for n in names])))
+    return out
+
+
 def _cut(text: str, num_runs: int) -> list[str]:
     """The output of each run, from multi_run.py's marker lines (what precedes the first is dropped)."""
     parts = [""] * num_runs

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from launch import metrics, torchrun
+from launch import metrics, torchrun_many
 
 from megatron.training import checkpointing
 
@@ -223,13 +223,13 @@ def llama3_8b(cache: str, ckpt: str, tb: str) -> list[str]:
 
 
 def _train_stop_resume(flags: list[str], ckpt: str, tb: str, stop: int, end: int) -> tuple[str, str]:
-    first = torchrun(2, flags + ["--exit-interval", str(stop)])
-    assert checkpointing.read_tracker(ckpt) == stop
+    # One launch, two runs (launch.torchrun_many): the second starts from the tracker the first left,
+    # so its "loaded ... at iteration <stop>" is the first run's tracker.
+    first, second = torchrun_many(2, [flags + ["--exit-interval", str(stop)], flags])
     assert (
         re.search(rf"iteration +{stop}/ +{end}", first.stdout)
         and f"iteration {stop + 1}/" not in first.stdout
     )
-    second = torchrun(2, flags)
     assert f"successfully loaded checkpoint from {ckpt} at iteration {stop}" in second.stdout.replace("'", "")
     assert re.search(rf"iteration +{end}/ +{end}", second.stdout)
     assert checkpointing.read_tracker(ckpt) == end
