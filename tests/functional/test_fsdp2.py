@@ -16,6 +16,11 @@ ARGS = " ".join(MODEL).replace("--train-iters 10", "--train-iters 8").split() + 
     "--normalization",
     "RMSNorm",
 ]
+# 4 layers for pp2 x 2 virtual stages; --eod-mask-loss makes the per-token counts differ per micro-batch.
+VPP = (
+    " ".join(MODEL).replace("--train-iters 10", "--train-iters 3").replace("--num-layers 2", "--num-layers 4")
+    + " --calculate-per-token-loss --eod-mask-loss"
+).split()
 # Megatron-LM's examples/megatron_fsdp flags, as given there.
 MEGATRON_FSDP = (
     "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --init-model-with-meta-device "
@@ -26,12 +31,14 @@ MEGATRON_FSDP = (
 @pytest.mark.slow
 def test_fsdp2_trains_the_one_process_model_and_resumes_across_layouts(tmp_path):
     """8 steps of the one-process run, as three runs of one 4-process launch sharing a checkpoint
-    directory: 1-3 tp2 x FSDP2 dp2 (sequence parallel, full recompute, meta-device init), saved at 3;
+    directory (and a fourth run, below): 1-3 tp2 x FSDP2 dp2 (sequence parallel, full recompute, meta-device init), saved at 3;
     4-6 tp2 x dp2 without FSDP from that checkpoint, saved at 6; 7-8 pp2 x dp2 under Megatron-FSDP's
     example flags (FSDP2 ZeRO-3) from the non-FSDP checkpoint. Every step's loss and grad norm equal
-    the uninterrupted one-process run's."""
+    the uninterrupted one-process run's. A fourth run: FSDP2 dp2 x pp2 with two virtual stages per rank
+    (the interleaved schedule, one FSDP2 root per chunk) and per-token loss on its own reference."""
     assert run(ARGS + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
     ref = curves(f"{tmp_path}/ref.jsonl")
+    assert run(VPP + f"--metrics-file {tmp_path}/vpp_ref.jsonl".split()) == 0
     ck, out = f"{tmp_path}/ck", f"{tmp_path}/runs.jsonl"
     fsdp2 = (
         "--use-torch-fsdp2 --tensor-model-parallel-size 2 --sequence-parallel --init-model-with-meta-device "
@@ -47,12 +54,18 @@ def test_fsdp2_trains_the_one_process_model_and_resumes_across_layouts(tmp_path)
             ARGS
             + MEGATRON_FSDP
             + f"--pipeline-model-parallel-size 2 --load {ck} --metrics-file {out}".split(),
+            VPP
+            + "--use-torch-fsdp2 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1".split()
+            + f"--metrics-file {tmp_path}/vpp.jsonl".split(),
         ],
     )
     assert "runs on PyTorch FSDP2" in runs[2].stdout
     got = curves(out)
     assert sorted(got) == list(range(1, 9))
     assert_curves_match(got, ref, "fsdp2 / tp2 / pp2 x fsdp2")
+    vpp_ref = curves(f"{tmp_path}/vpp_ref.jsonl")
+    assert sorted(curves(f"{tmp_path}/vpp.jsonl")) == sorted(vpp_ref) == [1, 2, 3]
+    assert_curves_match(curves(f"{tmp_path}/vpp.jsonl"), vpp_ref, "vpp2 x pp2 x fsdp2")
 
 
 @pytest.mark.parametrize(
