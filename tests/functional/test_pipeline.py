@@ -9,7 +9,7 @@ pp1) onto the uninterrupted curve. Bad layouts stop with their message before tr
 import os
 
 import pytest
-from launch import metrics, torchrun
+from launch import metrics, torchrun, torchrun_by_size, torchrun_many
 
 from megatron.training.cli import run
 
@@ -65,10 +65,13 @@ def test_pipeline_layouts_match_single_process(tmp_path, arch):
     assert run(base + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
     ref = records(f"{tmp_path}/ref.jsonl")
     assert sorted(ref[0]) == list(range(1, 11)) and sorted(ref[1]) == [5, 10]
-    for name, (nproc, extra) in LAYOUTS.items():
-        if arch == "untied" and name not in UNTIED:
-            continue
-        torchrun(nproc, base + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
+    layouts = {
+        name: (nproc, base + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
+        for name, (nproc, extra) in LAYOUTS.items()
+        if arch == "tied" or name in UNTIED
+    }
+    torchrun_by_size(layouts)
+    for name in layouts:
         got = records(f"{tmp_path}/{name}.jsonl")
         assert sorted(got[1]) == [5, 10], name
         assert_same(got, ref, name)
@@ -79,13 +82,16 @@ def test_pipeline_checkpoint_resume(tmp_path):
     """pp2 for 10 steps straight == pp2 for 5, save, resume for 5 (under pp2, and under pp1)."""
     pp2 = "--pipeline-model-parallel-size 2".split()
     base = MODEL + ["--eval-iters", "0"]
-    torchrun(2, base + pp2 + ["--metrics-file", f"{tmp_path}/straight.jsonl"])
-    straight = records(f"{tmp_path}/straight.jsonl")
     ckpt = f"{tmp_path}/ckpt"
-    torchrun(
-        2, base + pp2 + ["--save", ckpt, "--exit-interval", "5", "--metrics-file", f"{tmp_path}/a.jsonl"]
+    torchrun_many(
+        2,
+        [
+            base + pp2 + ["--metrics-file", f"{tmp_path}/straight.jsonl"],
+            base + pp2 + ["--save", ckpt, "--exit-interval", "5", "--metrics-file", f"{tmp_path}/a.jsonl"],
+            base + pp2 + ["--load", ckpt, "--metrics-file", f"{tmp_path}/b.jsonl"],
+        ],
     )
-    torchrun(2, base + pp2 + ["--load", ckpt, "--metrics-file", f"{tmp_path}/b.jsonl"])
+    straight = records(f"{tmp_path}/straight.jsonl")
     assert_same(records(f"{tmp_path}/b.jsonl"), straight, "resume pp2", iters=list(range(6, 11)))
     assert run(base + ["--load", ckpt, "--metrics-file", f"{tmp_path}/c.jsonl"]) == 0
     assert_same(records(f"{tmp_path}/c.jsonl"), straight, "resume pp1", iters=list(range(6, 11)))
