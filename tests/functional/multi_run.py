@@ -11,6 +11,8 @@ separate launch would, so that a test pays for the interpreters' start-up once:
   destroyed, and gloo's rendezvous can then hang);
 - ``cli.run`` ends each run with the library's teardown (``destroy_model_parallel``, the default
   process group destroyed), and the process's runtime state is replaced by a fresh one;
+- the previous run's tensors are freed and, on a GPU, the allocator's cache and peak statistics reset
+  (a run's peak memory is its own);
 - the ranks meet before each run, and rank 0 prints ``multi_run.py: run <k> of <n>`` on stdout and
   stderr in between, so that ``launch.torchrun_many`` can cut the output into runs.
 
@@ -21,10 +23,12 @@ separate launches (tests/functional/test_multi_run.py checks it bit for bit).
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 # Started as a script, like pretrain_gpt.py at the repository's root, which imports from there.
@@ -84,6 +88,14 @@ def _run_store(store: dist.Store, index: int, rank: int, servers: list[dist.TCPS
     return int(store.get(f"{index}/port"))
 
 
+def _free_memory() -> None:
+    """Free what an earlier run left; CUDA is touched only once a run has set up its device."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def main(argv: list[str]) -> int:
     runs = split_runs(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -97,6 +109,7 @@ def main(argv: list[str]) -> int:
             print(line, flush=True)
             print(line, file=sys.stderr, flush=True)
         reset_runtime()
+        _free_memory()
         code = run(run_argv)
         sys.stdout.flush()
         sys.stderr.flush()
