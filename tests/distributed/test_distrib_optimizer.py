@@ -187,16 +187,17 @@ def _matches_plain(ps: ParallelState, bf16: bool, overlaps: tuple[bool, ...] = (
     reduce-scatter and all-gather): the same losses, grad norms and weights, on every replica."""
     model, opt = _build(ps, distopt=False, bf16=bf16)
     ref_curve, ref_weights = _train(model, opt, ps, range(10)), _weights(model)
-    rtol = 1e-2 if bf16 else 1e-5
+    # bf16: one rounding of a weight to bf16 differently moves the later steps slightly.
+    loss_rtol, norm_rtol = (2e-4, 5e-3) if bf16 else (1e-5, 1e-5)
     for overlap in overlaps:
         model, opt = _build(ps, distopt=True, overlap=overlap, bf16=bf16)
         assert isinstance(opt, DistributedOptimizer)
         curve, weights = _train(model, opt, ps, range(10)), _weights(model)
         for (loss, norm), (ref_loss, ref_norm) in zip(curve, ref_curve):
-            assert loss == pytest.approx(ref_loss, rel=rtol, abs=1e-6), overlap
-            assert norm == pytest.approx(ref_norm, rel=rtol), overlap
+            assert loss == pytest.approx(ref_loss, rel=loss_rtol, abs=1e-6), overlap
+            assert norm == pytest.approx(ref_norm, rel=norm_rtol), overlap
         # (the clipping factor differs in its last bits: the norm sums per piece, not per param)
-        assert_close(weights, ref_weights, rtol=rtol, atol=1e-2 if bf16 else 1e-5)
+        assert_close(weights, ref_weights, rtol=1e-2 if bf16 else 1e-5, atol=1e-2 if bf16 else 1e-5)
         gathered = [torch.empty_like(weights) for _ in range(ps.dp_size)]
         dist.all_gather(gathered, weights, group=ps.dp_group)
         assert all(torch.equal(g, gathered[0]) for g in gathered)  # every replica holds the same weights
