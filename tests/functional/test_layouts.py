@@ -7,7 +7,7 @@ run to tight fp32 tolerance (the order of floating-point reductions differs, not
 import os
 
 import pytest
-from launch import metrics, torchrun
+from launch import metrics, torchrun, torchrun_by_size, torchrun_many
 
 from megatron.training.cli import run
 
@@ -77,10 +77,14 @@ def test_layouts_match_single_process(tmp_path, arch):
     assert run(base + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
     ref = curves(f"{tmp_path}/ref.jsonl")
     assert sorted(ref) == list(range(1, 11))
-    for name, (nproc, extra) in LAYOUTS.items():
-        if arch == "llama" and name in ("dp2", "dp2-overlap", "dp2-distopt"):
-            continue  # data parallelism does not touch the architecture; covered by the gpt case
-        torchrun(nproc, base + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
+    layouts = {
+        name: (nproc, base + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
+        for name, (nproc, extra) in LAYOUTS.items()
+        # data parallelism does not touch the architecture; covered by the gpt case
+        if not (arch == "llama" and name in ("dp2", "dp2-overlap", "dp2-distopt"))
+    }
+    torchrun_by_size(layouts)
+    for name in layouts:
         got = curves(f"{tmp_path}/{name}.jsonl")
         assert sorted(got) == sorted(ref), name
         assert_curves_match(got, ref, name)
@@ -111,37 +115,46 @@ EIGHT_RANK_LAYOUTS = {
 }
 
 
+RESHARD_SAVE = EIGHT_RANK_LAYOUTS["tp2xpp2xdp2-sp-distopt"]
+RESHARD_LOAD = "--tensor-model-parallel-size 4 --sequence-parallel --overlap-grad-reduce"
+
+
+@pytest.fixture(scope="module")
+def eight_rank_runs(tmp_path_factory):
+    """The folder of the single-process reference (ref.jsonl) and of the eight-rank runs of the two
+    tests below, which share one launch (launch.torchrun_many): every layout of EIGHT_RANK_LAYOUTS
+    (<name>.jsonl), then a save under RESHARD_SAVE at step 3 and its resume under RESHARD_LOAD
+    (resumed.jsonl)."""
+    d = tmp_path_factory.mktemp("eight_rank")
+    assert run(EIGHT_RANK_MODEL + f"--metrics-file {d}/ref.jsonl".split()) == 0
+    ck, out = f"{d}/ck", f"{d}/resumed.jsonl"
+    layouts = [
+        EIGHT_RANK_MODEL + extra.split() + ["--metrics-file", f"{d}/{name}.jsonl"]
+        for name, extra in EIGHT_RANK_LAYOUTS.items()
+    ]
+    save = (
+        RESHARD_SAVE.split() + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {out}".split()
+    )
+    load = RESHARD_LOAD.split() + f"--load {ck} --metrics-file {out}".split()
+    torchrun_many(8, [*layouts, EIGHT_RANK_MODEL + save, EIGHT_RANK_MODEL + load])
+    return d
+
+
 @pytest.mark.slow
-def test_eight_rank_layouts_match_single_process(tmp_path):
-    assert run(EIGHT_RANK_MODEL + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
-    ref = curves(f"{tmp_path}/ref.jsonl")
+def test_eight_rank_layouts_match_single_process(eight_rank_runs):
+    ref = curves(f"{eight_rank_runs}/ref.jsonl")
     assert sorted(ref) == list(range(1, 7))
-    for name, extra in EIGHT_RANK_LAYOUTS.items():
-        torchrun(8, EIGHT_RANK_MODEL + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
-        got = curves(f"{tmp_path}/{name}.jsonl")
+    for name in EIGHT_RANK_LAYOUTS:
+        got = curves(f"{eight_rank_runs}/{name}.jsonl")
         assert sorted(got) == sorted(ref), name
         assert_curves_match(got, ref, name)
 
 
 @pytest.mark.slow
-def test_eight_rank_checkpoint_reshards_across_tp_pp_dp(tmp_path):
+def test_eight_rank_checkpoint_reshards_across_tp_pp_dp(eight_rank_runs):
     """Saved under tp2 x pp2 x dp2 with the distributed optimizer at step 3, resumed under tp4 x dp2 with
     the plain optimizer: the six steps are those of the uninterrupted single process."""
-    assert run(EIGHT_RANK_MODEL + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
-    ck, out = f"{tmp_path}/ck", f"{tmp_path}/resumed.jsonl"
-    torchrun(
-        8,
-        EIGHT_RANK_MODEL
-        + EIGHT_RANK_LAYOUTS["tp2xpp2xdp2-sp-distopt"].split()
-        + f"--save {ck} --save-interval 3 --exit-interval 3 --metrics-file {out}".split(),
-    )
-    torchrun(
-        8,
-        EIGHT_RANK_MODEL
-        + "--tensor-model-parallel-size 4 --sequence-parallel --overlap-grad-reduce".split()
-        + f"--load {ck} --metrics-file {out}".split(),
-    )
-    ref, got = curves(f"{tmp_path}/ref.jsonl"), curves(out)
+    ref, got = curves(f"{eight_rank_runs}/ref.jsonl"), curves(f"{eight_rank_runs}/resumed.jsonl")
     assert sorted(got) == list(range(1, 7))
     assert_curves_match(got, ref, "resumed")
 
@@ -164,13 +177,16 @@ def test_exact_resume_with_tp_dropout(tmp_path):
         .replace("--train-iters 10", "--train-iters 20")
         + " --tensor-model-parallel-size 2 --sequence-parallel"
     ).split()
-    torchrun(2, args + ["--metrics-file", f"{tmp_path}/straight.jsonl"])
     ck = f"{tmp_path}/ck"
-    torchrun(
+    torchrun_many(
         2,
-        args + f"--save {ck} --save-interval 10 --exit-interval 10 --metrics-file {tmp_path}/r.jsonl".split(),
+        [
+            args + ["--metrics-file", f"{tmp_path}/straight.jsonl"],
+            args
+            + f"--save {ck} --save-interval 10 --exit-interval 10 --metrics-file {tmp_path}/r.jsonl".split(),
+            args + f"--save {ck} --load {ck} --metrics-file {tmp_path}/r.jsonl".split(),
+        ],
     )
-    torchrun(2, args + f"--save {ck} --load {ck} --metrics-file {tmp_path}/r.jsonl".split())
     straight, resumed = curves(f"{tmp_path}/straight.jsonl"), curves(f"{tmp_path}/r.jsonl")
     assert sorted(resumed) == list(range(1, 21))
     assert straight == resumed
@@ -195,8 +211,11 @@ def test_per_token_loss_is_layout_invariant(tmp_path):
     args = MODEL + "--calculate-per-token-loss --eod-mask-loss".split()  # eod id 255 recurs in mock documents
     assert run(args + f"--metrics-file {tmp_path}/ref.jsonl".split()) == 0
     ref = curves(f"{tmp_path}/ref.jsonl")
-    for name, extra in (("dp2", ""), ("tp2", "--tensor-model-parallel-size 2")):
-        torchrun(2, args + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
+    layouts = (("dp2", ""), ("tp2", "--tensor-model-parallel-size 2"))
+    torchrun_many(
+        2, [args + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"] for name, extra in layouts]
+    )
+    for name, _ in layouts:
         assert_curves_match(curves(f"{tmp_path}/{name}.jsonl"), ref, name)
 
 
@@ -247,9 +266,14 @@ def test_fp8_trains_under_every_layout(tmp_path, monkeypatch, capsys):
     assert "FP8: emulated on the CPU" in capsys.readouterr().out
     ref = curves(f"{tmp_path}/ref.jsonl")
     assert sorted(ref) == list(range(1, 11)) and ref[10][0] < ref[1][0] - 1.0  # it learns
-    for name, (nproc, extra, linears) in FP8_LAYOUTS.items():
-        res = torchrun(nproc, args + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
-        assert f"for {linears} QKV/proj/fc1/fc2 linears" in res.stdout, name
+    runs = torchrun_by_size(
+        {
+            name: (nproc, args + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
+            for name, (nproc, extra, _) in FP8_LAYOUTS.items()
+        }
+    )
+    for name, (_, _, linears) in FP8_LAYOUTS.items():
+        assert f"for {linears} QKV/proj/fc1/fc2 linears" in runs[name].stdout, name
         got = curves(f"{tmp_path}/{name}.jsonl")
         assert sorted(got) == sorted(ref), name
         for it, (loss, gnorm) in ref.items():
