@@ -63,6 +63,11 @@ LAYOUTS = {
     "dp2-overlap": (2, "--overlap-grad-reduce --ddp-bucket-size 2000"),
     "tp2xdp2-sp": (4, "--tensor-model-parallel-size 2 --sequence-parallel --overlap-grad-reduce"),
     "dp2-distopt": (2, "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 2000"),
+    "dp2-distopt-offload": (
+        2,
+        "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 2000 --optimizer-cpu-offload "
+        "--optimizer-offload-fraction 0.5 --overlap-cpu-optimizer-d2h-h2d",
+    ),
     "tp2xdp2-sp-distopt": (
         4,
         "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer",
@@ -81,7 +86,7 @@ def test_layouts_match_single_process(tmp_path, arch):
         name: (nproc, base + extra.split() + ["--metrics-file", f"{tmp_path}/{name}.jsonl"])
         for name, (nproc, extra) in LAYOUTS.items()
         # data parallelism does not touch the architecture; covered by the gpt case
-        if not (arch == "llama" and name in ("dp2", "dp2-overlap", "dp2-distopt"))
+        if not (arch == "llama" and name in ("dp2", "dp2-overlap", "dp2-distopt", "dp2-distopt-offload"))
     }
     torchrun_by_size(layouts)
     for name in layouts:
