@@ -147,15 +147,25 @@ class OptimizerConfig:
         app_default=1.0,
     )
     use_torch_optimizer_for_cpu_offload: bool = doc(
-        False, "With --optimizer-cpu-offload: step the host parameters with torch.optim.AdamW as is."
+        False,
+        "With --optimizer-cpu-offload: step the host parameters with torch.optim.AdamW (SGD) as torch builds it "
+        "for CPU tensors; default: fused AdamW on the host (the fastest, bench/bench_cpu_adam.py).",
     )
     overlap_cpu_optimizer_d2h_h2d: bool = doc(
         False,
         "With --optimizer-cpu-offload: overlap the gradient copies to the host and the parameter copies "
-        "back with the CPU step, group by group.",
+        "back with the CPU step, group by group (side CUDA streams; no effect on the CPU).",
     )
-    pin_cpu_grads: bool = doc(True, "With --optimizer-cpu-offload: host gradient buffers in pinned memory.")
-    pin_cpu_params: bool = doc(True, "With --optimizer-cpu-offload: host parameters in pinned memory.")
+    pin_cpu_grads: bool = doc(
+        True,
+        "With --optimizer-cpu-offload: pin the host buffers gradients are copied into (CUDA only); "
+        "--no-pin-cpu-grads leaves them pageable.",
+    )
+    pin_cpu_params: bool = doc(
+        True,
+        "With --optimizer-cpu-offload: pin the host buffers updated parameters are copied back from (the fp32 "
+        "main parameters of an fp32 model; CUDA only); --no-pin-cpu-params leaves them pageable.",
+    )
     barrier_with_L1_time: bool = doc(False, "No effect.", flag=None)
     timers: Callable | None = doc(None, "No effect.", flag=None)
     config_logger_dir: str = doc("", "No effect.", flag=None)
