@@ -29,6 +29,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.dist_checkpointing.metadata import CONTENT_METADATA_KEY, checkpoint_keys
 from megatron.core.dist_checkpointing.state_tree import (
+    MISSING,
     build_result,
     expand_factories,
     iter_sharded,
@@ -95,6 +96,7 @@ def write_sharded(
     """``serialization.save`` once its arguments are checked (see there)."""
     tree = expand_factories(sharded_state_dict)
     common = strip_sharded(tree)
+    common = {} if common is MISSING else common
     extra = dict(common_state or {})
     if content_metadata is not None:
         extra = {**extra, CONTENT_METADATA_KEY: content_metadata}

@@ -59,12 +59,16 @@ def iter_sharded(tree: Any) -> Iterator[Leaf]:
 
 def strip_sharded(tree: Any) -> Any:
     """The plain (common) part of a tree: sharded and non-persistent leaves dropped (``None``
-    placeholders in lists that also hold plain values), factories replaced by the plain part of what they built."""
+    placeholders in lists that also hold plain values), and so are dicts and lists that held nothing
+    else; factories replaced by the plain part of what they built. ``MISSING`` when nothing is plain."""
     if isinstance(tree, Built):
         return strip_sharded(tree.sub)
     if isinstance(tree, dict):
         out = {k: strip_sharded(v) for k, v in tree.items()}
-        return {k: v for k, v in out.items() if v is not MISSING}
+        kept = {k: v for k, v in out.items() if v is not MISSING}
+        # A dict of sharded leaves only leaves nothing behind either: ranks holding different blocks
+        # (a flat-sharded optimizer state) then have the same common part.
+        return MISSING if out and not kept else kept
     if isinstance(tree, list):
         items = [strip_sharded(v) for v in tree]
         if items and all(v is MISSING for v in items):

@@ -7,7 +7,8 @@ import torch
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.flat_ranges import flat_range_blocks, flat_range_rects
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.state_tree import strip_sharded
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3)])
@@ -51,3 +52,19 @@ def test_a_flat_range_loads_from_an_unsharded_save(tmp_path):
     loaded = dist_checkpointing.load({"w": flat_range_blocks(st, shard, 8, 21)}, str(tmp_path))
     got = torch.cat([b.reshape(-1) for b in loaded["w"]])
     torch.testing.assert_close(got, full.reshape(-1)[8:21], rtol=0, atol=0)
+
+
+def test_ranks_holding_different_blocks_have_the_same_common_part():
+    """A flat-sharded optimizer state names, on each rank, only the params it holds blocks of; the
+    plain part saved once by rank 0 (and compared across ranks) must not depend on which."""
+    st = ShardedTensor("w", torch.zeros(4, 3), (4, 3), (0, 0))
+    common = ShardedObject("optimizer.common", {"step": 3}, replica_id=0)
+    rank0 = {"param_state": {"w": {"exp_avg": flat_range_blocks(st, torch.zeros(5), 0, 5)}}, "common": common}
+    rank1 = {
+        "param_state": {"v": {"exp_avg": flat_range_blocks(st, torch.zeros(7), 5, 12)}},
+        "common": common,
+    }
+    assert (
+        strip_sharded({"optimizer": rank0, "x": 1}) == strip_sharded({"optimizer": rank1, "x": 1}) == {"x": 1}
+    )
+    assert strip_sharded({"a": {}, "b": [1, st]}) == {"a": {}, "b": [1, None]}  # plain values stay
