@@ -85,7 +85,7 @@ def test_state_of_local_shards_holding_several_blocks_reshards_to_whole_params(t
 VOCAB, SEQ, MICRO, GLOBAL = 64, 16, 2, 8  # GLOBAL samples per step over MICRO micro-batches
 
 
-def _gpt(ps: ParallelState, bf16: bool = False) -> DistributedDataParallel | GPTModel:
+def _gpt(ps: ParallelState, bf16: bool = False, tied: bool = True) -> DistributedDataParallel | GPTModel:
     stage = {}
     if ps.pp_size > 1:
         stage = dict(
@@ -100,7 +100,8 @@ def _gpt(ps: ParallelState, bf16: bool = False) -> DistributedDataParallel | GPT
         num_attention_heads=4,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        share_embeddings_and_output_weights=True,
+        share_embeddings_and_output_weights=tied,
+        cross_entropy_loss_fusion=not tied,  # untied: the output layer's weight read by the fused loss
         tensor_model_parallel_size=ps.tp_size,
         pipeline_model_parallel_size=ps.pp_size,
         sequence_parallel=ps.tp_size > 1,
@@ -133,8 +134,8 @@ def _forward_step(data_iterator, model):
     return out, lambda y: (y.float().mean(), {"lm loss": y.detach().float().mean()})
 
 
-def _build(ps: ParallelState, distopt: bool, overlap: bool = False, bf16: bool = False):
-    module = _gpt(ps, bf16)
+def _build(ps: ParallelState, distopt: bool, overlap: bool = False, bf16: bool = False, tied: bool = True):
+    module = _gpt(ps, bf16, tied)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=distopt,
         overlap_grad_reduce=overlap,
@@ -206,6 +207,32 @@ def _matches_plain(ps: ParallelState, bf16: bool, overlaps: tuple[bool, ...] = (
 @distributed_test(world_size=2)
 def test_matches_the_plain_optimizer_dp2(ps: ParallelState) -> None:
     _matches_plain(ps, bf16=False)
+
+
+@distributed_test(world_size=2)
+def test_an_overlapped_gather_ends_before_the_fused_loss_reads_the_output_layer(ps: ParallelState) -> None:
+    """The fused output-layer loss reads the untied output layer's weight without calling the layer (its
+    forward pre-hook never runs): with --overlap-param-gather, that bucket's gather must have been
+    waited for by then, every step, and the curve is the plain optimizer's."""
+    model, opt = _build(ps, distopt=False, tied=False)
+    ref = _train(model, opt, ps, range(4))
+    model, opt = _build(ps, distopt=True, overlap=True, tied=False)
+    gpt = model.module
+    assert gpt.fused_cross_entropy
+    gather = opt.param_sync
+    bucket = gather.bucket_of[id(gpt.output_layer.weight)]
+    in_flight: list[bool] = []
+    loss = gpt.output_loss
+
+    def spy(*args, **kwargs):
+        in_flight.append(bucket in gather.pending)
+        return loss(*args, **kwargs)
+
+    gpt.output_loss = spy
+    curve = _train(model, opt, ps, range(4))
+    assert len(in_flight) == 4 * MICRO and not any(in_flight)
+    for (got, norm), (want, ref_norm) in zip(curve, ref):
+        assert got == pytest.approx(want, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
 
 
 @distributed_test(world_size=2)

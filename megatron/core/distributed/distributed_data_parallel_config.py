@@ -18,15 +18,17 @@ class DistributedDataParallelConfig:
     overlap_grad_reduce: bool = doc(False, "Reduce gradient buckets during backward as they become ready.")
     use_distributed_optimizer: bool = doc(
         False,
-        "Shard the optimizer across data-parallel ranks (ZeRO-1): each parameter's fp32 main copy and Adam "
-        "moments live on one rank, which receives its reduced gradient, updates it and broadcasts the "
-        "new weights. Optimizer memory per GPU drops about DP-fold; checkpoints keep the same layout.",
+        "Shard the optimizer over the data-parallel ranks (ZeRO-1, Megatron's layout): each gradient bucket "
+        "is padded to a multiple of lcm(DP, 128) and DP rank r owns its slice [r*len/DP, (r+1)*len/DP); "
+        "buckets are reduce-scattered, only the owned elements' fp32 main params and Adam moments are kept "
+        "and updated, and one all-gather per bucket refreshes the weights. Optimizer memory per GPU drops "
+        "about DP-fold; checkpoints keep the plain optimizer's layout.",
     )
     overlap_param_gather: bool = doc(
         False,
-        "With --use-distributed-optimizer: the broadcasts of the updated weights run during the next "
-        "forward pass instead of after the step; each layer waits only for its own weights. Needs "
-        "--overlap-grad-reduce.",
+        "With --use-distributed-optimizer: the all-gathers of the updated weights (one per bucket) run "
+        "during the next forward pass instead of after the step; each layer waits only for its own "
+        "buckets. Needs --overlap-grad-reduce.",
     )
     bucket_size: int | None = doc(
         None,

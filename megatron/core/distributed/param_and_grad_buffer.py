@@ -142,7 +142,8 @@ class ParamGather:
 
     def attach(self, chunks: list[nn.Module]) -> None:
         """Wait points for ``overlap``: each layer of a block with ``before_layer`` (the compiled unit,
-        so no hook runs inside a compiled graph) and every other module with parameters of its own."""
+        so no hook runs inside a compiled graph), every other module with parameters of its own, and
+        a model's output layer also at the end of its decoder block (the fused loss reads its weight)."""
         inside: set[int] = set()
         for chunk in chunks:
             for module in chunk.modules():
@@ -156,4 +157,11 @@ class ParamGather:
                 if id(module) not in inside and any(True for _ in module.parameters(recurse=False)):
                     module.register_forward_pre_hook(
                         lambda m, args: self.wait_for(m.parameters(recurse=False))
+                    )
+                # The fused output-layer loss reads the output layer's weight without calling the
+                # layer, so its pre-hook never runs: the block before it waits for it as it ends.
+                head, block = getattr(module, "output_layer", None), getattr(module, "decoder", None)
+                if isinstance(head, nn.Module) and isinstance(block, nn.Module):
+                    block.register_forward_hook(
+                        lambda m, args, out, head=head: self.wait_for(head.parameters(recurse=False))
                     )
