@@ -43,6 +43,8 @@ RUNS = {
     "llama-3b-distopt-dp2": ("llama-3b", "--use-distributed-optimizer", 2),
     "llama-3b-mb4-recompute": ("llama-3b", "--micro-batch-size 4 " + RECOMPUTE, 1),
     "llama-3b-fp8": ("llama-3b", "--fp8-format hybrid --fp8-recipe tensorwise", 1),
+    "llama-3b-fsdp2": ("llama-3b", "--use-torch-fsdp2 --init-model-with-meta-device", 1),
+    "llama-3b-offload": ("llama-3b", "--optimizer-cpu-offload --optimizer-offload-fraction 1.0", 1),
     "tiny": ("tiny", "", 1),  # a smoke test of this script (runs on a CPU; nothing measured there)
 }
 GIB = float(2**30)
