@@ -108,6 +108,9 @@ class Trainer(TrainerCheckpointing):
         )
         if isinstance(self.optimizer, DistributedOptimizer):
             print_rank_0(memory_report(self.optimizer, self.model))
+        offload = self.optimizer.offload_summary()
+        if offload is not None:
+            print_rank_0(f" > {offload}")
         if cfg.model.fp16:
             cfg.model.grad_scale_func = self.optimizer.scale_loss
         # The final global batch size; evaluation always runs it. Training steps follow the schedule.

@@ -18,6 +18,8 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
+from megatron.core.execution_plan import ExecutionPlan
+from megatron.core.fusions.kernels import optimizer_line
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, cpu_offload, get_megatron_optimizer
@@ -186,6 +188,21 @@ def test_offloaded_state_lives_in_host_tensors(dtype, monkeypatch):
 def test_offload_fraction_zero_is_plain():
     _, opt, _ = build(torch.float32, **offload(0.0))
     assert opt._offload is None
+
+
+def test_start_up_lines_say_what_is_offloaded():
+    """The optimizer's start-up line and the kernel report's optimizer line name the offload; without
+    offload neither does."""
+    _, opt, _ = build(torch.bfloat16, **offload(0.5))
+    summary = opt.offload_summary()
+    assert summary is not None and "host memory" in summary and "stepped on the CPU" in summary
+    _, plain, _ = build(torch.bfloat16)
+    assert plain.offload_summary() is None
+    plan = ExecutionPlan.plain(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2))
+    assert "0.5 of the params' main copies and state in host memory" in optimizer_line(
+        OptimizerConfig(lr=1e-3, **offload(0.5)), plan
+    )
+    assert "host memory" not in optimizer_line(OptimizerConfig(lr=1e-3), plan)
 
 
 # ---------------------------------------------------------------- checkpoints

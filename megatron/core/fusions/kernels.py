@@ -150,13 +150,20 @@ def optimizer_line(optimizer_config: Any, plan: ExecutionPlan) -> str:
         where = "compiled on CUDA"
     else:
         where = f"eager: not compiled, {plan.compile_reason}" if cuda else "eager on the CPU"
+    fraction = getattr(optimizer_config, "optimizer_offload_fraction", 0.0)
+    offload = (
+        f"; {fraction:g} of the params' main copies and state in host memory, stepped on the CPU"
+        if getattr(optimizer_config, "optimizer_cpu_offload", False) and fraction > 0
+        else ""
+    )
     if optimizer_config is None or (optimizer_config.optimizer == "adam" and optimizer_config.use_fused_adam):
         return (
             "AdamW, one pass per tensor: clipping, fp32 main param and moments, and the model-precision "
-            f"copy ({where}); no host sync in the step"
+            f"copy ({where}); no host sync in the step{offload}"
         )
     kernel = "fused" if cuda and optimizer_config.use_fused_adam else "foreach"
-    return f"torch.optim.{'SGD' if optimizer_config.optimizer == 'sgd' else 'AdamW'} {kernel} over fp32 main params"
+    name = "SGD" if optimizer_config.optimizer == "sgd" else "AdamW"
+    return f"torch.optim.{name} {kernel} over fp32 main params{offload}"
 
 
 def fp8_line(plan: ExecutionPlan, fp8_linears: int | None = None) -> str:

@@ -137,6 +137,10 @@ class MegatronOptimizer:
         self._model_of_main = {id(m): p for p, m in self._copy_pairs}
         self._sharded_keys: sharded_state.Plan | None = None
 
+    def offload_summary(self) -> str | None:
+        """One start-up line on what this rank's CPU offload holds and how it steps; None without it."""
+        return self._offload.describe() if self._offload is not None else None
+
     # ---------------------------------------------------------------- loss scaling
     @property
     def param_groups(self) -> list[dict[str, Any]]:
