@@ -1,6 +1,6 @@
 """Gradient statistics over fp32 main grads (norm, zeros, overflow), without per-tensor host syncs.
 
-Clipping itself is applied by the optimizer step from a device-side factor (optimizer.py).
+Clipping itself is applied by the optimizer step from a device-side divisor (:func:`step_with_divisor`).
 
 Every function here returns device tensors; the caller packs them into one buffer and reduces it
 once over the grad-stats group; nothing here waits for the device.
@@ -53,3 +53,26 @@ def unscale_and_check_inf(grads: list[torch.Tensor], inv_scale: float, device: t
         torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv.to(dev))
         found_inf = torch.maximum(found_inf, flag.to(device))
     return found_inf
+
+
+def step_with_divisor(
+    optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], divisor: torch.Tensor | None
+) -> None:
+    """``optimizer.step()`` with its gradients ``grads`` divided by the 0-dim ``divisor`` (None: as they are).
+
+    torch's fused Adam/SGD kernels divide every gradient by their ``grad_scale`` tensor as they read
+    it, so there clipping costs no pass of its own; otherwise the grads are scaled in place first. A
+    divisor of exactly 1 (no clipping) leaves the gradients bit-for-bit unchanged.
+    """
+    if divisor is None or not grads:
+        optimizer.step()
+        return
+    if all(g.get("fused") for g in optimizer.param_groups):
+        setattr(optimizer, "grad_scale", divisor)  # noqa: B010 - read by torch's fused kernels
+        try:
+            optimizer.step()
+        finally:
+            delattr(optimizer, "grad_scale")
+    else:
+        torch._foreach_mul_(grads, 1.0 / divisor)
+        optimizer.step()

@@ -38,10 +38,9 @@ from typing import Any
 
 import torch
 
-from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.optimizer.clip_grads import step_with_divisor
+from megatron.core.optimizer.optimizer_config import KERNEL_KEYS, OptimizerConfig
 
-# Param-group entries that pick kernels; each host optimizer keeps its own.
-_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 # A chunk holds whole params up to this many elements (more when one param alone is larger).
 MAX_CHUNK_NUMEL = 1 << 26
 # ... and at most a quarter of the offloaded elements, so that copies and the CPU step overlap.
@@ -178,9 +177,7 @@ class CpuOffload:
         indices = sorted({group_of[id(e.main)] for e in entries})
         groups = []
         for i in indices:
-            hyper = {
-                k: v for k, v in self.inner.param_groups[i].items() if k not in ("params", *_KERNEL_KEYS)
-            }
+            hyper = {k: v for k, v in self.inner.param_groups[i].items() if k not in ("params", *KERNEL_KEYS)}
             hyper["params"] = [e.main for e in entries if group_of[id(e.main)] == i]
             groups.append(hyper)
         cls: Any = type(self.inner)  # AdamW or SGD, as make_inner_optimizer builds
@@ -311,16 +308,8 @@ class CpuOffload:
         optimizer.state = self.inner.state  # one state: checkpoints read the inner optimizer's
         divisor = self._divisor if self._use_divisor else None
         try:
-            if divisor is not None and all(g.get("fused") for g in optimizer.param_groups):
-                setattr(optimizer, "grad_scale", divisor)  # noqa: B010 - read by torch's fused kernels
-                optimizer.step()
-            else:
-                if divisor is not None:
-                    torch._foreach_mul_([e.main.grad for e in chunk.stepped], 1.0 / divisor)
-                optimizer.step()
+            step_with_divisor(optimizer, [e.main.grad for e in chunk.stepped], divisor)
         finally:
-            if hasattr(optimizer, "grad_scale"):
-                delattr(optimizer, "grad_scale")
             for e in chunk.entries:
                 e.main.grad = None
 
@@ -334,7 +323,7 @@ class CpuOffload:
         """Copy the inner groups' hyper-parameters (the schedule's lr and weight decay among them)."""
         for group, index in zip(chunk.optimizer.param_groups, chunk.group_index):
             source = self.inner.param_groups[index]
-            group.update({k: v for k, v in source.items() if k not in ("params", *_KERNEL_KEYS)})
+            group.update({k: v for k, v in source.items() if k not in ("params", *KERNEL_KEYS)})
 
     def _copy_params_back(self, k: int, chunk: _Chunk) -> None:
         """Copy chunk ``k``'s updated params into the model (through slot ``k % 2`` when the model

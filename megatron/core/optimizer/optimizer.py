@@ -34,14 +34,12 @@ from megatron.core.optimizer.clip_grads import (
     count_zeros,
     grad_norm_sq,
     param_is_not_duplicate,
+    step_with_divisor,
     unscale_and_check_inf,
 )
 from megatron.core.optimizer.fused_adamw import adamw_step
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
-from megatron.core.optimizer.optimizer_config import OptimizerConfig
-
-# Param-group keys that select kernels for this process's device; never taken from a checkpoint.
-_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+from megatron.core.optimizer.optimizer_config import KERNEL_KEYS, OptimizerConfig
 
 
 def make_inner_optimizer(
@@ -230,13 +228,12 @@ class MegatronOptimizer:
         if math.isfinite(self.config.grad_norm_skip_threshold) and present:
             if math.sqrt(stats[1].item()) > self.config.grad_norm_skip_threshold:
                 return self._skipped(stats, sync)
+        divisor = self._clip_divisor(grad_norm) if present else None
         if self._offload is not None:  # offloaded params: gradients to the host, stepped there below
             on_host = [self._offload.holds(m) for m in self.main_params]
-            divisor = self._clip_divisor(grad_norm) if present else None
             self._offload.start_grad_copies([g for g, h in zip(grads, on_host) if h], divisor)
             grads = [None if h else g for g, h in zip(grads, on_host)]
         if self._one_pass_adamw:
-            divisor = self._clip_divisor(grad_norm) if present else None
             adamw_step(
                 self.optimizer,
                 self._model_of_main,
@@ -245,7 +242,7 @@ class MegatronOptimizer:
                 compile=self.config.compile_helpers,
             )
         else:
-            self._clipped_inner_step([g for g in grads if g is not None], grad_norm)
+            step_with_divisor(self.optimizer, [g for g in grads if g is not None], divisor)
             self._copy_main_params_to_model_params()
         if self._offload is not None:
             self._offload.step()
@@ -278,27 +275,6 @@ class MegatronOptimizer:
         if clip <= 0.0:
             return None
         return torch.clamp((grad_norm + 1.0e-6) / clip, min=1.0).to(torch.float32)
-
-    def _clipped_inner_step(self, grads: list[torch.Tensor], grad_norm: torch.Tensor) -> None:
-        """Clip to ``clip_grad`` by a factor computed on the device (no host sync) and step.
-
-        torch's fused Adam/SGD kernels divide every gradient by their ``grad_scale`` tensor as they
-        read it, so there clipping costs no pass of its own; otherwise the grads are scaled in place.
-        A factor of exactly 1 (no clipping) leaves the gradients bit-for-bit unchanged.
-        """
-        divisor = self._clip_divisor(grad_norm)
-        if divisor is None or not grads:
-            self.optimizer.step()
-            return
-        if all(g.get("fused") for g in self.optimizer.param_groups):
-            setattr(self.optimizer, "grad_scale", divisor)  # noqa: B010 - read by torch's fused kernels
-            try:
-                self.optimizer.step()
-            finally:
-                delattr(self.optimizer, "grad_scale")
-        else:
-            torch._foreach_mul_(grads, 1.0 / divisor)
-            self.optimizer.step()
 
     def _copy_main_params_to_model_params(self) -> None:
         if self._copy_pairs:
@@ -347,7 +323,7 @@ class MegatronOptimizer:
         Raises:
             CheckpointError: the saved main params do not match this optimizer's params.
         """
-        kernels = [{k: g[k] for k in _KERNEL_KEYS if k in g} for g in self.optimizer.param_groups]
+        kernels = [{k: g[k] for k in KERNEL_KEYS if k in g} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state_dict["optimizer"])
         for group, flags in zip(self.optimizer.param_groups, kernels):
             group.update(flags)

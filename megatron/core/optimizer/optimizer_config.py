@@ -12,6 +12,9 @@ import torch
 from megatron.core.config_utils import ConfigError, check_choice, check_positive, doc
 
 OPTIMIZERS = ("adam", "sgd")
+# Param-group keys that select kernels for this process's device (each optimizer its own); never taken
+# from a checkpoint or copied between optimizers.
+KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 # Megatron-Core fields accepted with no effect here, and why (one line each, for docs/library.md).
 NO_EFFECT: dict[str, str] = {
