@@ -2,37 +2,24 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from megatron.core.distributed.distributed_data_parallel import bucket_lengths, bucket_size
+from megatron.core.distributed.param_and_grad_buffer import bucket_layout
 from megatron.core.optimizer.cpu_offload import MAX_CHUNK_NUMEL
 from megatron.training.memory_activations import Kernels, dtype_bytes, layers_fp8
 from megatron.training.memory_params import ParamInfo
 
 
-def _lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)
-
-
 def _cut(numels: list[int], limit: int) -> list[list[int]]:
-    """DDP's buckets: consecutive params until a bucket reaches ``limit`` elements."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for n in numels:
-        current.append(n)
-        size += n
-        if size >= limit:
-            groups.append(current)
-            current, size = [], 0
-    return groups + [current] if current else groups
-
-
-def _bucket_limit(cfg, dp: int) -> int:
-    given = cfg.ddp.bucket_size
-    return given if given is not None else max(40_000_000, 1_000_000 * dp)
+    """DDP's buckets (``bucket_lengths``): consecutive params until a bucket reaches ``limit`` elements."""
+    groups, start = [], 0
+    for length in bucket_lengths(numels, limit):
+        groups.append(numels[start : start + length])
+        start += length
+    return groups
 
 
 def _is_tied(info: ParamInfo, cfg) -> bool:
@@ -61,7 +48,7 @@ def ddp_gradient_bytes(cfg, params: list[ParamInfo], dp: int) -> tuple[float, fl
             and (dp == 1 or p == g)
         )
 
-    limit = _bucket_limit(cfg, dp)
+    limit = bucket_size(cfg.ddp, dp)
     if dp > 1 and any(aliasable(i) for i in ordered):
         groups = [[i for i in ordered if aliasable(i)], [i for i in ordered if not aliasable(i)]]
     else:
@@ -86,12 +73,10 @@ def padded_buckets(cfg, params: list[ParamInfo], dp: int) -> list[int]:
     padded to a multiple of lcm(dp, 128); the tied embedding in a bucket of its own."""
     tied = [i for i in params if _is_tied(i, cfg)]
     rest = [i for i in reversed(params) if not _is_tied(i, cfg)]
-    align, pad = 64, _lcm(dp, 128)
     sizes = []
     for group in ([rest] if rest else []) + [[i] for i in tied]:
-        for bucket in _cut([i.numel for i in group], _bucket_limit(cfg, dp)):
-            numel = sum(-(-n // align) * align for n in bucket)
-            sizes.append(-(-numel // pad) * pad)
+        for bucket in _cut([i.numel for i in group], bucket_size(cfg.ddp, dp)):
+            sizes.append(bucket_layout(bucket, dp)[1])
     return sizes
 
 
@@ -103,17 +88,7 @@ def _optimizer_bytes_per_element(cfg) -> tuple[int, int]:
 
 def _offload_fraction(cfg) -> float:
     o = cfg.optimizer
-    return (
-        float(getattr(o, "optimizer_offload_fraction", 1.0))
-        if getattr(o, "optimizer_cpu_offload", False)
-        else 0.0
-    )
-
-
-def _fsdp(cfg) -> str | None:
-    ddp = cfg.ddp
-    fn = getattr(ddp, "fsdp_sharding", None)
-    return fn() if callable(fn) else None
+    return float(o.optimizer_offload_fraction) if o.optimizer_cpu_offload else 0.0
 
 
 def offload_host_bytes(elements: float, moments: int, staged: int) -> float:
@@ -147,7 +122,7 @@ def chunk_static(cfg, chunk, dp: int, microbatches: int) -> StaticTerms:
     staged = (4 if cfg.ddp.grad_reduce_in_fp32 else p) + p  # a gradient and a param slot per element
     out = StaticTerms()
     elements = sum(i.numel for i in chunk.params)
-    sharding = _fsdp(cfg)
+    sharding = cfg.ddp.fsdp_sharding()
     if sharding is not None:
         shard = sum(-(-i.rows // dp) * (i.numel // max(i.rows, 1)) for i in chunk.params)
         out.weights = shard * 4.0  # fp32 shards, the optimizer's main params

@@ -73,6 +73,27 @@ _accumulate = maybe_compiled(_add_into, dynamic=True)
 _copy = maybe_compiled(_copy_into, dynamic=True)
 
 
+def bucket_size(ddp_config: DistributedDataParallelConfig, dp_size: int) -> int:
+    """Elements per gradient bucket: ``ddp_config.bucket_size``, else max(40M, 1M x DP), Megatron's
+    default for overlap (without overlap the buckets only bound how much gradient memory appears at
+    once, and are reduced at the end of the step)."""
+    if ddp_config.bucket_size is not None:
+        return ddp_config.bucket_size
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
+def bucket_lengths(numels: list[int], limit: int) -> list[int]:
+    """How many of the consecutive params of ``numels`` elements each bucket takes: a bucket closes
+    as soon as it holds ``limit`` elements or more."""
+    lengths, count, size = [], 0, 0
+    for n in numels:
+        count, size = count + 1, size + n
+        if size >= limit:
+            lengths.append(count)
+            count, size = 0, 0
+    return lengths + [count] if count else lengths
+
+
 class _Bucket:
     """A contiguous fp32 (or param-dtype) gradient slice and the parameters whose ``main_grad`` live in it.
 
@@ -248,33 +269,24 @@ class DistributedDataParallel(nn.Module):
                 )
                 for b in self.buckets
             ]
+        self._piece_of = {id(piece.param): piece for b in self.param_buffers for piece in b.pieces}
         # NCCL averages inside the collective (ncclAvg pre-multiplies each contribution by 1/DP): no
         # separate pass over the gradient buffer.
         self._avg_in_nccl = self.dp_size > 1 and dist.get_backend(self.dp_group) == "nccl"
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self._sync_enabled = True
 
-    def _bucket_size(self) -> int:
-        if self.ddp_config.bucket_size is not None:
-            return self.ddp_config.bucket_size
-        # Overlap: Megatron's default. Without overlap the buckets only bound how much gradient
-        # memory appears at once (and are reduced at the end of the step).
-        return max(40_000_000, 1_000_000 * self.dp_size)
-
     def _make_buckets(
         self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device, aliasable: frozenset[int]
     ) -> list[_Bucket]:
-        limit = self._bucket_size()
+        limit = bucket_size(self.ddp_config, self.dp_size)
 
         def cut(ordered: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-            groups, current, size = [], [], 0
-            for p in ordered:
-                current.append(p)
-                size += p.numel()
-                if size >= limit:
-                    groups.append(current)
-                    current, size = [], 0
-            return groups + [current] if current else groups
+            groups, start = [], 0
+            for length in bucket_lengths([p.numel() for p in ordered], limit):
+                groups.append(ordered[start : start + length])
+                start += length
+            return groups
 
         if self.distributed_optimizer:
             # One param dtype per bucket (its parameter buffer), and a tied embedding alone, so that
@@ -403,11 +415,8 @@ class DistributedDataParallel(nn.Module):
         grad: torch.Tensor = param.main_grad  # type: ignore[attr-defined]
         if not self.distributed_optimizer:
             return grad
-        bucket = self._bucket_of[id(param)]
-        start = bucket.offsets[id(param)]
-        lo, hi = shard_range(bucket.numel, self.dp_size, self._dp_rank())
-        first = min(max(lo - start, 0), param.numel())
-        return grad.view(-1)[first : max(first, min(hi - start, param.numel()))]
+        piece = self._piece_of.get(id(param))  # None: this rank owns no element of it
+        return grad.view(-1)[piece.start : piece.stop] if piece is not None else grad.view(-1)[:0]
 
     def scale_gradients(self, factor: float | torch.Tensor) -> None:
         for bucket in self.buckets:
