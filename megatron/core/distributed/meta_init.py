@@ -111,5 +111,4 @@ def materialize_fsdp_shards_(
             init_param_(param, name_of(name), seed, tp_rank)
     for sub in module.modules():  # FP8 scaling state starts empty (to_empty left it undefined)
         if isinstance(sub, Fp8Gemm):
-            sub.amax_history.zero_()
-            sub.initialized.zero_()
+            sub.reset_scaling_state_()

@@ -116,6 +116,12 @@ class Fp8Gemm(nn.Module):
             sink.grad = None
 
     @torch.no_grad()
+    def reset_scaling_state_(self) -> None:
+        """Empty amax history (a freshly allocated module's buffers hold whatever ``to_empty`` left)."""
+        self.amax_history.zero_()
+        self.initialized.zero_()
+
+    @torch.no_grad()
     def push_amaxes(self, amaxes: torch.Tensor) -> None:
         """``amaxes`` ([x, w, dY]) into the history."""
         push_amaxes(self.amax_history, self.initialized, amaxes)

@@ -178,11 +178,9 @@ class GPTModel(LanguageModule):
 
         self.to_empty(device="cpu" if on_cpu_first else device)
         restore_recipes()
-        with torch.no_grad():
-            for module in self.modules():  # FP8 scaling state starts empty (to_empty left it undefined)
-                if isinstance(module, Fp8Gemm) and device.type != "meta":
-                    module.amax_history.zero_()
-                    module.initialized.zero_()
+        for module in self.modules():  # FP8 scaling state starts empty (to_empty left it undefined)
+            if isinstance(module, Fp8Gemm) and device.type != "meta":
+                module.reset_scaling_state_()
         if device.type != "meta" and self.config.perform_initialization:
             self.init_weights(seed)
         if on_cpu_first:
