@@ -16,9 +16,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import CheckpointError, ShardedTensor
 from megatron.core.dist_checkpointing.torch_dist import read_dcp_metadata
+from megatron.training.checkpoint_common import FINITE_KEY
 from megatron.training.checkpoint_dirs import complete_iterations, iteration_dir, resolve, split_iteration_dir
-
-FINITE_KEY = "finite"  # common value of each checkpoint: every floating model and optimizer tensor was finite
 
 
 def _intact(ckpt_dir: str) -> dict | None:

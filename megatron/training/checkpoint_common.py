@@ -11,6 +11,20 @@ import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import CheckpointError
 
+CKPT_FORMAT = "torch_dist"
+CONTENTS_KEY = "checkpoint_contents"  # the common value listing what the checkpoint holds
+FINITE_KEY = "finite"
+# Top-level names of a checkpoint that are not the caller's extra_state.
+RESERVED_KEYS = (
+    "model",
+    "optimizer",
+    "opt_param_scheduler",
+    "rng_state",
+    "fp8_state",
+    CONTENTS_KEY,
+    FINITE_KEY,
+)
+
 # Values of the saved ``extra_state`` that a --finetune load (or a release checkpoint) sets to 0.
 RESET_ON_FINETUNE = (
     "iteration",

@@ -320,6 +320,27 @@ class CheckpointConfig:
     finetune: bool = doc(False, "Load model weights only and start from iteration 0.")
     exit_on_missing_checkpoint: bool = doc(False, "Exit with an error when --load holds no checkpoint.")
     ckpt_step: int | None = doc(None, "Load this iteration instead of the latest.")
+    async_save: bool = doc(
+        False,
+        "Write checkpoints in the background: the save copies the state to pinned host memory and training "
+        "continues while the files are written; the tracker names the checkpoint only once every rank has "
+        "finished, and the next save (or the end of training) waits for the previous one.",
+    )
+    ckpt_keep_last: int | None = doc(
+        None,
+        "Keep only the newest N checkpoints of --save: an older one is deleted once a newer one is complete. "
+        "Default: keep all.",
+    )
+    save_retain_interval: int | None = doc(
+        None,
+        "Megatron's retention: after each save, delete the previous checkpoint unless its iteration is a "
+        "multiple of this. Default: keep all.",
+    )
+    use_checkpoint_args: bool = doc(
+        False,
+        "Take the model's architecture flags (layers, sizes, heads, norms, activation, positions, tokenizer) "
+        "from the --load checkpoint before building the model; flags given on the command line win.",
+    )
     ckpt_format: str = doc(
         "torch_dist",
         "Checkpoint format. torch_dist: Megatron's distributed format, saved and loaded under any "
@@ -333,6 +354,8 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         check_positive("save_interval", self.save_interval, allow_none=True)
+        check_positive("ckpt_keep_last", self.ckpt_keep_last, allow_none=True)
+        check_positive("save_retain_interval", self.save_retain_interval, allow_none=True)
         if self.ckpt_format == "torch" and self.save:
             raise ConfigError(
                 "--ckpt-format torch with --save: saves are written as torch_dist only; drop "
@@ -378,6 +401,11 @@ class LoggerConfig:
         False,
         "Append one line to <save>/progress.txt at start-up and after every checkpoint: iteration, "
         "consumed samples, tokens and floating-point operations so far, and the job's throughput.",
+    )
+    log_batch_fingerprint: bool = doc(
+        False,
+        "Print a hash of each training step's global batch of tokens, so that a resumed run can be seen to "
+        "read the batches the uninterrupted run read (the resume block prints the first one after the load).",
     )
     log_world_size_to_tensorboard: bool = doc(
         False, "Also write the world size (number of processes) with the scalars of every logged iteration."

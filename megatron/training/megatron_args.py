@@ -65,6 +65,7 @@ MIRRORS: tuple[Mirror, ...] = (
     Mirror("fp8", "fp8_format"),
     Mirror("ddp_bucket_size", "bucket_size"),
     Mirror("ddp_average_in_collective", "average_in_collective"),
+    Mirror("use_rope_scaling", "rope_scaling"),
     _negated_switch("no_save_optim", "save_optim"),
     _negated_switch("no_save_rng", "save_rng"),
     _negated_switch("no_load_optim", "load_optim"),

@@ -104,7 +104,7 @@ RENAMED: dict[str, str] = {
 FALSE: frozenset[str] = frozenset(
     """
 accumulate_allreduce_grads_in_fp32 adlr_autoresume allow_ambiguous_pad_tokens apply_query_key_layer_scaling
-apply_residual_connection_post_layernorm apply_wd_to_qk_layernorm async_ckpt_use_cpu_shm async_save
+apply_residual_connection_post_layernorm apply_wd_to_qk_layernorm async_ckpt_use_cpu_shm
 attention_output_gate attention_softmax_in_fp32 auto_detect_ckpt_format batch_invariant_mode
 biencoder_shared_query_context_model cache_mla_latents calc_ft_timeouts check_for_large_grads
 check_for_spiky_loss checkpoint_activations ckpt_assume_constant_structure
@@ -153,11 +153,11 @@ rl_offload_inference_model_weights_when_idle rl_offload_optimizer_during_inferen
 rl_persist_cuda_graphs rl_profile rl_skip_bos_token rl_training_cuda_graphs rl_use_sequence_packing
 rl_verify_model_weights_swap rotary_interleaved run_workload_inspector_server sft squared_relu te_rng_tracker
 test_mode tokenizer_hf_no_include_special_tokens tokenizer_hf_no_use_fast tokenizer_sentencepiece_legacy
-tp_comm_overlap tp_comm_overlap_rs_dgrad trust_remote_code use_checkpoint_args use_dist_ckpt_deprecated
+tp_comm_overlap tp_comm_overlap_rs_dgrad trust_remote_code use_dist_ckpt_deprecated
 use_flash_attn use_fused_weighted_squared_relu use_grouped_gemm_for_dense_mlp
 use_grouped_gemm_for_shared_expert use_kitchen_attention use_legacy_static_engine use_megatron_fsdp
 use_mp_args_from_checkpoint_args use_mup use_one_sent_docs use_persistent_ckpt_worker
-use_precision_aware_optimizer use_ring_exchange_p2p use_rope_scaling use_sharp use_te_activation_func
+use_precision_aware_optimizer use_ring_exchange_p2p use_sharp use_te_activation_func
 use_torch_fsdp2 use_torch_optimizer_for_cpu_offload use_tp_pp_dp_mapping use_transformer_engine_op_fuser
 verify_integrity vision_pretraining
 """.split()
@@ -384,7 +384,6 @@ DEFAULTS: dict[str, Any] = {
     "rl_sequence_packing_algo": "fifo",
     "rl_sequence_packing_max_sequences_per_bin": 50,
     "rl_submission_granularity": "B",
-    "rope_scaling_factor": 8.0,
     "rotary_scaling_factor": 1.0,
     "sample_rate": 1.0,
     "sft_tokenizer_prompt_format": "nemotron-h-aligned",

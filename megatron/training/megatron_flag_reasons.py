@@ -91,7 +91,10 @@ OFFLOAD = (
     "activations are not offloaded to the CPU; --recompute-granularity full trades compute for activation "
     "memory instead"
 )
-ASYNC_KNOB = "tunes --async-save, which is not built (checkpoints are written synchronously and atomically)"
+ASYNC_KNOB = (
+    "tunes Megatron-LM's asynchronous checkpoint worker; --async-save here writes from pinned host memory in a "
+    "background thread of each rank"
+)
 LOCAL_CKPT_KNOB = (
     "tunes non-persistent local checkpoints, which are not built (--non-persistent-save-interval is refused)"
 )
@@ -149,18 +152,10 @@ OPT_DTYPES = (
     "the optimizer keeps fp32 main parameters and Adam moments (main gradients fp32, or bf16 with "
     "--grad-reduce-in-bf16); drop it, or pass fp32"
 )
-ASYNC = (
-    "asynchronous checkpoint saving is not built yet: checkpoints are written synchronously and atomically "
-    "(docs/checkpoints.md); drop it"
-)
 LOCAL_CKPT = "non-persistent (local) checkpoints are not built; use --save-interval"
-RETAIN = (
-    "checkpoint retention is not built yet: every saved checkpoint is kept; delete old iter_* directories by "
-    "hand"
-)
 CKPT_ARGS = (
-    "pass the model flags again: a checkpoint saved for a different model is refused at load with one line per "
-    "flag that differs"
+    "the parallel layout is never taken from the checkpoint (any layout loads any checkpoint); pass the sizes, "
+    "and --use-checkpoint-args for the model's flags"
 )
 CONVERT = (
     "checkpoints are not converted at load; a torch_dist checkpoint loads under any parallel layout as it is"
@@ -210,8 +205,8 @@ HYBRID = "hybrid Mamba / linear-attention models are not built; pretrain_gpt.py 
 MLA = "multi-latent attention is not built; use --group-query-attention --num-query-groups N"
 MTP = "multi-token prediction is not built"
 ROPE_VARIANTS = (
-    "only plain RoPE is built (--position-embedding-type rope with --rotary-base, --rotary-percent and "
-    "--rotary-seq-len-interpolation-factor)"
+    "only plain RoPE is built (--position-embedding-type rope with --rotary-base, --rotary-percent, "
+    "--rotary-seq-len-interpolation-factor and Llama 3's --use-rope-scaling --rope-scaling-factor)"
 )
 ATTN_VARIANTS = "this attention variant is not built (standard causal softmax attention only)"
 ACTIVATIONS = "this activation is not built; use the default GELU or --swiglu"

@@ -47,10 +47,8 @@ REFUSED_ROWS: list[ForeignFlag] = [
     """,
     ),
     *entries(REFUSED, why.OPT_DTYPES, "--use-precision-aware-optimizer"),
-    *entries(REFUSED, why.ASYNC, "--async-save"),
     *entries(REFUSED, why.LOCAL_CKPT, "--non-persistent-save-interval=1"),
-    *entries(REFUSED, why.RETAIN, "--save-retain-interval=1"),
-    *entries(REFUSED, why.CKPT_ARGS, "--use-checkpoint-args --use-mp-args-from-checkpoint-args"),
+    *entries(REFUSED, why.CKPT_ARGS, "--use-mp-args-from-checkpoint-args"),
     *entries(
         REFUSED,
         why.CONVERT,
@@ -132,7 +130,7 @@ REFUSED_ROWS: list[ForeignFlag] = [
         REFUSED,
         why.ROPE_VARIANTS,
         """
-        --use-rope-scaling --rope-scaling-factor=1 --rope-type=1 --rotary-interleaved
+        --rope-type=1 --rotary-interleaved
         --rotary-scaling-factor=1 --mrope-section=+ --no-rope-freq=1 --no-yarn-correction-range-round-to-int
         --yarn-beta-fast=1 --yarn-beta-slow=1 --yarn-correction-range-round-to-int
         --yarn-original-max-position-embeddings=1

@@ -1,9 +1,8 @@
-"""The Trainer's checkpoint I/O: what a checkpoint holds of the run (TrainState), --load and --save
+"""The Trainer's checkpoint saving: what a checkpoint holds of the run (TrainState), --save
 of the model, optimizer, scheduler and FP8 state, and the --log-progress record in the save directory.
 
 :class:`TrainerCheckpointing` is a base of :class:`megatron.training.training.Trainer`, which sets the
-attributes it declares before any of its methods runs (``_load`` is called from ``Trainer.__init__``
-once the model, optimizer and scheduler exist)."""
+attributes it declares before any of its methods runs. Loading is ``trainer_resume``'s."""
 
 from __future__ import annotations
 
@@ -14,14 +13,13 @@ import time
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.distributed.finalize_model_grads import sync_shared_embedding
-from megatron.core.fusions.fp8 import fp8_sharded_state_dict, fp8_state_loaded
+from megatron.core.fusions.fp8 import fp8_sharded_state_dict
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import ParallelState
 from megatron.training import checkpointing
 from megatron.training.arguments import RunConfig
-from megatron.training.loop_utils import gelu_change_note, model_args_for_check, print_rank_0
+from megatron.training.loop_utils import model_args_for_check, print_rank_0
 
 
 class TrainingDiverged(RuntimeError):
@@ -52,39 +50,6 @@ class TrainerCheckpointing:
     start_time: float
     flops_at_start: int  # FLOPs of the loaded state: --log-progress reports this job's throughput
     job_id: str
-
-    def _load(self) -> None:
-        ck = self.cfg.checkpoint
-        if not ck.load:
-            return
-        extra = checkpointing.load_checkpoint(
-            ck.load,
-            self.model_sharded_state_dict(),
-            self.optimizer,
-            self.scheduler,
-            parallel_state=self.pg,
-            load_optim=ck.load_optim,
-            load_rng=ck.load_rng,
-            finetune=ck.finetune,
-            ckpt_step=ck.ckpt_step,
-            rng_restore_fn=self.pg.rng_tracker.set_states,
-            exit_on_missing_checkpoint=ck.exit_on_missing_checkpoint,
-            model_args_check=model_args_for_check(self.cfg, self.padded_vocab_size),
-            log=print_rank_0,
-            fp8_state=self.fp8_sharded_state_dict(),
-        )
-        if extra is None:
-            return
-        note = gelu_change_note(extra.get("args", {}), self.cfg.model)
-        if note:
-            print_rank_0(note)
-        fp8_state_loaded(self.model)
-        sync_shared_embedding(self.model)  # the checkpoint holds the first stage's embedding only
-        if ck.finetune or not ck.load_optim:
-            self.optimizer.reload_model_params()
-        if not ck.finetune:
-            for f in dataclasses.fields(TrainState):
-                setattr(self.state, f.name, int(extra.get(f.name, 0)))
 
     def model_sharded_state_dict(self) -> dict:
         """All chunks' tensors (keys are global layer names, so any layout reads any other)."""
@@ -131,6 +96,12 @@ class TrainerCheckpointing:
                 "save it anyway"
             ) from None
         self.log_progress("saved checkpoint")
+
+    def poll_saves(self) -> None:
+        """Called between steps: finish what a save started in the background, if it is done."""
+
+    def wait_for_saves(self) -> None:
+        """Called when training ends (or stops): every save started is complete when this returns."""
 
     def log_progress(self, event: str) -> None:
         """``--log-progress``: one line appended to <save>/progress.txt by rank 0 (Megatron's progress log:

@@ -39,13 +39,13 @@ from megatron.training.memory_estimate import report_memory
 from megatron.training.metrics import MetricsWriter, format_validation
 from megatron.training.model_wrapping import grad_stats_group, model_build_device, wrap_model_chunks
 from megatron.training.profiling import OPTIMIZER_RANGE, StepProfiler
-from megatron.training.trainer_checkpointing import TrainerCheckpointing
 from megatron.training.trainer_checkpointing import TrainingDiverged as TrainingDiverged
 from megatron.training.trainer_checkpointing import TrainState as TrainState
+from megatron.training.trainer_resume import TrainerResume
 from megatron.training.validation import batch_schedule_flag, check_batch_schedule
 
 
-class Trainer(TrainerCheckpointing):
+class Trainer(TrainerResume):
     """Owns the model, optimizer, schedule, data iterators and writers of one run."""
 
     def __init__(self, cfg: RunConfig, providers):
@@ -134,6 +134,7 @@ class Trainer(TrainerCheckpointing):
             )
         self.forward_backward = get_forward_backward_func(self.pg.pp_size, len(self.model))
         (self.train_iter, self.valid_iter, self.test_iter), self.has_split = providers.data_iterators(self)
+        self.train_iter = self.wrap_train_iterator(self.train_iter)
         self.writer = MetricsWriter(is_last_rank(), **self._writer_kwargs())
         self.signal_handler = (
             DistributedSignalHandler((getattr(signal, t.exit_signal), signal.SIGINT))
@@ -413,6 +414,7 @@ class Trainer(TrainerCheckpointing):
                 flops = self.step_flops(batch)
                 self.state.consumed_train_samples += batch  # skipped (fp16 overflow) steps consume theirs too
                 self.state.num_floating_point_operations_so_far += flops
+                self.after_step(self.state.iteration)
                 interval.record(
                     losses,
                     success,
@@ -434,11 +436,13 @@ class Trainer(TrainerCheckpointing):
                     self.save()
                     last_saved = self.state.iteration
                 reason = reason or self._exit_reason(flags)
+            self.poll_saves()
             pending = step
             if pending is None and (reason is not None or self.state.iteration >= self.train_iters):
                 break
         if ck.save and last_saved != self.state.iteration:
             self.save()
+        self.wait_for_saves()
         if reason:
             print_rank_0(reason)
             return

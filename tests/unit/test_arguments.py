@@ -239,10 +239,13 @@ def test_context_and_expert_parallel_sizes_other_than_one_are_refused(capsys, fl
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["--async-save"], "--async-save: asynchronous checkpoint saving is not built yet"),
+        (
+            ["--non-persistent-save-interval", "5"],
+            "--non-persistent-save-interval 5: non-persistent (local) checkpoints are not built",
+        ),
         (["--moe-router-topk", "2"], "--moe-router-topk 2: mixture-of-experts layers are not built yet"),
         (
-            ["--checkpoint-activations", "--async-save"],
+            ["--checkpoint-activations", "--non-persistent-save-interval", "5"],
             "--checkpoint-activations: Megatron-LM removed it; use --recompute-granularity full",
         ),
         (["--fp8-output-proj", "--num-layer", "3"], "--fp8-output-proj: this FP8 setting is not built"),

@@ -238,7 +238,7 @@ def test_tracker_write_is_atomic_and_validated(tmp_path, monkeypatch):
     def failing_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt.os, "replace", failing_replace)
+    monkeypatch.setattr(os, "replace", failing_replace)
     with pytest.raises(OSError):
         ckpt.write_tracker(str(tmp_path), 200)
     monkeypatch.undo()

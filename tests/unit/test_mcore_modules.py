@@ -133,9 +133,27 @@ def test_gpt_model_takes_megatron_core_arguments():
         pg_collection=ProcessGroupCollection(),
     )
     assert model.pg.tp_size == 1
-    for kw in (dict(fp16_lm_cross_entropy=True), dict(rope_scaling=True), dict(mtp_block_spec=object())):
+    for kw in (dict(fp16_lm_cross_entropy=True), dict(mtp_block_spec=object())):
         with pytest.raises(ConfigError, match=rf"GPTModel\({next(iter(kw))}=.*not supported here"):
             _model(_cfg(), **kw)
+
+
+def test_gpt_model_rope_scaling_argument_is_the_configs():
+    """GPTModel(rope_scaling=True, rope_scaling_factor=f) runs Llama 3's scaled RoPE, as the config's
+    rope_scaling / rope_scaling_factor do; it changes the logits of a rope model."""
+    tokens = torch.randint(0, 64, (1, 16))
+    cfg = dict(position_embedding_type="rope", rotary_base=500000)
+    torch.manual_seed(0)
+    by_arg = _model(_cfg(**cfg), rope_scaling=True, rope_scaling_factor=4.0)
+    torch.manual_seed(0)
+    by_cfg = _model(_cfg(**cfg, rope_scaling=True, rope_scaling_factor=4.0))
+    torch.manual_seed(0)
+    plain = _model(_cfg(**cfg))
+    with torch.no_grad():
+        positions = torch.arange(16)[None] * 1000  # far apart: the scaled (long) wavelengths matter
+        a, b, c = (m.eval()(tokens, positions, None) for m in (by_arg, by_cfg, plain))
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
 
 
 def test_swiglu_model_loads_what_dist_checkpointing_returns(tmp_path):

@@ -112,7 +112,8 @@ def test_refusals_bad_values_and_unknown_flags_are_reported_together(capsys):
             "Foo",
             "--hidden-size",
             "x",
-            "--async-save",
+            "--non-persistent-save-interval",
+            "5",
             "--hiden-dropout",
             "0.1",
         ],
@@ -124,7 +125,7 @@ def test_refusals_bad_values_and_unknown_flags_are_reported_together(capsys):
     )  # one reason
     assert "--normalization Foo: choose one of LayerNorm, RMSNorm" in body
     assert "--hidden-size x: not a valid int" in body
-    assert "--async-save: asynchronous checkpoint saving is not built yet" in body
+    assert "--non-persistent-save-interval 5: non-persistent (local) checkpoints are not built" in body
     assert (
         "--hiden-dropout: not a flag of pretrain_gpt.py nor of Megatron-LM 0.19.2; did you mean --hidden-dropout?"
         in body
@@ -206,5 +207,5 @@ def test_help_megatron_lists_the_refused_and_accepted_flags(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "Refused, with what to use instead:" in out and "Accepted with a note: no effect here:" in out
-    for flag in ("--async-save", "--manual-gc", "--use-mcore-models", "--moe-router-topk"):
+    for flag in ("--async-strategy", "--manual-gc", "--use-mcore-models", "--moe-router-topk"):
         assert flag in out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -10,6 +12,28 @@ def inverse_frequencies(
 ) -> torch.Tensor:
     """``[rotary_dim / 2]`` fp32: channel pair ``i`` turns by ``base ** (-2i / rotary_dim)`` per position."""
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+
+
+def llama3_scaled_inverse_frequencies(
+    inv_freq: torch.Tensor,
+    factor: float = 8.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position_embeddings: int = 8192,
+) -> torch.Tensor:
+    """Llama 3.x's RoPE frequency scaling (Megatron's ``--use-rope-scaling``, Hugging Face's
+    ``rope_type: llama3``): wavelengths longer than ``original / low_freq_factor`` are divided by
+    ``factor``, shorter than ``original / high_freq_factor`` kept, and the band between interpolated
+    smoothly."""
+    wavelen = 2 * math.pi / inv_freq
+    long_wave = wavelen > original_max_position_embeddings / low_freq_factor
+    short_wave = wavelen < original_max_position_embeddings / high_freq_factor
+    scaled = torch.where(long_wave, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    return torch.where(~short_wave & ~long_wave, smoothed, scaled)
 
 
 def rotary_angles(
@@ -31,10 +55,14 @@ def rotary_cos_sin(
     rotary_dim: int,
     base: float,
     seq_len_interpolation_factor: float | None = None,
+    rope_scaling_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables for ``position_ids`` ``[b, s]``, each ``[s, b, 1, rotary_dim]`` in fp32
-    (:func:`rotary_angles` of the positions)."""
+    (:func:`rotary_angles` of the positions). ``rope_scaling_factor``: Llama 3.x's frequency scaling
+    with that factor (:func:`llama3_scaled_inverse_frequencies`); None: none."""
     inv_freq = inverse_frequencies(rotary_dim, base, position_ids.device)
+    if rope_scaling_factor is not None:
+        inv_freq = llama3_scaled_inverse_frequencies(inv_freq, factor=rope_scaling_factor)
     emb = rotary_angles(position_ids.t(), inv_freq, seq_len_interpolation_factor).unsqueeze(
         2
     )  # [s, b, 1, rd]

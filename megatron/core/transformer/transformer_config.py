@@ -107,6 +107,14 @@ class TransformerConfig(MegatronCoreTransformerFields):
         "rotation angles are computed (position p rotates as p / factor), so a model trained at S tokens "
         "covers factor x S. Only with rope. Default: none (positions as they are).",
     )
+    rope_scaling: bool = doc(
+        False,
+        "Llama 3.x's RoPE frequency scaling (Hugging Face's rope_type llama3): long wavelengths divided by "
+        "--rope-scaling-factor, with low/high frequency factors 1 and 4 over 8192 original positions. Only "
+        "with rope.",
+        flag="--use-rope-scaling",
+    )
+    rope_scaling_factor: float = doc(8.0, "The factor of --use-rope-scaling (Llama 3.1/3.2/3.3: 8 or 32).")
     hidden_dropout: float = doc(0.1, "Dropout probability on the residual branches and embeddings.")
     attention_dropout: float = doc(0.1, "Dropout probability on attention probabilities.")
     init_method_std: float = doc(

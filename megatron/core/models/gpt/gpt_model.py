@@ -45,9 +45,11 @@ class GPTModel(LanguageModule):
         sequence_parallel: overrides ``config.sequence_parallel`` when given (on only with tp > 1).
         device: where parameters live; built on the meta device and materialised there (with
             ``config.use_cpu_initialization``: materialised and initialised on the CPU, then moved).
-        fp16_lm_cross_entropy, rope_scaling, rope_scaling_factor, scatter_embedding_sequence_parallel,
-            mtp_block_spec, pg_collection: Megatron-Core's; accepted at their defaults (others refused,
-            naming the argument); ``pg_collection`` may be the default ParallelState's groups.
+        rope_scaling, rope_scaling_factor: Llama 3.x RoPE frequency scaling; override the config's
+            ``rope_scaling`` / ``rope_scaling_factor`` when given.
+        fp16_lm_cross_entropy, scatter_embedding_sequence_parallel, mtp_block_spec, pg_collection:
+            Megatron-Core's; accepted at their defaults (others refused, naming the argument);
+            ``pg_collection`` may be the default ParallelState's groups.
         execution_plan: the run's implementation choices (``execution_plan.resolve``); this model
             takes its output layer + loss path from it (the layers take theirs from the spec, e.g.
             ``get_gpt_decoder_block_plan_spec(plan)``). Default ``ExecutionPlan.plain(config)``:
@@ -84,17 +86,15 @@ class GPTModel(LanguageModule):
         seed: int | None = None,
         vp_stage: int | None = None,
         fp16_lm_cross_entropy: bool = False,
-        rope_scaling: bool = False,
-        rope_scaling_factor: float = 8.0,
+        rope_scaling: bool | None = None,
+        rope_scaling_factor: float | None = None,
         scatter_embedding_sequence_parallel: bool = True,
         mtp_block_spec: Any = None,
         pg_collection: Any = None,
         execution_plan: ExecutionPlan | None = None,
     ):
         super().__init__(config)
-        _refuse_unbuilt(
-            fp16_lm_cross_entropy, rope_scaling, scatter_embedding_sequence_parallel, mtp_block_spec
-        )
+        _refuse_unbuilt(fp16_lm_cross_entropy, scatter_embedding_sequence_parallel, mtp_block_spec)
         self.pg = _groups(parallel_state, pg_collection)
         config.check_parallel_sizes(self.pg.tp_size, self.pg.pp_size)
         plan = _plan_for(execution_plan, config, self.pg.tp_size)
@@ -117,6 +117,10 @@ class GPTModel(LanguageModule):
             config.rotary_seq_len_interpolation_factor
             if seq_len_interpolation_factor is None
             else seq_len_interpolation_factor
+        )
+        scaling = config.rope_scaling if rope_scaling is None else rope_scaling
+        self.rope_scaling_factor = (
+            (config.rope_scaling_factor if rope_scaling_factor is None else rope_scaling_factor) if scaling else None
         )
         # As in Megatron-Core, the config's sequence_parallel decides unless the argument overrides it.
         sp = (
@@ -254,7 +258,11 @@ class GPTModel(LanguageModule):
                 seq = hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
                 position_ids = torch.arange(seq, device=hidden.device).expand(hidden.shape[1], seq)
             rotary = rotary_cos_sin(
-                position_ids, self.rotary_dim, self.rotary_base, self.seq_len_interpolation_factor
+                position_ids,
+                self.rotary_dim,
+                self.rotary_base,
+                self.seq_len_interpolation_factor,
+                self.rope_scaling_factor,
             )
         seq = hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
         hidden = self.decoder(hidden, mask_for_attention(attention_mask, seq), rotary)
@@ -314,14 +322,12 @@ class GPTModel(LanguageModule):
 
 def _refuse_unbuilt(
     fp16_lm_cross_entropy: bool,
-    rope_scaling: bool,
     scatter_embedding_sequence_parallel: bool,
     mtp_block_spec: Any,
 ) -> None:
     """Megatron-Core's GPTModel arguments that ask for what is not built here raise, naming them."""
     for name, value, ok, hint in (
         ("fp16_lm_cross_entropy", fp16_lm_cross_entropy, False, "the cross entropy is computed in fp32"),
-        ("rope_scaling", rope_scaling, False, "Llama 3 RoPE scaling is not built into GPTModel"),
         (
             "scatter_embedding_sequence_parallel",
             scatter_embedding_sequence_parallel,

@@ -14,28 +14,7 @@ from torch import nn
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.tensor_parallel.mappings import group_size
-from megatron.core.transformer.rope import inverse_frequencies, rotary_angles
-
-
-def llama3_scaled_inverse_frequencies(
-    inv_freq: torch.Tensor,
-    factor: float = 8.0,
-    low_freq_factor: float = 1.0,
-    high_freq_factor: float = 4.0,
-    original_max_position_embeddings: int = 8192,
-) -> torch.Tensor:
-    """Llama 3.x's RoPE frequency scaling: wavelengths longer than ``original / low_freq_factor`` are
-    divided by ``factor``, shorter than ``original / high_freq_factor`` kept, and the band between
-    interpolated smoothly."""
-    wavelen = 2 * math.pi / inv_freq
-    long_wave = wavelen > original_max_position_embeddings / low_freq_factor
-    short_wave = wavelen < original_max_position_embeddings / high_freq_factor
-    scaled = torch.where(long_wave, inv_freq / factor, inv_freq)
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
-        high_freq_factor - low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    return torch.where(~short_wave & ~long_wave, smoothed, scaled)
+from megatron.core.transformer.rope import llama3_scaled_inverse_frequencies, inverse_frequencies, rotary_angles
 
 
 class RotaryEmbedding(nn.Module):
