@@ -18,7 +18,14 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest", "pytest-xdist", "ruff", "mypy", "transformers>=4.45", "safetensors"],  # transformers: HF conversion tests
+        "dev": [
+            "pytest",
+            "pytest-xdist",
+            "ruff",
+            "mypy",
+            "transformers>=4.45",
+            "safetensors",
+        ],  # transformers: HF conversion tests
         "wandb": ["wandb"],
         "te": ["transformer-engine[pytorch]"],
         "torchao": ["torchao>=0.16"],  # --fp8-gemm-impl torchao

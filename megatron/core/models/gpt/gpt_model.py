@@ -120,7 +120,9 @@ class GPTModel(LanguageModule):
         )
         scaling = config.rope_scaling if rope_scaling is None else rope_scaling
         self.rope_scaling_factor = (
-            (config.rope_scaling_factor if rope_scaling_factor is None else rope_scaling_factor) if scaling else None
+            (config.rope_scaling_factor if rope_scaling_factor is None else rope_scaling_factor)
+            if scaling
+            else None
         )
         # As in Megatron-Core, the config's sequence_parallel decides unless the argument overrides it.
         sp = (

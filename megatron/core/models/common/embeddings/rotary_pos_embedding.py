@@ -6,7 +6,6 @@ The angles are :mod:`megatron.core.transformer.rope`'s (the ones GPTModel applie
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -14,7 +13,11 @@ from torch import nn
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.tensor_parallel.mappings import group_size
-from megatron.core.transformer.rope import llama3_scaled_inverse_frequencies, inverse_frequencies, rotary_angles
+from megatron.core.transformer.rope import (
+    inverse_frequencies,
+    llama3_scaled_inverse_frequencies,
+    rotary_angles,
+)
 
 
 class RotaryEmbedding(nn.Module):
