@@ -46,6 +46,7 @@ class TrainerCheckpointing:
     pg: ParallelState
     state: TrainState
     padded_vocab_size: int
+    tokenizer: object
     world_size: int
     start_time: float
     flops_at_start: int  # FLOPs of the loaded state: --log-progress reports this job's throughput
@@ -56,6 +57,20 @@ class TrainerCheckpointing:
         if len(self.model) == 1:
             return self.model[0].sharded_state_dict()
         return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(self.model)}
+
+    def layout(self) -> dict:
+        """The run's parallel layout as a checkpoint records it (``args['layout']``)."""
+        m, ddp = self.cfg.model, self.cfg.ddp
+        return {
+            "world_size": self.world_size,
+            "tensor_model_parallel_size": self.pg.tp_size,
+            "pipeline_model_parallel_size": self.pg.pp_size,
+            "virtual_pipeline_model_parallel_size": len(self.model),
+            "data_parallel_size": self.pg.dp_size,
+            "sequence_parallel": bool(m.sequence_parallel),
+            "use_distributed_optimizer": bool(ddp.use_distributed_optimizer),
+            "use_torch_fsdp2": bool(ddp.use_torch_fsdp2),
+        }
 
     def fp8_sharded_state_dict(self) -> dict:
         """Delayed FP8 scaling's amax histories (empty without FP8)."""
@@ -69,6 +84,8 @@ class TrainerCheckpointing:
         checks = model_args_for_check(self.cfg, self.padded_vocab_size)
         args = {flag.lstrip("-").replace("-", "_"): value for flag, value in checks.items()}
         args["config"] = self.cfg.to_dict()
+        args["vocab_size"] = getattr(self.tokenizer, "vocab_size", None)  # unpadded, for exports
+        args["layout"] = self.layout()
         extra.update(args=args, checkpoint_version=3.0)
         check_nan = self.cfg.training.check_for_nan_in_loss_and_grad
         try:  # with the NaN check on, a state holding NaN/Inf is never saved: it cannot be trained on
