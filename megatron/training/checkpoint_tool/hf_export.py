@@ -24,8 +24,6 @@ from megatron.training.checkpoint_tool.errors import ToolError
 from megatron.training.checkpoint_tool.model_check import max_positions, model_fields
 from megatron.training.checkpoint_tool.reader import SavedCheckpoint
 
-UMASK = os.umask(0o022)
-os.umask(UMASK)
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -91,14 +89,15 @@ def unpadded_vocab(ckpt: SavedCheckpoint, given: int | None, padded: int) -> int
 def plan_export(
     ckpt: SavedCheckpoint, model_type: str | None, vocab_size: int | None, dtype: str | None
 ) -> ExportPlan:
-    """Decide the family, the vocabulary and the tensors of an export; check the checkpoint holds
-    exactly the model tensors the family has.
+    """Decide the family (``model_type``, else the one an import recorded, else derived from the
+    flags), the vocabulary and the tensors of an export; check the checkpoint holds exactly the model
+    tensors the family has.
 
     Raises:
         ToolError: the family cannot express the model, or the checkpoint's tensors do not fit it.
     """
     fields = model_fields(ckpt)
-    family = model_type or hf_families.detect_family(fields)
+    family = model_type or ckpt.common.get("hf_model_type") or hf_families.detect_family(fields)
     hf_families.check_expressible(family, fields)
     emb = ckpt.tensors.get("embedding.word_embeddings.weight")
     if emb is None:
@@ -138,6 +137,13 @@ def shard_groups(ckpt: SavedCheckpoint, plan: ExportPlan, max_bytes: int) -> lis
     return groups
 
 
+def _readable_as_umask_allows(path: str) -> None:
+    """Give ``path`` the permissions a plain ``open`` would (safetensors writes owner-only files)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_weights(ckpt: SavedCheckpoint, plan: ExportPlan, out: str, max_bytes: int) -> list[str]:
     """Write the safetensors shard(s) (and the index for more than one); return the file names."""
     groups = shard_groups(ckpt, plan, max_bytes)
@@ -156,7 +162,7 @@ def write_weights(ckpt: SavedCheckpoint, plan: ExportPlan, out: str, max_bytes: 
                 weight_map[hf_name] = name
                 total += shard[hf_name].numel() * shard[hf_name].element_size()
         save_file(shard, os.path.join(out, name), metadata={"format": "pt"})
-        os.chmod(os.path.join(out, name), 0o666 & ~UMASK)  # save_file creates it owner-only
+        _readable_as_umask_allows(os.path.join(out, name))
         del shard
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -237,6 +237,7 @@ def import_hf(hf_dir: str, out: str, dtype: str | None = None) -> dict[str, Any]
         "num_floating_point_operations_so_far": 0,
         "checkpoint_version": 3.0,
         "converted_from": os.path.abspath(hf_dir),
+        "hf_model_type": family,
         "args": saved_args(fields, max_pos, vocab, padded, tokenizer_dir),
     }
     save_checkpoint(
