@@ -250,3 +250,77 @@ def check_save_dir(path: str) -> None:
             f"--save {path} cannot be created: {ancestor} is not writable ({_why_not_writable(ancestor)}); "
             "pass a directory you can write"
         )
+
+
+def _tracked_dirs(root: str) -> list[int]:
+    """Iterations of ``root`` with a complete checkpoint named exactly ``iter_XXXXXXX``, newest first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        match = _ITER_DIR.fullmatch(name)
+        if (
+            match
+            and os.path.isdir(os.path.join(root, name))
+            and is_complete_checkpoint(os.path.join(root, name))
+        ):
+            found.append(int(match.group(1)))
+    return sorted(found, reverse=True)
+
+
+def retention_victims(
+    root: str, newest: int, previous: int | None, keep_last: int | None, retain_interval: int | None
+) -> dict[int, str]:
+    """The iterations to delete once ``newest`` is complete and tracked (``--ckpt-keep-last``,
+    ``--save-retain-interval``), with the flag that deletes each.
+
+    Only complete ``iter_XXXXXXX`` directories older than ``newest`` are candidates (a checkpoint of a
+    later iteration, left by a run that went further, is never touched). ``keep_last`` N keeps ``newest``
+    and the N - 1 newest older ones; ``retain_interval`` R deletes ``previous`` (what the tracker named
+    before ``newest``) unless its iteration is a multiple of R, and keeps every multiple of R from
+    ``keep_last`` too.
+    """
+    older = [it for it in _tracked_dirs(root) if it < newest]
+    retained = {it for it in older if retain_interval and it % retain_interval == 0}
+    victims: dict[int, str] = {}
+    if retain_interval is not None and previous in older and previous not in retained:
+        victims[previous] = f"--save-retain-interval {retain_interval}: {previous} is not a multiple of it"
+    if keep_last is not None:
+        for it in older[keep_last - 1 :]:
+            if it not in retained:
+                victims.setdefault(it, f"--ckpt-keep-last {keep_last}")
+    return dict(sorted(victims.items()))
+
+
+def delete_checkpoint(root: str, iteration: int, why: str, log: Callable[[str], None]) -> bool:
+    """Delete ``iter_XXXXXXX`` of ``root``: its ``metadata.json`` first, so that a kill while the files go
+    leaves an incomplete directory (never loaded) rather than a complete-looking, partial one. A failure
+    is a warning line (the run goes on). Returns whether it was deleted."""
+    path = iteration_dir(root, iteration)
+    marker = os.path.join(path, "metadata.json")
+    try:
+        if os.path.isfile(marker):
+            os.remove(marker)
+            fsync_dir(path)
+        shutil.rmtree(path)
+    except OSError as e:
+        log(f"warning: could not delete {path} ({why}): {e}")
+        return False
+    log(f"  deleted checkpoint {path} ({why})")
+    return True
+
+
+def apply_retention(
+    root: str,
+    newest: int,
+    previous: int | None,
+    keep_last: int | None,
+    retain_interval: int | None,
+    log: Callable[[str], None],
+) -> list[int]:
+    """Rank 0, once the tracker names ``newest``: delete what ``retention_victims`` names, one log line
+    each. Returns the deleted iterations."""
+    victims = retention_victims(root, newest, previous, keep_last, retain_interval)
+    return [it for it, why in victims.items() if delete_checkpoint(root, it, why, log)]

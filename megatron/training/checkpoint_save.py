@@ -5,6 +5,11 @@ A save writes every file into ``iter_XXXXXXX.saving`` (``metadata.json`` last), 
 ``checkpoint_dirs``), then writes the tracker file, atomically. A save killed at any point therefore
 leaves the tracker naming a complete checkpoint; a save that fails (disk full) removes what it wrote
 and ends the run with one line. Loading is ``checkpointing``'s.
+
+With an ``AsyncWriter`` (``--async-save``) the save returns once the state is staged in host memory; the
+files are written in the background and ``finish_async_save`` (between steps, once the write is done)
+writes ``metadata.json``, renames and points the tracker at it: the same protocol, so a kill at any point
+of an asynchronous save also leaves the tracker naming the previous complete checkpoint.
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import CheckpointError, CheckpointWriteError
+from megatron.core.dist_checkpointing.async_save import AsyncWriter, PendingWrite
 from megatron.training import checkpoint_dirs
 from megatron.training.checkpoint_common import (
     CKPT_FORMAT,
@@ -38,6 +45,19 @@ class NonFiniteStateError(RuntimeError):
     """``save_checkpoint(require_finite=True)`` found a NaN or Inf in the model or optimizer tensors."""
 
 
+@dataclass
+class AsyncSave:
+    """A save started by ``save_checkpoint(writer=...)``: its files are being written in the background."""
+
+    save_dir: str
+    iteration: int
+    write: PendingWrite
+
+    def done(self) -> bool:
+        """This rank's files are written (or failed): ``finish_async_save`` will not block."""
+        return self.write.done()
+
+
 def save_checkpoint(
     save_dir: str,
     iteration: int,
@@ -53,7 +73,8 @@ def save_checkpoint(
     fp8_state: dict | None = None,
     require_finite: bool = False,
     log: Callable[[str], None] = print,
-) -> None:
+    writer: AsyncWriter | None = None,
+) -> AsyncSave | None:
     """Collectively save ``iter_{iteration:07d}`` under ``save_dir``, then point the tracker at it.
 
     The files are written beside any existing checkpoint of that iteration and swapped in once
@@ -71,6 +92,9 @@ def save_checkpoint(
         fp8_state: sharded tensors of FP8 scaling state (``fusions.fp8.fp8_sharded_state_dict``).
         require_finite: refuse to save model or optimizer tensors holding NaN or Inf (otherwise they
             are saved, recorded as not finite).
+        writer: save asynchronously: return, once this rank's state is staged, the ``AsyncSave`` that
+            ``finish_async_save`` completes (the tracker still names the previous checkpoint until then).
+            None: return once the checkpoint is complete and tracked.
 
     Raises:
         ValueError: ``extra_state`` uses a reserved key, or the sharded state dict is inconsistent.
@@ -108,6 +132,8 @@ def save_checkpoint(
     barrier()
     staging = checkpoint_dirs.staging_dir(ckpt_dir)
     try:
+        if writer is not None:
+            return AsyncSave(save_dir, iteration, writer.start(state, staging, common_state=common))
         dist_checkpointing.save(state, staging, common_state=common)  # ends with metadata.json
     except CheckpointWriteError as e:
         # Every rank is past its writes: DCP reports a rank's failure to all, metadata.json is rank 0's.
@@ -118,6 +144,36 @@ def save_checkpoint(
         _publish(save_dir, ckpt_dir, iteration)
         log(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
     barrier()
+    return None
+
+
+def finish_async_save(save: AsyncSave, log: Callable[[str], None] = print) -> float:
+    """Wait for ``save``'s files (at once if ``save.done()``), then on rank 0 write ``metadata.json``,
+    rename the checkpoint into place and point the tracker at it. Not collective: rank 0's write ends
+    only once every rank's has. Returns the seconds from the start of the write to its completion.
+
+    Raises:
+        CheckpointWriteError: a file could not be written on some rank (on every rank): what was written
+            of this checkpoint is removed (rank 0) and the tracker still names the previous one.
+    """
+    ckpt_dir = get_checkpoint_name(save.save_dir, save.iteration)
+    staging = checkpoint_dirs.staging_dir(ckpt_dir)
+    is_rank0 = rank() == 0
+    try:
+        seconds = save.write.result()  # rank 0: metadata.json written
+    except CheckpointWriteError as e:
+        if is_rank0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointWriteError(
+            save.save_dir, _failed_save_reason(e, save.save_dir, save.iteration, staging)
+        ) from None
+    if is_rank0:
+        _publish(save.save_dir, ckpt_dir, save.iteration)
+        log(
+            f"  successfully saved checkpoint from iteration {save.iteration:7d} to {save.save_dir} "
+            f"(asynchronous: written in {seconds:.2f} s)"
+        )
+    return seconds
 
 
 def _state_to_save(

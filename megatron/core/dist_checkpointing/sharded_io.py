@@ -94,6 +94,43 @@ def write_sharded(
     process_group: Any = None,
 ) -> None:
     """``serialization.save`` once its arguments are checked (see there)."""
+    tensors, objects = prepare_write(
+        sharded_state_dict,
+        checkpoint_dir,
+        validate_access_integrity=validate_access_integrity,
+        preprocess_common_before_consistancy_check=preprocess_common_before_consistancy_check,
+        content_metadata=content_metadata,
+        common_state=common_state,
+        process_group=process_group,
+    )
+    dcp_save(tensors, objects, checkpoint_dir, process_group)
+    files.barrier(process_group)
+    rank0 = group_rank(process_group) == 0
+    if rank0 and verify_integrity:
+        save_integrity_manifest(checkpoint_dir)
+    if rank0:
+        files.write_metadata_json(checkpoint_dir)
+    files.barrier(process_group)
+
+
+def prepare_write(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: str,
+    *,
+    validate_access_integrity: bool = True,
+    preprocess_common_before_consistancy_check: Callable[[dict], dict] | None = None,
+    content_metadata: dict | None = None,
+    common_state: dict | None = None,
+    process_group: Any = None,
+) -> tuple[list[ShardedTensor], dict[str, Any]]:
+    """Collective: everything a save does before DCP writes. Check the state dict on every rank, make
+    ``checkpoint_dir`` (an existing ``metadata.json`` removed first: it never looks complete while being
+    overwritten); return this rank's main-replica blocks and objects (rank 0's include the common values).
+
+    Raises:
+        CheckpointError: as ``serialization.save``, before anything is written.
+        CheckpointWriteError: the directory cannot be created.
+    """
     tree = expand_factories(sharded_state_dict)
     common = strip_sharded(tree)
     common = {} if common is MISSING else common
@@ -114,18 +151,11 @@ def write_sharded(
     files.raise_if_any(errors, process_group, f"cannot save checkpoint to {checkpoint_dir}:")
     if validate_access_integrity:
         _warn_if_common_differs(common, preprocess_common_before_consistancy_check, process_group)
-    _write(leaves, common, checkpoint_dir, verify_integrity, process_group)
-
-
-def _write(
-    leaves: list, common: dict, checkpoint_dir: str, verify_integrity: bool, process_group: Any
-) -> None:
     tensors = [t for t in leaves if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
     objects = {
         o.unique_key: o.data for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)
     }
-    rank0 = group_rank(process_group) == 0
-    if rank0:
+    if group_rank(process_group) == 0:
         objects[COMMON_STATE_KEY] = common
         files.make_dir(checkpoint_dir)
         for name in (METADATA_FILE, INTEGRITY_FNAME):  # overwriting: never look complete while half-written
@@ -133,13 +163,7 @@ def _write(
                 os.remove(os.path.join(checkpoint_dir, name))
     files.barrier(process_group)
     files.make_dir(checkpoint_dir)
-    dcp_save(tensors, objects, checkpoint_dir, process_group)
-    files.barrier(process_group)
-    if rank0 and verify_integrity:
-        save_integrity_manifest(checkpoint_dir)
-    if rank0:
-        files.write_metadata_json(checkpoint_dir)
-    files.barrier(process_group)
+    return tensors, objects
 
 
 def read_sharded(

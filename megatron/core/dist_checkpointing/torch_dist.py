@@ -61,40 +61,39 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 LoadBlocks = dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]
 
 
-class _BlockSavePlanner(DefaultSavePlanner):
-    """Writes the given main-replica blocks and pickled objects; ignores DCP's ``state_dict``."""
+def save_state(tensors: list[ShardedTensor], objects: dict[str, Any]) -> dict[str, Any]:
+    """What DCP is given to write: the blocks' data in ``tensors``' order and the objects by key (the
+    state a stager copies for an asynchronous save; ``_BlockSavePlanner`` reads it back)."""
+    return {"tensors": [t.local_data().detach() for t in tensors], "objects": dict(objects)}
 
-    def __init__(self, tensors: list[ShardedTensor], objects: dict[str, Any]) -> None:
+
+class _BlockSavePlanner(DefaultSavePlanner):
+    """Writes the main-replica blocks ``tensors`` describe and the pickled objects, taking their data
+    from the state dict DCP is given (``save_state``'s layout: the original or a staged copy).
+
+    The write items (keys, offsets, shapes, tensor properties) are made from ``tensors`` when the planner
+    is built, so a staged copy (pinned host memory) is written under the same metadata as the original.
+    """
+
+    def __init__(self, tensors: list[ShardedTensor], object_keys: list[str]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._tensors = tensors
-        self._by_block: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {
-            (t.key, tuple(t.global_offset)): t.local_data() for t in tensors
-        }
-        self._objects = objects
+        self._index = {(t.key, tuple(t.global_offset)): i for i, t in enumerate(tensors)}
+        self._items = [_write_item(t) for t in tensors]
+        self._items.extend(
+            WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in object_keys
+        )
+        self._data: list[torch.Tensor] = []
+        self._objects: dict[str, Any] = {}
 
     def set_up_planner(
         self, state_dict: dict, storage_meta: Any = None, is_coordinator: bool = False
     ) -> None:
         self.state_dict = state_dict
         self.is_coordinator = is_coordinator
+        self._data, self._objects = state_dict["tensors"], state_dict["objects"]
 
     def create_local_plan(self) -> SavePlan:
-        items = []
-        for t in self._tensors:
-            offsets = torch.Size(t.global_offset)
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(t.key, offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(t.local_shape)),
-                        properties=TensorProperties.create_from_tensor(t.local_data().detach()),
-                        size=torch.Size(t.global_shape),
-                    ),
-                )
-            )
-        items.extend(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self._objects)
-        self.plan = SavePlan(items)
+        self.plan = SavePlan(list(self._items))
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
@@ -105,7 +104,20 @@ class _BlockSavePlanner(DefaultSavePlanner):
             buf.seek(0)
             return buf
         offset = tuple(write_item.index.offset or ())
-        return self._by_block[(fqn, offset)].detach()
+        return self._data[self._index[(fqn, offset)]]
+
+
+def _write_item(t: ShardedTensor) -> WriteItem:
+    offsets = torch.Size(t.global_offset)
+    return WriteItem(
+        index=MetadataIndex(t.key, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(t.local_shape)),
+            properties=TensorProperties.create_from_tensor(t.local_data().detach()),
+            size=torch.Size(t.global_shape),
+        ),
+    )
 
 
 class _BlockLoadPlanner(DefaultLoadPlanner):
@@ -281,9 +293,9 @@ def dcp_save(
     ):
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(
-            {},
+            save_state(tensors, objects),
             storage_writer=_writer(checkpoint_dir),
-            planner=_BlockSavePlanner(tensors, objects),
+            planner=_BlockSavePlanner(tensors, list(objects)),
             process_group=process_group,
             no_dist=_no_dist(),
         )
