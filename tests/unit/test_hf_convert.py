@@ -190,6 +190,12 @@ def test_sharded_bf16_export(tmp_path, capsys):
     for key, value in hf.state_dict().items():
         assert held[key].dtype == torch.bfloat16 and torch.equal(held[key], value.to(torch.bfloat16)), key
     assert json.loads((back / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    # The sharded bf16 directory reads back (through its index), keeping bf16.
+    again = tmp_path / "again"
+    assert convert("--input", str(back), "--output", str(again), "--to", "megatron") == 0
+    assert "weights in torch.bfloat16" in capsys.readouterr().out
+    ckpt = SavedCheckpoint(str(again))
+    assert ckpt.tensors["decoder.layers.1.self_attention.linear_qkv.weight"][1] == torch.bfloat16
 
 
 def _error(capsys) -> str:
@@ -282,9 +288,56 @@ def test_features_hf_cannot_express_are_named(tmp_path, capsys):
         hf_families.check_expressible("qwen2", {**base, "add_bias_linear": True})
 
 
-def _imported(tmp_path, capsys) -> SavedCheckpoint:
-    src, ours = tmp_path / "hf", tmp_path / "ours"
-    make_hf("llama", tie_word_embeddings=True).save_pretrained(src)
+def _imported(tmp_path, capsys, src=None) -> SavedCheckpoint:
+    """Our checkpoint of ``src`` (default: a new tied Llama), converted without the check."""
+    ours = tmp_path / "ours"
+    if src is None:
+        src = tmp_path / "hf"
+        make_hf("llama", tie_word_embeddings=True).save_pretrained(src)
     assert convert("--input", str(src), "--output", str(ours), "--to", "megatron", "--no-check") == 0
     capsys.readouterr()
     return SavedCheckpoint(str(ours))
+
+
+def test_pytorch_model_bin_with_base_model_names(tmp_path, capsys):
+    """GPT-2 as the original hub files store it: pytorch_model.bin, names without ``transformer.``."""
+    hf = make_hf("gpt2")
+    src, ours = tmp_path / "hf", tmp_path / "ours"
+    hf.config.save_pretrained(src)
+    bare = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    torch.save(bare, src / "pytorch_model.bin")
+    assert convert("--input", str(src), "--output", str(ours), "--to", "megatron") == 0
+    assert "logits check: largest absolute logit difference" in capsys.readouterr().out
+    ckpt = SavedCheckpoint(str(ours))
+    assert torch.equal(ckpt.read("embedding.position_embeddings.weight"), hf.transformer.wpe.weight.detach())
+
+
+def test_layernorm_1p_is_folded_on_export(tmp_path, capsys):
+    """A model with --apply-layernorm-1p (norms scale by 1 + w) exports with w + 1 as HF's norm weight,
+    in fp32 and in bf16 (rounded as our bf16 model computes 1 + w)."""
+    from megatron.training.checkpoint_tool import hf_import
+    from megatron.training.checkpointing import save_checkpoint
+
+    hf = make_hf("llama", tie_word_embeddings=False)
+    src, one_p = tmp_path / "hf", tmp_path / "one_p"
+    hf.save_pretrained(src)
+    ckpt = _imported(tmp_path, capsys, src)
+    fields = {**model_check.model_fields(ckpt), "apply_layernorm_1p": True}
+    model = model_check.empty_model(fields, 256, 64, torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = ckpt.read(name).reshape(param.shape)
+            param.copy_(value - 1 if name.endswith("layernorm.weight") else value)
+    extra = dict(ckpt.common, args=hf_import.saved_args(fields, 64, 200, 256, None))
+    for key in ("checkpoint_contents", "finite"):
+        extra.pop(key, None)
+    save_checkpoint(
+        str(one_p), 0, model.sharded_state_dict(), extra_state=extra, save_optim=False, save_rng=False
+    )
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / f"back_{dtype}"
+        assert convert("--input", str(one_p), "--output", str(out), "--to", "hf", "--dtype", dtype) == 0
+        assert "logits check: largest absolute logit difference" in capsys.readouterr().out
+        norm = load_file(out / "model.safetensors")["model.layers.0.input_layernorm.weight"]
+        want = hf.model.layers[0].input_layernorm.weight.detach().to(norm.dtype)
+        torch.testing.assert_close(norm, want, atol=1e-6 if dtype == "float32" else 8e-3, rtol=0)

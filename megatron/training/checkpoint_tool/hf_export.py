@@ -156,9 +156,10 @@ def write_weights(ckpt: SavedCheckpoint, plan: ExportPlan, out: str, max_bytes: 
     for name, group in zip(names, groups):
         shard: dict[str, torch.Tensor] = {}
         for piece in group:
-            converted = piece.to_hf([ckpt.read(k) for k in piece.ours])
+            # Cast first: a fold (1 + w of --apply-layernorm-1p) rounds as a model in that dtype does.
+            converted = piece.to_hf([ckpt.read(k, plan.dtype) for k in piece.ours])
             for hf_name, t in zip(piece.theirs, converted):
-                shard[hf_name] = t.to(plan.dtype).contiguous()
+                shard[hf_name] = t.contiguous()
                 weight_map[hf_name] = name
                 total += shard[hf_name].numel() * shard[hf_name].element_size()
         save_file(shard, os.path.join(out, name), metadata={"format": "pt"})
@@ -207,6 +208,8 @@ def write_configs(ckpt: SavedCheckpoint, plan: ExportPlan, out: str, tokenizer: 
     if eos is None:
         eos = bos
     max_pos = max(max_positions(ckpt), int(ckpt.config.get("training", {}).get("seq_length") or 0))
+    if plan.family == "gpt2":  # the learned table's rows
+        max_pos = ckpt.tensors["embedding.position_embeddings.weight"][0][0]
     config = hf_families.hf_config(
         plan.family, plan.fields, plan.vocab, max_pos, dtype_name(plan.dtype), bos, eos
     )

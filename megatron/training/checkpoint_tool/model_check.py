@@ -79,15 +79,20 @@ def empty_model(fields: dict[str, Any], padded_vocab: int, max_pos: int, dtype: 
 
 def ours_from_checkpoint(ckpt: SavedCheckpoint, round_to: torch.dtype | None = None) -> GPTModel:
     """Our model with the checkpoint's weights, in fp32 and eval mode. ``round_to``: each weight
-    first rounded to that dtype (what an export in that dtype holds)."""
+    first rounded to that dtype (what an export in that dtype holds); with --apply-layernorm-1p the
+    norms' scales ``1 + w`` are rounded to it too, as a model in that dtype computes them (and as the
+    export stores them)."""
     fields = model_fields(ckpt)
     padded = ckpt.tensors["embedding.word_embeddings.weight"][0][0]
     model = empty_model(fields, padded, max_positions(ckpt), torch.float32)
+    one_p = bool(fields.get("apply_layernorm_1p"))
     with torch.no_grad():
         for name, param in model.named_parameters():
             value = ckpt.read(model.global_param_name(name))
             if round_to is not None:
                 value = value.to(round_to)
+                if one_p and name.endswith("layernorm.weight"):
+                    value = (value + 1).float() - 1  # exact in fp32: the scale is round_to's 1 + w
             param.copy_(value.reshape(param.shape).float())
     return model.eval()
 
