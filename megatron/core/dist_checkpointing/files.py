@@ -6,7 +6,9 @@ are one pickled object ``common_state`` inside the DCP checkpoint.
 
 A file that cannot be written (disk full, quota, permissions) is a ``CheckpointWriteError``; a checkpoint
 to load whose files are missing, truncated or unreadable is a ``CheckpointReadError``; both are one line
-naming the file, raised before any tensor is read when the damage can be seen from the file sizes.
+naming the file, raised before any tensor is read when the damage can be seen from ``.metadata`` and
+the file sizes (``consistency``: chunks without a file, chunks not covering their tensor, contents the
+common state lists but ``.metadata`` lacks; ``torch_dist.file_problems``: files missing or truncated).
 """
 
 from __future__ import annotations
@@ -18,17 +20,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.consistency import (
+    COMMON_STATE_KEY,
+    CONTENTS_KEY,
+    contents_problems,
+    index_problems,
+    read_metadata,
+)
 from megatron.core.dist_checkpointing.errors import CheckpointError, CheckpointReadError, CheckpointWriteError
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.state_tree import iter_sharded
-from megatron.core.dist_checkpointing.torch_dist import dcp_load, file_problems, read_dcp_metadata
+from megatron.core.dist_checkpointing.torch_dist import dcp_load, file_problems
 
 METADATA_FILE = "metadata.json"
 SHARDED_BACKEND = "torch_dist"
 SHARDED_BACKEND_VERSION = 1
 FORMAT_MAGIC = "megatron-dist-checkpoint"
 FORMAT_VERSION = 1
-COMMON_STATE_KEY = "common_state"
 
 
 def sharded_tensors(tree: Any) -> list[ShardedTensor]:
@@ -173,21 +181,32 @@ def make_dir(checkpoint_dir: str) -> None:
 
 
 def check_files(checkpoint_dir: str, keys: set[str] | None = None) -> Any:
-    """Check that the files holding ``keys`` (default: every file) are all there and as long as the
-    checkpoint's ``.metadata`` records; return that metadata.
+    """Check that ``.metadata`` is readable and records a file for every saved chunk of ``keys``
+    (default: every key, and then also that each tensor's chunks tile it), and that those files are
+    all there and as long as ``.metadata`` records; return that metadata.
 
     Raises:
-        CheckpointReadError: ``.metadata`` or a data file is missing, truncated or unreadable; names the first.
+        CheckpointReadError: ``.metadata`` or a data file is missing, truncated or unreadable, or
+            ``.metadata`` cannot serve a key; names the first file.
     """
-    md = read_dcp_metadata(checkpoint_dir)
-    raise_file_problems(checkpoint_dir, md, keys)
+    md = read_metadata(checkpoint_dir)
+    raise_file_problems(checkpoint_dir, md, keys, coverage=keys is None)
     return md
 
 
-def raise_file_problems(checkpoint_dir: str, md: Any, keys: set[str] | None) -> None:
-    problems = file_problems(checkpoint_dir, md, keys)
+def checkpoint_problems(
+    checkpoint_dir: str, md: Any, keys: set[str] | None = None, coverage: bool = True
+) -> list[str]:
+    """Every problem of ``.metadata`` (``consistency.index_problems``) and of the data files (those of
+    ``keys``, default all) that can be seen without reading a tensor: one line each, naming the file."""
+    return index_problems(checkpoint_dir, md, keys, coverage) + file_problems(checkpoint_dir, md, keys)
+
+
+def raise_file_problems(checkpoint_dir: str, md: Any, keys: set[str] | None, coverage: bool = False) -> None:
+    """Raises CheckpointReadError naming the first of ``checkpoint_problems`` (if any)."""
+    problems = checkpoint_problems(checkpoint_dir, md, keys, coverage)
     if problems:
-        more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise CheckpointReadError(f"{problems[0]}{more}: the checkpoint is damaged")
 
 
@@ -195,8 +214,23 @@ def load_common_state(checkpoint_dir: str) -> dict:
     """The plain (non-sharded) values of a checkpoint, read locally by the calling rank alone.
 
     Raises:
-        CheckpointError: not a complete checkpoint; CheckpointReadError: the file holding them is damaged.
+        CheckpointError: not a complete checkpoint; CheckpointReadError: the file holding them is
+            damaged, or a content they list is not in ``.metadata``.
     """
     read_metadata_json(checkpoint_dir)
-    check_files(checkpoint_dir, {COMMON_STATE_KEY})
-    return dcp_load({}, [COMMON_STATE_KEY], checkpoint_dir, no_dist=True)[COMMON_STATE_KEY]
+    md = check_files(checkpoint_dir, {COMMON_STATE_KEY})
+    common = dcp_load({}, [COMMON_STATE_KEY], checkpoint_dir, no_dist=True)[COMMON_STATE_KEY]
+    raise_contents_problems(checkpoint_dir, md, common)
+    return common
+
+
+def raise_contents_problems(checkpoint_dir: str, md: Any, common: dict) -> None:
+    """For a checkpoint whose common state lists its contents (``checkpoint_contents``: one that
+    ``save_checkpoint`` wrote, every tensor covered): raises CheckpointReadError when ``.metadata``
+    cannot serve one of its keys or holds no key of a listed content."""
+    if CONTENTS_KEY not in common:
+        return
+    problems = index_problems(checkpoint_dir, md) + contents_problems(checkpoint_dir, md, common)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise CheckpointReadError(f"{problems[0]}{more}: the checkpoint is damaged")
