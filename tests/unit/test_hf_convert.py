@@ -316,24 +316,13 @@ def test_layernorm_1p_is_folded_on_export(tmp_path, capsys):
     """A model with --apply-layernorm-1p (norms scale by 1 + w) exports with w + 1 as HF's norm weight,
     in fp32 and in bf16 (rounded as our bf16 model computes 1 + w)."""
     from megatron.training.checkpoint_tool import hf_import
-    from megatron.training.checkpointing import save_checkpoint
 
     hf = make_hf("llama", tie_word_embeddings=False)
     src, one_p = tmp_path / "hf", tmp_path / "one_p"
     hf.save_pretrained(src)
     ckpt = _imported(tmp_path, capsys, src)
     fields = {**model_check.model_fields(ckpt), "apply_layernorm_1p": True}
-    model = model_check.empty_model(fields, 256, 64, torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            value = ckpt.read(name).reshape(param.shape)
-            param.copy_(value - 1 if name.endswith("layernorm.weight") else value)
-    extra = dict(ckpt.common, args=hf_import.saved_args(fields, 64, 200, 256, None))
-    for key in ("checkpoint_contents", "finite"):
-        extra.pop(key, None)
-    save_checkpoint(
-        str(one_p), 0, model.sharded_state_dict(), extra_state=extra, save_optim=False, save_rng=False
-    )
+    _resave(ckpt, one_p, fields, hf_import.saved_args(fields, 64, 200, 256, None), norm_shift=-1.0)
     for dtype in ("float32", "bfloat16"):
         out = tmp_path / f"back_{dtype}"
         assert convert("--input", str(one_p), "--output", str(out), "--to", "hf", "--dtype", dtype) == 0
@@ -341,3 +330,38 @@ def test_layernorm_1p_is_folded_on_export(tmp_path, capsys):
         norm = load_file(out / "model.safetensors")["model.layers.0.input_layernorm.weight"]
         want = hf.model.layers[0].input_layernorm.weight.detach().to(norm.dtype)
         torch.testing.assert_close(norm, want, atol=1e-6 if dtype == "float32" else 8e-3, rtol=0)
+
+
+def _resave(ckpt: SavedCheckpoint, path, fields: dict, args: dict, norm_shift: float = 0.0) -> None:
+    """``ckpt``'s weights saved again under ``path`` as a model of ``fields`` with ``args`` (norm
+    weights shifted by ``norm_shift``), through the training's save_checkpoint."""
+    from megatron.training.checkpointing import save_checkpoint
+
+    model = model_check.empty_model(fields, ckpt.args["padded_vocab_size"], 64, torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = ckpt.read(name).reshape(param.shape)
+            param.copy_(value + norm_shift if name.endswith("layernorm.weight") else value)
+    extra = {k: v for k, v in ckpt.common.items() if k not in ("checkpoint_contents", "finite")}
+    extra["args"] = args
+    save_checkpoint(
+        str(path), 0, model.sharded_state_dict(), extra_state=extra, save_optim=False, save_rng=False
+    )
+
+
+def test_unrecorded_vocabulary_size(tmp_path, capsys):
+    """Without args['vocab_size'] the size comes from --vocab-size or the saved tokenizer; else one line."""
+    ckpt = _imported(tmp_path, capsys)
+    fields = model_check.model_fields(ckpt)
+    args = {k: v for k, v in ckpt.args.items() if k != "vocab_size"}
+    _resave(ckpt, tmp_path / "bare", fields, args)
+    out = ["--output", str(tmp_path / "x"), "--to", "hf"]
+    assert convert("--input", str(tmp_path / "bare"), *out) == 2
+    assert "pass --vocab-size N" in _error(capsys)
+    assert convert("--input", str(tmp_path / "bare"), *out, "--vocab-size", "200") == 0
+    assert json.loads((tmp_path / "x" / "config.json").read_text())["vocab_size"] == 200
+    null = {"tokenizer_type": "NullTokenizer", "vocab_size": 200}
+    _resave(ckpt, tmp_path / "null", fields, {**args, "config": {**args["config"], "tokenizer": null}})
+    assert convert("--input", str(tmp_path / "null"), "--output", str(tmp_path / "y"), "--to", "hf") == 0
+    assert json.loads((tmp_path / "y" / "config.json").read_text())["vocab_size"] == 200
+    capsys.readouterr()
