@@ -136,6 +136,7 @@ def load_checkpoint(
     parallel_state: Any = None,
     rng_restore_fn: Callable[[Any], None] | None = None,
     fp8_state: dict | None = None,
+    check_common: Callable[[dict, str], None] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict | None:
     """Collectively load the newest (or ``ckpt_step``) checkpoint of ``load_dir`` in place.
@@ -150,6 +151,13 @@ def load_checkpoint(
     the checkpoint was saved under another (tp, pp) layout (then a line says so). ``fp8_state`` (the
     FP8 amax histories, filled in place) where the checkpoint holds them with the same history
     length, unless ``finetune``; otherwise a line says they restart.
+
+    A checkpoint converted from another format (its common values name ``converted_from``: it holds
+    weights only) is loaded as ``finetune`` loads any checkpoint, with a line saying so: its weights,
+    and the run starts at iteration 0 (as Megatron treats a ``release`` checkpoint).
+
+    ``check_common(common, ckpt_dir)`` is called on every rank with the checkpoint's common values
+    before any tensor is read (torch_dist checkpoints only); it may raise to refuse the load.
 
     Returns:
         The saved ``extra_state`` (with iteration, consumed samples and FLOPs reset to 0 when
@@ -186,11 +194,16 @@ def load_checkpoint(
     is_rank0 = rank() == 0
     if is_rank0:
         log(f"loading checkpoint from {load_dir} at iteration {iteration}")
-    restore_optim = optimizer is not None and load_optim and not finetune
     say = log if is_rank0 else quiet
     try:
-        common = _load_state(
+        common = dist_checkpointing.load_common_state(ckpt_dir)
+        finetune = finetune or _weights_only(common, ckpt_dir, say)
+        restore_optim = optimizer is not None and load_optim and not finetune
+        if check_common is not None:
+            check_common(common, ckpt_dir)
+        _load_state(
             ckpt_dir,
+            common,
             model_sharded_state_dict,
             optimizer if restore_optim else None,
             opt_param_scheduler,
@@ -214,17 +227,29 @@ def load_checkpoint(
     return extra
 
 
+def _weights_only(common: dict, ckpt_dir: str, log: Callable[[str], None]) -> bool:
+    """A converted checkpoint (``converted_from``): weights only, loaded as with --finetune; says so."""
+    source = common.get("converted_from")
+    if not source:
+        return False
+    log(
+        f"note: {ckpt_dir} was converted from {source} and holds weights only (no optimizer, RNG or "
+        "scheduler state): loading its weights and starting at iteration 0"
+    )
+    return True
+
+
 def _load_state(
     ckpt_dir: str,
+    common: dict,
     model_sharded_state_dict: dict,
     optimizer: Any,
     opt_param_scheduler: Any,
     model_args_check: dict[str, Any] | None,
     log: Callable[[str], None],
-) -> dict:
-    """Check the saved args, fill the model (and, given one, the optimizer and scheduler) in place;
-    return the checkpoint's common values."""
-    common = dist_checkpointing.load_common_state(ckpt_dir)
+) -> None:
+    """Check the saved args (``common["args"]``), fill the model (and, given one, the optimizer and
+    scheduler) in place."""
     if model_args_check:
         check_model_args(common.get("args", {}), model_args_check, ckpt_dir, log)
     if common.get(FINITE_KEY) is False:
@@ -250,7 +275,6 @@ def _load_state(
         optimizer.load_sharded_state_dict(loaded["optimizer"])
         if opt_param_scheduler is not None and "opt_param_scheduler" in common:
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
-    return common
 
 
 def _load_fp8_state(ckpt_dir: str, fp8_state: dict, log: Callable[[str], None]) -> None:

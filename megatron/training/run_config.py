@@ -22,6 +22,7 @@ from megatron.core.config_utils import ConfigError, flag_default
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training import checkpoint_args
 from megatron.training.config import (
     CheckpointConfig,
     DataConfig,
@@ -376,9 +377,14 @@ def _build(cls, ns: dict, **derived):
 
 
 def configs_from_namespace(ns: dict) -> RunConfig:
-    """Build (and so validate) every config from parsed flag values; raises ValueError on user errors."""
+    """Build (and so validate) every config from parsed flag values; raises ValueError on user errors.
+    With --use-checkpoint-args, the architecture flags not given are first read from the --load
+    checkpoint (``checkpoint_args``; its note line in ``notes``)."""
     ns = dict(ns)
     _apply_aliases(ns)
+    taken = []
+    if ns.get("use_checkpoint_args"):
+        taken = checkpoint_args.fill_from_checkpoint(ns, ns.get("load"), ns.get("ckpt_step"))
     for required in REQUIRED:
         if ns.get(required) is None:
             raise ConfigError(f"--{required.replace('_', '-')} is required")
@@ -403,6 +409,7 @@ def configs_from_namespace(ns: dict) -> RunConfig:
                 optimizer.optimizer == "adam" and optimizer.use_fused_adam and not model.fp16
             ),
         ),
+        notes=taken,
     )
 
 
@@ -415,7 +422,7 @@ def run_config_from_values(values: dict, notes: list[str], world_size: int | Non
     """
     try:
         cfg = configs_from_namespace(values)
-        notes = list(notes)
+        notes = [*notes, *cfg.notes]
         if cfg.model.sequence_parallel and cfg.model.tensor_model_parallel_size == 1:
             cfg.model.sequence_parallel = False  # as Megatron-LM does
             notes.append("note: --sequence-parallel is off: it needs --tensor-model-parallel-size > 1")
