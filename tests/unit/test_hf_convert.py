@@ -166,6 +166,18 @@ def test_tokenizer_is_carried_both_ways(tmp_path, capsys):
     again = transformers.AutoTokenizer.from_pretrained(back)
     assert again.encode("t5 t7 t198", add_special_tokens=False) == [5, 7, 198]
     assert json.loads((back / "config.json").read_text())["eos_token_id"] == 199
+    # A run whose --tokenizer-model is a bare tokenizer.json: eos is the eod our tokenizer finds.
+    bare = tmp_path / "bare.json"
+    tok.save(str(bare))
+    ckpt = SavedCheckpoint(str(ours))
+    hf_tok = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(bare)}
+    args = {**ckpt.args, "config": {**ckpt.args["config"], "tokenizer": hf_tok}}
+    _resave(ckpt, tmp_path / "ours_bare", model_check.model_fields(ckpt), args)
+    assert (
+        convert("--input", str(tmp_path / "ours_bare"), "--output", str(tmp_path / "b2"), "--to", "hf") == 0
+    )
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "b2").eos_token == "</s>"
+    assert json.loads((tmp_path / "b2" / "config.json").read_text())["eos_token_id"] == 199
     capsys.readouterr()
 
 

@@ -172,20 +172,31 @@ def write_weights(ckpt: SavedCheckpoint, plan: ExportPlan, out: str, max_bytes: 
     return names
 
 
+def _hf_tokenizer(path: str) -> Any:
+    """A ``transformers`` tokenizer of ``--tokenizer-model`` ``path``: a directory AutoTokenizer reads,
+    else its (or the file's) ``tokenizer.json`` with the end-of-document token our
+    HuggingFaceTokenizer finds as eos."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from megatron.core.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(path)
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    ours = HuggingFaceTokenizer(file)
+    tok = PreTrainedTokenizerFast(tokenizer_file=file)
+    eos = tok.convert_ids_to_tokens(ours.eod)
+    tok.add_special_tokens({"eos_token": eos, "bos_token": eos})
+    return tok
+
+
 def _tokenizer(ckpt: SavedCheckpoint) -> tuple[Any, str]:
     """(a ``transformers`` tokenizer of the run, or None; a line saying what was done)."""
     cfg = ckpt.config.get("tokenizer") or {}
     kind = cfg.get("tokenizer_type")
     try:
         if kind == "HuggingFaceTokenizer" and cfg.get("tokenizer_model"):
-            path = cfg["tokenizer_model"]
-            if os.path.isfile(path):
-                from transformers import PreTrainedTokenizerFast
-
-                return PreTrainedTokenizerFast(tokenizer_file=path), f"tokenizer: saved from {path}"
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(path), f"tokenizer: saved from {path}"
+            return _hf_tokenizer(cfg["tokenizer_model"]), f"tokenizer: saved from {cfg['tokenizer_model']}"
         if kind == "GPT2BPETokenizer" and cfg.get("vocab_file") and cfg.get("merge_file"):
             from transformers import PreTrainedTokenizerFast
 
@@ -194,7 +205,7 @@ def _tokenizer(ckpt: SavedCheckpoint) -> tuple[Any, str]:
             bpe = load_byte_level_bpe(cfg["vocab_file"], cfg["merge_file"])
             tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOD_TOKEN, eos_token=EOD_TOKEN)
             return tok, f"tokenizer: GPT-2 BPE from {cfg['vocab_file']} and {cfg['merge_file']}"
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError) as e:  # moved or unreadable files: the weights still export
         return None, f"tokenizer: not written ({kind} files could not be read: {e})"
     if not kind:
         return None, "tokenizer: not written (the checkpoint records no tokenizer)"
