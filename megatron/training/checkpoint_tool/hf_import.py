@@ -210,6 +210,29 @@ def model_flags(fields: dict[str, Any], max_pos: int, padded: int) -> list[str]:
     return flags
 
 
+def _report(
+    hf_dir: str, flags: list[str], tokenizer_dir: str | None, vocab: int, padded: int, window: int | None
+) -> None:
+    """Print the flags of the imported model and what a user must know to train it."""
+    if window is not None:
+        print(
+            f"note: config.json sliding_window {window}: attention here is full causal attention, the same "
+            f"function for sequences up to {window} tokens",
+            flush=True,
+        )
+    print("pretrain_gpt.py model flags (or --use-checkpoint-args):", flush=True)
+    print("  " + " ".join(flags), flush=True)
+    if tokenizer_dir:
+        print(f"  --tokenizer-type HuggingFaceTokenizer --tokenizer-model {tokenizer_dir}", flush=True)
+    else:
+        print(f"note: {hf_dir} holds no tokenizer.json; pass your tokenizer's flags", flush=True)
+    print(
+        f"note: the vocabulary of {vocab} is padded to {padded} rows (a multiple of {MAKE_VOCAB_SIZE_DIVISIBLE_BY}); "
+        f"keep --padded-vocab-size {padded} at any --tensor-model-parallel-size that divides it",
+        flush=True,
+    )
+
+
 def import_hf(hf_dir: str, out: str, dtype: str | None = None) -> dict[str, Any]:
     """Write our checkpoint of the HF model in ``hf_dir`` to the save directory ``out`` (iteration 0).
 
@@ -248,23 +271,7 @@ def import_hf(hf_dir: str, out: str, dtype: str | None = None) -> dict[str, Any]
         f"converted {hf_dir} ({hf_families.ARCHITECTURES[family]}, weights in {weights_dtype}) to {out}",
         flush=True,
     )
-    if window is not None and window < max_pos:
-        print(
-            f"note: config.json sliding_window {window}: attention here is full causal attention, the same "
-            f"function for sequences up to {window} tokens",
-            flush=True,
-        )
-    print("pretrain_gpt.py model flags (or --use-checkpoint-args):", flush=True)
-    print("  " + " ".join(flags), flush=True)
-    if tokenizer_dir:
-        print(f"  --tokenizer-type HuggingFaceTokenizer --tokenizer-model {tokenizer_dir}", flush=True)
-    else:
-        print(f"note: {hf_dir} holds no tokenizer.json; pass your tokenizer's flags", flush=True)
-    print(
-        f"note: the vocabulary of {vocab} is padded to {padded} rows (a multiple of {MAKE_VOCAB_SIZE_DIVISIBLE_BY}); "
-        f"keep --padded-vocab-size {padded} at any --tensor-model-parallel-size that divides it",
-        flush=True,
-    )
+    _report(hf_dir, flags, tokenizer_dir, vocab, padded, window if window and window < max_pos else None)
     return {
         "family": family,
         "fields": fields,
