@@ -273,3 +273,28 @@ def test_finetune_no_optim_and_rng_layout_change(tmp_path):
     two_tp = SimpleNamespace(tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, dp_rank=0)
     ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), parallel_state=two_tp, log=lines.append)
     assert any(line.startswith("not loading RNG state") for line in lines)
+
+
+def test_converted_checkpoint_loads_its_weights_as_iteration_0(tmp_path):
+    """A checkpoint converted from another format (``converted_from``, no optimizer, RNG or scheduler
+    state) continues as iteration 0 without --finetune: its weights, the optimizer untouched."""
+    model, _, _ = _setup()
+    extra = {**_extra(0), "converted_from": "/hf/llama"}
+    ckpt.save_checkpoint(
+        str(tmp_path), 0, _model_sd(model), extra_state=extra, save_optim=False, save_rng=False, log=print
+    )
+    model2, opt2, sched2 = _setup(seed=1)
+    lines: list[str] = []
+    got = ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), opt2, sched2, log=lines.append)
+    assert got["iteration"] == 0 and got["converted_from"] == "/hf/llama"
+    assert not opt2.loaded and sched2.num_steps == 100
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(model2.state_dict()[k], v, rtol=0, atol=0)
+    (note,) = [ln for ln in lines if ln.startswith("note:")]
+    assert "converted from /hf/llama and holds weights only" in note and "iteration 0" in note
+    # Without the marker, the same checkpoint is refused for lack of optimizer state, as before.
+    ckpt.save_checkpoint(
+        str(tmp_path), 1, _model_sd(model), extra_state=_extra(1), save_optim=False, save_rng=False, log=print
+    )
+    with pytest.raises(CheckpointError, match="holds no optimizer state"):
+        ckpt.load_checkpoint(str(tmp_path), _model_sd(model2), opt2, sched2, log=lines.append)
