@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from megatron.core.tokenizer import build_tokenizer
+from megatron.core.tokenizer.gpt2_bpe import EOD_TOKEN, load_byte_level_bpe
+from megatron.core.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 from megatron.training.checkpoint_tool import hf_families, hf_weights
 from megatron.training.checkpoint_tool.errors import ToolError
 from megatron.training.checkpoint_tool.model_check import max_positions, model_fields
@@ -70,11 +72,9 @@ def unpadded_vocab(ckpt: SavedCheckpoint, given: int | None, padded: int) -> int
     vocab = given or ckpt.args.get("vocab_size")
     if not vocab:
         try:
-            from megatron.core.tokenizer import build_tokenizer
-
             cfg = ckpt.config.get("tokenizer") or {}
             vocab = build_tokenizer(type("TokenizerConfig", (), cfg)).vocab_size
-        except Exception:  # any failure means the same: the size is not known
+        except (ValueError, OSError, ImportError):  # missing or moved files: the size is not known
             vocab = None
     if not vocab:
         raise ToolError(
@@ -146,6 +146,8 @@ def _readable_as_umask_allows(path: str) -> None:
 
 def write_weights(ckpt: SavedCheckpoint, plan: ExportPlan, out: str, max_bytes: int) -> list[str]:
     """Write the safetensors shard(s) (and the index for more than one); return the file names."""
+    from safetensors.torch import save_file
+
     groups = shard_groups(ckpt, plan, max_bytes)
     n = len(groups)
     names = (
@@ -178,8 +180,6 @@ def _hf_tokenizer(path: str) -> Any:
     HuggingFaceTokenizer finds as eos."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from megatron.core.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
-
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
         return AutoTokenizer.from_pretrained(path)
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -199,8 +199,6 @@ def _tokenizer(ckpt: SavedCheckpoint) -> tuple[Any, str]:
             return _hf_tokenizer(cfg["tokenizer_model"]), f"tokenizer: saved from {cfg['tokenizer_model']}"
         if kind == "GPT2BPETokenizer" and cfg.get("vocab_file") and cfg.get("merge_file"):
             from transformers import PreTrainedTokenizerFast
-
-            from megatron.core.tokenizer.gpt2_bpe import EOD_TOKEN, load_byte_level_bpe
 
             bpe = load_byte_level_bpe(cfg["vocab_file"], cfg["merge_file"])
             tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOD_TOKEN, eos_token=EOD_TOKEN)
