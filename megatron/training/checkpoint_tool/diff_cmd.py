@@ -21,6 +21,8 @@ import torch
 from megatron.core.dist_checkpointing.consistency import component
 from megatron.training.checkpoint_tool.errors import ToolError
 from megatron.training.checkpoint_tool.reader import SavedCheckpoint
+from megatron.training.config_sections import flag_name
+from megatron.training.run_config import RunConfig
 
 # Common values that are not compared as values: the args (compared as flags), the tensors' own record.
 _NOT_VALUES = ("args",)
@@ -72,9 +74,6 @@ def _compared(key: str, model_only: bool) -> bool:
 
 def _flag_of_fields() -> dict[tuple[str, str], str | None]:
     """(RunConfig section, field) -> its flag (None: not a flag)."""
-    from megatron.training.config_sections import flag_name
-    from megatron.training.run_config import RunConfig
-
     out: dict[tuple[str, str], str | None] = {}
     for section, cls in typing.get_type_hints(RunConfig).items():
         if dataclasses.is_dataclass(cls):
