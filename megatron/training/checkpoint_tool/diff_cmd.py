@@ -28,11 +28,18 @@ from megatron.training.run_config import RunConfig
 _NOT_VALUES = ("args",)
 
 
+DESCRIPTION = (
+    "What differs between two checkpoints: flags, common values (iteration, consumed samples), keys on one side "
+    "only, tensors of another shape or dtype or whose values differ beyond --atol/--rtol. Exit code 0: identical; "
+    "1: they differ; 2: a user error."
+)
+
+
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "diff",
         help="What differs between two checkpoints: flags, common values, keys, tensors (exit 1 if any).",
-        description=__doc__.split("\n\n")[0],
+        description=DESCRIPTION,
     )
     parser.add_argument("dir_a", metavar="DIR_A")
     parser.add_argument("dir_b", metavar="DIR_B")

@@ -16,12 +16,19 @@ from typing import Any
 
 from megatron.training.checkpoint_tool.summary import GROUPS, Summary, summarize, table_heading
 
+DESCRIPTION = (
+    "What one checkpoint holds, without reading a tensor: iteration, consumed samples, FLOPs, shape flags, the "
+    "parallel layout it was saved under, every tensor (global shape, dtype, bytes), bytes per component, whether "
+    "its tensors were finite, and every integrity problem found. Exit code 0: intact; 1: problems found; "
+    "2: not a checkpoint."
+)
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "inspect",
         help="What a checkpoint holds: iteration, flags, layout, every tensor, bytes, integrity problems.",
-        description=__doc__.split("\n\n")[0],
+        description=DESCRIPTION,
     )
     parser.add_argument(
         "dir", metavar="DIR", help="a save directory (its tracker's checkpoint) or one iter_XXXXXXX"
