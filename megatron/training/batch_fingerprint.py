@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron.core.parallel_state_grid import default_group_timeout
+
 DIGEST_BYTES = 8
 
 
@@ -54,6 +56,25 @@ def combine(digests: torch.Tensor) -> str:
 def fingerprint(samples: torch.Tensor) -> str:
     """The fingerprint of one global batch given as ``[n, s]`` tokens in global sample order."""
     return combine(torch.tensor(sample_digests(samples), dtype=torch.int64))
+
+
+def gloo_dp_group(pg: Any) -> Any:
+    """The gloo twin of ``pg``'s data-parallel group (``pg.groups['dp_gloo']``), built when missing:
+    collective, so every rank calls it; under a gloo default backend it is the dp group itself."""
+    if pg.groups.get("dp_gloo") is not None:
+        return pg.groups["dp_gloo"]
+    if pg.dp_size == 1 or not dist.is_initialized():
+        return pg.dp_group
+    if dist.get_backend() == "gloo":
+        return pg.dp_group
+    timeout = default_group_timeout()
+    mine = None
+    for ranks in pg.grid.groups("dp"):
+        group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+        if pg.rank in ranks:
+            mine, pg.group_ranks["dp_gloo"] = group, list(ranks)
+    pg.groups["dp_gloo"] = mine
+    return mine
 
 
 class _Hashing:
@@ -109,7 +130,7 @@ class BatchFingerprints:
         if self.dp_size == 1:
             return combine(local)
         device = torch.device("cpu")
-        if self.group is not None and dist.get_backend(self.group) != "gloo":
+        if self.group is not None and dist.get_backend(self.group) != "gloo":  # a device gather
             device = torch.device("cuda", torch.cuda.current_device())
         parts = [torch.empty(n, dtype=torch.int64, device=device) for _ in range(self.dp_size)]
         dist.all_gather(parts, local.to(device), group=self.group)

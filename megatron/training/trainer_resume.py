@@ -21,7 +21,7 @@ from megatron.core.config_utils import ConfigError
 from megatron.core.distributed.finalize_model_grads import sync_shared_embedding
 from megatron.core.fusions.fp8 import fp8_state_loaded
 from megatron.training import checkpointing
-from megatron.training.batch_fingerprint import BatchFingerprints
+from megatron.training.batch_fingerprint import BatchFingerprints, gloo_dp_group
 from megatron.training.loop_utils import gelu_change_note, model_args_for_check, print_rank_0
 from megatron.training.resume_report import SCHEDULE_FLAGS, SCHEDULE_WHY, ResumeReport
 from megatron.training.trainer_checkpointing import TrainerCheckpointing, TrainState
@@ -117,7 +117,7 @@ class TrainerResume(TrainerCheckpointing):
         pg = self.pg
         chunk = self.model[0].module if hasattr(self.model[0], "module") else self.model[0]
         reads = bool(getattr(chunk, "pre_process", pg.pp_rank == 0)) and pg.tp_rank == 0
-        group = pg.groups.get("dp_gloo") or pg.dp_group
+        group = gloo_dp_group(pg)  # the gather stays on the CPU: no device sync
         self._fingerprints = BatchFingerprints(reads, pg.dp_size, self.cfg.training.micro_batch_size, group)
         return self._fingerprints.wrap(train_iter)
 
