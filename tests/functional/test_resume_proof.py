@@ -12,6 +12,7 @@ import re
 import pytest
 from launch import torchrun
 
+from megatron.training import checkpointing
 from megatron.training.cli import run
 
 MODEL = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32"
@@ -20,7 +21,7 @@ RUN = (
     "--lr-warmup-iters 2 --mock-data --vocab-size 128 --num-workers 0 --log-interval 1 --eval-iters 0 "
     "--train-iters 6 --log-batch-fingerprint"
 ).split()
-FINGERPRINT = re.compile(r"^batch fingerprint at iteration (\d+): ([0-9a-f]{16})$", re.M)
+FINGERPRINT = re.compile(r"batch fingerprint at iteration (\d+): ([0-9a-f]{16})")  # ranks share stdout
 
 
 def _run(args: list[str]) -> str:
@@ -68,3 +69,17 @@ def test_resumed_under_two_data_parallel_ranks_reads_the_same_batches(stopped):
     res = torchrun(2, MODEL.split() + RUN + f"--load {ck} --micro-batch-size 1".split(), timeout=300)
     assert "  layout      checkpoint tp1 pp1 dp1 (1 rank)   now tp1 pp1 dp2 (2 ranks)" in res.stdout
     assert fingerprints(res.stdout) == {it: straight[it] for it in (4, 5, 6)}, res.stdout[-3000:]
+
+
+def test_a_schedule_change_is_refused_before_any_tensor_is_read(stopped, monkeypatch, capsys):
+    _, ck = stopped
+
+    def no_read(*a, **k):
+        raise AssertionError("a tensor was read")
+
+    monkeypatch.setattr(checkpointing.dist_checkpointing, "load", no_read)
+    assert run(MODEL.split() + RUN + f"--load {ck} --lr 1e-3".split()) == 2
+    out, err = capsys.readouterr()
+    assert "    --lr: 0.003 -> 0.001 (refused: the checkpoint's schedule holds another value" in out
+    assert "--lr: this run's value (0.001) differs from the checkpoint's (0.003)" in err
+    assert "Traceback" not in err
