@@ -10,9 +10,9 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing import CheckpointError
+from megatron.core.dist_checkpointing.consistency import CONTENTS_KEY
 
 CKPT_FORMAT = "torch_dist"
-CONTENTS_KEY = "checkpoint_contents"  # the common value listing what the checkpoint holds
 FINITE_KEY = "finite"
 # Top-level names of a checkpoint that are not the caller's extra_state.
 RESERVED_KEYS = (

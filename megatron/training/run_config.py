@@ -73,6 +73,11 @@ def _plain(v):
         return v
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
+    if callable(v) and not isinstance(v, type):
+        # A function's or bound method's name, never its repr: that holds a per-process address, and the
+        # saved config is common state that every rank must write identically.
+        name = getattr(v, "__qualname__", None) or getattr(getattr(v, "func", None), "__qualname__", None)
+        return name or type(v).__qualname__
     return str(v)
 
 

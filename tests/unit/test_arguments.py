@@ -350,3 +350,18 @@ def test_virtual_stage_errors_name_the_uneven_split(monkeypatch):
         ).split()
     )
     assert cfg.model.virtual_pipeline_model_parallel_size == 2
+
+
+def test_saved_config_holds_no_per_process_addresses():
+    """The config saved in every checkpoint is common state that each rank writes: the hooks the trainer
+    sets (bound methods, functions) appear by name, never with a memory address that differs per rank."""
+
+    class Wrapper:
+        def no_sync(self):
+            pass
+
+    cfg = parse_run_config(BASE)
+    cfg.model.no_sync_func = [Wrapper().no_sync, Wrapper().no_sync]
+    cfg.model.finalize_model_grads_func = test_saved_config_holds_no_per_process_addresses
+    text = repr(cfg.to_dict())
+    assert " at 0x" not in text and "Wrapper.no_sync" in text
