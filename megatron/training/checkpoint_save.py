@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +106,7 @@ def save_checkpoint(
     clash = sorted(set(extra_state) & set(RESERVED_KEYS))
     if clash:
         raise ValueError(f"extra_state keys {clash} are reserved for the checkpoint layout")
+    started = time.monotonic()
     ckpt_dir = get_checkpoint_name(save_dir, iteration)
     state, common = _state_to_save(
         model_sharded_state_dict,
@@ -142,7 +144,10 @@ def save_checkpoint(
         raise CheckpointWriteError(save_dir, _failed_save_reason(e, save_dir, iteration, staging)) from None
     if is_rank0:
         _publish(save_dir, ckpt_dir, iteration)
-        log(f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir}")
+        log(
+            f"  successfully saved checkpoint from iteration {iteration:7d} to {save_dir} in "
+            f"{time.monotonic() - started:.2f} s"
+        )
     barrier()
     return None
 
@@ -170,8 +175,8 @@ def finish_async_save(save: AsyncSave, log: Callable[[str], None] = print) -> fl
     if is_rank0:
         _publish(save.save_dir, ckpt_dir, save.iteration)
         log(
-            f"  successfully saved checkpoint from iteration {save.iteration:7d} to {save.save_dir} "
-            f"(asynchronous: written in {seconds:.2f} s)"
+            f"  successfully saved checkpoint from iteration {save.iteration:7d} to {save.save_dir} in "
+            f"{seconds:.2f} s (asynchronous: written in the background)"
         )
     return seconds
 

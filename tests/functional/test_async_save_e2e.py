@@ -89,7 +89,7 @@ def test_async_save_matches_sync_and_retention_waits_for_the_newer_checkpoint(tm
     deleted = f"  deleted checkpoint {tmp_path}/async/iter_0000002 (--ckpt-keep-last 2)"
     assert asy.index(done.format(6)) < asy.index(deleted), asy[-3000:]
     assert asy.count("deleted checkpoint") == 1 and "asynchronous save of iteration       2 started" in asy
-    assert asy.count("(asynchronous: written in ") == 3 and "training stalled" in asy
+    assert asy.count("(asynchronous: written in the background)") == 3 and "training stalled" in asy
 
 
 def test_failed_background_write_is_one_line_and_keeps_the_previous_checkpoint(

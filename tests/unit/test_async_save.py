@@ -21,6 +21,7 @@ FULL = torch.arange(24.0).reshape(4, 6)
 def _state(rank: int, world: int, w: torch.Tensor) -> dict:
     return {
         "w": ShardedTensor.from_rank_offsets("w", w, (0, rank, world)),
+        "b": ShardedTensor.from_rank_offsets("b", torch.ones(3, dtype=torch.bfloat16), replica_id=rank),
         "rng": ShardedObject("rng", {"seed": rank}, (world,), (rank,)),
         "plain": [1, 2],
     }
@@ -67,6 +68,8 @@ def test_staged_buffers_are_allocated_once_and_a_second_write_waits_for_the_firs
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
         seen.append([t.data_ptr() for t in state_dict["tensors"]])
+        # each staged block's storage is exactly its bytes: DCP writes it without copying it again
+        assert all(t.untyped_storage().nbytes() == t.nbytes for t in state_dict["tensors"])
         return original(self, state_dict, storage_meta, is_coordinator)
 
     monkeypatch.setattr(torch_dist._BlockSavePlanner, "set_up_planner", set_up_planner)

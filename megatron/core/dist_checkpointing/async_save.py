@@ -8,11 +8,14 @@
     writer.close()
 
 ``start`` runs in the calling thread what a synchronous save runs before writing (the sharding and key
-checks, collective over ``process_group``), then stages this rank's blocks and objects with torch DCP's
-``DefaultStager`` (pinned host buffers on CUDA, allocated at the first save and reused by every later
-one; non-blocking copies and one device synchronisation) and hands the staged copy to
-``torch.distributed.checkpoint.async_save``, whose thread runs DCP's plan, write and finish over the
-writer's own gloo group: nothing of it shares a communicator with training. DCP's last step gathers every
+checks, collective over ``process_group``; the objects pickled), then hands this rank's blocks to
+``torch.distributed.checkpoint.async_save`` with ``HostStager``, DCP's ``AsyncStager`` protocol: the
+blocks are copied into host buffers of exactly their sizes (one page-locked region on CUDA), allocated
+at the first save and reused by every later one of the same layout, with non-blocking copies and one
+device synchronisation. DCP's thread then runs its plan, write and finish over the writer's own gloo
+group: nothing of it shares a communicator with training. (torch's ``DefaultStager`` copies whole
+storages, which for a block that is a view of a larger buffer is more than the block, and in torch 2.11
+cannot stage twice: pytorch/pytorch#183413.) DCP's last step gathers every
 rank's write results on rank 0 before it returns there, so ``result()`` on rank 0 knows that every rank
 has finished and writes ``metadata.json`` (the completion marker, last, as a synchronous save does).
 
@@ -22,6 +25,7 @@ previous write has not been collected with ``result()``.
 
 from __future__ import annotations
 
+import mmap
 import time
 import warnings
 from concurrent.futures import Future, wait
@@ -31,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from megatron.core.dist_checkpointing import files
 from megatron.core.dist_checkpointing.errors import CheckpointWriteError
@@ -40,13 +43,78 @@ from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.sharded_io import prepare_write
 from megatron.core.dist_checkpointing.torch_dist import _BlockSavePlanner, _reraise, _writer, save_state
 
+_ALIGN = 64  # bytes: every staged block starts at a multiple (any dtype's alignment)
 
-def _staging_options() -> StagingOptions:
-    """Pinned buffers and non-blocking copies where there is a GPU; plain host copies otherwise."""
-    cuda = torch.cuda.is_available()
-    return StagingOptions(
-        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
-    )
+
+class HostStager:
+    """``AsyncStager`` for ``torch_dist.save_state``'s layout: the blocks copied into host buffers of
+    exactly their shapes, carved from one anonymous memory map (page-locked with ``cudaHostRegister``
+    when a block is on a GPU) that is allocated at the first ``stage`` and reused while the blocks'
+    shapes and dtypes stay the same. Each staged block's storage is exactly its bytes, so DCP writes it
+    without another copy. The objects (already pickled) are passed through."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._layout: list[tuple[tuple[int, ...], torch.dtype]] | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._registered: int | None = None  # address of the page-locked map
+        self.nbytes = 0
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The staged copy of ``state_dict`` (complete when this returns)."""
+        tensors: list[torch.Tensor] = state_dict["tensors"]
+        layout = [(tuple(t.shape), t.dtype) for t in tensors]
+        if layout != self._layout:
+            self._allocate(layout, pin=any(t.is_cuda for t in tensors))
+        on_gpu = False
+        with torch.no_grad():
+            for dst, src in zip(self._buffers, tensors):
+                dst.copy_(src, non_blocking=src.is_cuda and self._registered is not None)
+                on_gpu = on_gpu or src.is_cuda
+        if on_gpu:
+            torch.cuda.synchronize()
+        return {"tensors": list(self._buffers), "objects": state_dict["objects"]}
+
+    def _allocate(self, layout: list[tuple[tuple[int, ...], torch.dtype]], pin: bool) -> None:
+        self.close()
+        sizes = [
+            torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in layout
+        ]
+        offsets, total = [], 0
+        for size in sizes:
+            offsets.append(total)
+            total += -(-size // _ALIGN) * _ALIGN
+        region = mmap.mmap(-1, max(total, 1))
+        self._buffers = [
+            torch.frombuffer(region, dtype=torch.uint8, count=size, offset=offset).view(dtype).view(shape)
+            if size
+            else torch.empty(shape, dtype=dtype)
+            for (shape, dtype), size, offset in zip(layout, sizes, offsets)
+        ]
+        if pin and torch.cuda.is_available():
+            base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+            error = int(torch.cuda.cudart().cudaHostRegister(base, max(total, 1), 1))  # 1: portable
+            if error != 0:
+                raise RuntimeError(
+                    f"cudaHostRegister of {total} bytes of staging buffers failed (error {error})"
+                )
+            self._registered = base
+        self._layout, self.nbytes = layout, total
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns a complete copy."""
+
+    def close(self) -> None:
+        """Release the buffers (unpinning them)."""
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+        self._buffers, self._layout, self.nbytes = [], None, 0
 
 
 class PendingWrite:
@@ -109,7 +177,7 @@ class AsyncWriter:
             if dist.is_available() and dist.is_initialized()
             else None
         )
-        self._stager = DefaultStager(_staging_options())
+        self._stager = HostStager()
         self._pending: PendingWrite | None = None
 
     def start(
@@ -165,4 +233,4 @@ class AsyncWriter:
             self._write_group = None
 
 
-__all__ = ["AsyncWriter", "PendingWrite"]
+__all__ = ["AsyncWriter", "HostStager", "PendingWrite"]

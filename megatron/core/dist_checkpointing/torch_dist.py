@@ -62,9 +62,15 @@ LoadBlocks = dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]
 
 
 def save_state(tensors: list[ShardedTensor], objects: dict[str, Any]) -> dict[str, Any]:
-    """What DCP is given to write: the blocks' data in ``tensors``' order and the objects by key (the
-    state a stager copies for an asynchronous save; ``_BlockSavePlanner`` reads it back)."""
-    return {"tensors": [t.local_data().detach() for t in tensors], "objects": dict(objects)}
+    """What DCP is given to write: the blocks' data in ``tensors``' order and each object pickled
+    (``torch.save``) by key, so that the objects are captured as they are now; an asynchronous save's
+    stager copies the tensors. ``_BlockSavePlanner`` reads it back."""
+    pickled = {}
+    for key, value in objects.items():
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        pickled[key] = buf.getvalue()
+    return {"tensors": [t.local_data().detach() for t in tensors], "objects": pickled}
 
 
 class _BlockSavePlanner(DefaultSavePlanner):
@@ -83,7 +89,7 @@ class _BlockSavePlanner(DefaultSavePlanner):
             WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in object_keys
         )
         self._data: list[torch.Tensor] = []
-        self._objects: dict[str, Any] = {}
+        self._objects: dict[str, bytes] = {}
 
     def set_up_planner(
         self, state_dict: dict, storage_meta: Any = None, is_coordinator: bool = False
@@ -99,10 +105,7 @@ class _BlockSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         fqn = write_item.index.fqn
         if write_item.type == WriteItemType.BYTE_IO:
-            buf = io.BytesIO()
-            torch.save(self._objects[fqn], buf)
-            buf.seek(0)
-            return buf
+            return io.BytesIO(self._objects[fqn])
         offset = tuple(write_item.index.offset or ())
         return self._data[self._index[(fqn, offset)]]
 
