@@ -89,7 +89,8 @@ class HostStager:
         for size in sizes:
             offsets.append(total)
             total += -(-size // _ALIGN) * _ALIGN
-        region = mmap.mmap(-1, max(total, 1))
+        private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        region = mmap.mmap(-1, max(total, 1), flags=private) if private else mmap.mmap(-1, max(total, 1))
         self._buffers = [
             torch.frombuffer(region, dtype=torch.uint8, count=size, offset=offset).view(dtype).view(shape)
             if size
