@@ -18,6 +18,10 @@ complete ``.replaced``); ``repair`` (one rank, before the others read) renames i
 
 The tracker, ``<save>/latest_checkpointed_iteration.txt``, holds the integer iteration of the newest
 complete checkpoint (``read_tracker`` / ``write_tracker``; it is replaced atomically).
+
+Retention (``--ckpt-keep-last``, ``--save-retain-interval``: ``retention_victims``, ``apply_retention``)
+deletes complete ``iter_XXXXXXX`` directories older than the one the tracker has just been pointed at,
+``metadata.json`` first; nothing else in the save directory is ever deleted.
 """
 
 from __future__ import annotations
