@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from megatron.core.dist_checkpointing import files
 from megatron.core.dist_checkpointing.errors import CheckpointWriteError
@@ -46,7 +47,7 @@ from megatron.core.dist_checkpointing.torch_dist import _BlockSavePlanner, _rera
 _ALIGN = 64  # bytes: every staged block starts at a multiple (any dtype's alignment)
 
 
-class HostStager:
+class HostStager(AsyncStager):
     """``AsyncStager`` for ``torch_dist.save_state``'s layout: the blocks copied into host buffers of
     exactly their shapes, carved from one anonymous memory map (page-locked with ``cudaHostRegister``
     when a block is on a GPU) that is allocated at the first ``stage`` and reused while the blocks'
