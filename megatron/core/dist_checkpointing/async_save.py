@@ -90,8 +90,9 @@ class HostStager(AsyncStager):
         for size in sizes:
             offsets.append(total)
             total += -(-size // _ALIGN) * _ALIGN
+        mapped = -(-max(total, 1) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages: what gets page-locked
         private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        region = mmap.mmap(-1, max(total, 1), flags=private) if private else mmap.mmap(-1, max(total, 1))
+        region = mmap.mmap(-1, mapped, flags=private) if private else mmap.mmap(-1, mapped)
         self._buffers = [
             torch.frombuffer(region, dtype=torch.uint8, count=size, offset=offset).view(dtype).view(shape)
             if size
@@ -100,10 +101,10 @@ class HostStager(AsyncStager):
         ]
         if pin and torch.cuda.is_available():
             base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
-            error = int(torch.cuda.cudart().cudaHostRegister(base, max(total, 1), 1))  # 1: portable
+            error = int(torch.cuda.cudart().cudaHostRegister(base, mapped, 1))  # 1: portable
             if error != 0:
                 raise RuntimeError(
-                    f"cudaHostRegister of {total} bytes of staging buffers failed (error {error})"
+                    f"cudaHostRegister of {mapped} bytes of staging buffers failed (error {error})"
                 )
             self._registered = base
         self._layout, self.nbytes = layout, total
