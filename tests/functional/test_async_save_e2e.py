@@ -174,17 +174,20 @@ def test_kill9_during_an_async_save_leaves_the_previous_checkpoint_latest(tmp_pa
     assert checkpointing.read_tracker(str(ck)) == 2
     assert _checkpoints(ck) == ["iter_0000002", "iter_0000004.saving", "latest_checkpointed_iteration.txt"]
     capsys.readouterr()
-    argv = f"--train-iters 6 --save {ck} --load {ck} --save-interval 2 --async-save --metrics-file {tmp_path}/m.jsonl"
-    assert run(TINY + argv.split()) == 0
-    assert f"successfully loaded checkpoint from {ck} at iteration 2" in capsys.readouterr().out
+    # resumed with --ckpt-keep-last 1: the checkpoint it loaded goes only once a newer one is complete
+    argv = f"--train-iters 6 --save {ck} --load {ck} --save-interval 2 --async-save --ckpt-keep-last 1"
+    assert run(TINY + argv.split() + ["--metrics-file", str(tmp_path / "m.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert f"successfully loaded checkpoint from {ck} at iteration 2" in out
+    assert (
+        out.index("successfully saved checkpoint from iteration       4")
+        < out.index(f"deleted checkpoint {ck}/iter_0000002 (--ckpt-keep-last 1)")
+        < out.index("successfully saved checkpoint from iteration       6")
+        < out.index(f"deleted checkpoint {ck}/iter_0000004 (--ckpt-keep-last 1)")
+    ), out[-3000:]
     assert sorted(_losses(tmp_path / "m.jsonl")) == [3, 4, 5, 6]
     assert checkpointing.read_tracker(str(ck)) == 6
-    assert _checkpoints(ck) == [
-        "iter_0000002",
-        "iter_0000004",
-        "iter_0000006",
-        "latest_checkpointed_iteration.txt",
-    ]
+    assert _checkpoints(ck) == ["iter_0000006", "latest_checkpointed_iteration.txt"]
 
 
 def test_sigterm_during_an_async_save_waits_for_it_saves_and_exits_0(tmp_path):
