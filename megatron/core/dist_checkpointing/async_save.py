@@ -25,6 +25,7 @@ previous write has not been collected with ``result()``.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import time
 import warnings
@@ -43,6 +44,8 @@ from megatron.core.dist_checkpointing.files import group_rank
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.dist_checkpointing.sharded_io import prepare_write
 from megatron.core.dist_checkpointing.torch_dist import _BlockSavePlanner, _reraise, _writer, save_state
+
+logger = logging.getLogger(__name__)
 
 _ALIGN = 64  # bytes: every staged block starts at a multiple (any dtype's alignment)
 
@@ -102,11 +105,15 @@ class HostStager(AsyncStager):
         if pin and torch.cuda.is_available():
             base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
             error = int(torch.cuda.cudart().cudaHostRegister(base, mapped, 1))  # 1: portable
-            if error != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister of {mapped} bytes of staging buffers failed (error {error})"
+            if error == 0:
+                self._registered = base
+            else:  # pageable buffers still work: the copies are then synchronous
+                logger.warning(
+                    "could not page-lock %d bytes of checkpoint staging buffers (cudaHostRegister error %d); "
+                    "staging into pageable memory (slower copies)",
+                    mapped,
+                    error,
                 )
-            self._registered = base
         self._layout, self.nbytes = layout, total
 
     def synchronize_staging(self) -> None:
