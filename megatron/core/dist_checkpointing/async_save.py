@@ -130,10 +130,10 @@ class HostStager(AsyncStager):
 class PendingWrite:
     """One checkpoint being written in the background (``AsyncWriter.start``)."""
 
-    def __init__(self, checkpoint_dir: str, future: Future, staged_s: float, process_group: Any) -> None:
+    def __init__(self, checkpoint_dir: str, future: Future, started: float, process_group: Any) -> None:
         self.checkpoint_dir = checkpoint_dir
-        self.staged_s = staged_s  # seconds ``start`` took: what the caller was blocked for
-        self.started = time.monotonic()
+        self.started = started  # time.monotonic() when ``start`` was called
+        self.staged_s = time.monotonic() - started  # what ``start`` blocked its caller for
         self._future = future
         self._process_group = process_group
         self._collected = False
@@ -230,7 +230,7 @@ class AsyncWriter:
                 no_dist=self._write_group is None,
             )
         assert isinstance(future, Future), type(future)  # staging is synchronous: no AsyncSaveResponse
-        self._pending = PendingWrite(checkpoint_dir, future, time.monotonic() - t0, self._write_group)
+        self._pending = PendingWrite(checkpoint_dir, future, t0, self._write_group)
         return self._pending
 
     def close(self) -> None:
