@@ -356,6 +356,11 @@ class CheckpointConfig:
         check_positive("save_interval", self.save_interval, allow_none=True)
         check_positive("ckpt_keep_last", self.ckpt_keep_last, allow_none=True)
         check_positive("save_retain_interval", self.save_retain_interval, allow_none=True)
+        if self.ckpt_keep_last is not None and not self.save:
+            raise ConfigError(
+                f"--ckpt-keep-last {self.ckpt_keep_last} needs --save (it deletes older checkpoints of --save); "
+                "pass --save DIR or drop --ckpt-keep-last"
+            )
         if self.ckpt_format == "torch" and self.save:
             raise ConfigError(
                 "--ckpt-format torch with --save: saves are written as torch_dist only; drop "

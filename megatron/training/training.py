@@ -284,6 +284,7 @@ class Trainer(TrainerResume):
             or math.isfinite(grad_norm)
         ):
             return
+        self.wait_for_saves()  # a checkpoint still being written completes, and the advice can name it
         loss = {k: v[0] / max(v[1], 1.0) for k, v in losses.items()}
         it, advice = self.state.iteration, checkpointing.checkpoint_advice
         roots = advice.checkpoint_roots((self.cfg.checkpoint.save, self.cfg.checkpoint.load))

@@ -153,3 +153,15 @@ def test_a_tool_maps_parameters_to_its_own_parsers_flags():
         ("vocab_file", "append_eod", "mmap", "seed"),
         flags,
     ) == ("--vocab-file is required (--append-eod, --no-mmap, seed 3)")
+
+
+def test_ckpt_keep_last_needs_save_and_a_positive_count(capsys):
+    from megatron.training import cli
+
+    assert cli.run(CLI + ["--ckpt-keep-last", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "pretrain_gpt.py: error: --ckpt-keep-last 2 needs --save (it deletes older checkpoints of --save); "
+        "pass --save DIR or drop --ckpt-keep-last"
+    )
+    assert cli.run(CLI + ["--ckpt-keep-last", "0", "--save", "ck"]) == 2
+    assert "--ckpt-keep-last" in capsys.readouterr().err
