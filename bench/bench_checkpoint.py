@@ -124,7 +124,7 @@ def step_times(metrics: str) -> dict[int, float]:
         return {r["iteration"]: r["iteration-time"] for r in map(json.loads, f) if "iteration-time" in r}
 
 
-def bench_config(name: str, root: str, warmup: int) -> dict:
+def bench_config(name: str, root: str, warmup: int, async_interval: int | None = None) -> dict:
     import torch
 
     save_dir, metrics = os.path.join(root, name), os.path.join(root, f"{name}.jsonl")
@@ -156,7 +156,7 @@ def bench_config(name: str, root: str, warmup: int) -> dict:
     # 3. asynchronous: two saves S steps apart, S steps outlasting the synchronous save
     times = step_times(metrics)
     step_s = statistics.median(times[i] for i in range(2, sync.iteration)) if sync.iteration > 2 else 0.1
-    interval = max(4, min(400, math.ceil(1.3 * sync.stall_s / max(step_s, 1e-3)) + 2))
+    interval = async_interval or max(4, min(400, math.ceil(1.3 * sync.stall_s / max(step_s, 1e-3)) + 2))
     first_async, start = len(rec.saves), trainer.state.iteration
     run_saves(trainer, 2, interval, async_save=True)
     times = step_times(metrics)
@@ -219,6 +219,13 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where the checkpoints are written (local disk)")
     ap.add_argument("--warmup", type=int, default=4, help="steps before the synchronous save")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--async-interval",
+        type=int,
+        default=None,
+        help="steps between the two asynchronous saves (default: enough to outlast the synchronous save); "
+        "shorter makes the second save wait for the first (the log says how long)",
+    )
     args = ap.parse_args()
     import torch
 
@@ -235,7 +242,7 @@ def main() -> None:
             try:
                 with open(log, "w") as f, contextlib.redirect_stdout(f):
                     try:
-                        row = bench_config(name, root, args.warmup)
+                        row = bench_config(name, root, args.warmup, args.async_interval)
                     finally:
                         destroy()
             except Exception:
