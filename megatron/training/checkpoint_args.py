@@ -22,6 +22,8 @@ from megatron.core.dist_checkpointing import CheckpointError
 from megatron.training import checkpoint_dirs
 from megatron.training.config_sections import SECTIONS, flag_name
 
+# The config fields that fix a model's architecture, by section: what --use-checkpoint-args takes, and
+# (the "model" part) what a Hugging Face import records and the logits check builds the model from.
 ARCHITECTURE: dict[str, tuple[str, ...]] = {
     "model": (
         "num_layers",
@@ -37,7 +39,9 @@ ARCHITECTURE: dict[str, tuple[str, ...]] = {
         "add_bias_linear",
         "add_qkv_bias",
         "bias_gelu_fusion",
+        "bias_activation_fusion",
         "qk_layernorm",
+        "softmax_scale",
         "position_embedding_type",
         "rotary_base",
         "rotary_percent",
@@ -45,6 +49,7 @@ ARCHITECTURE: dict[str, tuple[str, ...]] = {
         "rope_scaling",
         "rope_scaling_factor",
         "share_embeddings_and_output_weights",
+        "num_moe_experts",
     ),
     "training": ("max_position_embeddings", "seq_length", "make_vocab_size_divisible_by"),
     "tokenizer": (

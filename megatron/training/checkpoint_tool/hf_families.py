@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from megatron.training.checkpoint_args import ARCHITECTURE
 from megatron.training.checkpoint_tool.errors import ToolError
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
@@ -31,32 +32,7 @@ ARCHITECTURES = {
 
 # TransformerConfig fields that fix the function the model computes (recorded by imports in
 # args['config']['model']; read back to build the model for the logits check).
-ARCH_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "normalization",
-    "layernorm_epsilon",
-    "activation",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "bias_gelu_fusion",
-    "bias_activation_fusion",
-    "position_embedding_type",
-    "rotary_base",
-    "rotary_percent",
-    "rope_scaling",
-    "rope_scaling_factor",
-    "rotary_seq_len_interpolation_factor",
-    "share_embeddings_and_output_weights",
-    "qk_layernorm",
-    "apply_layernorm_1p",
-    "softmax_scale",
-    "num_moe_experts",
-)
+ARCH_FIELDS = ARCHITECTURE["model"]
 
 # The Llama 3 scaling our RoPE implements (megatron.core.transformer.rope): only the factor varies.
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
