@@ -17,13 +17,11 @@ hooks once that batch is read: ``TrainerResume``.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from typing import Any
 
 from megatron.core.dist_checkpointing import CheckpointError
 from megatron.training.checkpoint_common import check_model_args, find_arg, quiet
-from megatron.training.config_sections import flag_name
-from megatron.training.run_config import RunConfig
+from megatron.training.run_config import config_flags
 
 # Sections and fields that never change what a resumed run computes (paths, logging, run length,
 # exits) or that the layout line shows.
@@ -133,18 +131,6 @@ def layout_text(layout: dict | None) -> str:
     return f"{text} ({', '.join(extras)})"
 
 
-def _field_flags() -> dict[tuple[str, str], str]:
-    """``(section, field) -> flag`` for the fields of ``RunConfig.to_dict()`` that are flags."""
-    out = {}
-    for section, cls in typing.get_type_hints(RunConfig).items():
-        if dataclasses.is_dataclass(cls):
-            for f in dataclasses.fields(cls):
-                flag = flag_name(f)
-                if flag is not None:
-                    out[(section, f.name)] = flag
-    return out
-
-
 def _why_allowed(field: str, saved: dict, current: dict, consumed: int) -> str:
     training = current.get("training", {})
     if field == "micro_batch_size":
@@ -167,7 +153,7 @@ def config_changes(
     """The flags whose values differ between the saved ``config`` and the current one (fields in
     both, not ignored, not shape flags: those are ``shape_changes``')."""
     changes, seen = [], set(shape_flags)
-    for (section, field), flag in _field_flags().items():
+    for (section, field), flag in config_flags().items():
         if section in IGNORED_SECTIONS or field in IGNORED_FIELDS or flag in seen:
             continue
         old, new = saved.get(section, {}), current.get(section, {})

@@ -68,6 +68,19 @@ class RunConfig:
         return out
 
 
+def config_flags() -> dict[tuple[str, str], str]:
+    """``(section, field) -> flag`` for the fields of ``RunConfig.to_dict()`` that are flags (a field
+    without a flag is absent)."""
+    out = {}
+    for section, cls in typing.get_type_hints(RunConfig).items():
+        if dataclasses.is_dataclass(cls):
+            for f in dataclasses.fields(cls):
+                flag = flag_name(f)
+                if flag is not None:
+                    out[(section, f.name)] = flag
+    return out
+
+
 def _plain(v):
     if v is None or isinstance(v, (bool, int, float, str)):
         return v

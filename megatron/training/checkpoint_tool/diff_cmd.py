@@ -11,9 +11,7 @@ Exit code 0 when identical (within the tolerances), 1 when they differ, 2 on a u
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
-import typing
 from typing import Any
 
 import torch
@@ -21,8 +19,7 @@ import torch
 from megatron.core.dist_checkpointing.consistency import component
 from megatron.training.checkpoint_tool.errors import ToolError
 from megatron.training.checkpoint_tool.reader import SavedCheckpoint
-from megatron.training.config_sections import flag_name
-from megatron.training.run_config import RunConfig
+from megatron.training.run_config import config_flags
 
 # Common values that are not compared as values: the args (compared as flags), the tensors' own record.
 _NOT_VALUES = ("args",)
@@ -79,16 +76,6 @@ def _compared(key: str, model_only: bool) -> bool:
     return not model_only or component(key) == "model"
 
 
-def _flag_of_fields() -> dict[tuple[str, str], str | None]:
-    """(RunConfig section, field) -> its flag (None: not a flag)."""
-    out: dict[tuple[str, str], str | None] = {}
-    for section, cls in typing.get_type_hints(RunConfig).items():
-        if dataclasses.is_dataclass(cls):
-            for f in dataclasses.fields(cls):
-                out[(section, f.name)] = flag_name(f)
-    return out
-
-
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -111,7 +98,7 @@ def flag_differences(a: dict, b: dict, model_only: bool) -> list[str]:
     a ``--no-x`` switch shows whether it was on. Fields without a flag are ``section.field``."""
     lines: dict[str, str] = {}
     if not model_only:
-        flags = _flag_of_fields()
+        flags = config_flags()
         ca, cb = a.get("config") or {}, b.get("config") or {}
         for section in sorted(set(ca) | set(cb)):
             sa, sb = ca.get(section) or {}, cb.get(section) or {}
