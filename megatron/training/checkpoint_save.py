@@ -139,9 +139,7 @@ def save_checkpoint(
         dist_checkpointing.save(state, staging, common_state=common)  # ends with metadata.json
     except CheckpointWriteError as e:
         # Every rank is past its writes: DCP reports a rank's failure to all, metadata.json is rank 0's.
-        if is_rank0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointWriteError(save_dir, _failed_save_reason(e, save_dir, iteration, staging)) from None
+        raise _discarded(e, save_dir, iteration, staging) from None
     if is_rank0:
         _publish(save_dir, ckpt_dir, iteration)
         log(
@@ -163,16 +161,11 @@ def finish_async_save(save: AsyncSave, log: Callable[[str], None] = print) -> fl
     """
     ckpt_dir = get_checkpoint_name(save.save_dir, save.iteration)
     staging = checkpoint_dirs.staging_dir(ckpt_dir)
-    is_rank0 = rank() == 0
     try:
         seconds = save.write.result()  # rank 0: metadata.json written
     except CheckpointWriteError as e:
-        if is_rank0:
-            shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointWriteError(
-            save.save_dir, _failed_save_reason(e, save.save_dir, save.iteration, staging)
-        ) from None
-    if is_rank0:
+        raise _discarded(e, save.save_dir, save.iteration, staging) from None
+    if rank() == 0:
         _publish(save.save_dir, ckpt_dir, save.iteration)
         log(
             f"  successfully saved checkpoint from iteration {save.iteration:7d} to {save.save_dir} in "
@@ -222,6 +215,16 @@ def _prepare_save(save_dir: str, ckpt_dir: str, iteration: int, log: Callable[[s
             f"warning: replacing {ckpt_dir}, the checkpoint named by {TRACKER_FILENAME}; it stays until the new "
             "one is complete"
         )
+
+
+def _discarded(
+    error: CheckpointWriteError, save_dir: str, iteration: int, staging: str
+) -> CheckpointWriteError:
+    """A failed write of ``iteration``: rank 0 removes its partial ``staging`` directory; the error to raise
+    names what failed and which checkpoint the tracker still names."""
+    if rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    return CheckpointWriteError(save_dir, _failed_save_reason(error, save_dir, iteration, staging))
 
 
 def _failed_save_reason(error: CheckpointWriteError, save_dir: str, iteration: int, staging: str) -> str:
