@@ -32,7 +32,7 @@ import shutil
 from collections.abc import Callable
 
 from megatron.core.config_utils import ConfigError
-from megatron.core.dist_checkpointing import CheckpointError, is_complete_checkpoint
+from megatron.core.dist_checkpointing import METADATA_FILE, CheckpointError, is_complete_checkpoint
 
 SAVING = ".saving"
 REPLACED = ".replaced"
@@ -176,15 +176,16 @@ def repair(ckpt_dir: str, log: Callable[[str], None]) -> None:
         shutil.rmtree(aside_dir(ckpt_dir), ignore_errors=True)
 
 
-def complete_iterations(root: str) -> list[int]:
-    """The iterations of ``root`` that have a complete checkpoint under some name, newest first."""
+def complete_iterations(root: str, suffixes: tuple[str, ...] = ("", SAVING, REPLACED)) -> list[int]:
+    """The iterations of ``root`` that have a complete checkpoint under some name, newest first; with
+    ``suffixes=("",)`` only those named exactly ``iter_XXXXXXX``."""
     try:
         names = os.listdir(root)
     except OSError:
         return []
     found = set()
     for name in names:
-        for suffix in ("", SAVING, REPLACED):
+        for suffix in suffixes:
             match = _ITER_DIR.fullmatch(name[: len(name) - len(suffix)]) if name.endswith(suffix) else None
             if match and is_complete_checkpoint(os.path.join(root, name)):
                 found.add(int(match.group(1)))
@@ -256,24 +257,6 @@ def check_save_dir(path: str) -> None:
         )
 
 
-def _tracked_dirs(root: str) -> list[int]:
-    """Iterations of ``root`` with a complete checkpoint named exactly ``iter_XXXXXXX``, newest first."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    found = []
-    for name in names:
-        match = _ITER_DIR.fullmatch(name)
-        if (
-            match
-            and os.path.isdir(os.path.join(root, name))
-            and is_complete_checkpoint(os.path.join(root, name))
-        ):
-            found.append(int(match.group(1)))
-    return sorted(found, reverse=True)
-
-
 def retention_victims(
     root: str, newest: int, previous: int | None, keep_last: int | None, retain_interval: int | None
 ) -> dict[int, str]:
@@ -286,7 +269,7 @@ def retention_victims(
     before ``newest``) unless its iteration is a multiple of R, and keeps every multiple of R from
     ``keep_last`` too.
     """
-    older = [it for it in _tracked_dirs(root) if it < newest]
+    older = [it for it in complete_iterations(root, suffixes=("",)) if it < newest]
     retained = {it for it in older if retain_interval and it % retain_interval == 0}
     victims: dict[int, str] = {}
     if retain_interval is not None and previous in older and previous not in retained:
@@ -303,7 +286,7 @@ def delete_checkpoint(root: str, iteration: int, why: str, log: Callable[[str], 
     leaves an incomplete directory (never loaded) rather than a complete-looking, partial one. A failure
     is a warning line (the run goes on). Returns whether it was deleted."""
     path = iteration_dir(root, iteration)
-    marker = os.path.join(path, "metadata.json")
+    marker = os.path.join(path, METADATA_FILE)
     try:
         if os.path.isfile(marker):
             os.remove(marker)
