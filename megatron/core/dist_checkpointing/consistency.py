@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import (
@@ -28,8 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from megatron.core.dist_checkpointing.errors import CheckpointReadError
-from megatron.core.dist_checkpointing.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
+from megatron.core.dist_checkpointing.torch_dist import DCP_METADATA_FILE
 
 CONTENTS_KEY = "checkpoint_contents"  # the common value listing what a checkpoint holds
 COMMON_STATE_KEY = "common_state"
@@ -37,21 +35,6 @@ COMPONENTS = ("model", "optimizer", "rng", "fp8", "common")
 FP8_SUFFIXES = (".amax_history", ".initialized")
 # content name (as checkpoint_contents lists it) -> the component its keys belong to
 CONTENT_COMPONENTS = {"model": "model", "optimizer": "optimizer", "rng_state": "rng", "fp8_state": "fp8"}
-# What unpickling a damaged or foreign file raises (besides OSError / EOFError / UnpicklingError).
-_UNPICKLE_ERRORS = (
-    OSError,
-    EOFError,
-    pickle.UnpicklingError,
-    ValueError,
-    TypeError,
-    AttributeError,
-    ImportError,
-    KeyError,
-    IndexError,
-    UnicodeDecodeError,
-    OverflowError,
-    MemoryError,
-)
 
 
 def component(key: str, is_tensor: bool = True) -> str:
@@ -65,30 +48,6 @@ def component(key: str, is_tensor: bool = True) -> str:
     if is_tensor and key.endswith(FP8_SUFFIXES):
         return "fp8"
     return "model" if is_tensor else "common"
-
-
-def read_metadata(checkpoint_dir: str) -> Metadata:
-    """The DCP ``.metadata`` of a checkpoint, checked to be DCP's index.
-
-    Raises:
-        CheckpointReadError: ``.metadata`` is missing, empty, cannot be unpickled or is not DCP metadata.
-    """
-    path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
-    if os.path.isfile(path) and os.path.getsize(path) == 0:
-        raise CheckpointReadError(f"{path} is empty (0 bytes): the checkpoint is damaged")
-    try:
-        md = read_dcp_metadata(checkpoint_dir)
-    except CheckpointReadError:
-        raise
-    except _UNPICKLE_ERRORS as e:
-        raise CheckpointReadError(
-            f"{path} cannot be read ({type(e).__name__}: {e}): the checkpoint is damaged"
-        ) from None
-    if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
-        raise CheckpointReadError(
-            f"{path} holds a {type(md).__name__}, not DCP's index of the saved tensors: the checkpoint is damaged"
-        )
-    return md
 
 
 def index_problems(

@@ -25,12 +25,11 @@ from megatron.core.dist_checkpointing.consistency import (
     CONTENTS_KEY,
     contents_problems,
     index_problems,
-    read_metadata,
 )
 from megatron.core.dist_checkpointing.errors import CheckpointError, CheckpointReadError, CheckpointWriteError
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.state_tree import iter_sharded
-from megatron.core.dist_checkpointing.torch_dist import dcp_load, file_problems
+from megatron.core.dist_checkpointing.torch_dist import dcp_load, file_problems, read_dcp_metadata
 
 METADATA_FILE = "metadata.json"
 SHARDED_BACKEND = "torch_dist"
@@ -189,7 +188,7 @@ def check_files(checkpoint_dir: str, keys: set[str] | None = None) -> Any:
         CheckpointReadError: ``.metadata`` or a data file is missing, truncated or unreadable, or
             ``.metadata`` cannot serve a key; names the first file.
     """
-    md = read_metadata(checkpoint_dir)
+    md = read_dcp_metadata(checkpoint_dir)
     raise_file_problems(checkpoint_dir, md, keys, coverage=keys is None)
     return md
 

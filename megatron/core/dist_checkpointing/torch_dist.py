@@ -339,23 +339,48 @@ def dcp_load(
 DCP_METADATA_FILE = ".metadata"
 
 
+# What unpickling a damaged or foreign file raises.
+_UNPICKLE_ERRORS = (
+    OSError,
+    EOFError,
+    pickle.UnpicklingError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    ImportError,
+    KeyError,
+    IndexError,
+    UnicodeDecodeError,
+    OverflowError,
+    MemoryError,
+)
+
+
 def read_dcp_metadata(checkpoint_dir: str) -> Metadata:
-    """The DCP ``.metadata`` of a checkpoint: keys, global shapes, dtypes and saved chunks.
+    """The DCP ``.metadata`` of a checkpoint (keys, global shapes, dtypes and saved chunks), checked to be
+    DCP's index.
 
     Raises:
-        CheckpointReadError: ``.metadata`` is missing or cannot be unpickled.
+        CheckpointReadError: ``.metadata`` is missing, empty, cannot be unpickled or is not DCP metadata.
     """
     path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
     if not os.path.isfile(path):
         raise CheckpointReadError(
             f"{path} is missing (DCP's index of the saved tensors): the checkpoint is damaged"
         )
+    if os.path.getsize(path) == 0:
+        raise CheckpointReadError(f"{path} is empty (0 bytes): the checkpoint is damaged")
     try:
-        return dcp.FileSystemReader(checkpoint_dir).read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError) as e:
+        md = dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    except _UNPICKLE_ERRORS as e:
         raise CheckpointReadError(
             f"{path} cannot be read ({type(e).__name__}: {e}): the checkpoint is damaged"
         ) from None
+    if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
+        raise CheckpointReadError(
+            f"{path} holds a {type(md).__name__}, not DCP's index of the saved tensors: the checkpoint is damaged"
+        )
+    return md
 
 
 def file_problems(checkpoint_dir: str, md: Metadata, keys: set[str] | None = None) -> list[str]:

@@ -21,10 +21,9 @@ from megatron.core.dist_checkpointing.consistency import (
     COMMON_STATE_KEY,
     component,
     contents_problems,
-    read_metadata,
 )
 from megatron.core.dist_checkpointing.files import checkpoint_problems, read_metadata_json
-from megatron.core.dist_checkpointing.torch_dist import dcp_load
+from megatron.core.dist_checkpointing.torch_dist import dcp_load, read_dcp_metadata
 from megatron.training.checkpoint_tool.reader import find_checkpoint
 
 GROUPS = ("model", "optimizer", "other")  # the per-component byte totals
@@ -151,7 +150,7 @@ def summarize(path: str, ckpt_step: int | None = None) -> Summary:
     s = Summary(ckpt_dir, iteration, read_metadata_json(ckpt_dir), {})
     s.files = {n: os.path.getsize(os.path.join(ckpt_dir, n)) for n in sorted(os.listdir(ckpt_dir))}
     try:
-        md = read_metadata(ckpt_dir)
+        md = read_dcp_metadata(ckpt_dir)
     except CheckpointError as e:
         s.problems.append(str(e).removesuffix(_DAMAGED))
         return s
