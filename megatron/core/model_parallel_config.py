@@ -216,12 +216,10 @@ MPC_REFUSED: dict[str, tuple[tuple, str]] = {
         "generalized tensor parallelism (GTP) is not built; leave it None",
     ),
     "gtp_weight_remat_size": ((1,), "generalized tensor parallelism (GTP) is not built; leave it 1"),
-    "context_parallel_size": ((1,), "context parallelism is not built into the model yet (issue 29); use 1"),
-    "hierarchical_context_parallel_sizes": (
-        (None,),
-        "context parallelism is not built yet (issue 29); leave it None",
+    "hybrid_context_parallel": (
+        (False,),
+        "hybrid context parallelism is not built; use context_parallel_size",
     ),
-    "hybrid_context_parallel": ((False,), "context parallelism is not built yet (issue 29); leave it False"),
     "expert_model_parallel_size": ((1,), "experts (MoE) are not built yet (issue 28); use 1"),
     "enable_autocast": (
         (False,),

@@ -108,9 +108,16 @@ def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[in
     return state.group_ranks.get("cp")
 
 
-def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> ProcessGroup | None:
-    """Not built (hierarchical context parallelism is refused): AssertionError, or None."""
-    return _group("hcp", check_initialized, "hierarchical context parallel")
+def get_hierarchical_context_parallel_groups(
+    check_initialized: bool = True,
+) -> list[ProcessGroup | None] | None:
+    """The groups of ``hierarchical_context_parallel_sizes``, level 0 (consecutive cp ranks) first;
+    AssertionError (or None) when they were not built."""
+    groups = _state().hierarchical_cp_groups
+    if not groups:
+        assert not check_initialized, "hierarchical context parallel groups are not initialized"
+        return None
+    return groups
 
 
 def get_embedding_group(check_initialized: bool = True) -> ProcessGroup | None:

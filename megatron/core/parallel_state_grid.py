@@ -9,6 +9,7 @@ degree) for expert layers. Both use the same order and have the same pipeline gr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -166,6 +167,24 @@ class ParallelState:
         return self.groups.get("dp_cp")
 
     @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's index in the dp x cp group (cp fastest, as the group's ranks are ordered)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
+    def cp_group(self) -> ProcessGroup | None:
+        return self.groups.get("cp")
+
+    @property
+    def hierarchical_cp_groups(self) -> list[ProcessGroup | None]:
+        """The levels' groups of ``hierarchical_cp`` (level 0 first); empty when not built."""
+        return [self.groups[f"hcp{i}"] for i in range(len(self.groups)) if f"hcp{i}" in self.groups]
+
+    @property
     def mp_group(self) -> ProcessGroup | None:
         return self.groups.get("mp")
 
@@ -226,6 +245,7 @@ def build_parallel_state(
     embedding_ranks: Callable[[list[int]], list[int]] | None = None,
     position_embedding_ranks: Callable[[list[int]], list[int]] | None = None,
     gloo_groups: bool = True,
+    hierarchical_cp: Sequence[int] | None = None,
 ) -> ParallelState:
     """Create every group of both grids collectively (all ranks must call this in the same order).
 
@@ -240,6 +260,9 @@ def build_parallel_state(
             (position) embeddings; default its first and last / its first stage.
         gloo_groups: build gloo twins of the dp, dp-cp and expert-dp groups when the default backend
             is not gloo (under gloo they are the same groups).
+        hierarchical_cp: sizes ``[a, b, ...]`` whose product is ``cp`` (``a2a+p2p`` context
+            parallelism): level ``i`` groups the cp ranks that differ only in digit ``i`` of their cp
+            rank written in these sizes, fastest first (level 0: ``a`` consecutive cp ranks).
 
     Groups with the same members are created once and shared between names.
     """
@@ -277,6 +300,13 @@ def build_parallel_state(
             if rank in ranks:
                 state.groups[name] = group
                 state.group_ranks[name] = ranks
+    if hierarchical_cp:
+        for level, ranks_by_group in enumerate(hierarchical_cp_rank_lists(named["cp"], hierarchical_cp)):
+            for ranks in ranks_by_group:
+                group = group_of(ranks)
+                if rank in ranks:
+                    state.groups[f"hcp{level}"] = group
+                    state.group_ranks[f"hcp{level}"] = ranks
     separate_gloo = initialized and dist.get_backend() != "gloo"
     for gloo_name, name in _GLOO_GROUPS.items() if gloo_groups else ():
         for ranks in named[name]:
@@ -285,6 +315,33 @@ def build_parallel_state(
                 state.groups[gloo_name] = group
                 state.group_ranks[gloo_name] = ranks
     return state
+
+
+def hierarchical_cp_rank_lists(cp_groups: list[list[int]], sizes: Sequence[int]) -> list[list[list[int]]]:
+    """For each level of ``sizes`` (product: the cp size), the rank lists of that level's groups: the
+    members of one cp group whose cp ranks differ only in digit ``level`` (mixed radix, fastest first).
+
+    Raises:
+        ParallelLayoutError: the sizes' product is not the cp size, or a size is below 1.
+    """
+    cp = len(cp_groups[0])
+    if any(n < 1 for n in sizes) or math.prod(sizes) != cp:
+        raise ParallelLayoutError(
+            f"hierarchical_context_parallel_sizes {list(sizes)}: the sizes must be >= 1 and multiply to "
+            f"context_parallel_size {cp} (e.g. [2, {cp // 2}] when it is even)",
+            params=("hierarchical_context_parallel_sizes", "context_parallel_size"),
+        )
+    levels: list[list[list[int]]] = []
+    stride = 1
+    for n in sizes:
+        groups = []
+        for members in cp_groups:
+            for start in range(cp):
+                if (start // stride) % n == 0:  # the level's first member
+                    groups.append([members[start + i * stride] for i in range(n)])
+        levels.append(groups)
+        stride *= n
+    return levels
 
 
 class RankGenerator:

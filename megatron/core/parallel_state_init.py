@@ -42,14 +42,6 @@ def _refusals(
                 "transfers use the default backend; pass None",
             )
         )
-    if hierarchical_context_parallel_sizes:
-        out.append(
-            (
-                "hierarchical_context_parallel_sizes",
-                "hierarchical_context_parallel_sizes: hierarchical "
-                "context parallelism is not built; pass None",
-            )
-        )
     if hybrid_context_parallel:
         out.append(
             (
@@ -139,7 +131,7 @@ def initialize_model_parallel(
 
     Raises:
         ConfigError: one error listing every argument that asks for something not built here
-            (hierarchical or hybrid context parallelism, GTP, several distributed-optimizer
+            (hybrid context parallelism, GTP, several distributed-optimizer
             instances, a UCC pipeline backend, a grid not spanning the world), a layout that
             does not divide the world, an invalid order, or virtual pipelining with pp == 1 (the
             last ones are also RuntimeErrors, as in Megatron-Core).
@@ -186,6 +178,7 @@ def initialize_model_parallel(
         embedding_ranks=get_embedding_ranks,
         position_embedding_ranks=get_position_embedding_ranks,
         gloo_groups=create_gloo_process_groups,
+        hierarchical_cp=hierarchical_context_parallel_sizes,
     )
     layout = get_runtime().layout
     layout.overrides.clear()

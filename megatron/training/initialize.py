@@ -31,7 +31,12 @@ def _env_int(*names: str, default: int) -> int:
 
 
 def initialize_distributed(
-    backend: str = "auto", timeout_minutes: int = 10, tp: int = 1, pp: int = 1
+    backend: str = "auto",
+    timeout_minutes: int = 10,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    hierarchical_cp: list[int] | None = None,
 ) -> tuple[torch.device, ParallelState]:
     """Join the process group torchrun (or srun) describes, or run alone.
 
@@ -78,6 +83,8 @@ def initialize_distributed(
     return device, initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        hierarchical_context_parallel_sizes=hierarchical_cp,
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=False,
     )  # the trainer uses none

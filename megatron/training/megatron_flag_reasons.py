@@ -144,8 +144,8 @@ OTHER_OPT = "a setting of --optimizer muon or lion, which are not built (--optim
 MAMBA_KNOB = "a setting of Mamba layers, which exist only in hybrid models (refused here)"
 MSC_KNOB = "the Multi-Storage Client is not used; files are read from the local (or mounted) file system"
 CP = (
-    "context parallelism is not built yet; for long sequences use --sequence-parallel with "
-    "--tensor-model-parallel-size, or --recompute-granularity full"
+    "hybrid (dynamic per-sample) context parallelism is not built; use --context-parallel-size with "
+    "--cp-comm-type"
 )
 MOE = "mixture-of-experts layers are not built yet (dense models only)"
 OPT_DTYPES = (

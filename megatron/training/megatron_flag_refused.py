@@ -11,8 +11,7 @@ REFUSED_ROWS: list[ForeignFlag] = [
         REFUSED,
         why.CP,
         """
-        --cp-comm-type=+ --hierarchical-context-parallel-sizes=+ --hybrid-context-parallel
-        --max-seqlen-per-dp-cp-rank=1
+        --hybrid-context-parallel --max-seqlen-per-dp-cp-rank=1
     """,
     ),
     *entries(
@@ -220,14 +219,6 @@ REFUSED_ROWS: list[ForeignFlag] = [
         "--model-parallel-size", REFUSED, "Megatron-LM removed it; use --tensor-model-parallel-size", None
     ),
     # Accepted at the values that ask for what this package does, refused at any other.
-    ForeignFlag(
-        "--context-parallel-size",
-        ALWAYS,
-        "the run has no context parallelism (size 1)",
-        None,
-        accepted=("1",),
-        otherwise=why.CP + "; pass --context-parallel-size 1 or drop it",
-    ),
     ForeignFlag(
         "--expert-model-parallel-size",
         ALWAYS,

@@ -59,6 +59,8 @@ class Trainer(TrainerResume):
             t.distributed_timeout_minutes,
             tp=cfg.model.tensor_model_parallel_size,
             pp=cfg.model.pipeline_model_parallel_size,
+            cp=cfg.model.context_parallel_size,
+            hierarchical_cp=cfg.model.hierarchical_context_parallel_sizes,
         )
         self.world_size = dist.get_world_size()
         if cfg.impl.disable_bf16_reduced_precision_matmul:

@@ -85,7 +85,10 @@ class DotProductAttention(nn.Module):
     Megatron-Core's arguments: ``attn_mask_type`` ``AttnMaskType.no_mask`` makes a ``None`` mask mean
     no masking (bidirectional); every other type keeps ``None`` = causal and applies a given mask as
     is. ``attention_dropout`` and ``softmax_scale`` override the config's (default ``1/sqrt(d)``).
-    ``attention_type`` must be ``"self"``.
+    ``attention_type`` must be ``"self"``. ``cp_groups`` of more than one rank (the model's context
+    parallelism) makes this the context-parallel attention
+    (:class:`~megatron.core.transformer.context_parallel.attention.ContextParallelAttention`) with
+    ``cp_comm_type`` (default: the config's), as Megatron-Core's Transformer Engine attention does.
     """
 
     def __init__(
@@ -98,8 +101,24 @@ class DotProductAttention(nn.Module):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         rng_tracker: Any = None,
+        cp_groups: Any = None,
     ) -> None:
         super().__init__()
+        self.context_parallel: nn.Module | None = None
+        if cp_groups is not None and cp_groups.size > 1:
+            from megatron.core.transformer.context_parallel.attention import ContextParallelAttention
+
+            self.context_parallel = ContextParallelAttention(
+                config,
+                layer_number,
+                attn_mask_type,
+                attention_type,
+                attention_dropout,
+                softmax_scale,
+                cp_comm_type,
+                rng_tracker,
+                cp_groups,
+            )
         if attention_type != "self":
             raise ConfigError(
                 f"DotProductAttention attention_type={attention_type!r}: only 'self' attention is "
@@ -117,6 +136,9 @@ class DotProductAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``q`` ``[s, b, n_q, d]``, ``k`` / ``v`` ``[s, b, n_kv, d]`` -> ``[s, b, n_q * d]``."""
+        if self.context_parallel is not None:
+            out: torch.Tensor = self.context_parallel(q, k, v, attention_mask)
+            return out
         if self.rng_tracker is not None and self.training and self.dropout_p > 0:
             with self.rng_tracker.fork():
                 return self._attend(q, k, v, attention_mask)
@@ -159,7 +181,7 @@ class SelfAttention(nn.Module):
     Query/key norms are built from ``submodules.q_layernorm`` / ``k_layernorm`` when
     ``config.qk_layernorm`` is set or the spec asked for them (``get_gpt_layer_local_spec(
     qk_layernorm=True)``); an ``IdentityOp`` there is no norm. ``attn_mask_type`` goes to the core
-    attention.
+    attention, and ``cp_groups`` (context parallelism) too, only when given.
     """
 
     def __init__(
@@ -171,6 +193,7 @@ class SelfAttention(nn.Module):
         tp_group: ProcessGroup | None = None,
         sequence_parallel: bool = False,
         rng_tracker: Any = None,
+        cp_groups: Any = None,
     ) -> None:
         super().__init__()
         tp = group_size(tp_group)
@@ -202,6 +225,7 @@ class SelfAttention(nn.Module):
             layer_number,
             attn_mask_type=attn_mask_type,
             rng_tracker=rng_tracker,
+            **({} if cp_groups is None else {"cp_groups": cp_groups}),
         )
         self.rng_tracker = rng_tracker
         self.recompute_core_attention = config.recompute_granularity == "selective"

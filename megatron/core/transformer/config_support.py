@@ -57,7 +57,6 @@ TC_NO_EFFECT: dict[str, str] = {
     "fp4_quantizer_factory": "only with fp4, which is refused",
     "kitchen_attention_backend": "only with use_kitchen, which is refused",
     "high_priority_a2a_comm_stream": _MOE,
-    "cp_comm_type": "only with context_parallel_size > 1, which is refused",
     "clone_scatter_output_in_embedding": "the embedding's sequence-parallel scatter returns its own tensor",
     "config_logger_dir": "configs are logged by the training application (its argument dump)",
     "hetereogenous_dist_checkpoint": "only with heterogeneous_block_specs, which is refused",

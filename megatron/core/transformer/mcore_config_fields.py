@@ -175,7 +175,6 @@ class MegatronCoreTransformerFields(ModelParallelConfig):
     moe_ncclep_zero_copy: bool = doc(False, flag=None)
     moe_mlp_glu_interleave_size: int | None = doc(None, flag=None)
     moe_expert_rank_capacity_factor: float | None = doc(None, flag=None)
-    cp_comm_type: str | list[str] | None = doc(None, flag=None)
     enable_cuda_graph: bool = doc(False, flag=None)
     cuda_graph_use_single_mempool: bool = doc(True, flag=None)
     cuda_graph_retain_backward_graph: bool = doc(False, flag=None)

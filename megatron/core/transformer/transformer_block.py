@@ -65,9 +65,11 @@ class TransformerBlock(nn.Module):
         tp_group: ProcessGroup | None = None,
         sequence_parallel: bool = False,
         rng_tracker: Any = None,
+        cp_groups: Any = None,
     ) -> None:
         super().__init__()
         num_layers = config.num_layers if num_layers is None else num_layers
+        cp = {} if cp_groups is None else {"cp_groups": cp_groups}  # only context-parallel layers take it
         specs = _layer_specs(spec, num_layers, layer_offset, config.num_layers)
         self.layer_offset = layer_offset
         self.rng_tracker = rng_tracker
@@ -84,6 +86,7 @@ class TransformerBlock(nn.Module):
                 tp_group=tp_group,
                 sequence_parallel=sequence_parallel,
                 rng_tracker=rng_tracker,
+                **cp,
             )
             for i, layer_spec in enumerate(specs)
         )

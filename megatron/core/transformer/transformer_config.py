@@ -218,6 +218,31 @@ class TransformerConfig(MegatronCoreTransformerFields):
         flag="--no-overlap-p2p-communication",
         app_default=True,
     )
+    context_parallel_size: int = doc(
+        1,
+        "Context-parallel degree: every sequence is cut into 2 x this many chunks and cp rank r holds "
+        "chunks r and 2N-1-r (balanced causal work); attention exchanges keys and values between them "
+        "(--cp-comm-type). Weights are replicated over cp; gradients are reduced over dp x cp. Needs "
+        "--seq-length divisible by 2 x this. Like --tensor-model-parallel-size, models take it from "
+        "their process groups; 1 follows the groups.",
+    )
+    cp_comm_type: str | list[str] | None = doc(
+        None,
+        "How context-parallel attention communicates: 'p2p' (ring: key/value blocks travel around the "
+        "cp ranks while the current block is attended), 'a2a' (all-to-all: heads for sequence; the "
+        "query groups per tp rank must divide by the cp size), 'allgather' (gather all keys and "
+        "values), 'a2a+p2p' (all-to-all inside the first level of --hierarchical-context-parallel-sizes, "
+        "ring across the second). One value for every layer, or one per layer.",
+        flag="--cp-comm-type",
+        nargs="+",
+        app_default=["p2p"],
+    )
+    hierarchical_context_parallel_sizes: list[int] | None = doc(
+        None,
+        "With --cp-comm-type a2a+p2p: the two levels' sizes [a2a, p2p], multiplying to "
+        "--context-parallel-size (the a2a level is consecutive cp ranks, e.g. the GPUs of a node).",
+        nargs="+",
+    )
     sequence_parallel: bool = doc(
         False,
         "With tensor parallelism, keep norms, dropout and residuals sharded along the sequence "
@@ -411,8 +436,9 @@ class TransformerConfig(MegatronCoreTransformerFields):
         config_checks.check_fp8(self)
         config_checks.check_parallelism(self)
 
-    def check_parallel_sizes(self, tp_size: int, pp_size: int) -> None:
-        """Check this config against the process groups a model is built on (``tp_size`` x ``pp_size``).
+    def check_parallel_sizes(self, tp_size: int, pp_size: int, cp_size: int = 1) -> None:
+        """Check this config against the process groups a model is built on (``tp_size`` x ``pp_size``
+        x ``cp_size``).
 
         The groups decide (Megatron-Core's layers read parallel_state too): a size left at its default 1
         follows them, any other value must equal theirs. The split rules are checked for the groups' sizes.
@@ -424,6 +450,7 @@ class TransformerConfig(MegatronCoreTransformerFields):
         for name, given, actual in (
             ("tensor_model_parallel_size", self.tensor_model_parallel_size, tp_size),
             ("pipeline_model_parallel_size", self.pipeline_model_parallel_size, pp_size),
+            ("context_parallel_size", self.context_parallel_size, cp_size),
         ):
             if given not in (1, actual):
                 follow = "" if actual == 1 else " or leave it at 1 to follow the groups"

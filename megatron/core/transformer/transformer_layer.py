@@ -54,7 +54,9 @@ def bias_dropout_add(
 
 
 class TransformerLayer(nn.Module):
-    """A decoder layer. ``layer_number`` is 1-based and global (pipeline stages offset it)."""
+    """A decoder layer. ``layer_number`` is 1-based and global (pipeline stages offset it).
+    ``cp_groups`` (context parallelism, ``context_parallel.layout.ContextParallelGroups``) goes to
+    the self-attention, only when given."""
 
     def __init__(
         self,
@@ -65,8 +67,10 @@ class TransformerLayer(nn.Module):
         tp_group: ProcessGroup | None = None,
         sequence_parallel: bool = False,
         rng_tracker: Any = None,
+        cp_groups: Any = None,
     ) -> None:
         super().__init__()
+        cp = {} if cp_groups is None else {"cp_groups": cp_groups}
         if getattr(submodules, "cross_attention", None) not in (None, IdentityOp):
             raise ConfigError(
                 "TransformerLayerSubmodules.cross_attention is not built here (decoder-only layers); "
@@ -84,6 +88,7 @@ class TransformerLayer(nn.Module):
             tp_group=tp_group,
             rng_tracker=rng_tracker,
             **sp,
+            **cp,
         )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, config.hidden_size, **sp)
         self.mlp = build_module(submodules.mlp, config, tp_group=tp_group, **sp)

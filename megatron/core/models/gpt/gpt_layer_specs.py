@@ -23,6 +23,7 @@ from megatron.core.execution_plan import ExecutionPlan, Fp8GemmBuilder
 from megatron.core.fusions.fp8 import AmaxReducer
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.context_parallel.attention import ContextParallelAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, Fp8SwigluMLP, MLPSubmodules, swiglu_triton_backward
 from megatron.core.transformer.norms import Norm
@@ -213,6 +214,8 @@ def get_gpt_layer_plan_spec(
     builder = plan.fp8_gemm_builder(amax_reducer)
     submodules = get_gpt_layer_local_submodules()
     attn = submodules.self_attention.submodules
+    if getattr(plan.config, "context_parallel_size", 1) > 1:
+        attn.core_attention = ContextParallelAttention
     attn.linear_qkv = _linear(ColumnParallelLinear, "linear_qkv", layer_number, plan, builder)
     attn.linear_proj = _linear(RowParallelLinear, "linear_proj", layer_number, plan, builder)
     swiglu = plan.config.activation == "swiglu"

@@ -17,6 +17,8 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.init import init_param_, tag_param
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.attention import mask_for_attention
+from megatron.core.transformer.context_parallel.layout import ContextParallelGroups, local_token_indices
+from megatron.core.transformer.document_mask import DocumentMask
 from megatron.core.transformer.module import shard_of
 from megatron.core.transformer.rope import rotary_cos_sin
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -96,7 +98,7 @@ class GPTModel(LanguageModule):
         super().__init__(config)
         _refuse_unbuilt(fp16_lm_cross_entropy, scatter_embedding_sequence_parallel, mtp_block_spec)
         self.pg = _groups(parallel_state, pg_collection)
-        config.check_parallel_sizes(self.pg.tp_size, self.pg.pp_size)
+        config.check_parallel_sizes(self.pg.tp_size, self.pg.pp_size, self.pg.cp_size)
         plan = _plan_for(execution_plan, config, self.pg.tp_size)
         if num_layers is None and self.pg.pp_size > 1:
             num_layers, layer_offset = _stage_layers(config, self.pg, vp_stage)
@@ -149,6 +151,7 @@ class GPTModel(LanguageModule):
                 tp_group=tp_group,
                 sequence_parallel=sp,
                 rng_tracker=self.pg.rng_tracker,
+                cp_groups=ContextParallelGroups.of(self.pg),
             )
             if post_process:
                 tied_here = self.share_embeddings_and_output_weights and pre_process
@@ -243,6 +246,9 @@ class GPTModel(LanguageModule):
         loss function; with the fused output layer + cross entropy, the gradient reaching the losses
         must be one scalar times ``loss_mask`` (all ones when None), as a masked mean gives.
 
+        ``attention_mask`` may also be a ``DocumentMask`` (packed documents, block-diagonal causal;
+        the only mask taken with context parallelism, where inputs are this cp rank's chunks of the
+        sequence, ``context_parallel.layout``).
         ``attention_mask`` is ``None`` (causal) or Megatron's boolean mask, True = masked:
         ``[b, 1, s, s]``, ``[1, 1, s, s]`` or ``[b, s, s]``. A mask equal to the causal mask runs the fused
         causal attention; telling so compares the whole mask with a cached causal one, which on a GPU is
@@ -256,9 +262,12 @@ class GPTModel(LanguageModule):
             hidden = decoder_input if decoder_input is not None else self.input_tensor
         rotary = None
         if self.position_embedding_type == "rope":
-            if position_ids is None:  # a later pipeline stage: positions 0..s-1 of the full sequence
+            if position_ids is None:  # a later pipeline stage: this rank's positions of 0..S-1
                 seq = hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
-                position_ids = torch.arange(seq, device=hidden.device).expand(hidden.shape[1], seq)
+                positions = local_token_indices(
+                    seq * self.pg.cp_size, self.pg.cp_size, self.pg.cp_rank, hidden.device
+                )
+                position_ids = positions.expand(hidden.shape[1], seq)
             rotary = rotary_cos_sin(
                 position_ids,
                 self.rotary_dim,
@@ -267,7 +276,14 @@ class GPTModel(LanguageModule):
                 self.rope_scaling_factor,
             )
         seq = hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
-        hidden = self.decoder(hidden, mask_for_attention(attention_mask, seq), rotary)
+        if not isinstance(attention_mask, DocumentMask):
+            if self.pg.cp_size > 1 and attention_mask is not None:
+                raise ValueError(
+                    "with context parallelism GPTModel takes attention_mask=None (causal) or a "
+                    "DocumentMask (packed documents), not a dense mask"
+                )
+            attention_mask = mask_for_attention(attention_mask, seq)
+        hidden = self.decoder(hidden, attention_mask, rotary)
         if not self.post_process:
             return hidden
         weight = (
@@ -310,7 +326,7 @@ class GPTModel(LanguageModule):
         ``embedding.word_embeddings.weight`` (replica id led by 1): the checkpoint stores the first
         stage's tensor only, and loading fills the copy from it.
         """
-        tp_rank, dp_rank = self.pg.tp_rank, self.pg.dp_rank
+        tp_rank, dp_rank = self.pg.tp_rank, self.pg.dp_cp_rank  # cp ranks hold replicas too
         out = {}
         for name, tensor in self.state_dict(prefix="", keep_vars=True).items():
             key = prefix + self.global_param_name(name)

@@ -1,0 +1,122 @@
+"""Blockwise attention with the log-sum-exp: one query block against one key/value block, and the
+merge of partial results. Context-parallel attention is built from these three functions.
+
+Shapes: ``q`` ``[b, n_q, sq, d]``, ``k`` / ``v`` ``[b, n_kv, sk, d]`` with ``n_q`` a multiple of
+``n_kv`` (query head ``h`` reads key/value head ``h // (n_q / n_kv)``). ``mask`` is ``None`` (every
+query sees every key), ``"causal"`` (``sq == sk``, query ``i`` sees keys ``0..i``) or a boolean
+``[b or 1, 1, sq, sk]`` tensor, True = masked (document masking). ``lse`` is ``[b, n_q, sq]`` fp32;
+a query that sees no key has ``lse = -inf`` and output 0.
+
+``block_backward`` takes the *merged* output and log-sum-exp of the rows (over every block the rows
+attended to) and returns this block's share of the gradients: summed over the blocks, they are the
+gradients of the whole attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Mask = torch.Tensor | str | None
+
+
+def _expand_kv(x: torch.Tensor, n_q: int) -> torch.Tensor:
+    n_kv = x.shape[1]
+    return x if n_kv == n_q else x.repeat_interleave(n_q // n_kv, dim=1)
+
+
+def _reduce_kv(g: torch.Tensor, n_kv: int) -> torch.Tensor:
+    b, n_q, s, d = g.shape
+    return g if n_q == n_kv else g.view(b, n_kv, n_q // n_kv, s, d).sum(2)
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the accumulation dtype: fp32, or fp64 for fp64 inputs."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, mask: Mask, scale: float) -> torch.Tensor:
+    scores = torch.matmul(_acc(q), _acc(_expand_kv(k, q.shape[1])).transpose(-1, -2)) * scale
+    if mask is None:
+        return scores
+    if isinstance(mask, str):
+        assert mask == "causal", f"unknown block mask {mask!r}"
+        sq, sk = scores.shape[-2:]
+        masked = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+    else:
+        masked = mask
+    return scores.masked_fill(masked, float("-inf"))
+
+
+def _probs(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``exp(scores - lse)``, 0 on rows that see no key (``lse = -inf``)."""
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - safe.unsqueeze(-1))
+
+
+Result = tuple[torch.Tensor, torch.Tensor]
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> Result:
+    """(out ``[b, n_q, sq, d]`` in q's dtype, lse ``[b, n_q, sq]`` fp32), in plain torch (fp32 math)."""
+    scores = _masked_scores(q, k, mask, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(_probs(scores, lse), _acc(_expand_kv(v, q.shape[1])))
+    return out.to(q.dtype), lse
+
+
+def math_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Mask,
+    scale: float,
+) -> Grads:
+    """This block's (dq, dk, dv) given the rows' merged ``out`` and ``lse`` (see the module docstring)."""
+    n_q, n_kv = q.shape[1], k.shape[1]
+    p = _probs(_masked_scores(q, k, mask, scale), lse)  # [b, n_q, sq, sk]
+    do = _acc(dout)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, _acc(_expand_kv(v, n_q)).transpose(-1, -2))
+    delta = (do * _acc(out)).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, _acc(_expand_kv(k, n_q))) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), _acc(q)) * scale
+    return dq.to(q.dtype), _reduce_kv(dk, n_kv).to(k.dtype), _reduce_kv(dv, n_kv).to(v.dtype)
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> Result:
+    """One block's (out, lse) with the best kernel for the device and dtype (see the module docstring)."""
+    return math_forward(q, k, v, mask, scale)
+
+
+def block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Mask,
+    scale: float,
+) -> Grads:
+    """One block's (dq, dk, dv) given the merged ``out`` / ``lse`` of its rows."""
+    return math_backward(dout, q, k, v, out, lse, mask, scale)
+
+
+def merge(
+    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention over the union of two key sets from each set's (out, lse): ``lse`` is their
+    log-sum-exp, ``out`` the outputs weighted by ``exp(lse_i - lse)``. ``out``/``lse`` None: the block's.
+    Returns ``out`` in the accumulation dtype (fp32, fp64 for fp64; cast once at the end)."""
+    if out is None or lse is None:
+        return _acc(block_out), block_lse
+    new_lse = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = torch.exp(lse - safe).unsqueeze(-1)
+    w_new = torch.exp(block_lse - safe).unsqueeze(-1)
+    return _acc(out) * w_old + _acc(block_out) * w_new, new_lse
