@@ -98,7 +98,9 @@ class ExecutionPlan:
         config: the model configuration the plan was resolved from (read, never changed).
         device_type: ``"cuda"``, ``"cpu"`` or ``"meta"``.
         tp_size: tensor-parallel size the shapes were resolved for.
-        attention: the core attention module: ``"sdpa"`` (``F.scaled_dot_product_attention``).
+        attention: the core attention module: ``"sdpa"`` (``F.scaled_dot_product_attention``) or
+            ``"context_parallel"`` (the config's ``context_parallel_size`` > 1:
+            ``context_parallel.attention.ContextParallelAttention`` with the config's ``cp_comm_type``).
         attention_kernel: the SDPA backend picked for this model's shapes (a probe at start-up).
         swiglu: one of SWIGLU_IMPLS (the SwiGLU activation; unused for GELU).
         cross_entropy: one of CROSS_ENTROPY_PATHS.
@@ -131,6 +133,7 @@ class ExecutionPlan:
         return cls(
             config=config,
             tp_size=tp_size,
+            attention="context_parallel" if getattr(config, "context_parallel_size", 1) > 1 else "sdpa",
             cross_entropy=_cross_entropy_path(config, tp_size, "cpu", False, False),
             triton_checks=tuple((k, "no self-check was run (a plan without resolve())") for k in KERNELS),
         )
@@ -195,6 +198,11 @@ def resolve(
     checks = dict(self_check_fn(device, interpret) if triton_checks is None else triton_checks)
     passed = {k for k in KERNELS if k in checks and checks[k] is None}
     reason = "" if cuda and torch_compile else ("CPU run" if not cuda else compile_off_reason)
+    context_parallel = getattr(config, "context_parallel_size", 1) > 1
+    if context_parallel and not reason:
+        # Not compiled: the layer would break its graph at every key/value exchange, and compiled
+        # layers with context parallelism have not run on several GPUs here.
+        reason = "context parallelism (its attention exchanges keys and values between ranks)"
     helpers = cuda and torch_compile
     swiglu = "triton" if config.activation == "swiglu" and cuda and "swiglu" in passed else "torch"
     n_q, n_kv = config.num_attention_heads // tp_size, max(1, _known(config.num_query_groups) // tp_size)
@@ -207,7 +215,7 @@ def resolve(
         config=config,
         device_type=device.type,
         tp_size=tp_size,
-        attention="sdpa",
+        attention="context_parallel" if context_parallel else "sdpa",
         attention_kernel=probe,
         swiglu=swiglu,
         cross_entropy=_cross_entropy_path(config, tp_size, device.type, "cross_entropy" in passed, helpers),

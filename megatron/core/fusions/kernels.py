@@ -46,6 +46,13 @@ def kernel_report(
     attn = plan.attention_kernel
     if not cuda:
         attn += " (the CPU kernel of that name; cuDNN fused attention needs a CUDA device)"
+    if plan.attention == "context_parallel":
+        types = plan.config.cp_comm_type or "p2p"
+        types = types if isinstance(types, str) else ", ".join(dict.fromkeys(types))
+        attn = (
+            f"context-parallel ({types}) over cp {plan.config.context_parallel_size}, blockwise with "
+            f"the log-sum-exp (SDPA for the shapes: {attn})"
+        )
     return [
         " > kernels:",
         f"   attention: {attn}",

@@ -214,7 +214,7 @@ def get_gpt_layer_plan_spec(
     builder = plan.fp8_gemm_builder(amax_reducer)
     submodules = get_gpt_layer_local_submodules()
     attn = submodules.self_attention.submodules
-    if getattr(plan.config, "context_parallel_size", 1) > 1:
+    if plan.attention == "context_parallel":
         attn.core_attention = ContextParallelAttention
     attn.linear_qkv = _linear(ColumnParallelLinear, "linear_qkv", layer_number, plan, builder)
     attn.linear_proj = _linear(RowParallelLinear, "linear_proj", layer_number, plan, builder)
