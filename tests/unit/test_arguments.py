@@ -179,8 +179,6 @@ def test_megatron_compat_flags_are_accepted_without_effect():
         "--attention-softmax-in-fp32",
         "--log-memory-to-tensorboard",
         "--log-validation-ppl-to-tensorboard",
-        "--context-parallel-size",
-        "1",
         "--expert-model-parallel-size",
         "1",
         "--attention-backend",
@@ -228,12 +226,24 @@ def test_megatron_position_embedding_spellings():
         pos(["--use-rotary-position-embeddings", "--position-embedding-type", "none"])
 
 
-@pytest.mark.parametrize("flag", ["--context-parallel-size", "--expert-model-parallel-size"])
-def test_context_and_expert_parallel_sizes_other_than_one_are_refused(capsys, flag):
+def test_expert_parallel_sizes_other_than_one_are_refused(capsys):
+    flag = "--expert-model-parallel-size"
     with pytest.raises(SystemExit) as e:
         parse_run_config(BASE + [flag, "2"])
     assert e.value.code == 2
     assert re.search(f"{flag} 2: .*not built yet.*pass {flag} 1 or drop it", capsys.readouterr().err)
+
+
+def test_context_parallel_flags_reach_the_model_config():
+    m = parse_run_config(BASE + ["--context-parallel-size", "2"]).model
+    assert (m.context_parallel_size, m.cp_comm_type, m.hierarchical_context_parallel_sizes) == (
+        2,
+        ["p2p"],
+        None,
+    )
+    hcp = "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2"
+    m = parse_run_config(BASE + hcp.split()).model
+    assert (m.cp_comm_type, m.hierarchical_context_parallel_sizes) == (["a2a+p2p"], [2, 2])
 
 
 @pytest.mark.parametrize(

@@ -91,11 +91,11 @@ def test_every_refused_megatron_flag_is_refused_and_named_in_one_report(capsys):
 
 
 def test_a_value_outside_the_accepted_ones_is_refused_with_what_to_pass(capsys):
-    err = _errors(capsys, BASE + ["--context-parallel-size", "2"])
+    err = _errors(capsys, BASE + ["--expert-model-parallel-size", "2"])
     assert err[0].startswith(
-        "pretrain_gpt.py: error: --context-parallel-size 2: context parallelism is not built"
+        "pretrain_gpt.py: error: --expert-model-parallel-size 2: mixture-of-experts layers are not built"
     )
-    assert "pass --context-parallel-size 1 or drop it" in err[0]
+    assert "pass --expert-model-parallel-size 1 or drop it" in err[0]
     assert parse_run_config(BASE + ["--recompute-modules", "core_attn"]).notes
 
 
