@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
 from megatron.core.logging_utils import log_single_rank
 from megatron.core.runtime import GlobalMemoryBuffer, get_runtime
+from megatron.core.transformer.context_parallel.layout import get_batch_on_this_cp_rank
 from megatron.core.transformer.module import Float16Module
 
 try:
@@ -32,8 +33,9 @@ try:
 except ImportError:  # torch vendors the same module
     from torch._vendor.packaging.version import Version  # type: ignore[no-redef,assignment]
 
-# Megatron-Core's names here, defined with the runtime state and with the data pipeline's logging.
-__all__ = ["GlobalMemoryBuffer", "log_single_rank"]
+# Megatron-Core's names here, defined with the runtime state, the data pipeline's logging and the
+# context-parallel layout.
+__all__ = ["GlobalMemoryBuffer", "get_batch_on_this_cp_rank", "log_single_rank"]
 
 
 # --- versions -----------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from megatron.training.memory_estimate import (
     PLANNED_DEVICE_BYTES,
     GiB,
     Kernels,
+    context_parallel_size,
+    data_parallel_size,
     estimate,
     report_lines,
 )
@@ -32,6 +34,13 @@ def dry_run(cfg, padded_vocab_size: int, log: Callable[[str], None] = print) -> 
         shape_from_config(cfg.model, padded_vocab_size), t.global_batch_size, t.seq_length
     )
     log(f"dry run: configuration is valid for {world} process(es)")
+    cp = context_parallel_size(cfg)
+    if cp > 1:
+        log(
+            f"  context parallel: {cp} ranks per sequence, {t.seq_length // cp} of its {t.seq_length} tokens "
+            f"per rank; data-parallel size {data_parallel_size(cfg, world)} (world / (tp x pp x cp)); "
+            "the figures below are per rank"
+        )
     log(f"  parameters: {params.total:,} (padded vocabulary {padded_vocab_size})")
     log(f"  pipeline stage {busiest.pp_rank} (the largest peak), per GPU:")
     summary = {

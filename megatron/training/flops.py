@@ -4,11 +4,21 @@ Convention: every GEMM counts 2 FLOPs per multiply-accumulate and runs three tim
 (forward, input-gradient and weight-gradient), hence the factor 6. Causal attention counts half of
 the QK^T and PV products. Activation recompute is not counted (these are model FLOPs, not hardware
 FLOPs), so MFU = achieved model FLOP/s / the device's dense peak.
+
+Attention is counted as full causal attention over the whole sequence whatever the mask, as Megatron
+does: with --reset-attention-mask (packed documents, each attending only within itself) the logged
+TFLOP/s and MFU keep this convention. :func:`document_masked_floating_point_operations` gives the
+step's FLOPs with the attention the documents actually do (the sum over documents of L^2 instead of
+S^2 per sequence, halved for causal in the same way), a separate figure for the log. Context
+parallelism changes neither: it splits the same work over the cp ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,13 @@ def shape_from_config(config, padded_vocab_size: int) -> FlopsShape:
     )
 
 
+def core_attention_flops(shape: FlopsShape, sum_squared_lengths: int) -> int:
+    """Causal core attention (QK^T and PV) of sequences whose squared lengths sum to
+    ``sum_squared_lengths``: half of 12 * s^2 * q_p per layer and sequence."""
+    q_proj = shape.kv_channels * shape.num_attention_heads
+    return sum_squared_lengths * 6 * q_proj * shape.num_layers
+
+
 def num_floating_point_operations(shape: FlopsShape, batch_size: int, seq_length: int) -> int:
     """Model FLOPs of one step over ``batch_size`` samples of ``seq_length`` tokens."""
     h, L, d = shape.hidden_size, shape.num_layers, shape.kv_channels
@@ -49,8 +66,39 @@ def num_floating_point_operations(shape: FlopsShape, batch_size: int, seq_length
         + 6 * (h * (q_proj + 2 * d * shape.num_query_groups) + q_proj * h) * L  # QKV + output projection
         + 6 * h * shape.padded_vocab_size  # logit layer
     )
-    core_attention = batch_size * seq_length**2 * 6 * q_proj * L  # causal: half of 12 * s^2 * q_p per layer
-    return tokens * per_token + core_attention
+    return tokens * per_token + core_attention_flops(shape, batch_size * seq_length**2)
+
+
+def document_masked_floating_point_operations(
+    shape: FlopsShape, batch_size: int, seq_length: int, document_lengths: Iterable[int]
+) -> int:
+    """Model FLOPs of one step whose attention is masked to documents: ``document_lengths`` are the
+    lengths of every document of every sample of the step (together ``batch_size * seq_length``
+    tokens); attention counts the sum of their squares instead of ``batch_size * seq_length^2``.
+
+    Raises:
+        ValueError: the lengths do not add up to the step's tokens.
+    """
+    lengths = [int(n) for n in document_lengths]
+    if sum(lengths) != batch_size * seq_length:
+        raise ValueError(
+            f"document lengths add up to {sum(lengths)} tokens, not the step's {batch_size} x {seq_length}"
+        )
+    full = num_floating_point_operations(shape, batch_size, seq_length)
+    return (
+        full
+        - core_attention_flops(shape, batch_size * seq_length**2)
+        + core_attention_flops(shape, sum(n * n for n in lengths))
+    )
+
+
+def document_lengths(doc_ids: torch.Tensor) -> list[int]:
+    """The lengths of the documents of ``doc_ids`` ``[b, S]`` (a DocumentMask's, non-decreasing along
+    each row), row by row in order."""
+    lengths: list[int] = []
+    for row in doc_ids.cpu():
+        lengths += torch.unique_consecutive(row, return_counts=True)[1].tolist()
+    return lengths
 
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks in TFLOP/s, matched against the device name.

@@ -5,6 +5,10 @@ fused cross entropy), counted once per storage; a view (q / k / v of the fused Q
 attention output read by linear_proj) keeps its whole base alive. CUDA's kernels set the byte
 widths (``Kernels``); a CPU plan gives the CPU's, so the counts can be checked against autograd's
 saved tensors on this machine (tests/unit/test_memory_estimate.py).
+
+With context parallelism over ``N`` ranks every activation runs along this rank's ``S / N`` tokens
+(its two zigzag chunks), so every term below is counted for ``S / N`` tokens; the attention's own
+saved tensors depend on the layer's comm type (:func:`cp_attention_bytes`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from megatron.core.execution_plan import ExecutionPlan, Fp8Plan, resolve
 from megatron.core.fusions.fp8 import FP8_LINEAR_NAMES
 from megatron.core.fusions.linear_cross_entropy import chunk_tokens
 from megatron.core.fusions.triton import KERNELS
+from megatron.core.transformer.context_parallel.layout import comm_type_of_layer
 from megatron.training.memory_params import StageParams
 
 
@@ -73,7 +78,7 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 class Shape:
     """The per-rank sizes one micro-batch's activations are made of."""
 
-    tokens: int  # s x b: what the linears see (gathered with sequence parallelism)
+    tokens: int  # s x b: what the linears see (gathered with sequence parallelism; s = S / cp)
     stream_tokens: int  # the residual stream's tokens on this rank (s x b / tp with sequence parallelism)
     hidden: int
     heads: int  # query heads on this rank
@@ -83,13 +88,28 @@ class Shape:
     ffn: int  # ffn hidden size on this rank
     gated: bool
     p: int  # bytes of the param / activation dtype
-    seq: int
+    seq: int  # this rank's tokens of a sequence (S / cp)
     batch: int
+    cp: int = 1  # context-parallel ranks sharing one sequence
+
+
+def cp_attention_bytes(shape: Shape, comm_type: str) -> float:
+    """Bytes context-parallel attention saves beyond the q / k / v views the layer already holds:
+    its output and fp32 log-sum-exp of this rank's queries, and with ``allgather`` the gathered keys
+    and values of the whole sequence (``cp`` times the local ones); ``p2p`` saves only the local
+    keys and values (the ring sends them again in backward)."""
+    x = shape
+    q, kv = x.heads * x.head_dim, x.kv_heads * x.head_dim
+    total = x.tokens * q * x.p + x.tokens * x.heads * 4.0  # output, log-sum-exp
+    if comm_type == "allgather":
+        total += x.cp * x.tokens * 2 * kv * x.p
+    return total
 
 
 def activation_shape(cfg, micro_batch_size: int) -> Shape:
     m, tp = cfg.model, cfg.model.tensor_model_parallel_size
-    s, b = cfg.training.seq_length, micro_batch_size
+    cp = getattr(m, "context_parallel_size", 1) or 1
+    s, b = cfg.training.seq_length // cp, micro_batch_size
     sp = m.sequence_parallel and tp > 1
     rope = m.position_embedding_type == "rope"
     return Shape(
@@ -105,11 +125,16 @@ def activation_shape(cfg, micro_batch_size: int) -> Shape:
         p=dtype_bytes(m.params_dtype),
         seq=s,
         batch=b,
+        cp=cp,
     )
 
 
-def layer_activation_bytes(cfg, shape: Shape, kernels: Kernels, fp8_linears: tuple[str, ...] = ()) -> float:
+def layer_activation_bytes(
+    cfg, shape: Shape, kernels: Kernels, fp8_linears: tuple[str, ...] = (), layer_number: int = 1
+) -> float:
     """Bytes autograd saves for backward in one transformer layer for one micro-batch, on one rank.
+
+    ``layer_number``: the layer's global 1-based number (it picks the layer's cp comm type).
 
     ``fp8_linears``: the linears of this layer that run in FP8 (each saves its input at one byte per
     element, transposed, and its weight's FP8 copy, instead of the bf16 input).
@@ -139,10 +164,14 @@ def layer_activation_bytes(cfg, shape: Shape, kernels: Kernels, fp8_linears: tup
         total += t * (q + kv) * p  # RoPE's outputs q and k, saved by attention
         total += 4 * t * x.rotary_dim * p  # cos / sin in the activation dtype, for q and for k
     selective = m.recompute_granularity == "selective"
-    total += t * q * p  # attention's output (also linear_proj's input, a view of it)
-    if not selective:
+    if x.cp > 1 and not selective:
+        comm = comm_type_of_layer(getattr(m, "cp_comm_type", None), layer_number, m.num_layers)
+        total += cp_attention_bytes(x, comm)
+    else:
+        total += t * q * p  # attention's output (also linear_proj's input, a view of it)
+    if not selective and x.cp == 1:
         total += t * x.heads * 4  # attention's fp32 log-sum-exp (recomputed with selective recompute)
-    if kernels.math_attention:
+    if kernels.math_attention and x.cp == 1:
         total += x.batch * x.heads * x.seq * x.seq * p * (1 if selective else 2 if m.attention_dropout else 1)
     total += linear_input("linear_proj", t * q, also_saved=True)
     dropout = m.hidden_dropout > 0
@@ -187,8 +216,9 @@ def chunk_activations(cfg, shape: Shape, kernels: Kernels, info: StageParams, ch
     """(saved per micro-batch, recomputed during a checkpointed group's backward) of the chunk's layers."""
     m = cfg.model
     layers = [
-        layer_activation_bytes(cfg, shape, kernels, fp8) + fp8_weight_copy_bytes(cfg, info, fp8)
-        for fp8 in layers_fp8(kernels, chunk.offset, chunk.num_layers)
+        layer_activation_bytes(cfg, shape, kernels, fp8, chunk.offset + i + 1)
+        + fp8_weight_copy_bytes(cfg, info, fp8)
+        for i, fp8 in enumerate(layers_fp8(kernels, chunk.offset, chunk.num_layers))
     ]
     checkpoint_input = shape.stream_tokens * shape.hidden * shape.p
     n = len(layers)

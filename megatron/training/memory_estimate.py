@@ -1,7 +1,10 @@
 """Per-rank memory of a training run, per pipeline stage: what this code allocates, term by term.
 
-Every tensor- and data-parallel rank of a pipeline stage holds the same, so one row per stage (all
-virtual chunks of the rank together) describes every GPU. The terms follow how this code uses memory:
+Every tensor-, context- and data-parallel rank of a pipeline stage holds the same, so one row per stage
+(all virtual chunks of the rank together) describes every GPU. Context parallelism over ``N`` ranks
+divides every activation by ``N`` (each rank holds ``S / N`` tokens of a sequence); parameters,
+gradients and optimizer state are replicated over cp, except the distributed optimizer's and FSDP2's
+shards, which are over dp x cp. The terms follow how this code uses memory:
 
 * weights: the parameters in their dtype (with the distributed optimizer, the padded param buffer
   they are views of; with FSDP2, this rank's dim-0 shard in fp32, which is also the optimizer's main
@@ -141,9 +144,18 @@ def _simulate(
     return peak, held_at_peak, max_live / len(terms)
 
 
+def context_parallel_size(cfg) -> int:
+    return getattr(cfg.model, "context_parallel_size", 1) or 1
+
+
 def data_parallel_size(cfg, world_size: int) -> int:
+    """world / (tp x pp x cp): the ranks that take different samples."""
     m = cfg.model
-    return max(1, world_size // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size))
+    return max(
+        1,
+        world_size
+        // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size * context_parallel_size(cfg)),
+    )
 
 
 def estimate(
@@ -171,7 +183,9 @@ def estimate(
             acts, recompute = chunk_activations(cfg, shape, kernels, params, chunk)
             saved, fwd, bwd, lg = stage_end_activations(cfg, shape, kernels, chunk, padded_vocab_size)
             work = backward_working_set(shape) if chunk.num_layers else 0.0
-            static = chunk_static(cfg, chunk, dp, microbatches)
+            # Gradients are reduced, and the distributed optimizer / FSDP2 shard, over dp x cp (the cp
+            # ranks of a sequence hold replicas of every parameter).
+            static = chunk_static(cfg, chunk, dp * context_parallel_size(cfg), microbatches)
             terms.append(ChunkTerms(acts + saved, recompute, fwd, bwd + work, lg, 0.0, 0.0))
             statics.append(static)
             logits += lg
@@ -251,7 +265,7 @@ COLUMNS = (
 
 
 def format_table(stages: list[StageMemory], device_bytes: float | None = None) -> list[str]:
-    """The per-stage table per GPU (every tp / dp rank of a stage holds the same), in GiB (MiB when
+    """The per-stage table per GPU (every tp / cp / dp rank of a stage holds the same), in GiB (MiB when
     every peak is below 1 GiB)."""
     worst = max(stages, key=lambda s: s.peak)
     unit, name = (GiB, "GiB") if worst.peak >= GiB else (float(2**20), "MiB")

@@ -1,7 +1,18 @@
 """FLOPs formula against hand-computed values, and the peak table."""
 
+import pytest
+import torch
+
+from megatron.core.transformer.document_mask import DocumentMask
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.flops import FlopsShape, num_floating_point_operations, peak_tflops, shape_from_config
+from megatron.training.flops import (
+    FlopsShape,
+    document_lengths,
+    document_masked_floating_point_operations,
+    num_floating_point_operations,
+    peak_tflops,
+    shape_from_config,
+)
 
 
 def test_dense_gpt_matches_closed_form():
@@ -49,3 +60,25 @@ def test_peak_table():
     assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
     assert peak_tflops(None) is None
     assert peak_tflops("Some Future Accelerator") is None
+
+
+SMALL = FlopsShape(1, 8, 4, 2, 2, 16, 32, True)  # the GQA / SwiGLU shape above
+
+
+def test_document_masked_attention_counts_each_documents_square():
+    # One sample of 4 tokens as documents of 1 and 3: attention 6 q_p L (1 + 9) instead of 6 q_p L 16.
+    full = num_floating_point_operations(SMALL, 1, 4)
+    docs = document_masked_floating_point_operations(SMALL, 1, 4, [1, 3])
+    assert full - docs == 6 * 8 * 1 * (16 - 10)
+    # One document per sample is the full-causal convention; two samples, lengths over both.
+    assert document_masked_floating_point_operations(SMALL, 2, 4, [4, 4]) == num_floating_point_operations(
+        SMALL, 2, 4
+    )
+    with pytest.raises(ValueError, match="add up to 5 tokens"):
+        document_masked_floating_point_operations(SMALL, 1, 4, [2, 3])
+
+
+def test_document_lengths_of_a_document_mask():
+    eod = 0
+    tokens = torch.tensor([[5, 0, 7, 7, 0, 3], [1, 2, 3, 4, 5, 0]])
+    assert document_lengths(DocumentMask.from_tokens(tokens, eod).doc_ids) == [2, 3, 1, 6]

@@ -107,6 +107,30 @@ def test_rotary_embedding_and_apply_rotary_pos_emb_equal_our_rope():
     assert torch.equal(apply_rotary_pos_emb(t, freqs, cfg)[..., 4:], t[..., 4:])
 
 
+def test_rotary_embedding_returns_this_cp_ranks_positions(monkeypatch):
+    """With a cp group of N > 1 ranks, ``forward(S)`` is the zigzag slice of the whole sequence's angles
+    (rank r: chunks r and 2N-1-r of 2N); ``packed_seq`` keeps every position; apply_rotary_pos_emb
+    takes the cp group and rotates by the rows it is given (already the rank's)."""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rpe
+    from megatron.core.transformer.context_parallel.layout import local_token_indices
+
+    group = object()  # a stand-in cp group of 2 ranks; the module asks its size and rank only
+    monkeypatch.setattr(rpe, "group_size", lambda g: 2 if g is group else 1)
+    whole = RotaryEmbedding(8, 1.0)(16)
+    for rank in (0, 1):
+        monkeypatch.setattr(rpe, "group_rank", lambda g, r=rank: r if g is group else 0)
+        mine = RotaryEmbedding(8, 1.0, cp_group=group)(16)
+        assert torch.equal(mine, whole[local_token_indices(16, 2, rank)])
+        assert torch.equal(RotaryEmbedding(8, 1.0)(16, cp_group=group), mine)
+        assert torch.equal(RotaryEmbedding(8, 1.0, cp_group=group)(16, packed_seq=True), whole)
+    t = torch.randn(8, 1, 2, 8)
+    assert torch.equal(
+        apply_rotary_pos_emb(t, mine, _cfg(), cp_group=group), apply_rotary_pos_emb(t, mine, _cfg())
+    )
+    with pytest.raises(ConfigError, match="4 equal chunks"):
+        RotaryEmbedding(8, 1.0, cp_group=group)(6)
+
+
 def test_rotary_refusals():
     with pytest.raises(ConfigError, match="rotary_interleaved"):
         RotaryEmbedding(8, 1.0, rotary_interleaved=True)

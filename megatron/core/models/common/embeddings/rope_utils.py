@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from megatron.core.config_utils import ConfigError
-from megatron.core.models.common.embeddings.rotary_pos_embedding import _refuse_cp
 from megatron.core.transformer.rope import apply_rotary
 
 
@@ -27,16 +26,19 @@ def apply_rotary_pos_emb(
     ``[s, 1 or b, 1, rd]`` (``RotaryEmbedding``'s output), the rest passed through; cos / sin are
     scaled by ``mscale`` and cast to ``t``'s dtype.
 
+    ``cp_group`` is accepted and, as in Megatron-Core's ``[s, b, n, d]`` path, not used: ``freqs`` are
+    already this cp rank's rows (``RotaryEmbedding.forward`` with the cp group); only Megatron-Core's
+    packed (thd) path reads it, and packed ``cu_seqlens`` are refused here.
+
     Raises:
-        ConfigError: packed sequences (``cu_seqlens``), a context-parallel group of more than one rank,
-            interleaved RoPE (``config.rotary_interleaved`` or ``mla_rotary_interleaved``).
+        ConfigError: packed sequences (``cu_seqlens``), interleaved RoPE (``config.rotary_interleaved``
+            or ``mla_rotary_interleaved``).
     """
     if cu_seqlens is not None:
         raise ConfigError(
             "apply_rotary_pos_emb(cu_seqlens=...) is not supported here: packed (thd) sequences are "
             "not built; pass [s, b, n, d] tensors and cu_seqlens=None"
         )
-    _refuse_cp(cp_group, "apply_rotary_pos_emb")
     if getattr(config, "rotary_interleaved", False) or mla_rotary_interleaved:
         raise ConfigError(
             "apply_rotary_pos_emb with interleaved RoPE is not supported here: RoPE rotates halves; "

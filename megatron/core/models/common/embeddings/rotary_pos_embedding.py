@@ -2,6 +2,9 @@
 
 The angles are :mod:`megatron.core.transformer.rope`'s (the ones GPTModel applies), so
 ``apply_rotary_pos_emb(t, RotaryEmbedding(...)(s), config)`` equals the model's rotary embedding.
+With a context-parallel group of ``N > 1`` ranks, ``forward(S)`` returns the angles of this cp rank's
+``S / N`` positions (its two zigzag chunks, ``context_parallel.layout``), the rows that rotate the
+rank's slice of ``q`` and ``k`` (Megatron-Core's ``get_pos_emb_on_this_cp_rank``).
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron.core import parallel_state
 from megatron.core.config_utils import ConfigError
-from megatron.core.tensor_parallel.mappings import group_size
+from megatron.core.tensor_parallel.mappings import group_rank, group_size
+from megatron.core.transformer.context_parallel.layout import slice_for_cp
 from megatron.core.transformer.rope import (
     inverse_frequencies,
     llama3_scaled_inverse_frequencies,
@@ -32,10 +37,11 @@ class RotaryEmbedding(nn.Module):
         rope_scaling, rope_scaling_factor: Llama 3.x frequency scaling.
         use_cpu_initialization: accepted; the frequencies are a (non-persistent) buffer that moves
             with the module.
-        cp_group: a context-parallel group of more than one rank is refused (not built yet).
+        cp_group: the context-parallel group whose rank's positions ``forward`` returns (None: the
+            recorded parallel state's cp group, if any; a group of one rank returns every position).
 
     Raises:
-        ConfigError: ``rotary_interleaved`` or a context-parallel group of size > 1.
+        ConfigError: ``rotary_interleaved``.
     """
 
     inv_freq: torch.Tensor
@@ -58,7 +64,9 @@ class RotaryEmbedding(nn.Module):
                 "RotaryEmbedding(rotary_interleaved=True) is not supported here: RoPE rotates halves "
                 "(the non-interleaved layout); pass rotary_interleaved=False"
             )
-        _refuse_cp(cp_group, "RotaryEmbedding")
+        if cp_group is None:
+            cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        self.cp_group = cp_group
         dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
         self.rotary_interleaved = False
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
@@ -79,14 +87,17 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None
     ) -> torch.Tensor:
-        """``[max_seq_len, 1, 1, dim]`` fp32 rotation angles (Megatron-Core's ``rotary_pos_emb``)."""
-        _refuse_cp(cp_group, "RotaryEmbedding.forward")
-        return self.get_emb(max_seq_len, offset)
+        """Fp32 rotation angles (Megatron-Core's ``rotary_pos_emb``): ``[max_seq_len, 1, 1, dim]`` for
+        positions ``offset ..`` of the whole sequence, or, with a cp group of ``N > 1`` ranks
+        (``cp_group``, else the constructor's) and ``packed_seq`` False, ``[max_seq_len / N, 1, 1, dim]``
+        for this cp rank's positions. ``packed_seq`` True returns every position (packed sequences
+        pick their rows per document).
 
-
-def _refuse_cp(cp_group: Any, where: str) -> None:
-    if cp_group is not None and group_size(cp_group) > 1:
-        raise ConfigError(
-            f"{where}(cp_group=<{group_size(cp_group)} ranks>) is not supported here: context "
-            "parallelism is not built yet (issue 29); pass no cp_group"
-        )
+        Raises:
+            ConfigError: ``max_seq_len`` does not split into ``2N`` equal chunks.
+        """
+        emb = self.get_emb(max_seq_len, offset)
+        group = cp_group if cp_group is not None else self.cp_group
+        if group is None or packed_seq or group_size(group) == 1:
+            return emb
+        return slice_for_cp(emb, 0, group_size(group), group_rank(group))
