@@ -58,11 +58,13 @@ class StageParams:
 
 
 def _whole(model):
-    """The model config without any pipeline split (one process builds every layer)."""
+    """The model config without any split (one process builds every layer; cp ranks hold every
+    parameter whole, so the parameters are those of cp 1)."""
     return dataclasses.replace(
         model,
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
+        context_parallel_size=1,
         virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
         decoder_first_pipeline_num_layers=None,

@@ -252,3 +252,33 @@ def test_largest_micro_batch_fits_and_the_next_does_not():
     over = estimate(cfg, 32768, 1, micro_batch_size=best[0] + 1)
     assert max(s.peak for s in over) > 20 * GiB
     assert largest_micro_batch(cfg, 32768, 1, 1 * GiB) is None
+
+
+def test_context_parallel_divides_activations_and_shards_only_the_distributed_optimizer_over_cp():
+    """cp N: each rank holds S / N tokens of every activation (about 1 / N of them; allgather keeps
+    the whole sequence's keys and values); parameters and gradients are replicated over cp; the
+    distributed optimizer shards over dp x cp; the data-parallel size is world / (tp x pp x cp)."""
+    from megatron.training.memory_estimate import data_parallel_size
+
+    _, one = _stages("--global-batch-size 2")
+    cfg2, two = _stages("--context-parallel-size 2 --global-batch-size 2", world=2)
+    _, four = _stages("--context-parallel-size 4 --global-batch-size 2", world=4)
+    assert data_parallel_size(cfg2, 2) == 1 and data_parallel_size(cfg2, 8) == 4
+    a1, a2, a4 = (s[0].activations_per_microbatch for s in (one, two, four))
+    assert a2 < 0.6 * a1 and a4 < 0.6 * a2
+    cfg1 = _config("--global-batch-size 2")
+    p2p_layer = layer_activation_bytes(cfg2, activation_shape(cfg2, 2), Kernels())
+    assert p2p_layer == layer_activation_bytes(cfg1, activation_shape(cfg1, 2), Kernels()) / 2
+    assert (two[0].weights, two[0].optimizer) == (one[0].weights, one[0].optimizer)
+    shape2 = activation_shape(cfg2, 2)
+    assert (shape2.seq, shape2.tokens, shape2.cp) == (1024, 2048, 2)
+    gathered = _config("--context-parallel-size 2 --cp-comm-type allgather --world-size 2")
+    kv = 2 * 2048 * 2 * 1024 * 2  # the whole sequence's k and v: [S, b, n_kv * d] bf16 each
+    assert layer_activation_bytes(gathered, shape2, Kernels()) - layer_activation_bytes(
+        cfg2, shape2, Kernels()
+    ) == pytest.approx(kv)
+    _, opt_dp2 = _stages("--use-distributed-optimizer --global-batch-size 4", world=2)
+    _, opt_cp2 = _stages(
+        "--use-distributed-optimizer --context-parallel-size 2 --global-batch-size 2", world=2
+    )
+    assert opt_cp2[0].optimizer == opt_dp2[0].optimizer < one[0].optimizer / 1.9
