@@ -282,3 +282,15 @@ def test_context_parallel_divides_activations_and_shards_only_the_distributed_op
         "--use-distributed-optimizer --context-parallel-size 2 --global-batch-size 2", world=2
     )
     assert opt_cp2[0].optimizer == opt_dp2[0].optimizer < one[0].optimizer / 1.9
+
+
+def test_dry_run_prints_the_context_parallel_layout():
+    from megatron.training.dry_run import dry_run
+
+    base = BASE.replace(
+        "--dry-run", "--dry-run --context-parallel-size 4 --world-size 8 --global-batch-size 4"
+    )
+    lines: list[str] = []
+    dry_run(_config(base=base), 32768, log=lines.append)
+    cp = next(ln for ln in lines if "context parallel" in ln)
+    assert "4 ranks per sequence, 512 of its 2048 tokens per rank; data-parallel size 2" in cp
