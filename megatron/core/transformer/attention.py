@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +13,7 @@ from torch import nn
 from megatron.core.config_utils import ConfigError
 from megatron.core.tensor_parallel.mappings import ProcessGroup, group_size
 from megatron.core.tensor_parallel.random import checkpoint_with_rng
+from megatron.core.transformer.document_mask import DocumentMask, varlen_attention, varlen_supported
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.rope import apply_rotary
@@ -41,9 +42,17 @@ def causal_mask(seq_length: int, device: torch.device) -> torch.Tensor:
     return torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
-def mask_for_attention(attention_mask: torch.Tensor | None, seq_length: int) -> torch.Tensor | None:
+AttentionMask = torch.Tensor | DocumentMask | None
+
+
+@overload
+def mask_for_attention(attention_mask: torch.Tensor | None, seq_length: int) -> torch.Tensor | None: ...
+@overload
+def mask_for_attention(attention_mask: DocumentMask, seq_length: int) -> DocumentMask: ...
+def mask_for_attention(attention_mask: AttentionMask, seq_length: int) -> AttentionMask:
     """Megatron's attention mask as the attention layers take it: ``None`` for plain causal attention
-    (SDPA's fused ``is_causal`` path), otherwise the boolean ``[b or 1, 1, s, s]`` mask (True = masked).
+    (SDPA's fused ``is_causal`` path), a :class:`DocumentMask` as given (packed documents; its
+    ``seq_length`` is the full sequence), otherwise the boolean ``[b or 1, 1, s, s]`` mask (True = masked).
 
     ``attention_mask`` may be ``[b, 1, s, s]``, ``[1, 1, s, s]`` or ``[b, s, s]``. It counts as causal
     when every ``[s, s]`` slice equals :func:`causal_mask`; that comparison reads the whole mask and,
@@ -53,8 +62,8 @@ def mask_for_attention(attention_mask: torch.Tensor | None, seq_length: int) -> 
     Raises:
         ValueError: the mask is not boolean, or not one of the shapes above for ``s = seq_length``.
     """
-    if attention_mask is None:
-        return None
+    if attention_mask is None or isinstance(attention_mask, DocumentMask):
+        return attention_mask
     if attention_mask.dtype != torch.bool:
         raise ValueError(
             f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}; "
@@ -80,7 +89,10 @@ class DotProductAttention(nn.Module):
     Inputs ``q`` ``[s, b, n_q, d]``, ``k``/``v`` ``[s, b, n_kv, d]`` with ``n_q`` a multiple of
     ``n_kv`` (grouped-query attention); output ``[s, b, n_q * d]``. ``attention_mask`` is ``None``
     (causal, the fused kernels' fast path) or a boolean ``[b or 1, 1, s, s]`` where True = masked, applied
-    as given (:func:`mask_for_attention` turns a causal mask into ``None``).
+    as given (:func:`mask_for_attention` turns a causal mask into ``None``), or a :class:`DocumentMask`
+    (packed documents, block-diagonal causal): variable-length flash attention over the documents when
+    :func:`~megatron.core.transformer.document_mask.varlen_supported` (CUDA, fp16/bf16), never an
+    ``[s, s]`` mask; otherwise SDPA with the mask's cached dense form.
 
     Megatron-Core's arguments: ``attn_mask_type`` ``AttnMaskType.no_mask`` makes a ``None`` mask mean
     no masking (bidirectional); every other type keeps ``None`` = causal and applies a given mask as
@@ -104,6 +116,12 @@ class DotProductAttention(nn.Module):
         cp_groups: Any = None,
     ) -> None:
         super().__init__()
+        if attention_type != "self":
+            raise ConfigError(
+                f"DotProductAttention attention_type={attention_type!r}: only 'self' attention is "
+                "built; use 'self'",
+                params=("attention_type",),
+            )
         self.context_parallel: nn.Module | None = None
         if cp_groups is not None and cp_groups.size > 1:
             from megatron.core.transformer.context_parallel.attention import ContextParallelAttention
@@ -119,12 +137,6 @@ class DotProductAttention(nn.Module):
                 rng_tracker,
                 cp_groups,
             )
-        if attention_type != "self":
-            raise ConfigError(
-                f"DotProductAttention attention_type={attention_type!r}: only 'self' attention is "
-                "built; use 'self'",
-                params=("attention_type",),
-            )
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.rng_tracker = rng_tracker  # heads are split over tp: each rank draws its own mask
@@ -133,7 +145,7 @@ class DotProductAttention(nn.Module):
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: AttentionMask = None
     ) -> torch.Tensor:
         """``q`` ``[s, b, n_q, d]``, ``k`` / ``v`` ``[s, b, n_kv, d]`` -> ``[s, b, n_q * d]``."""
         if self.context_parallel is not None:
@@ -145,17 +157,23 @@ class DotProductAttention(nn.Module):
         return self._attend(q, k, v, attention_mask)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: AttentionMask
     ) -> torch.Tensor:
         s, b, n_q, d = q.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        dropout_p = self.dropout_p if self.training else 0.0
+        if isinstance(attention_mask, DocumentMask):
+            if varlen_supported(q):
+                out = varlen_attention(q, k, v, attention_mask, dropout_p, self.softmax_scale)
+                return out.permute(2, 0, 1, 3).reshape(s, b, n_q * d)
+            attention_mask = attention_mask.dense()
         mask = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
+            dropout_p=dropout_p,
             is_causal=attention_mask is None and self.attn_mask_type != AttnMaskType.no_mask,
             enable_gqa=k.shape[1] != n_q,
             scale=self.softmax_scale,
