@@ -1,5 +1,6 @@
 """The run's execution plan at start-up: resolved before the model is built, the FP8 amax reducer the
-trainer owns, the compile of the built layers, and the ``> kernels`` report of that same plan."""
+trainer owns, the compile of the built layers, the ``> kernels`` report of that same plan, and the
+start-up lines of the context-parallel layout."""
 
 from __future__ import annotations
 
@@ -39,11 +40,14 @@ def resolve_plan(
 
 def amax_reducer(plan: ExecutionPlan, pg: ParallelState, tp_only: bool) -> AmaxReducer | None:
     """Delayed FP8 scaling's amax reduction (max) across the ranks that must share scales: the tensor-,
-    data- and context-parallel ranks of this pipeline stage (``tp_only``: the tensor-parallel ones);
+    data- and context-parallel ranks of this pipeline stage (``tp_only``: the tensor- and
+    context-parallel ones);
     None without delayed scaling or when that group is this rank alone."""
     if plan.fp8 is None or plan.fp8.recipe.recipe != "delayed":
         return None
-    ranks = "tp" if tp_only else "tp_dp_cp"
+    # cp ranks see other tokens of the same weights: they share scales even with tp_only (Megatron's
+    # amax group with context parallelism is tp x cp).
+    ranks = "tp_cp" if tp_only else "tp_dp_cp"
     if len(pg.group_ranks.get(ranks, [])) <= 1:
         return None
     return AmaxReducer(pg.groups.get(ranks))
@@ -59,3 +63,40 @@ def apply_compile_choice(cfg: Any, plan: ExecutionPlan) -> None:
 def compile_model(plan: ExecutionPlan, chunks: list[nn.Module]) -> int:
     """``torch.compile`` of each transformer layer where the plan says so; how many were compiled."""
     return compile_layers(chunks, TransformerLayer) if plan.compile_layers else 0
+
+
+def _comm_type_runs(types: list[str], num_layers: int) -> str:
+    """``p2p`` for one type, else ``layers 1-2 a2a, 3-4 p2p`` (runs of equal types)."""
+    if len(set(types)) == 1:
+        return types[0]
+    runs: list[list] = []
+    for layer, t in enumerate(types, start=1):
+        if runs and runs[-1][2] == t:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer, t])
+    return "layers " + ", ".join(f"{a}-{b} {t}" if a != b else f"{a} {t}" for a, b, t in runs)
+
+
+def layout_lines(cfg: Any) -> list[str]:
+    """The start-up lines of the context-parallel layout (none without it) and, with
+    --reset-attention-mask, of the attention FLOPs convention of the logged TFLOP/s and MFU."""
+    m, s = cfg.model, cfg.training.seq_length
+    lines = []
+    cp = m.context_parallel_size
+    if cp > 1:
+        types = m.cp_comm_type or ["p2p"]
+        types = [types] if isinstance(types, str) else list(types)
+        hcp = m.hierarchical_context_parallel_sizes
+        levels = f" (a2a over {hcp[0]} ranks, p2p ring over {hcp[1]})" if hcp and "a2a+p2p" in types else ""
+        lines.append(
+            f" > context parallelism: cp {cp}, each sequence of {s} tokens in {2 * cp} chunks of "
+            f"{s // (2 * cp)}, rank r holding chunks r and {2 * cp - 1}-r; comm type "
+            f"{_comm_type_runs(types, m.num_layers)}{levels}; gradients reduced over dp x cp"
+        )
+    if cfg.data.reset_attention_mask:
+        lines.append(
+            " > attention FLOPs (TFLOP/s, MFU): full causal attention over each sequence, as Megatron counts "
+            "it, not the document-masked attention that --reset-attention-mask runs"
+        )
+    return lines

@@ -13,6 +13,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_plan_
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel.data import broadcast_batch
 from megatron.core.tokenizer import build_tokenizer, vocab_size_with_padding
+from megatron.core.transformer.context_parallel.layout import slice_for_cp
+from megatron.core.transformer.document_mask import DocumentMask
 from megatron.training.datasets.data_samplers import build_pretraining_data_loader
 from megatron.training.datasets.provider import build_train_valid_test_datasets
 from megatron.training.loop_utils import print_rank_0
@@ -85,27 +87,27 @@ DTYPES = {
     "labels": torch.int64,
     "loss_mask": torch.float32,
     "position_ids": torch.int64,
-    "attention_mask": torch.bool,
 }
 
 
 # Where the attention mask of a batch comes from (``attention_mask_source``).
-CAUSAL, FROM_LOADER, ON_DEVICE = "causal", "loader", "device"
+CAUSAL, DOCUMENTS = "causal", "documents"
 
 
 def attention_mask_source(data_cfg) -> str:
     """``causal``: no mask (the plain causal mask is the model's fused causal attention, so it is
-    never built, broadcast or passed); ``loader``: the data loader's --reset-attention-mask mask,
-    broadcast over tp; ``device``: that mask built on the device from the tokens
-    (--no-create-attention-mask-in-dataloader). Both masks are the same tensor."""
-    if not data_cfg.reset_attention_mask:
-        return CAUSAL
-    return FROM_LOADER if data_cfg.create_attention_mask_in_dataloader else ON_DEVICE
+    never built, broadcast or passed); ``documents`` (--reset-attention-mask): a ``DocumentMask``
+    built on the device from the full sequence's tokens, which the attention turns into
+    variable-length (or per-block) masking; no dense ``[s, s]`` mask is read from the loader or
+    built, whatever --create-attention-mask-in-dataloader says."""
+    return DOCUMENTS if data_cfg.reset_attention_mask else CAUSAL
 
 
 def document_attention_mask(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     """GPTDataset's --reset-attention-mask mask for a batch: ``[b, 1, s, s]`` bool, True = masked,
-    causal and with no attention across an end-of-document token. ``tokens`` is ``[b, s]``."""
+    causal and with no attention across an end-of-document token. ``tokens`` is ``[b, s]``. The
+    trainer never builds it (``DocumentMask`` stands for it); it is the reference the document
+    masks are checked against."""
     s = tokens.shape[1]
     arange = torch.arange(s, device=tokens.device)
     starts = torch.zeros_like(tokens)
@@ -116,12 +118,9 @@ def document_attention_mask(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     return (causal | other_doc).unsqueeze(1)
 
 
-def batch_keys(pre_process: bool, post_process: bool, attention_mask: bool = False) -> tuple[str, ...]:
+def batch_keys(pre_process: bool, post_process: bool) -> tuple[str, ...]:
     """The batch entries a stage with these roles needs (none for a middle stage)."""
-    keys = (FIRST_STAGE_KEYS if pre_process else ()) + (LAST_STAGE_KEYS if post_process else ())
-    if keys and attention_mask:
-        keys += ("attention_mask",)
-    return keys
+    return (FIRST_STAGE_KEYS if pre_process else ()) + (LAST_STAGE_KEYS if post_process else ())
 
 
 def _broadcast(
@@ -133,17 +132,10 @@ def _broadcast(
     device: torch.device,
 ) -> dict:
     """tp rank 0's tensors to the other tp ranks (shapes known in advance: no metadata exchange)."""
-    specs = {}
-    for key in keys:
-        mask = key == "attention_mask"
-        shape = (micro_batch_size, 1, seq_length, seq_length) if mask else (micro_batch_size, seq_length)
-        specs[key] = (shape, torch.uint8 if mask else DTYPES[key])  # gloo has no bool broadcast
-    if batch is not None and "attention_mask" in batch:
-        batch = {**batch, "attention_mask": batch["attention_mask"].to(torch.uint8)}
-    out = broadcast_batch(
+    specs = {key: ((micro_batch_size, seq_length), DTYPES[key]) for key in keys}
+    return broadcast_batch(
         list(keys), batch, specs, pg.tp_group, src_rank=pg.group_ranks["tp"][0], device=device
     )
-    return {k: v.to(DTYPES[k]) for k, v in out.items()}
 
 
 def get_batch(
@@ -180,6 +172,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach()])}
 
 
+def slice_batch_for_cp(batch: dict, pg) -> dict:
+    """This cp rank's two chunks (``context_parallel.layout``) of every batch entry, all of which run
+    along dim 1: position ids keep their global values, so RoPE rotates by global positions."""
+    if pg is None or pg.cp_size == 1:
+        return batch
+    return {k: slice_for_cp(v, 1, pg.cp_size, pg.cp_rank) for k, v in batch.items()}
+
+
 def forward_step(
     data_iterator,
     model,
@@ -188,19 +188,23 @@ def forward_step(
     attention_mask: str = CAUSAL,
     eod: int | None = None,
 ):
-    """Megatron's ``forward_step``: (per-token losses [b, s] on the last stage, else the activation
-    [s, b, h] for the next stage; loss_func). ``attention_mask`` is an ``attention_mask_source``;
-    ``eod`` (the tokenizer's end-of-document id) is needed with ``ON_DEVICE``."""
+    """Megatron's ``forward_step``: (per-token losses [b, s/cp] on the last stage, else the activation
+    [s/cp, b, h] for the next stage; loss_func). ``attention_mask`` is an ``attention_mask_source``;
+    ``eod`` (the tokenizer's end-of-document id) is needed with ``DOCUMENTS``.
+
+    Every cp rank reads the whole micro-batch (cp ranks are not data-parallel) and keeps its chunks;
+    a document mask is built from the full sequence first, so each rank masks by global positions."""
     module = model
     while hasattr(module, "module"):
         module = module.module
     device = next(module.parameters()).device
-    keys = batch_keys(module.pre_process, module.post_process, attention_mask == FROM_LOADER)
+    keys = batch_keys(module.pre_process, module.post_process)
     batch = get_batch(data_iterator, device, module.pg, seq_length, micro_batch_size, keys)
-    mask = batch.get("attention_mask")
-    if attention_mask == ON_DEVICE and "tokens" in batch:  # --reset-attention-mask runs with pp 1 only
+    mask = None
+    if attention_mask == DOCUMENTS and "tokens" in batch:  # --reset-attention-mask runs with pp 1 only
         assert eod is not None, "forward_step builds the document mask from the tokens: give eod"
-        mask = document_attention_mask(batch["tokens"], eod)
+        mask = DocumentMask.from_tokens(batch["tokens"], eod)
+    batch = slice_batch_for_cp(batch, module.pg)
     output = model(
         batch.get("tokens"),
         batch.get("position_ids"),
@@ -276,7 +280,7 @@ class GPTProviders:
 
     def data_iterators(self, trainer):
         """``data_iterators(trainer)``; it also hands ``forward_step`` the tokenizer's end-of-document
-        id, where document masks are built on the device."""
-        if self.mask_source == ON_DEVICE:
+        id, where document masks are built."""
+        if self.mask_source == DOCUMENTS:
             self.forward_step = partial(self.forward_step, eod=trainer.tokenizer.eod)
         return data_iterators(trainer)

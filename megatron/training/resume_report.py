@@ -44,6 +44,8 @@ IGNORED_FIELDS = {
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "hierarchical_context_parallel_sizes",
     "sequence_parallel",
     "use_distributed_optimizer",
     "use_torch_fsdp2",
@@ -110,13 +112,15 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def layout_text(layout: dict | None) -> str:
-    """``tp2 pp2 dp1 (4 ranks, distributed optimizer)`` for a checkpoint's ``args['layout']``."""
+    """``tp2 pp2 dp1 (4 ranks, distributed optimizer)`` for a checkpoint's ``args['layout']`` (``cp2``
+    after the pipeline sizes with context parallelism; checkpoints before it have none)."""
     if not layout:
         return "not recorded"
     vpp = layout.get("virtual_pipeline_model_parallel_size") or 1
     text = (
         f"tp{layout.get('tensor_model_parallel_size')} pp{layout.get('pipeline_model_parallel_size')}"
         + (f" vpp{vpp}" if vpp > 1 else "")
+        + (f" cp{cp}" if (cp := layout.get("context_parallel_size") or 1) > 1 else "")
         + f" dp{layout.get('data_parallel_size')}"
     )
     ranks = layout.get("world_size")

@@ -86,6 +86,7 @@ class TrainerCheckpointing:
             "pipeline_model_parallel_size": self.pg.pp_size,
             "virtual_pipeline_model_parallel_size": len(self.model),
             "data_parallel_size": self.pg.dp_size,
+            "context_parallel_size": self.pg.cp_size,
             "sequence_parallel": bool(m.sequence_parallel),
             "use_distributed_optimizer": bool(ddp.use_distributed_optimizer),
             "use_torch_fsdp2": bool(ddp.use_torch_fsdp2),
@@ -93,7 +94,7 @@ class TrainerCheckpointing:
 
     def fp8_sharded_state_dict(self) -> dict:
         """Delayed FP8 scaling's amax histories (empty without FP8)."""
-        return fp8_sharded_state_dict(self.model, self.pg.tp_rank, self.pg.dp_rank)
+        return fp8_sharded_state_dict(self.model, self.pg.tp_rank, self.pg.dp_cp_rank)  # cp ranks: replicas
 
     def save(self) -> None:
         """Save the run's state to --save. Synchronous: returns once the checkpoint is complete and

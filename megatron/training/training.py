@@ -20,7 +20,13 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_seed
 from megatron.training import checkpointing
 from megatron.training.arguments import RunConfig, format_arguments
-from megatron.training.execution_setup import amax_reducer, apply_compile_choice, compile_model, resolve_plan
+from megatron.training.execution_setup import (
+    amax_reducer,
+    apply_compile_choice,
+    compile_model,
+    layout_lines,
+    resolve_plan,
+)
 from megatron.training.flops import num_floating_point_operations, peak_tflops, shape_from_config
 from megatron.training.initialize import initialize_distributed, note_iteration, set_random_seeds
 from megatron.training.loop_utils import (
@@ -71,6 +77,8 @@ class Trainer(TrainerResume):
         print_rank_0(format_arguments(cfg))
         if self.pg.pp_size > 1:
             print_rank_0(cfg.model.pipeline_layout().table())
+        for line in layout_lines(cfg):
+            print_rank_0(line)
         self.tokenizer, self.padded_vocab_size = providers.tokenizer(cfg, self.pg)
         # Every implementation choice, once, before the model: the layers are built from it.
         self.plan = resolve_plan(cfg, self.device, self.pg.tp_size)
@@ -228,11 +236,12 @@ class Trainer(TrainerResume):
         return losses, success, grad_norm, num_zeros
 
     def _reduce_losses(self, metrics: list) -> dict:
-        """Token-weighted sums over micro-batches and data-parallel ranks: {name: tensor([sum, count])}."""
+        """Token-weighted sums over micro-batches and data- and context-parallel ranks:
+        {name: tensor([sum, count])}."""
         out = {}
         for key in metrics[0] if metrics else []:
             total = torch.stack([m[key].detach().float() for m in metrics]).sum(0)
-            if self.pg.dp_size > 1:
+            if self.pg.dp_cp_size > 1:  # cp ranks hold other tokens of the same samples
                 dist.all_reduce(total, group=self.pg.dp_cp_group)
             out[key] = total
         return out

@@ -3,6 +3,7 @@ valid value; single-config checks live in the configs' own ``__post_init__``."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ from megatron.core.datasets.utils import parse_and_normalize_split
 from megatron.core.fusions.fp8 import fp8_emulated
 from megatron.core.num_microbatches_calculator import check_rampup
 from megatron.core.pipeline_parallel.interleaved import check_interleaving
+from megatron.core.transformer.context_parallel.layout import COMM_TYPES
 from megatron.training.checkpoint_dirs import check_save_dir
 from megatron.training.loop_utils import build_batch_calculator, build_scheduler, train_iters_of
 
@@ -41,15 +43,24 @@ def planned_world_size(cfg) -> int:
     return given
 
 
+def data_parallel_size(cfg, world_size: int) -> int:
+    """world / (tp x pp x cp): context-parallel ranks share their samples, they are not data-parallel."""
+    m = cfg.model
+    return world_size // (
+        m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+    )
+
+
 def check_batch_sizes(cfg, world_size: int) -> None:
-    t = cfg.training
-    tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
-    if world_size % (tp * pp) != 0:
+    t, m = cfg.training, cfg.model
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    if world_size % (tp * pp * cp) != 0:
+        cp_text = f" x --context-parallel-size {cp}" if cp > 1 else ""
         raise ConfigError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}; use sizes whose product divides {world_size}"
+            f"--pipeline-model-parallel-size {pp}{cp_text}; use sizes whose product divides {world_size}"
         )
-    dp = world_size // (tp * pp)
+    dp = data_parallel_size(cfg, world_size)
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
@@ -94,8 +105,7 @@ def check_training_length(cfg, world_size: int) -> None:
     --train-iters 0 but asserts a decay length > 0 unless --lr-decay-iters is given; --skip-train is
     the evaluation-only run, here as there.)"""
     t = cfg.training
-    tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
-    batches = build_batch_calculator(cfg, world_size // (tp * pp))
+    batches = build_batch_calculator(cfg, data_parallel_size(cfg, world_size))
     if train_iters_of(cfg, batches) > 0:
         return
     evaluate = (
@@ -132,7 +142,7 @@ def check_pipeline(cfg, world_size: int) -> None:
             "--pipeline-model-parallel-size > 1 (later stages rotate by positions 0..s-1)"
         )
     if m.virtual_pipeline_model_parallel_size:
-        dp = world_size // (m.tensor_model_parallel_size * pp)
+        dp = data_parallel_size(cfg, world_size)
         for size in build_batch_calculator(cfg, dp).batch_sizes_from(0):  # each step's count must fit
             check_interleaving(
                 size // (t.micro_batch_size * dp), pp, m.microbatch_group_size_per_virtual_pipeline_stage
@@ -150,6 +160,75 @@ def check_sequence(cfg) -> None:
         raise ConfigError(
             f"--seq-length {t.seq_length} exceeds --max-position-embeddings {t.max_position_embeddings}; "
             f"set --max-position-embeddings {t.seq_length} or more"
+        )
+
+
+def _comm_types(cfg) -> list[str]:
+    """--cp-comm-type as a list of one entry per layer or one for all (checked)."""
+    m = cfg.model
+    types = m.cp_comm_type or ["p2p"]
+    types = [types] if isinstance(types, str) else list(types)
+    if len(types) not in (1, m.num_layers):
+        raise ConfigError(
+            f"--cp-comm-type has {len(types)} values; give one for every layer (e.g. --cp-comm-type p2p) "
+            f"or one per layer (--num-layers {m.num_layers} values)"
+        )
+    for t in types:
+        if t not in COMM_TYPES:
+            raise ConfigError(
+                f"--cp-comm-type {t}: not one of {', '.join(COMM_TYPES)}; e.g. --cp-comm-type p2p"
+            )
+    return types
+
+
+def check_context_parallel(cfg) -> None:
+    """--context-parallel-size and its comm types: the sequence splits into 2 x cp chunks, all-to-all
+    splits heads over the cp (or first hierarchical level's) ranks, a2a+p2p needs its two levels."""
+    m, t = cfg.model, cfg.training
+    cp, tp, hcp = m.context_parallel_size, m.tensor_model_parallel_size, m.hierarchical_context_parallel_sizes
+    example = f"2 {cp // 2}" if cp % 2 == 0 else f"{cp} 1"  # two levels multiplying to cp
+    if hcp and (len(hcp) != 2 or math.prod(hcp) != cp):
+        raise ConfigError(
+            f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))}: give two sizes (the a2a "
+            f"level, then the p2p level) whose product is --context-parallel-size {cp}, e.g. "
+            f"--hierarchical-context-parallel-sizes {example}"
+        )
+    if cp == 1:
+        return
+    if t.seq_length % (2 * cp):
+        good = max(1, round(t.seq_length / (2 * cp))) * 2 * cp
+        raise ConfigError(
+            f"--seq-length {t.seq_length} does not split into 2 x --context-parallel-size {cp} = {2 * cp} "
+            f"equal chunks; use a multiple of {2 * cp} (e.g. --seq-length {good})"
+        )
+    if m.attention_dropout > 0:
+        raise ConfigError(
+            f"--attention-dropout {m.attention_dropout} with --context-parallel-size {cp}: dropout on the "
+            "attention probabilities is not built for context-parallel attention; pass --attention-dropout 0"
+        )
+    types = set(_comm_types(cfg))
+    if "a2a+p2p" in types and not hcp:
+        raise ConfigError(
+            "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (all-to-all over A "
+            f"consecutive cp ranks, ring over P of them; A x P = --context-parallel-size {cp}), e.g. "
+            f"--hierarchical-context-parallel-sizes {example}"
+        )
+    # All-to-all hands each rank of its group whole heads (and whole query groups) of this tp rank.
+    heads, groups = m.num_attention_heads // tp, (m.num_query_groups or m.num_attention_heads) // tp
+    splits = {"a2a": (cp, f"--context-parallel-size {cp}")}
+    if hcp:
+        splits["a2a+p2p"] = (hcp[0], f"the a2a level {hcp[0]} of --hierarchical-context-parallel-sizes")
+    for kind, (size, over) in splits.items():
+        if kind in types and (groups % size or heads % size):
+            raise ConfigError(
+                f"--cp-comm-type {kind} splits the attention heads over {over}: the {heads} heads and "
+                f"{groups} query groups per tensor-parallel rank (--num-attention-heads / --num-query-groups / "
+                f"--tensor-model-parallel-size {tp}) must be divisible by {size}; use --cp-comm-type p2p"
+            )
+    if hcp and "a2a+p2p" not in types:
+        cfg.notes.append(
+            "note: --hierarchical-context-parallel-sizes has no effect without --cp-comm-type a2a+p2p "
+            "(its groups are built, as in Megatron-LM, and unused)"
         )
 
 
@@ -318,14 +397,14 @@ def check_logging(cfg) -> None:
 def check_lr_schedule(cfg, world_size: int) -> None:
     """The LR/WD schedule's own checks (warm-up shorter than decay, WSD lengths, ...), run on a
     stand-in optimizer so that they fail here, before any model is built."""
-    tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
-    train_iters = train_iters_of(cfg, build_batch_calculator(cfg, world_size // (tp * pp)))
+    train_iters = train_iters_of(cfg, build_batch_calculator(cfg, data_parallel_size(cfg, world_size)))
     build_scheduler(cfg, SimpleNamespace(param_groups=[{"lr_mult": 1.0, "wd_mult": 1.0}]), train_iters)
 
 
 LAYOUT_CHECKS = (check_batch_sizes, check_training_length, check_pipeline)
 CHECKS = (
     check_sequence,
+    check_context_parallel,
     check_schedule_units,
     check_optimizer,
     check_data_and_tokenizer,

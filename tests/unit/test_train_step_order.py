@@ -41,7 +41,7 @@ def test_losses_are_reduced_before_the_step_queues_the_weight_broadcasts(monkeyp
         train_iter=None,
         num_microbatches=2,
         global_batch_size=4,
-        pg=SimpleNamespace(dp_size=2, dp_cp_group=dp_group),
+        pg=SimpleNamespace(dp_size=2, dp_cp_size=2, dp_cp_group=dp_group),
     )
     trainer._reduce_losses = lambda m: Trainer._reduce_losses(trainer, m)
 

@@ -219,13 +219,34 @@ def forward_step(
         loss, tokens, metric = result
         num_tokens.append(tokens)
         if not config.calculate_per_token_loss:
-            loss = loss / tokens.clamp(min=1)
+            loss = _mean_over_context_parallel(loss, tokens, inner, forward_only)
     else:
         loss, metric = result
     if not config.calculate_per_token_loss:
         loss = loss / num_microbatches
     metrics.append(metric)
     return loss  # type: ignore[no-any-return]
+
+
+def _mean_over_context_parallel(
+    loss_sum: torch.Tensor, tokens: torch.Tensor, model: Any, forward_only: bool
+) -> torch.Tensor:
+    """The micro-batch's mean loss from this rank's ``loss_sum`` over its ``tokens``.
+
+    With context parallelism (the model's ``pg`` has a cp group of more than one rank) each cp rank
+    holds a slice of the micro-batch's tokens: the sum is divided by the token count of the whole
+    micro-batch (one scalar all-reduced over the cp group) and multiplied by the cp size, since the
+    gradient reduction averages over dp x cp ranks. The cp ranks' gradients then add up to the
+    gradient of the micro-batch's mean, whatever the loss mask leaves on each rank. The count is
+    not reduced for ``forward_only`` (the reported metrics carry sums and counts of their own).
+    """
+    pg: Any = getattr(model, "pg", None)
+    cp_size = getattr(pg, "cp_size", 1)
+    if pg is None or cp_size == 1 or forward_only:
+        return loss_sum / tokens.clamp(min=1)
+    total = tokens.detach().clone().float()
+    dist.all_reduce(total, group=pg.cp_group)
+    return loss_sum * cp_size / total.clamp(min=1)
 
 
 def backward_step(

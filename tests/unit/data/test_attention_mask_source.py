@@ -1,4 +1,5 @@
-"""--no-create-attention-mask-in-dataloader: where the trainer's attention mask comes from (issue 22)."""
+"""Where the trainer's attention mask comes from (issues 22, 28): none for causal attention; with
+--reset-attention-mask a DocumentMask built from the tokens (the dense mask is never passed on)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from torch.utils.data import default_collate
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.tokenizer import NullTokenizer
+from megatron.core.transformer.document_mask import DocumentMask
 from megatron.training.config import DataConfig
 from megatron.training.datasets.provider import core_gpt_dataset_config
 from megatron.training.gpt import (
     CAUSAL,
-    FROM_LOADER,
-    ON_DEVICE,
+    DOCUMENTS,
     attention_mask_source,
     document_attention_mask,
     forward_step,
@@ -53,34 +54,25 @@ def test_device_mask_is_the_loader_mask():
     assert torch.equal(document_attention_mask(batch["tokens"], EOD), batch["attention_mask"])
 
 
-@pytest.mark.parametrize(
-    "reset, in_loader, source, loader_mask",
-    [
-        (False, True, CAUSAL, False),
-        (False, False, CAUSAL, False),
-        (True, True, FROM_LOADER, True),
-        (True, False, ON_DEVICE, False),
-    ],
-)
-def test_the_model_gets_a_mask_only_when_it_is_not_causal(reset, in_loader, source, loader_mask):
+@pytest.mark.parametrize("reset", [False, True])
+@pytest.mark.parametrize("in_loader", [True, False])
+def test_the_model_gets_a_mask_only_when_it_is_not_causal(reset, in_loader):
     data = DataConfig(
         mock_data=True, reset_attention_mask=reset, create_attention_mask_in_dataloader=in_loader
     )
-    assert attention_mask_source(data) == source
+    source = attention_mask_source(data)
+    assert source == (DOCUMENTS if reset else CAUSAL)
     config = core_gpt_dataset_config(data, NullTokenizer(VOCAB), SEQ, 0, log=lambda _: None)
-    assert config.create_attention_mask is loader_mask  # the plain causal mask is never materialised
     ds = mock_train(reset_attention_mask=reset, create_attention_mask=config.create_attention_mask)
-    samples = [ds[i] for i in range(4)]
-    assert ("attention_mask" in samples[0]) is loader_mask
     model = Recorder()
-    forward_step(iter([default_collate(samples)]), model, attention_mask=source, eod=EOD)
+    forward_step(iter([default_collate([ds[i] for i in range(4)])]), model, attention_mask=source, eod=EOD)
     (given,) = model.masks
     if source == CAUSAL:
         assert given is None  # fused causal attention: nothing built, broadcast or compared
-    else:
+    else:  # whatever --create-attention-mask-in-dataloader says: the documents, not a dense mask
         reference = mock_train(reset_attention_mask=True, create_attention_mask=True)
         expected = default_collate([reference[i] for i in range(4)])["attention_mask"]
-        assert given.shape == (4, 1, SEQ, SEQ) and torch.equal(given, expected)
+        assert isinstance(given, DocumentMask) and torch.equal(given.dense(), expected)
 
 
 def test_the_flag_is_generated_with_megatrons_spelling():
