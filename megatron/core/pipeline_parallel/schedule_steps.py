@@ -117,14 +117,17 @@ class PipelineGroups:
 def tensor_shape(
     model: torch.nn.Module, config: ScheduleConfig, seq_length: int, micro_batch_size: int, tp_size: int
 ) -> tuple[int, int, int]:
-    """Shape of the activations exchanged between stages: ``[s (/tp with SP), mbs, h]``.
+    """Shape of the activations exchanged between stages: ``[s (/cp) (/tp with SP), mbs, h]``.
 
-    ``tp_size`` is the size of the groups the schedule was given; sequence parallelism is the
-    model's own setting (the config's sizes may be left at 1, see ``TransformerConfig.check_parallel_sizes``).
+    ``tp_size`` is the size of the groups the schedule was given; sequence parallelism and the cp
+    size (each cp rank holds ``s / cp`` tokens) are the model's own (its ``pg``; the config's sizes
+    may be left at 1, see ``TransformerConfig.check_parallel_sizes``).
     """
     inner = unwrap_model(model)
     sequence_parallel = getattr(inner, "sequence_parallel", getattr(config, "sequence_parallel", False))
-    seq = seq_length // tp_size if sequence_parallel and tp_size > 1 else seq_length
+    cp_size = getattr(getattr(inner, "pg", None), "cp_size", getattr(config, "context_parallel_size", 1))
+    seq = seq_length // cp_size
+    seq = seq // tp_size if sequence_parallel and tp_size > 1 else seq
     return (seq, micro_batch_size, config.hidden_size)
 
 
