@@ -1,7 +1,7 @@
 """Context parallelism through Megatron-Core's library surface, on 2 gloo ranks (one spawn).
 
 ``parallel_state.initialize_model_parallel(context_parallel_size=2)``, ``GPTModel(config,
-get_gpt_layer_local_spec(), ...)`` (DotProductAttention delegates to the context-parallel attention)
+get_gpt_layer_local_spec(), ...)`` (SelfAttention puts the context-parallel attention in DotProductAttention's slot)
 and the batch cut with ``get_batch_on_this_cp_rank``: each rank's per-token losses are the
 one-process model's at that rank's positions, and the gradients summed over the cp ranks (what
 DDP's reduction over dp x cp does) are the one-process model's, in fp64 with RoPE and GQA, causal

@@ -234,14 +234,15 @@ def test_expert_parallel_sizes_other_than_one_are_refused(capsys):
     assert re.search(f"{flag} 2: .*not built yet.*pass {flag} 1 or drop it", capsys.readouterr().err)
 
 
-def test_context_parallel_flags_reach_the_model_config():
-    m = parse_run_config(BASE + ["--context-parallel-size", "2"]).model
+def test_context_parallel_flags_reach_the_model_config(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    m = parse_run_config(BASE + ["--context-parallel-size", "2", "--attention-dropout", "0"]).model
     assert (m.context_parallel_size, m.cp_comm_type, m.hierarchical_context_parallel_sizes) == (
         2,
         ["p2p"],
         None,
     )
-    hcp = "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2"
+    hcp = "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2 --attention-dropout 0"
     m = parse_run_config(BASE + hcp.split()).model
     assert (m.cp_comm_type, m.hierarchical_context_parallel_sizes) == (["a2a+p2p"], [2, 2])
 

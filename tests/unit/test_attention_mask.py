@@ -19,7 +19,7 @@ from megatron.core.datasets.utils import Split
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tokenizer import NullTokenizer
-from megatron.core.transformer import attention
+from megatron.core.transformer import dot_product_attention
 from megatron.core.transformer.attention import DotProductAttention, causal_mask, mask_for_attention
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -62,7 +62,7 @@ def sdpa_calls(monkeypatch) -> list[dict]:
         calls.append({"is_causal": kw.get("is_causal", False), "mask": attn_mask is not None})
         return real(q, k, v, attn_mask=attn_mask, **kw)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(dot_product_attention.F, "scaled_dot_product_attention", spy)
     return calls
 
 

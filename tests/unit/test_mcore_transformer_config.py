@@ -110,7 +110,6 @@ def test_every_field_is_implemented_or_in_the_support_table():
     "field,value",
     [
         ("num_moe_experts", 8),
-        ("context_parallel_size", 2),
         ("expert_model_parallel_size", 2),
         ("multi_latent_attention", True),
         ("mtp_num_layers", 1),
@@ -281,3 +280,15 @@ def test_bias_activation_fusion_is_megatron_core_s_bias_gelu():
         ConfigError, match="bias_activation_fusion=True with a GELU MLP needs add_bias_linear=True"
     ):
         TransformerConfig(**SHAPE, bias_activation_fusion=True, add_bias_linear=False)
+
+
+def test_context_parallel_fields_are_built_and_the_one_rank_attention_refuses_cp_groups():
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    cfg = TransformerConfig(**SHAPE, context_parallel_size=2, cp_comm_type="a2a")
+    assert (cfg.context_parallel_size, cfg.cp_comm_type) == (2, "a2a")
+    with pytest.raises(ConfigError, match="context_parallel_size 2 use ContextParallelAttention"):
+        DotProductAttention(cfg, cp_groups=SimpleNamespace(size=2))
+    DotProductAttention(cfg, cp_groups=SimpleNamespace(size=1))  # one cp rank: the plain attention

@@ -1,5 +1,5 @@
-"""The split rules of a ``TransformerConfig`` (FP8, tensor- and pipeline-parallel, recompute fields),
-checked on construction.
+"""The derived shapes and split rules of a ``TransformerConfig`` (FP8, tensor- and pipeline-parallel,
+recompute fields), checked on construction.
 
 Kept beside the config so that ``transformer_config`` holds the fields and their documentation;
 each check raises ``ConfigError`` naming the fields (``params``) and a value that would be valid.
@@ -194,3 +194,53 @@ def check_parallelism(config: Any) -> None:
             params=("recompute_method", "recompute_granularity"),
         )
     check_positive("layernorm_epsilon", config.layernorm_epsilon)
+
+
+def derive_shapes(cfg: Any, swiglu_default_ffn: bool) -> None:
+    """Fill in and check the derived shape fields of a TransformerConfig: ``kv_channels`` (hidden /
+    heads), ``num_query_groups`` (heads), ``ffn_hidden_size`` (4h, or SwiGLU's 8h/3 rounded to 64 when
+    the ``swiglu`` flag asked for it), dropout ranges and the rotary channels.
+
+    Raises:
+        ConfigError: a shape that does not divide, or a value out of range, naming the field.
+    """
+    if cfg.kv_channels is None:
+        if cfg.hidden_size % cfg.num_attention_heads != 0:
+            raise ConfigError(
+                f"num_attention_heads {cfg.num_attention_heads} does not divide hidden_size "
+                f"{cfg.hidden_size}; use a head count that divides it (e.g. "
+                f"{divisor_near(cfg.hidden_size, cfg.num_attention_heads)}) or set kv_channels",
+                params=("num_attention_heads", "hidden_size", "kv_channels"),
+            )
+        cfg.kv_channels = cfg.hidden_size // cfg.num_attention_heads
+    check_positive("kv_channels", cfg.kv_channels)
+    if cfg.num_query_groups is None:
+        cfg.num_query_groups = cfg.num_attention_heads
+    check_positive("num_query_groups", cfg.num_query_groups)
+    if cfg.num_attention_heads % cfg.num_query_groups != 0:
+        hint = divisor_near(cfg.num_attention_heads, cfg.num_query_groups, cfg.tensor_model_parallel_size)
+        raise ConfigError(
+            f"num_query_groups {cfg.num_query_groups} must divide num_attention_heads "
+            f"{cfg.num_attention_heads}; e.g. {hint}",
+            params=("num_query_groups", "num_attention_heads"),
+        )
+    if cfg.ffn_hidden_size is None:
+        if swiglu_default_ffn:
+            cfg.ffn_hidden_size = int((8 * cfg.hidden_size / 3) / 64) * 64 or 64
+        else:
+            cfg.ffn_hidden_size = 4 * cfg.hidden_size
+    check_positive("ffn_hidden_size", cfg.ffn_hidden_size)
+    for name in ("hidden_dropout", "attention_dropout"):
+        p = getattr(cfg, name)
+        if not 0.0 <= p < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {p}", params=(name,))
+    if not 0.0 < cfg.rotary_percent <= 1.0:
+        raise ConfigError(
+            f"rotary_percent must be in (0, 1], got {cfg.rotary_percent}", params=("rotary_percent",)
+        )
+    if cfg.position_embedding_type == "rope" and cfg.rotary_dim % 2 != 0:
+        raise ConfigError(
+            f"rotary_percent {cfg.rotary_percent} x kv_channels {cfg.kv_channels} = {cfg.rotary_dim} "
+            "rotary channels; it must be even (e.g. rotary_percent 1.0)",
+            params=("rotary_percent", "kv_channels"),
+        )

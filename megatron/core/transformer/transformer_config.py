@@ -376,48 +376,7 @@ class TransformerConfig(MegatronCoreTransformerFields):
                 "bias into the GELU); set bias_activation_fusion=False"
             )
         config_aliases.sync_megatron_names(self)
-        if self.kv_channels is None:
-            if self.hidden_size % self.num_attention_heads != 0:
-                raise ConfigError(
-                    f"num_attention_heads {self.num_attention_heads} does not divide hidden_size "
-                    f"{self.hidden_size}; use a head count that divides it (e.g. "
-                    f"{config_checks.divisor_near(self.hidden_size, self.num_attention_heads)}) or set kv_channels",
-                    params=("num_attention_heads", "hidden_size", "kv_channels"),
-                )
-            self.kv_channels = self.hidden_size // self.num_attention_heads
-        check_positive("kv_channels", self.kv_channels)
-        if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
-        check_positive("num_query_groups", self.num_query_groups)
-        if self.num_attention_heads % self.num_query_groups != 0:
-            hint = config_checks.divisor_near(
-                self.num_attention_heads, self.num_query_groups, self.tensor_model_parallel_size
-            )
-            raise ConfigError(
-                f"num_query_groups {self.num_query_groups} must divide num_attention_heads "
-                f"{self.num_attention_heads}; e.g. {hint}",
-                params=("num_query_groups", "num_attention_heads"),
-            )
-        if self.ffn_hidden_size is None:
-            if swiglu_flag_default_ffn:
-                self.ffn_hidden_size = int((8 * self.hidden_size / 3) / 64) * 64 or 64
-            else:
-                self.ffn_hidden_size = 4 * self.hidden_size
-        check_positive("ffn_hidden_size", self.ffn_hidden_size)
-        for name in ("hidden_dropout", "attention_dropout"):
-            p = getattr(self, name)
-            if not 0.0 <= p < 1.0:
-                raise ConfigError(f"{name} must be in [0, 1), got {p}", params=(name,))
-        if not 0.0 < self.rotary_percent <= 1.0:
-            raise ConfigError(
-                f"rotary_percent must be in (0, 1], got {self.rotary_percent}", params=("rotary_percent",)
-            )
-        if self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0:
-            raise ConfigError(
-                f"rotary_percent {self.rotary_percent} x kv_channels {self.kv_channels} = {self.rotary_dim} "
-                "rotary channels; it must be even (e.g. rotary_percent 1.0)",
-                params=("rotary_percent", "kv_channels"),
-            )
+        config_checks.derive_shapes(self, swiglu_flag_default_ffn)
         check_positive("init_method_std", self.init_method_std)
         config_support.derive_init_methods(self)
         check_positive(

@@ -22,6 +22,7 @@ from megatron.core.transformer.context_parallel.layout import (
 )
 from megatron.core.transformer.context_parallel.ring import ring_attention
 from megatron.core.transformer.document_mask import DocumentMask
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 # (q, k, v [s_l, b, n, d], document mask or None, softmax scale) -> [s_l, b, n_q, d]
@@ -82,8 +83,6 @@ class ContextParallelAttention(nn.Module):
             return functools.partial(_all_gather, group=groups.group)
         if self.comm_type == "a2a":
             _check_heads(config, n, "context_parallel_size")
-            from megatron.core.transformer.attention import DotProductAttention
-
             local = DotProductAttention(config, layer_number, attn_mask_type, "self", 0.0, self.softmax_scale)
             return functools.partial(_ulysses, group=groups.group, local_attention=local)
         assert self.comm_type == "a2a+p2p", f"unknown cp comm type {self.comm_type!r}"

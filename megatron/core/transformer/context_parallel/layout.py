@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
+from megatron.core import parallel_state
 from megatron.core.config_utils import ConfigError
 from megatron.core.tensor_parallel.mappings import group_rank, group_size
 
@@ -70,8 +71,6 @@ def get_batch_on_this_cp_rank(batch: dict, cp_group: ProcessGroup | None = None)
     rank's chunks (``attention_mask`` on its query dimension 2); other entries unchanged. ``cp_group``
     defaults to the recorded parallel state's cp group."""
     if cp_group is None:
-        from megatron.core import parallel_state
-
         cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
     n, r = group_size(cp_group), group_rank(cp_group)
     if n == 1:
