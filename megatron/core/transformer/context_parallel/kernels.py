@@ -10,6 +10,13 @@ a query that sees no key has ``lse = -inf`` and output 0.
 ``block_backward`` takes the *merged* output and log-sum-exp of the rows (over every block the rows
 attended to) and returns this block's share of the gradients: summed over the blocks, they are the
 gradients of the whole attention.
+
+Kernels (``block_kernel``): on CUDA in fp16/bf16, unmasked and causal blocks run PyTorch's flash attention
+ops (``aten._flash_attention_forward`` / ``_backward``: they return the log-sum-exp and take a given one,
+and read grouped-query K/V themselves); document-masked blocks run the memory-efficient ops with the
+block's mask as an additive bias. Everything else (CPU, fp32/fp64, head sizes the kernels lack) runs the
+plain-torch math path, which materialises the ``[b, n_q, sq, sk]`` scores in fp32. The choice is
+recorded in docs/performance.md with the measurements behind it.
 """
 
 from __future__ import annotations
@@ -88,9 +95,107 @@ def math_backward(
     return dq.to(q.dtype), _reduce_kv(dk, n_kv).to(k.dtype), _reduce_kv(dv, n_kv).to(v.dtype)
 
 
+def block_kernel(q: torch.Tensor, mask: Mask) -> str:
+    """``"flash"``, ``"efficient"`` or ``"math"``: the kernel a block of queries ``q`` with ``mask`` runs."""
+    d = q.shape[-1]
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256):
+        return "math"
+    if isinstance(mask, torch.Tensor):
+        return "efficient" if torch.backends.cuda.is_built() and mask.shape[-1] % 16 == 0 else "math"
+    if torch.backends.cuda.is_flash_attention_available() and torch.backends.cuda.flash_sdp_enabled():
+        return "flash"
+    return "math"
+
+
+def _bshd(x: torch.Tensor) -> torch.Tensor:
+    """``[b, n, s, d]`` -> the kernels' ``[b, s, n, d]`` view (last dimension contiguous)."""
+    x = x.transpose(1, 2)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> Result:
+    """:func:`math_forward` by PyTorch's flash attention op (``mask`` None or ``"causal"``)."""
+    sq, sk = q.shape[2], k.shape[2]
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        _bshd(q), _bshd(k), _bshd(v), None, None, sq, sk, 0.0, mask == "causal", False, scale=scale
+    )
+    return out.transpose(1, 2), lse
+
+
+def flash_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Mask,
+    scale: float,
+) -> Grads:
+    """:func:`math_backward` by PyTorch's flash attention op (no dropout: the rng state is unused)."""
+    sq, sk = q.shape[2], k.shape[2]
+    empty = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        _bshd(dout.to(q.dtype)), _bshd(q), _bshd(k), _bshd(v), _bshd(out.to(q.dtype)),
+        lse.float().contiguous(), None, None, sq, sk, 0.0, mask == "causal", empty, empty, scale=scale,
+    )  # fmt: skip
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The boolean block mask as the efficient kernel's additive bias ``[b, n_q, sq, sk]`` (-inf = masked)."""
+    b, n_q, sq = q.shape[:3]
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(mask, float("-inf"))
+    return bias.expand(b, n_q, sq, mask.shape[-1])
+
+
+def efficient_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> Result:
+    """:func:`math_forward` by PyTorch's memory-efficient attention op with the block mask as a bias;
+    rows that see no key get out 0 and lse -inf, as the math path gives."""
+    assert isinstance(mask, torch.Tensor)
+    n_q, sq = q.shape[1], q.shape[2]
+    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(
+        _bshd(q), _bshd(_expand_kv(k, n_q)), _bshd(_expand_kv(v, n_q)), _bias(mask, q),
+        None, None, None, None, 0.0, 0, True, scale=scale,
+    )  # fmt: skip
+    blind = mask.all(-1).expand(lse.shape[0], n_q, sq)  # [b, n_q, sq]: rows with no visible key
+    lse = lse[:, :, :sq].masked_fill(blind, float("-inf"))
+    return out.transpose(1, 2).masked_fill(blind.unsqueeze(-1), 0.0), lse
+
+
+def efficient_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Mask,
+    scale: float,
+) -> Grads:
+    """:func:`math_backward` by PyTorch's memory-efficient attention op (grouped K/V expanded, their
+    gradients summed back over each group)."""
+    assert isinstance(mask, torch.Tensor)
+    n_q, n_kv, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    pad = -sq % 32  # the kernel's log-sum-exp rows are padded to a multiple of 32
+    lse = torch.nn.functional.pad(lse.float(), (0, pad)).contiguous()
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+        _bshd(dout.to(q.dtype)), _bshd(q), _bshd(_expand_kv(k, n_q)), _bshd(_expand_kv(v, n_q)),
+        _bias(mask, q), _bshd(out.to(q.dtype)), None, None, sq, sk, lse, 0.0, seed, seed, 0, False,
+        scale=scale,
+    )  # fmt: skip
+    dk, dv = (_reduce_kv(g.transpose(1, 2), n_kv) for g in (dk, dv))
+    return dq.transpose(1, 2), dk, dv
+
+
+FORWARD = {"flash": flash_forward, "efficient": efficient_forward, "math": math_forward}
+BACKWARD = {"flash": flash_backward, "efficient": efficient_backward, "math": math_backward}
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> Result:
-    """One block's (out, lse) with the best kernel for the device and dtype (see the module docstring)."""
-    return math_forward(q, k, v, mask, scale)
+    """One block's (out, lse) with the kernel :func:`block_kernel` picks (see the module docstring)."""
+    return FORWARD[block_kernel(q, mask)](q, k, v, mask, scale)
 
 
 def block_backward(
@@ -104,7 +209,7 @@ def block_backward(
     scale: float,
 ) -> Grads:
     """One block's (dq, dk, dv) given the merged ``out`` / ``lse`` of its rows."""
-    return math_backward(dout, q, k, v, out, lse, mask, scale)
+    return BACKWARD[block_kernel(q, mask)](dout, q, k, v, out, lse, mask, scale)
 
 
 def merge(

@@ -7,8 +7,9 @@ one hop on (send to ``r + 1``, receive from ``r - 1``, asynchronously). Partial 
 with the log-sum-exp. Only the local q, k, v and the merged output and log-sum-exp are saved.
 
 Backward: the key/value blocks circulate again, and with each travels its dK/dV accumulator: every
-rank adds its share for the block it holds and passes both on; after ``R`` hops each accumulator is
-back at the block's owner. dQ stays local.
+rank adds its share for the block it holds and passes both on (the accumulator's hop overlaps the
+next block's compute: the share is computed first, the arriving accumulator added after); after
+``R`` hops each accumulator is back at the block's owner. dQ stays local.
 
 With the zigzag split (rank ``j`` holds chunks ``j`` and ``2R - 1 - j``) every step costs the same:
 step 0 is causal over the local two chunks; a block from ``j < r`` is seen by all local queries
@@ -94,18 +95,37 @@ class RingAttention(torch.autograd.Function):
         acc = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # travels with the block it belongs to
         dout = dout.contiguous()
+        dkv: torch.Tensor | None = None
+        incoming = None  # the dK/dV accumulator of the block held next, on its way from the previous rank
         for i in range(n):
             pending = _shift(kv, group) if group is not None and i < n - 1 else None
             ids = kv_ids_of[(r - i) % n]
+            share = torch.zeros(kv.shape, dtype=acc, device=kv.device)
             blocks.attend_backward(
-                dout, q, kv[0], kv[1], out, lse, q_ids, ids, chunk_len, doc_mask, scale, dq, dkv[0], dkv[1]
+                dout,
+                q,
+                kv[0],
+                kv[1],
+                out,
+                lse,
+                q_ids,
+                ids,
+                chunk_len,
+                doc_mask,
+                scale,
+                dq,
+                share[0],
+                share[1],
             )
+            dkv = share if incoming is None else _wait(incoming).add_(share)
             if group is not None:
-                dkv = _wait(_shift(dkv, group))
+                incoming = _shift(dkv, group)  # overlaps the next block's compute
             if pending is not None:
                 kv = _wait(pending)
+        if incoming is not None:
+            dkv = _wait(incoming)  # after n hops: this rank's own block's accumulator
+        assert dkv is not None
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
