@@ -12,6 +12,7 @@ from megatron.core.fusions.fp8 import Fp8Gemm
 from megatron.core.models.common.embeddings import LanguageModelEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.models.gpt.output_loss import output_loss
+from megatron.core.packed_seq_params import PackedSeqParams, document_mask_of
 from megatron.core.parallel_state import ParallelState, get_parallel_state
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.init import init_param_, tag_param
@@ -233,41 +234,55 @@ class GPTModel(LanguageModule):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        labels: torch.Tensor | None = None,
-        loss_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | DocumentMask | None,
         decoder_input: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inference_context: Any = None,
+        packed_seq_params: PackedSeqParams | None = None,
+        *,
+        loss_mask: torch.Tensor | None = None,
     ):
         """Logits ``[b, s, V(/tp)]`` when ``labels`` is None, else per-token losses ``[b, s]`` (fp32).
 
-        ``decoder_input`` (else the tensor given to ``set_input_tensor``) replaces the embedding on
-        stages without ``pre_process``. On stages without ``post_process`` the hidden states
-        ``[s(/tp with sequence parallelism), b, h]`` are returned. Loss masking is applied by the caller's
-        loss function; with the fused output layer + cross entropy, the gradient reaching the losses
-        must be one scalar times ``loss_mask`` (all ones when None), as a masked mean gives.
+        The arguments are Megatron-Core's, in its order (``inference_context`` must be None: no
+        inference here). ``decoder_input`` (else the tensor given to ``set_input_tensor``) replaces
+        the embedding on stages without ``pre_process``. On stages without ``post_process`` the
+        hidden states ``[s(/tp with sequence parallelism), b, h]`` are returned. Loss masking is
+        applied by the caller's loss function; with the fused output layer + cross entropy, the
+        gradient reaching the losses must be one scalar times ``loss_mask`` (all ones when None), as
+        a masked mean gives.
 
-        ``attention_mask`` may also be a ``DocumentMask`` (packed documents, block-diagonal causal;
-        the only mask taken with context parallelism, where inputs are this cp rank's chunks of the
-        sequence, ``context_parallel.layout``).
+        ``position_ids`` None: the positions of this rank's tokens in ``0..S-1`` (with context
+        parallelism, its chunks' global positions, ``context_parallel.layout``).
+
         ``attention_mask`` is ``None`` (causal) or Megatron's boolean mask, True = masked:
         ``[b, 1, s, s]``, ``[1, 1, s, s]`` or ``[b, s, s]``. A mask equal to the causal mask runs the fused
         causal attention; telling so compares the whole mask with a cached causal one, which on a GPU is
         a host sync per call (pass ``None`` to skip it). Any other mask is applied as given.
+        It may also be a ``DocumentMask`` (packed documents, block-diagonal causal): with context
+        parallelism, where inputs are this cp rank's chunks, only None or a DocumentMask is taken.
+        ``packed_seq_params`` with ``qkv_format="thd"`` describes packed documents by their offsets
+        in the full sequence (``cu_seqlens_q``); it becomes the DocumentMask, and ``attention_mask``
+        must then be None.
+
+        Raises:
+            ValueError: a dense mask with context parallelism or with ``packed_seq_params``; a
+                ``packed_seq_params`` this model does not build (``document_mask_of``); an
+                ``inference_context``.
         """
-        if position_ids is None and input_ids is not None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if inference_context is not None:
+            raise ValueError("GPTModel.forward(inference_context=...): inference is not built; pass None")
         if self.pre_process:
-            hidden = self.embedding(input_ids, position_ids)
+            b, seq = input_ids.shape  # this rank's tokens
         else:
             hidden = decoder_input if decoder_input is not None else self.input_tensor
+            b, seq = hidden.shape[1], hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
+        if position_ids is None and (self.pre_process or self.position_embedding_type == "rope"):
+            position_ids = self._local_positions(b, seq, input_ids if self.pre_process else hidden)
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)
         rotary = None
         if self.position_embedding_type == "rope":
-            if position_ids is None:  # a later pipeline stage: this rank's positions of 0..S-1
-                seq = hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
-                positions = local_token_indices(
-                    seq * self.pg.cp_size, self.pg.cp_size, self.pg.cp_rank, hidden.device
-                )
-                position_ids = positions.expand(hidden.shape[1], seq)
             rotary = rotary_cos_sin(
                 position_ids,
                 self.rotary_dim,
@@ -275,14 +290,7 @@ class GPTModel(LanguageModule):
                 self.seq_len_interpolation_factor,
                 self.rope_scaling_factor,
             )
-        seq = hidden.shape[0] * (self.pg.tp_size if self.sequence_parallel else 1)
-        if not isinstance(attention_mask, DocumentMask):
-            if self.pg.cp_size > 1 and attention_mask is not None:
-                raise ValueError(
-                    "with context parallelism GPTModel takes attention_mask=None (causal) or a "
-                    "DocumentMask (packed documents), not a dense mask"
-                )
-            attention_mask = mask_for_attention(attention_mask, seq)
+        attention_mask = self._attention_mask(attention_mask, packed_seq_params, b, seq)
         hidden = self.decoder(hidden, attention_mask, rotary)
         if not self.post_process:
             return hidden
@@ -295,6 +303,38 @@ class GPTModel(LanguageModule):
         if not self.parallel_output:
             logits = mappings.gather_from_tp(logits, self.pg.tp_group)
         return logits.transpose(0, 1).contiguous()
+
+    def _local_positions(self, b: int, seq: int, like: torch.Tensor) -> torch.Tensor:
+        """``[b, seq]``: the global positions of this rank's ``seq`` tokens (all of ``0..seq-1``
+        without context parallelism)."""
+        cp = self.pg.cp_size
+        if cp == 1:  # any length (the cp layout needs 2 * cp equal chunks)
+            return torch.arange(seq, device=like.device).expand(b, seq)
+        return local_token_indices(seq * cp, cp, self.pg.cp_rank, like.device).expand(b, seq)
+
+    def _attention_mask(
+        self,
+        attention_mask: torch.Tensor | DocumentMask | None,
+        packed_seq_params: PackedSeqParams | None,
+        b: int,
+        seq: int,
+    ) -> Any:
+        """What the layers take for ``forward``'s mask arguments (``seq``: this rank's tokens)."""
+        cp = self.pg.cp_size
+        packed = document_mask_of(packed_seq_params, seq * cp, b, cp, self.pg.cp_group if cp > 1 else None)
+        if packed is not None:
+            if attention_mask is not None:
+                raise ValueError(
+                    "GPTModel.forward got packed_seq_params (qkv_format='thd') and an attention_mask; "
+                    "the packed documents are the mask: pass attention_mask=None"
+                )
+            return packed
+        if cp > 1 and attention_mask is not None and not isinstance(attention_mask, DocumentMask):
+            raise ValueError(
+                "with context parallelism GPTModel takes attention_mask=None (causal) or a "
+                "DocumentMask (packed documents), not a dense mask"
+            )
+        return mask_for_attention(attention_mask, seq)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, also taking the tensors ``dist_checkpointing.load`` returns for
