@@ -1,7 +1,8 @@
 """Megatron-Core's ``PackedSeqParams`` through ``GPTModel.forward(packed_seq_params=...)``: a ``thd``
 description runs the same block-diagonal causal attention as the DocumentMask of the same documents
 (and as their dense mask); ``sbhd`` / ``bshd`` are no packing; what is not built is refused, naming
-the field. ``forward``'s arguments are in Megatron-Core's order."""
+the field. ``forward``'s arguments are in Megatron-Core's order. The application's datasets build
+no dense mask per sample (the trainer takes packed documents from the tokens)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams, document_mask_of
 from megatron.core.parallel_state import ParallelState, RankGrid
+from megatron.core.tokenizer import NullTokenizer
 from megatron.core.transformer.document_mask import DocumentMask
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training.config import DataConfig
+from megatron.training.datasets.provider import build_train_valid_test_datasets
 
 VOCAB, S = 64, 24
 CU = torch.tensor([0, 5, 13, 14, S], dtype=torch.int32)  # four documents, one of a single token
@@ -143,3 +147,23 @@ def test_default_positions_are_arange_for_any_length(model):
     torch.testing.assert_close(
         model(ids, None, None), model(ids, torch.arange(7)[None], None), rtol=0, atol=0
     )
+
+
+@pytest.mark.parametrize("in_loader", [True, False])
+def test_the_training_datasets_build_no_dense_mask(in_loader):
+    """With --reset-attention-mask the trainer takes the documents from the tokens (a DocumentMask),
+    so the application's datasets attach no [s, s] mask to a sample, whatever
+    --create-attention-mask-in-dataloader says."""
+    data = DataConfig(
+        mock_data=True,
+        reset_attention_mask=True,
+        reset_position_ids=True,
+        eod_mask_loss=True,
+        create_attention_mask_in_dataloader=in_loader,
+    )
+    train, _, _ = build_train_valid_test_datasets(
+        data, NullTokenizer(50), 32, 0, [8, 0, 0], log=lambda _: None
+    )
+    sample = train[0]
+    assert sample.get("attention_mask") is None
+    assert set(sample) >= {"tokens", "labels", "loss_mask", "position_ids"}

@@ -83,8 +83,11 @@ def core_gpt_dataset_config(
         reset_position_ids=data_cfg.reset_position_ids,
         reset_attention_mask=data_cfg.reset_attention_mask,
         eod_mask_loss=data_cfg.eod_mask_loss,
-        # Only a --reset-attention-mask mask is ever used; the plain causal one is never materialised.
-        create_attention_mask=data_cfg.create_attention_mask_in_dataloader and data_cfg.reset_attention_mask,
+        # The trainer never reads a sample's mask: causal attention needs none, and with
+        # --reset-attention-mask it builds a DocumentMask from the tokens on the device (gpt.py's
+        # attention_mask_source), so no [s, s] mask is built per sample, whatever
+        # --create-attention-mask-in-dataloader says.
+        create_attention_mask=False,
         mid_level_dataset_surplus=data_cfg.mid_level_dataset_surplus,
         log=log,
     )
