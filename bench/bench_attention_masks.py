@@ -124,8 +124,10 @@ def bench_blocks(args, device, dtype, shape) -> list[dict]:
             torch.arange(c, 2 * c, device=device), torch.arange(c, device=device)
         )
         for kind, mask in (("full", None), ("causal", "causal"), ("documents", doc)):
+            chosen = kernels.block_kernel(q, mask)
+            # every GPU kernel that runs this block: flash and cuDNN both for unmasked and causal ones
             names = ["math"] + (
-                [kernels.block_kernel(q, mask)] if kernels.block_kernel(q, mask) != "math" else []
+                [] if chosen == "math" else ["flash", "cudnn"] if chosen == "cudnn" else [chosen]
             )
             row = {"bench": "blocks", "chunk": c, "heads": n, "groups": g, "head_dim": d, "block": kind}
             for name in names:

@@ -162,10 +162,12 @@ class ExecutionPlan:
             self.fp8.recipe, use_scaled_mm=not self.fp8.emulated, kernels=self.kernels, reducer=reducer
         )
 
-    def report_lines(self, optimizer_config: object = None, fp8_linears: int | None = None) -> list[str]:
+    def report_lines(
+        self, optimizer_config: object = None, fp8_linears: int | None = None, documents: bool = False
+    ) -> list[str]:
         """The ``> kernels`` block printed at start-up: this plan, in words (``fp8_linears``: the FP8
-        GEMMs built on this rank, to print beside it)."""
-        return kernel_report(self, optimizer_config, fp8_linears)
+        GEMMs built on this rank, to print beside it; ``documents``: packed-document attention)."""
+        return kernel_report(self, optimizer_config, fp8_linears, documents)
 
 
 def resolve(

@@ -102,7 +102,8 @@ class Trainer(TrainerResume):
             )
         compile_model(self.plan, chunks)
         fp8_linears = sum(isinstance(m, Fp8Gemm) for c in chunks for m in c.modules())
-        print_rank_0("\n".join(self.plan.report_lines(cfg.optimizer, fp8_linears)))
+        documents = cfg.data.reset_attention_mask
+        print_rank_0("\n".join(self.plan.report_lines(cfg.optimizer, fp8_linears, documents)))
         report_memory(cfg, self.padded_vocab_size, self.world_size, self.plan, self.device, dist.get_rank())
         # One DDP (or FSDP2) wrapper per model chunk, as Megatron-Core does for virtual stages.
         self.model = wrap_model_chunks(cfg, chunks, self.pg, self.device)

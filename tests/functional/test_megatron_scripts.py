@@ -268,7 +268,6 @@ def test_llama3_8b_example_flags_train_stop_and_resume(tmp_path):
         "--use-mcore-models",
         "--manual-gc",
         "--empty-unused-memory-level 1",
-        "--context-parallel-size 1",
         "--sequence-parallel is off",
     ):
         assert note in first, note

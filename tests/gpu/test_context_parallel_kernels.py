@@ -2,7 +2,7 @@
 
     python -m pytest tests/gpu/test_context_parallel_kernels.py -q
 
-Each GPU kernel (flash for unmasked and causal blocks, memory-efficient for document-masked ones)
+Each GPU kernel (cuDNN and flash for unmasked and causal blocks, memory-efficient for document-masked ones)
 against the fp32 math path on the same bf16 inputs: the block's output and log-sum-exp, and its
 gradient share given merged results. Then the ring's block schedule, run in one process (every cp
 rank's queries against every rank's key/value block, as the ring visits them), against full SDPA
@@ -14,6 +14,7 @@ over gloo.
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core.transformer.context_parallel import blocks, kernels
 from megatron.core.transformer.context_parallel.layout import chunk_ids, local_token_indices
@@ -45,8 +46,19 @@ def qkv(b, n_q, n_kv, sq, sk, d=128):
     )
 
 
+def test_block_kernel_choice():
+    q = torch.zeros(1, 8, 64, 128, **BF16)
+    mask = torch.zeros(1, 1, 64, 64, dtype=torch.bool, device="cuda")
+    assert kernels.block_kernel(q, mask) == "efficient"
+    assert kernels.block_kernel(q.float(), None) == "math"
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert kernels.block_kernel(q, "causal") == ("cudnn" if hopper else "flash")
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        assert kernels.block_kernel(q, None) == "flash"
+
+
 @pytest.mark.parametrize("groups", [8, 2])
-@pytest.mark.parametrize("kind", ["full", "causal", "documents"])
+@pytest.mark.parametrize("kind", ["full", "causal", "cudnn full", "cudnn causal", "documents"])
 def test_gpu_block_kernel_equals_math(kind, groups):
     b, n, s, d = 2, 8, 512, 128
     q, k, v = qkv(b, n, groups, s, s, d)
@@ -57,10 +69,12 @@ def test_gpu_block_kernel_equals_math(kind, groups):
             torch.arange(s, 2 * s, device="cuda"), torch.arange(s, device="cuda")
         )
         assert bool(mask.all(-1).any()) and not bool(mask.all())
+        name = "efficient"
     else:
-        mask = "causal" if kind == "causal" else None
-    name = kernels.block_kernel(q, mask)
-    assert name == ("efficient" if kind == "documents" else "flash")
+        mask = "causal" if kind.endswith("causal") else None
+        name = "cudnn" if kind.startswith("cudnn") else "flash"
+        if name == "cudnn" and torch.cuda.get_device_capability()[0] < 9:
+            pytest.skip("cuDNN attention blocks run on Hopper and newer")
     scale = d**-0.5
     out, lse = kernels.FORWARD[name](q, k, v, mask, scale)
     ref_out, ref_lse = kernels.math_forward(q, k, v, mask, scale)
@@ -75,9 +89,9 @@ def test_gpu_block_kernel_equals_math(kind, groups):
     dout = torch.randn_like(q)
     grads = kernels.BACKWARD[name](dout, q, k, v, ref_out, merged_lse, mask, scale)
     ref_grads = kernels.math_backward(dout, q, k, v, ref_out, merged_lse, mask, scale)
-    for g, r in zip(grads, ref_grads):
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
         assert g.shape == r.shape
-        assert rel(g, r) < 2e-2
+        assert rel(g, r) < 2e-2, ("dq dk dv"[3 * i : 3 * i + 2], rel(g, r))
 
 
 def _ring_in_one_process(q, k, v, cp, doc_mask, scale):
@@ -130,5 +144,5 @@ def test_ring_block_schedule_on_gpu_equals_full_attention(cp, groups, documents)
                 dk[:, :, idx[j]] += g_k
                 dv[:, :, idx[j]] += g_v
             dq[:, :, idx[r]] += g_q
-    for g, r in zip((dq, dk, dv), ref):
-        assert rel(g, r) < 2e-2
+    for i, (g, r) in enumerate(zip((dq, dk, dv), ref)):
+        assert rel(g, r) < 2e-2, ("dq dk dv"[3 * i : 3 * i + 2], rel(g, r))

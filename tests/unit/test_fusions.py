@@ -302,3 +302,10 @@ def test_swiglu_implementations():
     (F.silu(xf[..., :16]) * xf[..., 16:]).backward(g.float())
     torch.testing.assert_close(swiglu_backward_torch(g, x.detach()).float(), xf.grad, rtol=1e-2, atol=1e-2)
     assert torch.equal(swiglu_fp32(x.detach()), (F.silu(gate.float()) * up.float()).bfloat16())
+
+
+def test_kernel_report_names_document_masked_and_context_parallel_attention():
+    plan = resolve(tiny(), "cpu", triton_checks=dict.fromkeys(KERNELS, "not a CUDA device (cpu)"))
+    attention = next(ln for ln in plan.report_lines(documents=True) if "attention:" in ln)
+    assert "document-masked: SDPA with the documents' dense mask" in attention
+    assert "document-masked" not in next(ln for ln in plan.report_lines() if "attention:" in ln)

@@ -37,21 +37,42 @@ def sdpa_backend(
     return f"SDPA -> {_SDPA_NAMES.get(idx, f'backend {idx}')}"
 
 
+def _half(plan: ExecutionPlan) -> bool:
+    """Whether attention runs in fp16/bf16 on CUDA (the fused kernels' dtypes)."""
+    cfg = plan.config
+    return plan.device_type == "cuda" and (cfg.bf16 or cfg.fp16)
+
+
 def kernel_report(
-    plan: ExecutionPlan, optimizer_config: Any = None, fp8_linears: int | None = None
+    plan: ExecutionPlan, optimizer_config: Any = None, fp8_linears: int | None = None, documents: bool = False
 ) -> list[str]:
     """Lines for the ``> kernels`` block printed at start-up: ``plan`` in words. ``fp8_linears``: the
-    FP8 GEMMs the plan's layer specs built on this rank (None: not counted)."""
+    FP8 GEMMs the plan's layer specs built on this rank (None: not counted); ``documents``: attention
+    is document-masked (packed sequences)."""
     cuda = plan.device_type == "cuda"
     attn = plan.attention_kernel
     if not cuda:
         attn += " (the CPU kernel of that name; cuDNN fused attention needs a CUDA device)"
+    if documents and plan.attention != "context_parallel":
+        attn = (
+            "document-masked: variable-length flash attention over the packed documents (outside the "
+            "compiled layer graphs)"
+            if _half(plan)
+            else f"document-masked: SDPA with the documents' dense mask ({attn})"
+        )
     if plan.attention == "context_parallel":
         types = plan.config.cp_comm_type or "p2p"
         types = types if isinstance(types, str) else ", ".join(dict.fromkeys(types))
+        blocks = (
+            "cuDNN attention (Hopper and newer; flash attention elsewhere) for unmasked and causal "
+            "blocks, memory-efficient attention with the "
+            "block's mask for document-masked ones"
+            if _half(plan)
+            else "fp32 math blocks"
+        )
         attn = (
             f"context-parallel ({types}) over cp {plan.config.context_parallel_size}, blockwise with "
-            f"the log-sum-exp (SDPA for the shapes: {attn})"
+            f"the log-sum-exp: {blocks}"
         )
     return [
         " > kernels:",

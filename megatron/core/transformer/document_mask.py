@@ -147,6 +147,7 @@ class _VarlenFlash(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+@torch.compiler.disable
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -157,7 +158,9 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Block-diagonal causal attention of packed documents by variable-length flash attention (no
     ``[S, S]`` mask): ``q`` ``[b, n_q, S, d]``, ``k``/``v`` ``[b, n_kv, S, d]`` -> ``[b, n_q, S, d]``.
-    Needs :func:`varlen_supported`."""
+    Needs :func:`varlen_supported`. Never traced by ``torch.compile``: a compiled layer breaks its graph
+    here, so the documents' boundaries (a host sync, cached on the mask) and their longest length (an
+    int the kernel takes) change from step to step without recompiling the layer."""
     b, n_q, s, d = q.shape
     cu_seqlens, max_seqlen = mask.varlen()
     packed = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]  # [b*S, n, d]

@@ -11,12 +11,14 @@ a query that sees no key has ``lse = -inf`` and output 0.
 attended to) and returns this block's share of the gradients: summed over the blocks, they are the
 gradients of the whole attention.
 
-Kernels (``block_kernel``): on CUDA in fp16/bf16, unmasked and causal blocks run PyTorch's flash attention
-ops (``aten._flash_attention_forward`` / ``_backward``: they return the log-sum-exp and take a given one,
-and read grouped-query K/V themselves); document-masked blocks run the memory-efficient ops with the
-block's mask as an additive bias. Everything else (CPU, fp32/fp64, head sizes the kernels lack) runs the
-plain-torch math path, which materialises the ``[b, n_q, sq, sk]`` scores in fp32. The choice is
-recorded in docs/performance.md with the measurements behind it.
+Kernels (``block_kernel``): on CUDA in fp16/bf16, unmasked and causal blocks run SDPA's cuDNN attention
+op (``aten._scaled_dot_product_cudnn_attention`` and its backward: it returns the log-sum-exp and takes
+a given one) on Hopper and newer with cuDNN SDPA enabled, else PyTorch's flash attention ops
+(``aten._flash_attention_forward`` / ``_backward``, which read grouped-query K/V themselves);
+document-masked blocks run SDPA's memory-efficient op (``aten._scaled_dot_product_efficient_attention``
+and its backward) with the block's mask as an additive bias. Everything else (CPU, fp32/fp64, head
+sizes the kernels lack) runs the plain-torch math path, which materialises the ``[b, n_q, sq, sk]``
+scores in fp32. The choice is recorded in docs/performance.md with the measurements behind it.
 """
 
 from __future__ import annotations
@@ -96,15 +98,26 @@ def math_backward(
 
 
 def block_kernel(q: torch.Tensor, mask: Mask) -> str:
-    """``"flash"``, ``"efficient"`` or ``"math"``: the kernel a block of queries ``q`` with ``mask`` runs."""
+    """``"cudnn"``, ``"flash"``, ``"efficient"`` or ``"math"``: the kernel a block of queries ``q`` with
+    ``mask`` runs."""
     d = q.shape[-1]
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256):
         return "math"
     if isinstance(mask, torch.Tensor):
         return "efficient" if torch.backends.cuda.is_built() and mask.shape[-1] % 16 == 0 else "math"
+    if _cudnn_usable(q):
+        return "cudnn"
     if torch.backends.cuda.is_flash_attention_available() and torch.backends.cuda.flash_sdp_enabled():
         return "flash"
     return "math"
+
+
+def _cudnn_usable(q: torch.Tensor) -> bool:
+    """cuDNN attention for this block: enabled, cuDNN present, Hopper or newer (where PyTorch's own SDPA
+    prefers it), head size at most 128."""
+    if not (torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available()):
+        return False
+    return q.shape[-1] <= 128 and torch.cuda.get_device_capability(q.device)[0] >= 9
 
 
 def _bshd(x: torch.Tensor) -> torch.Tensor:
@@ -142,25 +155,60 @@ def flash_backward(
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+def cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> Result:
+    """:func:`math_forward` by SDPA's cuDNN attention op (``mask`` None or ``"causal"``; grouped K/V
+    expanded)."""
+    n_q = q.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, _expand_kv(k, n_q), _expand_kv(v, n_q), None, True, 0.0, mask == "causal", False, scale=scale
+    )[:2]
+    return out, lse.reshape(q.shape[:3])
+
+
+def cudnn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask: Mask,
+    scale: float,
+) -> Grads:
+    """:func:`math_backward` by SDPA's cuDNN attention op."""
+    n_q, n_kv, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    # the op reads ``out`` and ``dout`` in the layout its forward returns, [b, s, n, d]
+    out, dout = (t.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2) for t in (out, dout))
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, _expand_kv(k, n_q), _expand_kv(v, n_q), out, lse.float().unsqueeze(-1).contiguous(),
+        seed, seed, None, None, None, sq, sk, 0.0, mask == "causal", scale=scale,
+    )  # fmt: skip
+    return dq, _reduce_kv(dk, n_kv), _reduce_kv(dv, n_kv)
+
+
 def _bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The boolean block mask as the efficient kernel's additive bias ``[b, n_q, sq, sk]`` (-inf = masked)."""
+    """The boolean block mask as the efficient kernel's additive bias ``[b, n_q, sq, sk]``. Masked keys
+    get half the dtype's lowest value, not -inf: a row with every key masked then has finite scores
+    (its probabilities underflow to 0 in the backward, where -inf gives NaN); its forward result is
+    replaced by the math path's (out 0, lse -inf)."""
     b, n_q, sq = q.shape[:3]
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(mask, float("-inf"))
+    low = torch.finfo(q.dtype).min / 2
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(mask, low)
     return bias.expand(b, n_q, sq, mask.shape[-1])
 
 
 def efficient_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> Result:
-    """:func:`math_forward` by PyTorch's memory-efficient attention op with the block mask as a bias;
-    rows that see no key get out 0 and lse -inf, as the math path gives."""
+    """:func:`math_forward` by SDPA's memory-efficient attention op with the block mask as a bias; rows
+    that see no key get out 0 and lse -inf, as the math path gives."""
     assert isinstance(mask, torch.Tensor)
     n_q, sq = q.shape[1], q.shape[2]
-    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(
-        _bshd(q), _bshd(_expand_kv(k, n_q)), _bshd(_expand_kv(v, n_q)), _bias(mask, q),
-        None, None, None, None, 0.0, 0, True, scale=scale,
-    )  # fmt: skip
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, _expand_kv(k, n_q), _expand_kv(v, n_q), _bias(mask, q), True, 0.0, False, scale=scale
+    )
     blind = mask.all(-1).expand(lse.shape[0], n_q, sq)  # [b, n_q, sq]: rows with no visible key
     lse = lse[:, :, :sq].masked_fill(blind, float("-inf"))
-    return out.transpose(1, 2).masked_fill(blind.unsqueeze(-1), 0.0), lse
+    return out.masked_fill(blind.unsqueeze(-1), 0.0), lse
 
 
 def efficient_backward(
@@ -173,24 +221,34 @@ def efficient_backward(
     mask: Mask,
     scale: float,
 ) -> Grads:
-    """:func:`math_backward` by PyTorch's memory-efficient attention op (grouped K/V expanded, their
+    """:func:`math_backward` by SDPA's memory-efficient attention op (grouped K/V expanded, their
     gradients summed back over each group)."""
     assert isinstance(mask, torch.Tensor)
-    n_q, n_kv, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
-    pad = -sq % 32  # the kernel's log-sum-exp rows are padded to a multiple of 32
+    n_q, n_kv, sq = q.shape[1], k.shape[1], q.shape[2]
+    pad = -sq % 32  # the op's log-sum-exp rows are padded to a multiple of 32
     lse = torch.nn.functional.pad(lse.float(), (0, pad)).contiguous()
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-        _bshd(dout.to(q.dtype)), _bshd(q), _bshd(_expand_kv(k, n_q)), _bshd(_expand_kv(v, n_q)),
-        _bias(mask, q), _bshd(out.to(q.dtype)), None, None, sq, sk, lse, 0.0, seed, seed, 0, False,
-        scale=scale,
+    # the op reads ``out`` in the memory layout its forward returns, [b, s, n, d] (seen as [b, n, s, d])
+    out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.to(q.dtype), q, _expand_kv(k, n_q), _expand_kv(v, n_q), _bias(mask, q), out,
+        lse, seed, seed, 0.0, [True, True, True, False], False, scale=scale,
     )  # fmt: skip
-    dk, dv = (_reduce_kv(g.transpose(1, 2), n_kv) for g in (dk, dv))
-    return dq.transpose(1, 2), dk, dv
+    return dq, _reduce_kv(dk, n_kv), _reduce_kv(dv, n_kv)
 
 
-FORWARD = {"flash": flash_forward, "efficient": efficient_forward, "math": math_forward}
-BACKWARD = {"flash": flash_backward, "efficient": efficient_backward, "math": math_backward}
+FORWARD = {
+    "flash": flash_forward,
+    "cudnn": cudnn_forward,
+    "efficient": efficient_forward,
+    "math": math_forward,
+}
+BACKWARD = {
+    "flash": flash_backward,
+    "cudnn": cudnn_backward,
+    "efficient": efficient_backward,
+    "math": math_backward,
+}
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float) -> Result:
