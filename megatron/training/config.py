@@ -220,14 +220,19 @@ class DataConfig:
     mmap_bin_files: bool = doc(True, "Memory-map .bin files; --no-mmap-bin-files reads them with plain I/O.")
     num_workers: int = doc(2, "Data-loader worker processes.")
     reset_position_ids: bool = doc(False, "Restart position ids after every end-of-document token.")
-    reset_attention_mask: bool = doc(False, "Block-diagonal attention mask per document.")
+    reset_attention_mask: bool = doc(
+        False,
+        "Packed documents do not attend to each other: block-diagonal causal attention per document, found "
+        "from the end-of-document tokens (variable-length flash attention on the GPU, never a dense "
+        "[s, s] mask; per block under --context-parallel-size). With --reset-position-ids and "
+        "--eod-mask-loss each document trains as its own sequence.",
+    )
     eod_mask_loss: bool = doc(False, "Do not compute loss on end-of-document tokens.")
     create_attention_mask_in_dataloader: bool = doc(
         True,
-        "With --reset-attention-mask, the data loader builds the [b, 1, s, s] mask and tensor-parallel "
-        "rank 0 broadcasts it each micro-batch; --no-create-attention-mask-in-dataloader builds it on the device "
-        "from the tokens instead (the same mask, no transfer). Without --reset-attention-mask the mask is the plain "
-        "causal one: neither way materialises it and the model runs fused causal attention.",
+        "Accepted for Megatron-LM scripts, with no effect: no per-sample [s, s] mask is built either way. "
+        "With --reset-attention-mask the model reads the documents from the tokens; without it attention "
+        "is plain causal.",
     )
     mid_level_dataset_surplus: float = doc(0.005, "Extra samples requested from each blended dataset.")
     dataloader_type: str = doc(
