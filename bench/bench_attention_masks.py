@@ -10,10 +10,10 @@ through a DocumentMask (variable-length flash attention; documents of exponentia
 length, mean 1024 tokens) and SDPA with the same mask as a dense ``[S, S]`` boolean.
 
 ``blocks``: one context-parallel block (``c`` queries against ``c`` keys), forward + backward, with
-each kernel of ``context_parallel.kernels`` that runs it (flash, memory-efficient, fp32 math), for
-unmasked, causal and document-masked blocks; SDPA's cuDNN backend on the same unmasked block is
-printed beside them for reference (SDPA does not hand out its log-sum-exp, so the ring cannot use it
-through the public API).
+each kernel of ``context_parallel.kernels`` that runs it (flash and cuDNN for unmasked and causal
+blocks, memory-efficient for document-masked ones, fp32 math for all), for unmasked, causal and
+document-masked blocks; public SDPA on its cuDNN backend (grouped K/V expanded, no log-sum-exp handed
+out) on the same unmasked and causal blocks is printed beside them for reference.
 
 ``ring``: the compute of one cp rank under ring attention (its queries against every rank's block,
 the ring's schedule, no communication: one GPU) for a sequence of ``--ring-seq`` tokens and cp 2, 4,
