@@ -66,10 +66,13 @@ class TransformerBlock(nn.Module):
         sequence_parallel: bool = False,
         rng_tracker: Any = None,
         cp_groups: Any = None,
+        moe_groups: Any = None,
     ) -> None:
         super().__init__()
         num_layers = config.num_layers if num_layers is None else num_layers
         cp = {} if cp_groups is None else {"cp_groups": cp_groups}  # only context-parallel layers take it
+        if moe_groups is not None:  # only models with experts
+            cp["moe_groups"] = moe_groups
         specs = _layer_specs(spec, num_layers, layer_offset, config.num_layers)
         self.layer_offset = layer_offset
         self.rng_tracker = rng_tracker

@@ -56,7 +56,8 @@ def bias_dropout_add(
 class TransformerLayer(nn.Module):
     """A decoder layer. ``layer_number`` is 1-based and global (pipeline stages offset it).
     ``cp_groups`` (context parallelism, ``context_parallel.layout.ContextParallelGroups``) goes to
-    the self-attention, only when given."""
+    the self-attention, ``moe_groups`` (``moe.groups.MoEGroups``, with ``layer_number``) to the mlp,
+    each only when given."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class TransformerLayer(nn.Module):
         sequence_parallel: bool = False,
         rng_tracker: Any = None,
         cp_groups: Any = None,
+        moe_groups: Any = None,
     ) -> None:
         super().__init__()
         cp = {} if cp_groups is None else {"cp_groups": cp_groups}
@@ -91,7 +93,9 @@ class TransformerLayer(nn.Module):
             **cp,
         )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, config.hidden_size, **sp)
-        self.mlp = build_module(submodules.mlp, config, tp_group=tp_group, **sp)
+        # the MoE layer's groups go to the mlp slot only when given (models with experts)
+        moe = {} if moe_groups is None else {"moe_groups": moe_groups, "layer_number": layer_number}
+        self.mlp = build_module(submodules.mlp, config, tp_group=tp_group, **sp, **moe)
 
     def forward(
         self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None, rotary: Rotary = None

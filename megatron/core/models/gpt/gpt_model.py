@@ -21,6 +21,7 @@ from megatron.core.transformer.attention import mask_for_attention
 from megatron.core.transformer.context_parallel.layout import ContextParallelGroups, local_token_indices
 from megatron.core.transformer.document_mask import DocumentMask
 from megatron.core.transformer.module import shard_of
+from megatron.core.transformer.moe.groups import MoEGroups
 from megatron.core.transformer.rope import rotary_cos_sin
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -153,6 +154,7 @@ class GPTModel(LanguageModule):
                 sequence_parallel=sp,
                 rng_tracker=self.pg.rng_tracker,
                 cp_groups=ContextParallelGroups.of(self.pg),
+                moe_groups=MoEGroups.of(self.pg) if getattr(config, "num_moe_experts", None) else None,
             )
             if post_process:
                 tied_here = self.share_embeddings_and_output_weights and pre_process
