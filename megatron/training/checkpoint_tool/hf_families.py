@@ -10,6 +10,7 @@ subset in :data:`ARCH_FIELDS` that fixes the function the model computes). The f
 - ``qwen2`` (``Qwen2ForCausalLM``): Llama with biases on q, k and v only (our ``add_qkv_bias``).
 - ``gpt2`` (``GPT2LMHeadModel``): LayerNorm, GELU (``gelu_new`` = Megatron's tanh approximation,
   ``gelu`` = the exact erf GELU), biases everywhere, a learned position table, one head per group.
+- ``mixtral``, ``qwen2_moe``, ``qwen3_moe``: mixtures of experts (:mod:`.hf_moe`).
 
 A feature a family cannot express is a :class:`ToolError` naming it, never a silent approximation.
 """
@@ -21,18 +22,29 @@ from typing import Any
 
 from megatron.training.checkpoint_args import ARCHITECTURE
 from megatron.training.checkpoint_tool.errors import ToolError
+from megatron.training.checkpoint_tool.hf_moe import (
+    MOE_ARCHITECTURES,
+    MOE_DEFAULTS,
+    MOE_FAMILIES,
+    MOE_FIELDS,
+    moe_fields_from_hf,
+    moe_hf_config,
+    moe_problems,
+)
 
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", *MOE_FAMILIES)
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    **MOE_ARCHITECTURES,
 }
 
 # TransformerConfig fields that fix the function the model computes (recorded by imports in
-# args['config']['model']; read back to build the model for the logits check).
-ARCH_FIELDS = ARCHITECTURE["model"]
+# args['config']['model']; read back to build the model for the logits check): the architecture
+# fields and the experts' (MOE_FIELDS).
+ARCH_FIELDS = (*ARCHITECTURE["model"], *(f for f in MOE_FIELDS if f not in ARCHITECTURE["model"]))
 
 # The Llama 3 scaling our RoPE implements (megatron.core.transformer.rope): only the factor varies.
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -54,7 +66,12 @@ def detect_family(m: dict[str, Any]) -> str:
     if pos == "learned_absolute" and norm == "LayerNorm" and act == "gelu":
         return "gpt2"
     if pos == "rope" and norm == "RMSNorm" and act == "swiglu":
-        return "qwen2" if m.get("add_qkv_bias") and not m.get("add_bias_linear") else "llama"
+        qkv_bias = m.get("add_qkv_bias") and not m.get("add_bias_linear")
+        if m.get("num_moe_experts"):
+            if m.get("qk_layernorm"):
+                return "qwen3_moe"
+            return "qwen2_moe" if qkv_bias or m.get("moe_shared_expert_intermediate_size") else "mixtral"
+        return "qwen2" if qkv_bias else "llama"
     raise ToolError(
         f"no Hugging Face family here for --position-embedding-type {pos} with --normalization {norm} "
         f"and activation {act}: Llama / Mistral / Qwen2 are rope + RMSNorm + --swiglu, GPT-2 is "
@@ -68,7 +85,6 @@ def check_expressible(family: str, m: dict[str, Any]) -> None:
     Raises:
         ToolError: the first feature that does not fit.
     """
-    n_h, n_g, d, h = (m["num_attention_heads"], m["num_query_groups"], m["kv_channels"], m["hidden_size"])
     gpt2 = family == "gpt2"
     needs = {
         "position_embedding_type": "learned_absolute" if gpt2 else "rope",
@@ -78,9 +94,22 @@ def check_expressible(family: str, m: dict[str, Any]) -> None:
     for field, want in needs.items():
         if m.get(field) != want:
             raise ToolError(f"--model-type {family} needs {field} {want}; the checkpoint has {m.get(field)}")
-    problems = [
+    problems = moe_problems(family, m) if family in MOE_FAMILIES else _dense_problems(family, m)
+    for bad, what in problems:
+        if bad:
+            raise ToolError(f"--model-type {family} cannot express {what}")
+
+
+def _dense_problems(family: str, m: dict[str, Any]) -> list[tuple[Any, str]]:
+    """``check_expressible``'s refusals for the dense families: (condition, the feature it names)."""
+    n_h, n_g, d, h = (m["num_attention_heads"], m["num_query_groups"], m["kv_channels"], m["hidden_size"])
+    gpt2 = family == "gpt2"
+    return [
         (m.get("qk_layernorm"), "--qk-layernorm (query/key norms)"),
-        (m.get("num_moe_experts"), "MoE layers (--num-experts)"),
+        (
+            m.get("num_moe_experts"),
+            "MoE layers (--num-experts: use --model-type mixtral, qwen2_moe or qwen3_moe)",
+        ),
         (not gpt2 and m.get("rotary_percent", 1.0) < 1.0, f"--rotary-percent {m.get('rotary_percent')}"),
         (
             m.get("softmax_scale") not in (None, 1 / math.sqrt(d)),
@@ -105,9 +134,6 @@ def check_expressible(family: str, m: dict[str, Any]) -> None:
             "--use-rope-scaling together with --rotary-seq-len-interpolation-factor",
         ),
     ]
-    for bad, what in problems:
-        if bad:
-            raise ToolError(f"--model-type {family} cannot express {what}")
 
 
 def _rope_scaling_to_hf(m: dict[str, Any]) -> dict[str, Any] | None:
@@ -180,8 +206,10 @@ def hf_config(
         out["pretraining_tp"] = 1
     elif family == "mistral":
         out["sliding_window"] = None
-    else:
+    elif family == "qwen2":
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m["num_layers"])
+    else:
+        out = moe_hf_config(family, m, out)
     return out
 
 
@@ -285,6 +313,13 @@ def fields_from_hf(cfg: Any) -> tuple[str, dict[str, Any], int]:
         )
     if family == "gpt2":
         fields, max_pos = _gpt2_fields(cfg), cfg.n_positions
+    elif family in MOE_FAMILIES:
+        if family == "qwen3_moe" and getattr(cfg, "attention_bias", False):
+            raise ToolError(
+                "config.json attention_bias true: q/k/v/o biases without MLP biases are not built"
+            )
+        dense = _llama_like_fields(family, cfg)
+        fields, max_pos = moe_fields_from_hf(family, cfg, dense), cfg.max_position_embeddings
     else:
         fields, max_pos = _llama_like_fields(family, cfg), cfg.max_position_embeddings
     tied = getattr(cfg, "tie_word_embeddings", family == "gpt2")
@@ -300,6 +335,7 @@ def fields_from_hf(cfg: Any) -> tuple[str, dict[str, Any], int]:
         "apply_layernorm_1p": False,
         "softmax_scale": None,
         "num_moe_experts": None,
+        **MOE_DEFAULTS,
     }
     out = {**defaults, **fields, "share_embeddings_and_output_weights": bool(tied)}
     return family, {k: out[k] for k in ARCH_FIELDS}, int(max_pos)

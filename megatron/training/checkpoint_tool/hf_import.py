@@ -21,6 +21,7 @@ from megatron.core.tokenizer import vocab_size_with_padding
 from megatron.training.checkpoint_tool import hf_families, hf_weights
 from megatron.training.checkpoint_tool.errors import ToolError
 from megatron.training.checkpoint_tool.hf_export import DTYPES
+from megatron.training.checkpoint_tool.hf_moe import moe_model_flags
 from megatron.training.checkpoint_tool.model_check import empty_model, transformer_config
 from megatron.training.checkpointing import save_checkpoint
 from megatron.training.loop_utils import model_args_for_check
@@ -206,6 +207,7 @@ def model_flags(fields: dict[str, Any], max_pos: int, padded: int) -> list[str]:
             flags.append(f"--rotary-seq-len-interpolation-factor {f['rotary_seq_len_interpolation_factor']}")
     if not f["share_embeddings_and_output_weights"]:
         flags.append("--untie-embeddings-and-output-weights")
+    flags += moe_model_flags(f)
     flags += [f"--max-position-embeddings {max_pos}", f"--padded-vocab-size {padded}"]
     return flags
 
@@ -244,7 +246,7 @@ def import_hf(hf_dir: str, out: str, dtype: str | None = None) -> dict[str, Any]
     """
     hf_cfg = load_hf_config(hf_dir)
     family, fields, max_pos = hf_families.fields_from_hf(hf_cfg)
-    window = getattr(hf_cfg, "sliding_window", None) if family == "mistral" else None
+    window = getattr(hf_cfg, "sliding_window", None) if family in ("mistral", "mixtral") else None
     vocab = int(hf_cfg.vocab_size)
     padded = vocab_size_with_padding(vocab, MAKE_VOCAB_SIZE_DIVISIBLE_BY, 1, log=None)
     tensors = HFTensors(hf_dir)

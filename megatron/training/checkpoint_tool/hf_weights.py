@@ -8,6 +8,11 @@ Our layout (``megatron.core.transformer``): the fused QKV weight stacks, per que
 vocabulary's rows. HF splits q, k, v (Llama family) or concatenates them as ``[q | k | v]`` along the
 output (GPT-2, whose ``Conv1D`` weights are stored ``[in, out]``, the transpose of ours).
 
+Experts (``mlp.experts.linear_fc1.weight`` ``[E, 2F, h]``, each expert's ``[gate; up]``, and
+``linear_fc2.weight`` ``[E, h, F]``; dim 0 the global expert index) are one piece per layer with one
+HF tensor per expert (``experts.{j}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's ``w1`` / ``w3``
+/ ``w2``: the per-expert names of the released checkpoints, which every transformers version reads).
+
 Each :class:`Piece` converts a few tensors that belong together (one QKV weight and its three HF
 tensors), so a conversion reads each of our tensors once.
 """
@@ -19,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from megatron.training.checkpoint_tool.hf_moe import moe_layer_pattern
 
 Tensors = list[torch.Tensor]
 
@@ -102,13 +109,81 @@ def _swiglu_fc1(ffn: int, trailing: tuple[int, ...]) -> tuple[Callable, Callable
     return to_hf, to_ours
 
 
-def llama_pieces(m: dict[str, Any], num_layers: int, vocab: int, padded: int) -> list[Piece]:
-    """Llama / Mistral / Qwen2 (``model.*``, ``lm_head.weight``), for our model fields ``m``."""
+def _dense_mlp(m: dict[str, Any], ours: str, mlp: str, ffn: int) -> list[Piece]:
+    """A SwiGLU MLP of ``ffn`` channels: ours under ``ours`` (``linear_fc1``, ``linear_fc2``), HF's under
+    ``mlp`` (``gate_proj``, ``up_proj``, ``down_proj``)."""
+    pieces = []
+    for kind in ("weight", "bias") if m["add_bias_linear"] else ("weight",):
+        fc1_hf, fc1_ours = _swiglu_fc1(ffn, (m["hidden_size"],) if kind == "weight" else ())
+        pieces.append(
+            Piece(
+                (f"{ours}linear_fc1.{kind}",),
+                (f"{mlp}gate_proj.{kind}", f"{mlp}up_proj.{kind}"),
+                fc1_hf,
+                fc1_ours,
+            )
+        )
+        pieces.append(_one(f"{ours}linear_fc2.{kind}", f"{mlp}down_proj.{kind}"))
+    return pieces
+
+
+def _experts(num_experts: int, ffn: int, h: int) -> tuple[Callable, Callable, Callable, Callable]:
+    """(fc1 to HF, fc1 to ours, fc2 to HF, fc2 to ours) of ``num_experts`` SwiGLU experts: our fc1
+    ``[E, 2F, h]`` (saved ``[E, 2, F, h]`` or ``[E, 2F, h]``) <-> E gates then E ups ``[F, h]``; our fc2
+    ``[E, h, F]`` <-> E downs ``[h, F]``."""
+
+    def fc1_to_hf(t: Tensors) -> Tensors:
+        gate_up = t[0].reshape(num_experts, 2, ffn, h)
+        return [gate_up[j, 0].clone() for j in range(num_experts)] + [
+            gate_up[j, 1].clone() for j in range(num_experts)
+        ]
+
+    def fc1_to_ours(t: Tensors) -> Tensors:
+        gates, ups = t[:num_experts], t[num_experts:]
+        return [torch.stack([torch.cat((g, u)) for g, u in zip(gates, ups)])]
+
+    def fc2_to_hf(t: Tensors) -> Tensors:
+        down = t[0].reshape(num_experts, h, ffn)
+        return [down[j].clone() for j in range(num_experts)]
+
+    def fc2_to_ours(t: Tensors) -> Tensors:
+        return [torch.stack(t)]
+
+    return fc1_to_hf, fc1_to_ours, fc2_to_hf, fc2_to_ours
+
+
+def _moe_mlp(family: str, m: dict[str, Any], ours: str, hf: str) -> list[Piece]:
+    """One layer's router, experts and shared expert: ours under ``ours`` (``decoder.layers.{i}.``),
+    HF's under ``hf`` (``model.layers.{i}.``)."""
+    num_experts, ffn = m["num_moe_experts"], m["moe_ffn_hidden_size"]
+    block = hf + ("block_sparse_moe." if family == "mixtral" else "mlp.")
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    gate, up, down = ([f"{block}experts.{j}.{n}.weight" for j in range(num_experts)] for n in names)
+    fc1_hf, fc1_ours, fc2_hf, fc2_ours = _experts(num_experts, ffn, m["hidden_size"])
+    pieces = [
+        _one(ours + "mlp.router.weight", block + "gate.weight"),
+        Piece((ours + "mlp.experts.linear_fc1.weight",), (*gate, *up), fc1_hf, fc1_ours),
+        Piece((ours + "mlp.experts.linear_fc2.weight",), tuple(down), fc2_hf, fc2_ours),
+    ]
+    shared = m.get("moe_shared_expert_intermediate_size")
+    if shared:
+        pieces += _dense_mlp(m, ours + "mlp.shared_experts.", block + "shared_expert.", shared)
+        if m.get("moe_shared_expert_gate"):
+            pieces.append(_one(ours + "mlp.shared_experts.gate_weight", block + "shared_expert_gate.weight"))
+    return pieces
+
+
+def llama_pieces(
+    m: dict[str, Any], num_layers: int, vocab: int, padded: int, family: str = "llama"
+) -> list[Piece]:
+    """Llama / Mistral / Qwen2 and the MoE families (``model.*``, ``lm_head.weight``), for our model
+    fields ``m``."""
     heads = Heads(m["num_attention_heads"], m["num_query_groups"], m["kv_channels"])
     emb_hf, emb_ours = _vocab_rows(vocab, padded)
     norm = _norm_to_hf(bool(m.get("apply_layernorm_1p")))
     pieces = [_one("embedding.word_embeddings.weight", "model.embed_tokens.weight", emb_hf, emb_ours)]
     qkv_bias = bool(m["add_bias_linear"] or m["add_qkv_bias"])
+    has_experts = moe_layer_pattern(m)
     for i in range(num_layers):
         ours, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
         attn, mlp = hf + "self_attn.", hf + "mlp."
@@ -123,21 +198,16 @@ def llama_pieces(m: dict[str, Any], num_layers: int, vocab: int, padded: int) ->
                 )
             )
         pieces.append(_one(ours + "self_attention.linear_proj.weight", attn + "o_proj.weight"))
-        pieces.append(_one(ours + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight", norm))
-        kinds = ("weight", "bias") if m["add_bias_linear"] else ("weight",)
-        for kind in kinds:
-            fc1_hf, fc1_ours = _swiglu_fc1(
-                m["ffn_hidden_size"], (m["hidden_size"],) if kind == "weight" else ()
-            )
-            pieces.append(
-                Piece(
-                    (f"{ours}mlp.linear_fc1.{kind}",),
-                    (f"{mlp}gate_proj.{kind}", f"{mlp}up_proj.{kind}"),
-                    fc1_hf,
-                    fc1_ours,
+        if m.get("qk_layernorm"):
+            for p in "qk":
+                pieces.append(
+                    _one(f"{ours}self_attention.{p}_layernorm.weight", f"{attn}{p}_norm.weight", norm)
                 )
-            )
-            pieces.append(_one(f"{ours}mlp.linear_fc2.{kind}", f"{mlp}down_proj.{kind}"))
+        pieces.append(_one(ours + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight", norm))
+        if has_experts[i]:
+            pieces += _moe_mlp(family, m, ours, hf)
+        else:
+            pieces += _dense_mlp(m, ours + "mlp.", mlp, m["ffn_hidden_size"])
         if m["add_bias_linear"]:
             pieces.append(_one(ours + "self_attention.linear_proj.bias", attn + "o_proj.bias"))
     pieces.append(_one("decoder.final_layernorm.weight", "model.norm.weight", norm))
@@ -203,5 +273,6 @@ def gpt2_pieces(m: dict[str, Any], num_layers: int, vocab: int, padded: int) -> 
 
 def pieces_for(family: str, m: dict[str, Any], vocab: int, padded: int) -> list[Piece]:
     """Every tensor of the model ``m`` (our fields) as pieces of ``family``, in HF's order."""
-    build = gpt2_pieces if family == "gpt2" else llama_pieces
-    return build(m, m["num_layers"], vocab, padded)
+    if family == "gpt2":
+        return gpt2_pieces(m, m["num_layers"], vocab, padded)
+    return llama_pieces(m, m["num_layers"], vocab, padded, family)

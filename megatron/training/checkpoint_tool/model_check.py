@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.checkpoint_tool.errors import ToolError
@@ -65,11 +65,16 @@ def transformer_config(fields: dict[str, Any], dtype: torch.dtype = torch.float3
 
 
 def empty_model(fields: dict[str, Any], padded_vocab: int, max_pos: int, dtype: torch.dtype) -> GPTModel:
-    """Our GPTModel of ``fields`` on the CPU, one process, uninitialised weights."""
+    """Our GPTModel of ``fields`` on the CPU, one process, uninitialised weights (a model with experts:
+    the decoder block's spec, one layer spec per layer as ``moe_layer_freq`` says)."""
     cfg = transformer_config(fields, dtype)
+    if cfg.num_moe_experts:
+        spec: Any = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=cfg.normalization, qk_layernorm=cfg.qk_layernorm)
     return GPTModel(
         cfg,
-        get_gpt_layer_local_spec(normalization=cfg.normalization, qk_layernorm=cfg.qk_layernorm),
+        spec,
         vocab_size=padded_vocab,
         max_sequence_length=max_pos,
         parallel_output=False,
