@@ -532,3 +532,20 @@ def test_router_parameter_tags() -> None:
     assert router.weight.shape == (E, E) and router.weight.init_std == router.config.init_method_std
     assert not router.weight.sequence_parallel and getattr(router.weight, "allreduce", True)
     assert router.expert_bias is None and list(dict(router.named_buffers())) == []
+
+
+def test_expert_bias_stays_fp32_after_a_model_cast() -> None:
+    router = make_router(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    router.to(torch.bfloat16)
+    assert router.expert_bias.dtype == torch.bfloat16
+    router.train()
+    router(torch.tensor(LOGITS, dtype=torch.bfloat16, requires_grad=True))
+    assert router.expert_bias.dtype == torch.float32 and router.local_tokens_per_expert.dtype == torch.float32
+    assert "expert_bias" in dict(router.named_buffers())
+
+
+def test_per_token_loss_scales_the_injected_loss_by_the_tokens() -> None:
+    x, g = torch.tensor(LOGITS), torch.zeros(4, E)
+    _, dx = _router_grads(make_router(moe_aux_loss_coeff=0.1), x, g)
+    _, dx_tok = _router_grads(make_router(moe_aux_loss_coeff=0.1, calculate_per_token_loss=True), x, g)
+    assert_close(dx_tok, dx * 4)  # T = 4 tokens on this one rank

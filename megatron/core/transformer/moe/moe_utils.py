@@ -478,11 +478,11 @@ def track_moe_metrics(
 # ---------------------------------------------------------------------------------------------
 
 
-def _routers_with_bias(model_chunks_or_routers: Any) -> list[torch.nn.Module]:
+def _routers_with_bias(model_chunks_or_routers: Any) -> list[Any]:
     items = model_chunks_or_routers
     if isinstance(items, torch.nn.Module):
         items = [items]
-    found: list[torch.nn.Module] = []
+    found: list[Any] = []
     for item in items:
         for m in item.modules():
             if (
@@ -517,6 +517,8 @@ def update_expert_bias(
     routers = _routers_with_bias(model_chunks_or_routers)
     if not routers:
         return
+    for r in routers:
+        r.keep_fp32_buffers()
     if group is None:
         group = getattr(getattr(routers[0], "groups", None), "tp_dp_cp", None)
     counts = torch.stack([r.local_tokens_per_expert.float() for r in routers])  # [R, E]
@@ -530,12 +532,9 @@ def update_expert_bias(
 
 def reset_global_aux_loss_tracker(model_chunks_or_routers: Any) -> None:
     """Zero the routers' global-batch token counts (``global_aux_loss``); call once per step."""
-    items = (
-        [model_chunks_or_routers]
-        if isinstance(model_chunks_or_routers, torch.nn.Module)
-        else model_chunks_or_routers
-    )
-    for item in items:
+    items = model_chunks_or_routers
+    for item in [items] if isinstance(items, torch.nn.Module) else items:
         for m in item.modules():
-            if getattr(m, "global_tokens_per_expert", None) is not None:
-                m.reset_global_aux_loss_tracker()
+            reset: Any = getattr(m, "reset_global_aux_loss_tracker", None)
+            if reset is not None:
+                reset()

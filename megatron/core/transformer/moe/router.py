@@ -16,7 +16,7 @@ from torch import nn
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.tensor_parallel.init import set_init_attrs, tag_param
-from megatron.core.tensor_parallel.mappings import group_size, reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import group_size, reduce_from_tp
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.groups import MoEGroups
 
@@ -194,6 +194,14 @@ class TopKRouter(nn.Module):
         else:
             self.global_tokens_per_expert = self.ga_steps = None
 
+    def keep_fp32_buffers(self) -> None:
+        """Return the bias and counts to fp32 after a model-wide dtype cast (a bf16 bias would
+        round away its small updates)."""
+        for name in ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert"):
+            buf = getattr(self, name)
+            if buf is not None and buf.dtype != torch.float32:
+                setattr(self, name, buf.float())
+
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
 
@@ -217,6 +225,7 @@ class TopKRouter(nn.Module):
             experts (0 elsewhere, and on padding slots) and where tokens go (with
             ``moe_pad_expert_input_to_capacity`` exactly the capacity per expert).
         """
+        self.keep_fp32_buffers()
         if x.dim() == 3:
             num_sequences = x.shape[1]
         x = x.reshape(-1, x.shape[-1])
@@ -313,7 +322,7 @@ class TopKRouter(nn.Module):
     def _switch_share(
         self, scores: torch.Tensor, aux_map: torch.Tensor, coeff: float, group: Any
     ) -> torch.Tensor:
-        counts = reduce_from_tensor_model_parallel_region(aux_map.sum(dim=0), group)
+        counts = reduce_from_tp(aux_map.sum(dim=0), group)
         total = scores.shape[0] * group_size(group)
         return moe_utils.switch_load_balancing_loss_func(
             scores, counts, total, self.topk, self.num_experts, coeff
@@ -322,7 +331,7 @@ class TopKRouter(nn.Module):
     def _global_share(self, scores: torch.Tensor, aux_map: torch.Tensor, coeff: float) -> torch.Tensor:
         """Counts averaged over the step's micro-batches so far, over every rank of the stage."""
         group = self.groups.tp_dp_cp
-        counts = reduce_from_tensor_model_parallel_region(aux_map.sum(dim=0), group)
+        counts = reduce_from_tp(aux_map.sum(dim=0), group)
         assert self.global_tokens_per_expert is not None and self.ga_steps is not None
         if not moe_utils._in_recompute():
             self.global_tokens_per_expert += counts
@@ -346,11 +355,12 @@ class TopKRouter(nn.Module):
         read at log time) and the expert-bias counts; nothing during a recompute."""
         if moe_utils._in_recompute():
             return
+        # Without sequence parallelism the tp ranks hold copies of the same tokens: each counts
+        # its share so that sums over tp x dp x cp count every token once.
+        copies = float(self.replica_scale)
         counts = kept.sum(dim=0).float()  # [E]
         if self.local_tokens_per_expert is not None:
-            self.local_tokens_per_expert += counts
-        # Without sequence parallelism the tp ranks hold copies of the same tokens.
-        copies = float(self.replica_scale)
+            self.local_tokens_per_expert += counts / copies
         group, n = self.groups.tp_dp_cp, self._num_layers()
         routed = torch.full((), float(num_tokens * self.topk) / copies, device=counts.device)
         moe_utils.save_to_moe_stats_tracker("tokens_per_expert", counts / copies, self.layer_number, n, group)
