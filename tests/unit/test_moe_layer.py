@@ -202,6 +202,8 @@ def test_config_errors() -> None:
         check_moe_layer_config(moe_config(), MoEGroups(), tp_size=2, sequence_parallel=False)
     with pytest.raises(ConfigError, match="moe_token_dispatcher_type"):
         MoELayer(moe_config(moe_token_dispatcher_type="flex"))
+    with pytest.raises(ConfigError, match="fp8"):
+        MoELayer(moe_config(fp8="e4m3"))
     with pytest.raises(ConfigError, match="moe_apply_probs_on_input"):
         MoELayer(moe_config(moe_apply_probs_on_input=True))
     with pytest.raises(ConfigError, match="moe_ffn_hidden_size"):

@@ -88,12 +88,16 @@ class GroupedExperts(nn.Module):
             / ``ffn_hidden_size``, ``activation``, ``add_bias_linear``, ``params_dtype``,
             ``init_method_std``, ``output_layer_init_std``, ``moe_grouped_gemm``).
         groups: the MoE groups (ep and etp sizes and ranks); None: one rank.
+        submodules: accepted for Megatron-Core's expert specs; has no effect (the linears are
+            this class's stacked parameters).
 
     Raises:
         ConfigError: ``F`` not divisible by the expert-tp size, or biases with expert-tp > 1.
     """
 
-    def __init__(self, num_local_experts: int, config: Any, groups: MoEGroups | None = None) -> None:
+    def __init__(
+        self, num_local_experts: int, config: Any, groups: MoEGroups | None = None, submodules: Any = None
+    ) -> None:
         super().__init__()
         groups = groups or MoEGroups()
         etp = groups.etp_size

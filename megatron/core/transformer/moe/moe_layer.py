@@ -69,6 +69,12 @@ def check_moe_layer_config(config: Any, groups: MoEGroups, tp_size: int, sequenc
             f"moe_token_dispatcher_type {dispatcher!r} is not supported: use 'allgather' or 'alltoall'",
             params=("moe_token_dispatcher_type",),
         )
+    if getattr(config, "fp8", None):
+        raise ConfigError(
+            f"fp8 ({config.fp8!r}) with experts is not supported: the expert GEMMs run in the params "
+            "dtype; leave fp8 None (no --fp8-format) for MoE models",
+            params=("fp8",),
+        )
     if getattr(config, "moe_apply_probs_on_input", False):
         raise ConfigError(
             "moe_apply_probs_on_input is not supported: the routing probabilities weight the expert "
@@ -89,6 +95,9 @@ class MoELayer(nn.Module):
         sequence_parallel: the input is ``[s/tp, b, h]``; required when tp > 1.
         moe_groups: the MoE process groups (None: one rank).
         pg_collection: accepted for Megatron-Core's signature; the groups come from ``moe_groups``.
+
+    The shared experts run after the routed experts' combine; ``moe_shared_expert_overlap`` gives
+    the same results and changes nothing here.
 
     Raises:
         ConfigError: see :func:`check_moe_layer_config`.

@@ -156,6 +156,7 @@ class MoEAllGatherTokenDispatcher(_Dispatcher):
     def token_combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """``[M, h]`` -> ``[T, h]``: weighted by the probs, summed over tp_ep (reduce-scatter)."""
         out = unpermute_tokens(expert_out, self.perm, self.local_probs)  # [G T, h], this rank's experts
+        del self.perm, self.local_probs  # this forward's state; autograd keeps what backward needs
         return mappings.reduce_scatter_to_sp(out, self.group)
 
 
@@ -251,4 +252,6 @@ class MoEAlltoAllTokenDispatcher(_Dispatcher):
             x = x.view(q, n, x.shape[-1]).sum(0)
         if self.ep_size > 1:
             x = _all_to_all(self.groups.ep, x, self.send, self.recv)
-        return unpermute_tokens(x, self.perm, self.probs)
+        out = unpermute_tokens(x, self.perm, self.probs)
+        del self.perm, self.probs  # this forward's state; autograd keeps what backward needs
+        return out
