@@ -311,19 +311,34 @@ def test_losses_need_training_and_grad() -> None:
     )
 
 
-def test_recompute_records_once_and_gives_the_same_gradient() -> None:
-    router = make_router(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.1)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recompute_records_once_and_gives_the_same_gradient(reentrant: bool) -> None:
+    # Non-reentrant: the first pass records, the recompute (inside backward) does not. Reentrant:
+    # the first pass runs without a graph (no losses), the recompute attaches and records them.
+    router = make_router(
+        moe_aux_loss_coeff=0.1,
+        moe_z_loss_coeff=0.1,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+    )
     router.train()
     x, g = torch.tensor(LOGITS), torch.randn(4, E, generator=torch.Generator().manual_seed(4))
     _, want_dx = _router_grads(router, x, g)
     want = {k: e["values"].clone() for k, e in mu.get_moe_layer_wise_logging_tracker().items()}
+    want_stats = {k: e["values"].clone() for k, e in mu.get_moe_stats_tracker().items()}
+    want_counts = router.local_tokens_per_expert.clone()
     mu.clear_aux_losses_tracker()
+    router.local_tokens_per_expert.zero_()
     xr = x.clone().requires_grad_(True)
-    out = torch.utils.checkpoint.checkpoint(lambda t: router(t)[0], xr, use_reentrant=False)
+    out = torch.utils.checkpoint.checkpoint(lambda t: router(t)[0], xr, use_reentrant=reentrant)
     (out * g).sum().backward()
     assert_close(xr.grad, want_dx)
+    assert want["load_balancing_loss"][0] > 0 and want["z_loss"][0] > 0
     for k, e in mu.get_moe_layer_wise_logging_tracker().items():
         assert_close(e["values"], want[k])
+    for k, e in mu.get_moe_stats_tracker().items():
+        assert_close(e["values"], want_stats[k])
+    assert_close(router.local_tokens_per_expert, want_counts)
 
 
 # -- tracker ---------------------------------------------------------------------------------------

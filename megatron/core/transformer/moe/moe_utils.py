@@ -258,7 +258,7 @@ AUX_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load
 STAT_NAMES = ("tokens_per_expert", "dropped_tokens", "routed_tokens")
 
 
-def _in_recompute() -> bool:
+def in_backward() -> bool:
     """True while autograd runs a backward (an activation-recompute forward runs inside one)."""
     return torch._C._current_graph_task_id() != -1
 
@@ -275,8 +275,6 @@ def _record(
 ) -> None:
     if not 1 <= layer_number <= num_layers:
         raise ValueError(f"layer_number {layer_number} is not in [1, {num_layers}]")
-    if _in_recompute():
-        return  # the first forward recorded it
     value = value.detach().float()
     entry = table.get(name)
     shape = (num_layers, *value.shape)
@@ -298,7 +296,7 @@ def save_to_aux_losses_tracker(
     """Add ``loss`` (a scalar tensor, detached) to layer ``layer_number`` (1-based) of ``name``.
 
     At log time the values are summed over ``reduce_group``, averaged over ``avg_group`` and, with
-    ``needs_dp_avg``, over the data-parallel group. Nothing is recorded during a recompute."""
+    ``needs_dp_avg``, over the data-parallel group."""
     _record(_AUX_LOSSES, name, loss, layer_number, num_layers, reduce_group, avg_group, needs_dp_avg)
 
 

@@ -151,6 +151,7 @@ class TopKRouter(nn.Module):
         self.config = config
         self.groups = groups or MoEGroups()
         self.layer_number = layer_number
+        self._unrecorded_passes = 0
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.score_function = config.moe_router_score_function
@@ -202,6 +203,17 @@ class TopKRouter(nn.Module):
             if buf is not None and buf.dtype != torch.float32:
                 setattr(self, name, buf.float())
 
+    def _first_pass(self) -> bool:
+        """Whether this training forward records losses and statistics: once per micro-batch. A
+        recompute runs inside backward; it records only in place of a first pass that ran without
+        a graph (reentrant checkpointing), counted in ``_unrecorded_passes``."""
+        if not moe_utils.in_backward():
+            return True
+        if self._unrecorded_passes > 0:
+            self._unrecorded_passes -= 1
+            return True
+        return False
+
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
 
@@ -230,12 +242,15 @@ class TopKRouter(nn.Module):
             num_sequences = x.shape[1]
         x = x.reshape(-1, x.shape[-1])
         training = self.training and torch.is_grad_enabled()
+        if self.training and not torch.is_grad_enabled() and not moe_utils.in_backward():
+            self._unrecorded_passes += 1  # a reentrant checkpoint's first pass; its recompute records
+        record = training and self._first_pass()
         if training and self.config.moe_input_jitter_eps:
             eps = self.config.moe_input_jitter_eps
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         logits = self.gating(x)  # [T, E]
         if training and self.config.moe_z_loss_coeff:
-            logits = self._apply_z_loss(logits)
+            logits = self._apply_z_loss(logits, record)
         probs, routing_map = moe_utils.topk_routing_with_score_function(
             logits,
             self.topk,
@@ -258,26 +273,33 @@ class TopKRouter(nn.Module):
             )
             kept = kept & routing_map
         if training and self.aux_coeffs:
-            probs = self._apply_load_balancing(probs, logits, num_sequences)
-        if training:
+            probs = self._apply_load_balancing(probs, logits, num_sequences, record)
+        if record:
             self._record_stats(kept, logits.shape[0])
         return probs.float(), routing_map
 
     # -- auxiliary losses ----------------------------------------------------------------------
 
     def _attach(
-        self, activation: torch.Tensor, share: torch.Tensor, name: str, coeff: float, group: Any
+        self,
+        activation: torch.Tensor,
+        share: torch.Tensor,
+        name: str,
+        coeff: float,
+        group: Any,
+        record: bool,
     ) -> torch.Tensor:
         """Record ``share / coeff`` (the shares sum to the loss over ``group``) and inject the
         share of this rank's tokens into backward."""
-        moe_utils.save_to_aux_losses_tracker(
-            name,
-            share / coeff,
-            self.layer_number,
-            self._num_layers(),
-            reduce_group=group,
-            needs_dp_avg=name != "global_load_balancing_loss",  # its group already spans dp
-        )
+        if record:
+            moe_utils.save_to_aux_losses_tracker(
+                name,
+                share / coeff,
+                self.layer_number,
+                self._num_layers(),
+                reduce_group=group,
+                needs_dp_avg=name != "global_load_balancing_loss",  # its group already spans dp
+            )
         injected = share * self.replica_scale
         if getattr(self.config, "calculate_per_token_loss", False):
             # The per-token-loss gradient divides by the step's token count: scale back by this
@@ -285,15 +307,15 @@ class TopKRouter(nn.Module):
             injected = injected * (activation.shape[0] * group_size(self.groups.tp_cp))
         return moe_utils.MoEAuxLossAutoScaler.apply(activation, injected)
 
-    def _apply_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+    def _apply_z_loss(self, logits: torch.Tensor, record: bool) -> torch.Tensor:
         """z-loss share ``coeff * sum_local(lse^2) / T_group``, ``T_group = T * |tp_cp|`` (tp and
         cp slices hold equal numbers of tokens)."""
         coeff = self.config.moe_z_loss_coeff
         share = moe_utils.z_loss_func(logits, coeff / group_size(self.groups.tp_cp))
-        return self._attach(logits, share, "z_loss", coeff, self.groups.tp_cp)
+        return self._attach(logits, share, "z_loss", coeff, self.groups.tp_cp, record)
 
     def _apply_load_balancing(
-        self, probs: torch.Tensor, logits: torch.Tensor, num_sequences: int | None
+        self, probs: torch.Tensor, logits: torch.Tensor, num_sequences: int | None, record: bool
     ) -> torch.Tensor:
         aux_map, scores = moe_utils.compute_routing_scores_for_aux_loss(
             logits, self.topk, self.score_function
@@ -314,9 +336,9 @@ class TopKRouter(nn.Module):
                 share = self._switch_share(seq_scores, seq_map, coeff, self.groups.tp_cp) / b
                 group = self.groups.tp_cp
             else:
-                share = self._global_share(scores, aux_map, coeff)
+                share = self._global_share(scores, aux_map, coeff, record)
                 group = self.groups.tp_dp_cp
-            probs = self._attach(probs, share, _LOSS_NAMES[kind], coeff, group)
+            probs = self._attach(probs, share, _LOSS_NAMES[kind], coeff, group, record)
         return probs
 
     def _switch_share(
@@ -328,12 +350,15 @@ class TopKRouter(nn.Module):
             scores, counts, total, self.topk, self.num_experts, coeff
         )
 
-    def _global_share(self, scores: torch.Tensor, aux_map: torch.Tensor, coeff: float) -> torch.Tensor:
-        """Counts averaged over the step's micro-batches so far, over every rank of the stage."""
+    def _global_share(
+        self, scores: torch.Tensor, aux_map: torch.Tensor, coeff: float, record: bool
+    ) -> torch.Tensor:
+        """Counts averaged over the step's micro-batches so far, over every rank of the stage (a
+        recompute reuses the running mean as it stands)."""
         group = self.groups.tp_dp_cp
         counts = reduce_from_tp(aux_map.sum(dim=0), group)
         assert self.global_tokens_per_expert is not None and self.ga_steps is not None
-        if not moe_utils._in_recompute():
+        if record:
             self.global_tokens_per_expert += counts
             self.ga_steps += 1
         mean_counts = self.global_tokens_per_expert / self.ga_steps.clamp_min(1)
@@ -351,10 +376,8 @@ class TopKRouter(nn.Module):
 
     @torch.no_grad()
     def _record_stats(self, kept: torch.Tensor, num_tokens: int) -> None:
-        """Training forward only: tokens per expert and dropped token-expert pairs (device tensors,
-        read at log time) and the expert-bias counts; nothing during a recompute."""
-        if moe_utils._in_recompute():
-            return
+        """Tokens per expert and dropped token-expert pairs (device tensors, read at log time) and
+        the expert-bias counts, once per training micro-batch."""
         # Without sequence parallelism the tp ranks hold copies of the same tokens: each counts
         # its share so that sums over tp x dp x cp count every token once.
         copies = float(self.replica_scale)
