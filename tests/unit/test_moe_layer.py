@@ -212,3 +212,25 @@ def test_config_errors() -> None:
 
 def _groups_stub(etp: int) -> SimpleNamespace:
     return SimpleNamespace(etp_size=etp, etp_rank=0, ep_rank=0, ep_size=1)
+
+
+@pytest.mark.parametrize("dispatcher, grouped", [("allgather", True), ("alltoall", False)])
+def test_bf16_layer_close_to_fp32(dispatcher: str, grouped: bool) -> None:
+    """bf16 parameters and activations: the output keeps the input's dtype and stays within bf16
+    rounding of the fp32 layer with the same weights (routing is the same on these tokens)."""
+    overrides = dict(moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=grouped)
+    layer32 = MoELayer(moe_config(**overrides))
+    fill_(layer32, 5)
+    with torch.no_grad():
+        for p in layer32.parameters():  # weights that bf16 holds exactly
+            p.copy_(p.bfloat16().float())
+    layer16 = MoELayer(moe_config(params_dtype=torch.bfloat16, **overrides))
+    layer16.load_state_dict({k: v.bfloat16() for k, v in layer32.state_dict().items()})
+    x = torch.randn(6, 2, H, generator=torch.Generator().manual_seed(6)).bfloat16()
+    y16, _ = layer16(x)
+    y32, _ = layer32(x.float())
+    assert y16.dtype == torch.bfloat16
+    _, map16 = layer16.router(x)
+    _, map32 = layer32.router(x.float())
+    assert torch.equal(map16, map32)
+    assert_close(y16.float(), y32, rtol=2e-2, atol=2e-2)
