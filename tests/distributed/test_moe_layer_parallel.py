@@ -1,6 +1,7 @@
 """The MoE layer under expert, expert-tensor and tensor (sequence) parallelism, with both token
 dispatchers, equals the one-rank layer on the same logical experts and the same global tokens:
-output, input gradient and every weight gradient (fp32, 1e-5). One spawn of 4 gloo ranks runs
+output, input gradient and every weight gradient (fp32, 1e-5); with capacity dropping or padding
+(per-rank capacity) the one-rank layer on each rank's tokens. One spawn of 4 gloo ranks runs
 every layout in turn, each with its own groups."""
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 # (tp, ep, etp): tp > 1 runs with sequence parallelism; etp None = tp.
 LAYOUTS = [(1, 2, 1), (1, 4, 1), (2, 2, None), (2, 2, 1), (1, 2, 2), (2, 1, None)]
+# Layouts also run with capacity dropping (allgather) and padding to capacity (alltoall).
+CAPACITY_LAYOUTS = [(1, 4, 1), (2, 2, None)]
 
 
 def moe_config(**overrides: object) -> SimpleNamespace:
@@ -110,7 +113,12 @@ def _run(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor):
     return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
 
 
-def _case(ps: ParallelState, tp: int, dispatcher: str, grouped: bool, weights, x, dy) -> None:
+def _case(
+    ps: ParallelState, tp: int, dispatcher: str, grouped: bool, capacity: tuple | None, weights, x, dy
+) -> None:
+    """``capacity``: None, or ``(factor, pad)``; capacity is per rank (Megatron-Core's rule), so the
+    reference is then the one-rank layer on this rank's tokens, its weight gradients summed over
+    the world."""
     sp = tp > 1
     overrides = dict(
         moe_token_dispatcher_type=dispatcher,
@@ -119,9 +127,22 @@ def _case(ps: ParallelState, tp: int, dispatcher: str, grouped: bool, weights, x
         moe_shared_expert_intermediate_size=SHARED,
         moe_shared_expert_gate=True,
     )
+    if capacity is not None:
+        overrides.update(moe_expert_capacity_factor=capacity[0], moe_pad_expert_input_to_capacity=capacity[1])
+
+    def local(t: torch.Tensor) -> torch.Tensor:  # [S, B, h] -> this rank's [S / tp, B / dp, h]
+        t = t.chunk(ps.dp_size, 1)[ps.dp_rank]
+        return t.chunk(ps.tp_size, 0)[ps.tp_rank].contiguous()
+
     ref = MoELayer(moe_config(**overrides))
     ref.load_state_dict(weights)
-    y_ref, dx_ref, dw_ref = _run(ref, x, dy)
+    if capacity is None:
+        y_ref, dx_ref, dw_ref = _run(ref, x, dy)
+        y_ref, dx_ref = local(y_ref), local(dx_ref)
+    else:
+        y_ref, dx_ref, dw_ref = _run(ref, local(x), local(dy))
+        for grad in dw_ref.values():
+            dist.all_reduce(grad)
 
     groups = MoEGroups.of(ps)
     if sp:
@@ -134,15 +155,10 @@ def _case(ps: ParallelState, tp: int, dispatcher: str, grouped: bool, weights, x
         moe_groups=groups,
     )
     layer.load_state_dict({n: _shard(n, w, ps) for n, w in weights.items()})
-
-    def local(t: torch.Tensor) -> torch.Tensor:  # [S, B, h] -> this rank's [S / tp, B / dp, h]
-        t = t.chunk(ps.dp_size, 1)[ps.dp_rank]
-        return t.chunk(ps.tp_size, 0)[ps.tp_rank].contiguous()
-
     y, dx, dw = _run(layer, local(x), local(dy))
-    what = f"tp{tp} ep{ps.ep_size} etp{ps.expt_tp_size} {dispatcher} grouped={grouped} rank {ps.rank}"
-    assert_close(y, local(y_ref), **TOL, msg=lambda m: f"out {what}: {m}")
-    assert_close(dx, local(dx_ref), **TOL, msg=lambda m: f"dx {what}: {m}")
+    what = f"tp{tp} ep{ps.ep_size} etp{ps.expt_tp_size} {dispatcher} grouped={grouped} capacity={capacity} rank {ps.rank}"
+    assert_close(y, y_ref, **TOL, msg=lambda m: f"out {what}: {m}")
+    assert_close(dx, dx_ref, **TOL, msg=lambda m: f"dx {what}: {m}")
     assert dw.keys() == dw_ref.keys()
     for name, grad in dw.items():
         grad = grad.clone()
@@ -157,7 +173,9 @@ def _all_layouts(ps0: ParallelState) -> None:
     for i, (tp, ep, etp) in enumerate(LAYOUTS):
         ps = build_parallel_state(tp=tp, ep=ep, etp=etp)
         for j, dispatcher in enumerate(("allgather", "alltoall")):
-            _case(ps, tp, dispatcher, (i + j) % 2 == 1, weights, x, dy)
+            _case(ps, tp, dispatcher, (i + j) % 2 == 1, None, weights, x, dy)
+            if (tp, ep, etp) in CAPACITY_LAYOUTS:
+                _case(ps, tp, dispatcher, (i + j) % 2 == 0, (0.5, j == 1), weights, x, dy)
 
 
 def test_moe_layer_layouts_equal_one_rank() -> None:
