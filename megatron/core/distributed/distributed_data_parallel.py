@@ -33,6 +33,14 @@ bucket is reduce-scattered (DP rank r keeps the slice [r*len/DP, (r+1)*len/DP) o
 part ``owned_main_grad`` and the optimizer read), no gradient is aliased, and the model params become
 views into ``param_buffers``, which the distributed optimizer all-gathers after its step.
 
+Expert parameters (``moe.expert_params``: ``allreduce = False``) live in buckets of their own,
+reduced over the expert-data-parallel group (the ranks holding the same expert shard) instead of
+dp x cp; with the distributed optimizer they are sharded over it. Their net scale is the dense one,
+1/(dp x cp): an expert's gradient on one rank already sums the contributions of every token routed
+to it from its expert-parallel peers, so the sum over expert-dp covers every dp x cp rank's loss
+once (Megatron-Core's ``expert_gradient_scaling_factor``). A bucket whose group has one rank is still
+scaled where that factor is not 1 (ep = dp x cp: no expert-dp peers, the tokens of dp x cp ranks).
+
 Process groups: the constructor takes a ``ParallelState`` (``parallel_state=``); only when none is
 given does it read the default one that ``initialize_model_parallel`` recorded (DDP is a
 Megatron-Core entry point). Nothing below the constructor reads the default.
@@ -43,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +62,7 @@ from megatron.core.distributed.distributed_data_parallel_config import Distribut
 from megatron.core.distributed.param_and_grad_buffer import ParamBuffer, bucket_layout, shard_range
 from megatron.core.fusions.compile import maybe_compiled
 from megatron.core.parallel_state import ParallelState, get_parallel_state
+from megatron.core.transformer.moe.expert_params import is_expert_param
 
 if TYPE_CHECKING:
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -71,6 +81,10 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 # "Two H200s: llama-3b (jobs 2-5)").
 _accumulate = maybe_compiled(_add_into, dynamic=True)
 _copy = maybe_compiled(_copy_into, dynamic=True)
+
+
+def _rank_in(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if group is not None else 0
 
 
 def bucket_size(ddp_config: DistributedDataParallelConfig, dp_size: int) -> int:
@@ -94,6 +108,25 @@ def bucket_lengths(numels: list[int], limit: int) -> list[int]:
     return lengths + [count] if count else lengths
 
 
+@dataclass(frozen=True)
+class ReduceDomain:
+    """Where a bucket's gradients are summed: ``group`` (``size`` ranks, this one ``rank``), and
+    divided by ``divisor`` (the net factor: 1/(dp x cp) for dense and expert buckets alike)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    divisor: int
+
+    @property
+    def trivial(self) -> bool:
+        """Nothing to do: one rank and no division."""
+        return self.size == 1 and self.divisor == 1
+
+
+_ALONE = ReduceDomain(None, 1, 0, 1)
+
+
 class _Bucket:
     """A contiguous fp32 (or param-dtype) gradient slice and the parameters whose ``main_grad`` live in it.
 
@@ -111,8 +144,10 @@ class _Bucket:
         aliasable: frozenset[int] = frozenset(),
         compile_helpers: bool = True,
         layout: tuple[list[int], int] | None = None,
+        domain: ReduceDomain = _ALONE,
     ) -> None:
         self.params = params
+        self.domain = domain
         self.dtype, self.device = dtype, device
         self.aliasable = aliasable
         self.compile_helpers = compile_helpers
@@ -228,6 +263,14 @@ class DistributedDataParallel(nn.Module):
         self.pg = parallel_state if parallel_state is not None else get_parallel_state()
         self.dp_group = self.pg.dp_cp_group
         self.dp_size = self.pg.dp_size * self.pg.cp_size
+        self.expt_dp_group = self.pg.groups.get("expt_dp")
+        self.expt_dp_size = self.pg.expt_dp_size
+        # Gradients are averaged over dp x cp (with per-token loss finalize_model_grads re-scales
+        # them by dp x cp / tokens): expert ones too, summed over expert-dp (module docstring).
+        self.dense_domain = ReduceDomain(self.dp_group, self.dp_size, _rank_in(self.dp_group), self.dp_size)
+        self.expert_domain = ReduceDomain(
+            self.expt_dp_group, self.expt_dp_size, _rank_in(self.expt_dp_group), self.dp_size
+        )
         params = [p for p in module.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
         grad_dtype = (
@@ -242,44 +285,65 @@ class DistributedDataParallel(nn.Module):
         # Held in a tuple: an nn.Parameter attribute would register it as this wrapper's parameter
         # ("tied_weight"), renaming it for the optimizer's groups and checkpoints.
         self._tied: tuple[torch.Tensor, ...] = (tied_weight(),) if share and callable(tied_weight) else ()
+        experts = {id(p) for p in params if is_expert_param(p)}
+        self.has_expert_params = bool(experts)
+
+        def domain_of(p: torch.Tensor) -> ReduceDomain:
+            return self.expert_domain if id(p) in experts else self.dense_domain
+
         aliasable: frozenset[int] = frozenset()
         # --use-distributed-optimizer: Megatron's bucket-sharded layout (param_and_grad_buffer.py).
         # Each bucket's gradients are reduce-scattered from its contiguous storage: none is aliased.
-        self.distributed_optimizer = ddp_config.use_distributed_optimizer and self.dp_size > 1
+        sizes = {self.dense_domain.size} | ({self.expert_domain.size} if experts else set())
+        self.distributed_optimizer = ddp_config.use_distributed_optimizer and max(sizes) > 1
         if ddp_config.alias_single_gradients and not self.distributed_optimizer:
             # Gradients summed across ranks after backward (finalize_model_grads) need the storage;
-            # reduced over DP, a gradient must already be in the dtype it is reduced in.
+            # reduced (or scaled) in place, a gradient must already be in the dtype it is reduced in.
             tied = self.tied_weight if self.pg.pp_size > 1 else None
             aliasable = frozenset(
                 id(p)
                 for p in params
                 if not getattr(p, "sequence_parallel", False)
                 and p is not tied
-                and (self.dp_size == 1 or p.dtype == grad_dtype)
+                and (domain_of(p).trivial or p.dtype == grad_dtype)
             )
-        self.buckets = self._make_buckets(list(reversed(params)), grad_dtype, device, aliasable)
+        ordered = list(reversed(params))
+        self.buckets = self._make_buckets(
+            [p for p in ordered if id(p) not in experts], grad_dtype, device, aliasable, self.dense_domain
+        ) + self._make_buckets(
+            [p for p in ordered if id(p) in experts], grad_dtype, device, aliasable, self.expert_domain
+        )
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         # The distributed optimizer's parameter buffers, one per bucket (model params become views
-        # into them); empty without it.
+        # into them), each sharded over its bucket's group; empty without it.
         self.param_buffers: list[ParamBuffer] = []
         if self.distributed_optimizer:
             self.param_buffers = [
                 ParamBuffer(
-                    b.params, [b.offsets[id(p)] for p in b.params], b.numel, self.dp_size, self._dp_rank()
+                    b.params,
+                    [b.offsets[id(p)] for p in b.params],
+                    b.numel,
+                    b.domain.size,
+                    b.domain.rank,
+                    group=b.domain.group,
                 )
                 for b in self.buckets
             ]
         self._piece_of = {id(piece.param): piece for b in self.param_buffers for piece in b.pieces}
-        # NCCL averages inside the collective (ncclAvg pre-multiplies each contribution by 1/DP): no
-        # separate pass over the gradient buffer.
-        self._avg_in_nccl = self.dp_size > 1 and dist.get_backend(self.dp_group) == "nccl"
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self._sync_enabled = True
 
     def _make_buckets(
-        self, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device, aliasable: frozenset[int]
+        self,
+        params: list[nn.Parameter],
+        dtype: torch.dtype,
+        device: torch.device,
+        aliasable: frozenset[int],
+        domain: ReduceDomain,
     ) -> list[_Bucket]:
-        limit = bucket_size(self.ddp_config, self.dp_size)
+        if not params:
+            return []
+        limit = bucket_size(self.ddp_config, domain.size)
 
         def cut(ordered: list[nn.Parameter]) -> list[list[nn.Parameter]]:
             groups, start = [], 0
@@ -295,7 +359,7 @@ class DistributedDataParallel(nn.Module):
             groups = [[p] for p in params if p is tied]
             for param_dtype in dict.fromkeys(p.dtype for p in params):
                 groups += cut([p for p in params if p.dtype == param_dtype and p is not tied])
-        elif self.dp_size > 1 and aliasable:
+        elif not domain.trivial and aliasable:
             # A bucket reduced in place needs every gradient aliased: keep the others (sequence-
             # parallel norms, a tied embedding) in buckets of their own.
             groups = cut([p for p in params if id(p) in aliasable]) + cut(
@@ -310,14 +374,15 @@ class DistributedDataParallel(nn.Module):
                 device,
                 frozenset(id(p) for p in g) & aliasable,
                 self.ddp_config.compile_helpers,
-                bucket_layout([p.numel() for p in g], self.dp_size) if self.distributed_optimizer else None,
+                bucket_layout([p.numel() for p in g], domain.size) if self.distributed_optimizer else None,
+                domain,
             )
             for g in groups
         ]
 
     def _dp_rank(self) -> int:
         """This rank's index in the data-parallel (x context-parallel) group."""
-        return dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+        return self.dense_domain.rank
 
     @property
     def grad_buffer(self) -> torch.Tensor:
@@ -333,22 +398,32 @@ class DistributedDataParallel(nn.Module):
         assert param.grad is not None  # a post-accumulate-grad hook runs once the gradient is there
         bucket.accumulate(param, param.grad)
         param.grad = None
-        if not (self._sync_enabled and self.ddp_config.overlap_grad_reduce and self.dp_size > 1):
+        if not (self._sync_enabled and self.ddp_config.overlap_grad_reduce and not bucket.domain.trivial):
             return
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.params) and bucket.handle is None:
             self._start_reduce(bucket, async_op=True)
 
-    def _average_op(self, view: torch.Tensor) -> dist.ReduceOp.RedOpType:
-        """The reduce op that averages ``view`` over DP (pre-scaling it here where the backend cannot).
+    @staticmethod
+    def _average_op(
+        views: list[torch.Tensor], domain: ReduceDomain, in_collective: bool
+    ) -> dist.ReduceOp.RedOpType:
+        """The reduce op that leaves ``views`` divided by ``domain.divisor`` once summed over its group,
+        pre-scaling them here where the collective cannot.
 
         NCCL's own average, not torch's ``_make_nccl_premul_sum``: for bf16 buffers torch 2.11 hands
         NCCL the factor as a 4-byte float where NCCL reads 2 bytes, so 1/2 arrives as 0 and every
         gradient as zero (pytorch/pytorch#190745; tests/distributed/test_ddp.py's bf16 reduction on NCCL).
+        ``in_collective`` (``--ddp-average-in-collective``) averages in the collective on any backend.
         """
-        if self._avg_in_nccl:
+        nccl = domain.size > 1 and dist.get_backend(domain.group) == "nccl"
+        if in_collective or nccl:
+            # AVG divides by the group size: pre-scale by what remains (1 for dense buckets; for
+            # expert ones expert-dp / (dp x cp), Megatron-Core's expert_gradient_scaling_factor).
+            if domain.size != domain.divisor:
+                torch._foreach_mul_(views, domain.size / domain.divisor)
             return dist.ReduceOp.AVG
-        view.mul_(1.0 / self.dp_size)
+        torch._foreach_mul_(views, 1.0 / domain.divisor)
         return dist.ReduceOp.SUM
 
     def _start_reduce(self, bucket: _Bucket, async_op: bool) -> None:
@@ -359,21 +434,24 @@ class DistributedDataParallel(nn.Module):
             if bucket.view is None
             else [bucket.materialize()]
         )
-        if self.ddp_config.average_in_collective:
-            op = dist.ReduceOp.AVG
-        else:
-            op = [self._average_op(t) for t in tensors][0]  # one op for all (pre-scaled where needed)
+        domain = bucket.domain
+        if domain.size == 1:  # scaled only (an expert bucket without expert-dp peers)
+            if domain.divisor != 1:
+                torch._foreach_mul_(tensors, 1.0 / domain.divisor)
+            bucket.handle = []
+            return
+        op = self._average_op(tensors, domain, self.ddp_config.average_in_collective)
         if self.distributed_optimizer:
             # Only this rank's slice of the sum is needed: reduce-scattered into the bucket in place.
-            lo, hi = shard_range(bucket.numel, self.dp_size, self._dp_rank())
+            lo, hi = shard_range(bucket.numel, domain.size, domain.rank)
             storage = tensors[0]
             bucket.handle = [
                 dist.reduce_scatter_tensor(
-                    storage[lo:hi], storage, op=op, group=self.dp_group, async_op=async_op
+                    storage[lo:hi], storage, op=op, group=domain.group, async_op=async_op
                 )
             ]
             return
-        bucket.handle = [dist.all_reduce(t, op=op, group=self.dp_group, async_op=async_op) for t in tensors]
+        bucket.handle = [dist.all_reduce(t, op=op, group=domain.group, async_op=async_op) for t in tensors]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -395,15 +473,13 @@ class DistributedDataParallel(nn.Module):
         """Wait for the buckets reduced during backward; reduce the others now. Afterwards every
         parameter has a ``main_grad`` (zeros where it got no gradient this step); without
         data-parallel reduction aliased gradients stay in the parameter dtype."""
-        if self.dp_size == 1 or self.dp_group is None:
-            for bucket in self.buckets:
-                bucket.finish()
-            return
         for bucket in self.buckets:
-            if bucket.handle is None:
+            if bucket.domain.trivial:
+                bucket.finish()
+            elif bucket.handle is None:
                 self._start_reduce(bucket, async_op=True)
         for bucket in self.buckets:
-            for handle in bucket.handle:
+            for handle in bucket.handle or ():
                 if handle is not None:
                     handle.wait()
             bucket.handle = None

@@ -7,7 +7,8 @@ multiple of ``lcm(dp, 128)``. Data-parallel rank ``r`` owns the contiguous slice
 slice, the optimizer keeps fp32 main params and moments for the owned elements only, and after the
 step one ``all_gather_into_tensor`` per bucket refreshes every replica's weights. The model params
 are views into a parameter buffer laid out like the gradient bucket, so the gather writes them in
-place; the owned slice of that buffer is what the optimizer writes.
+place; the owned slice of that buffer is what the optimizer writes. Expert parameters' buckets are
+laid out and sharded the same way over the expert-data-parallel group instead.
 
 Identical bucket contents give identical layouts on every rank of the data-parallel group, and on
 every tensor-parallel rank (equal shard sizes) and the two pipeline stages holding a tied embedding
@@ -63,7 +64,8 @@ class Piece:
 
 class ParamBuffer:
     """One bucket's parameters as views into one contiguous tensor of the bucket's layout (padding
-    zeros); ``pieces`` are the elements this data-parallel rank owns, in the bucket's order."""
+    zeros); ``pieces`` are the elements this data-parallel rank owns, in the bucket's order. ``group``
+    is the group it is sharded over (``dp_size`` ranks: dp x cp, or expert-dp for expert buckets)."""
 
     def __init__(
         self,
@@ -72,10 +74,12 @@ class ParamBuffer:
         numel: int,
         dp_size: int,
         dp_rank: int,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         dtypes = {p.dtype for p in params}
         assert len(dtypes) == 1, "a bucket holds parameters of one dtype"
         self.params = params
+        self.group, self.dp_size = group, dp_size
         self.data = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         self.shard = shard_range(numel, dp_size, dp_rank)
         self.pieces: list[Piece] = []
@@ -96,7 +100,8 @@ class ParamBuffer:
 
 class ParamGather:
     """After an optimizer step: one ``all_gather_into_tensor`` per bucket from each rank's owned slice
-    into every replica's parameter buffer, in the order the forward pass uses the buckets.
+    into every replica's parameter buffer, in the order the forward pass uses the buckets, over the
+    group the buffer is sharded over (``dp_group`` where the buffer names none).
 
     Without ``overlap`` the step waits for all of them. With ``overlap`` (``--overlap-param-gather``)
     nothing waits at the step: :meth:`attach` makes each transformer layer (just before it runs) and
@@ -107,7 +112,7 @@ class ParamGather:
     """
 
     def __init__(
-        self, buffers: list[ParamBuffer], dp_group: dist.ProcessGroup, overlap: bool = False
+        self, buffers: list[ParamBuffer], dp_group: dist.ProcessGroup | None, overlap: bool = False
     ) -> None:
         self.buffers, self.dp_group, self.overlap = buffers, dp_group, overlap
         self.bucket_of = {id(p): i for i, b in enumerate(buffers) for p in b.params}
@@ -117,9 +122,10 @@ class ParamGather:
     def __call__(self) -> None:
         self.wait_all()
         for i, buffer in enumerate(self.buffers):
-            work = dist.all_gather_into_tensor(
-                buffer.data, buffer.shard_data(), group=self.dp_group, async_op=True
-            )
+            if buffer.dp_size == 1:  # this rank owns the whole bucket
+                continue
+            group = buffer.group if buffer.group is not None else self.dp_group
+            work = dist.all_gather_into_tensor(buffer.data, buffer.shard_data(), group=group, async_op=True)
             assert work is not None  # async_op=True returns the work handle
             self.pending[i] = work
         if not self.overlap:

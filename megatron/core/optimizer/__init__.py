@@ -169,7 +169,9 @@ def get_megatron_optimizer(
             ``parallel_state.initialize_model_parallel`` when initialized, else none (one process).
         dump_param_to_param_group_map: only None is built.
         grad_stats_group: (ours) the group for grad norm, zero count and overflow flag; overrides
-            ``pg_collection``.
+            ``pg_collection``. With expert parameters (DDP chunks of a model with
+            ``num_moe_experts``, no distributed optimizer) the world, each gradient counted on its
+            first data-parallel replica (dp x cp for dense params, expert-dp for expert ones).
         tp_rank: (ours) tensor-parallel rank; TP-replicated params count in the grad norm only on rank 0.
         no_weight_decay_cond: (ours) ``(name, param) -> bool``, True for params without weight decay;
             default: biases and 1-D params.
@@ -207,11 +209,30 @@ def get_megatron_optimizer(
         )
     sharded = [c for c in model_chunks if isinstance(c, DistributedDataParallel) and c.distributed_optimizer]
     if not sharded:
-        return MegatronOptimizer(config, groups, _make_grad_scaler(config), grad_stats_group, tp_rank)
+        replicas = (0, 0)
+        if _has_experts(model_chunks):
+            # Expert shards differ along ep, which the model-parallel group does not span: sum over
+            # the world, each gradient counted on its first data-parallel replica only.
+            pg = model_chunks[0].pg  # type: ignore[union-attr]
+            grad_stats_group, replicas = dist.group.WORLD, (pg.dp_cp_rank, pg.expt_dp_rank)
+        return MegatronOptimizer(
+            config, groups, _make_grad_scaler(config), grad_stats_group, tp_rank, replica_ranks=replicas
+        )
     # Distributed optimizer: this rank optimizes its slice of every gradient bucket and all-gathers
     # the updated params afterwards; grad statistics sum over every rank (each element owned once).
     assert len(sharded) == len(model_chunks), "every chunk of one model has the same DDP config"
     return DistributedOptimizer(config, groups, _make_grad_scaler(config), sharded, tp_rank)
+
+
+def _has_experts(model_chunks: list[torch.nn.Module]) -> bool:
+    """Whether DDP-wrapped ``model_chunks`` belong to a model with expert parameters on some pipeline
+    stage (its config's ``num_moe_experts``: the same answer, and collectives, on every rank), in a
+    multi-rank run."""
+    if not all(isinstance(c, DistributedDataParallel) for c in model_chunks):
+        return False
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return False
+    return any(getattr(c.config, "num_moe_experts", None) for c in model_chunks)
 
 
 def _stats_groups(

@@ -9,7 +9,8 @@ group. Everything else is :class:`MegatronOptimizer`'s step: the one-pass AdamW 
 piece into the parameter buffer, then one all-gather per bucket (:class:`ParamGather`) refreshes
 every replica's params. Grad norm, zero count and the found-inf flag are summed over the whole
 world: each element is owned once, tensor-parallel replicated params count on tp rank 0 only and
-the last stage's copy of a tied embedding not at all.
+the last stage's copy of a tied embedding not at all. Expert parameters' buckets are sharded over
+expert-dp (their own group), so each of their elements is owned once too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import ParamGather, Piece
-from megatron.core.optimizer.clip_grads import param_is_not_duplicate
+from megatron.core.optimizer.clip_grads import counts_in_stats
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -56,8 +57,7 @@ class DistributedOptimizer(MegatronOptimizer):
             dict(g, params=[piece_of[id(p)].data for p in g["params"] if id(p) in piece_of])
             for g in param_groups
         ]
-        dp_group = model_chunks[0].dp_group
-        assert dp_group is not None, "a distributed optimizer spans a data-parallel group"
+        dp_group = model_chunks[0].dp_group  # (each buffer gathers over its own group)
         overlap = model_chunks[0].ddp_config.overlap_param_gather
         sync = ParamGather(buffers, dp_group, overlap=overlap)
         if overlap:
@@ -67,7 +67,7 @@ class DistributedOptimizer(MegatronOptimizer):
             self.device = buffers[0].data.device
         by_data = {id(piece.data): piece for piece in piece_of.values()}
         self.pieces: list[Piece] = [by_data[id(t)] for t in self.model_params]
-        self._counts_in_stats = [param_is_not_duplicate(pc.param, tp_rank) for pc in self.pieces]
+        self._counts_in_stats = [counts_in_stats(pc.param, tp_rank) for pc in self.pieces]
 
     def _model_grads(self) -> list[torch.Tensor | None]:
         """Each piece's slice of its param's reduce-scattered ``main_grad``."""
@@ -90,9 +90,12 @@ def memory_report(optimizer: MegatronOptimizer, model_chunks: list[DistributedDa
     params = {id(p): p for c in model_chunks for p in c.module.parameters() if p.requires_grad}
     plain = sum(p.numel() * state_bytes_per_element(config, p.dtype) for p in params.values())
     dp = model_chunks[0].dp_size
-    owned = sum(b.numel for c in model_chunks for b in c.buckets) // dp
+    owned = sum(b.numel // b.domain.size for c in model_chunks for b in c.buckets)
+    experts = (
+        f" (1/{model_chunks[0].expt_dp_size} of the expert ones)" if model_chunks[0].has_expert_params else ""
+    )
     return (
-        f" > distributed optimizer: this rank owns 1/{dp} of every gradient bucket ({owned} elements, "
+        f" > distributed optimizer: this rank owns 1/{dp} of every gradient bucket{experts} ({owned} elements, "
         f"padding included) and holds {mine / 2**20:.2f} MiB of optimizer state (fp32 main params and "
         f"moments); the plain optimizer would hold {plain / 2**20:.2f} MiB"
     )

@@ -32,8 +32,8 @@ from megatron.core.dist_checkpointing import CheckpointError
 from megatron.core.optimizer import cpu_offload, sharded_state
 from megatron.core.optimizer.clip_grads import (
     count_zeros,
+    counts_in_stats,
     grad_norm_sq,
-    param_is_not_duplicate,
     step_with_divisor,
     unscale_and_check_inf,
 )
@@ -83,6 +83,9 @@ class MegatronOptimizer:
         param_sync: called after every successful step (the distributed optimizer's broadcast of
             the updated params from their owners); ``param_groups`` then hold only owned params. If
             it has ``wait_all`` (an overlapped broadcast), :meth:`finish_param_sync` calls it.
+        replica_ranks: (dp x cp rank, expert-dp rank) when ``grad_stats_group`` spans data-parallel
+            replicas (a model with expert parameters: the world), so that each gradient counts once
+            (:func:`counts_in_stats`); ``(0, 0)`` otherwise.
 
     ``param_groups`` (the inner optimizer's groups, holding main params) carry ``lr`` and
     ``weight_decay``, which :class:`OptimizerParamScheduler` sets.
@@ -96,6 +99,8 @@ class MegatronOptimizer:
         grad_stats_group: dist.ProcessGroup | None = None,
         tp_rank: int = 0,
         param_sync: Callable[[], None] | None = None,
+        *,
+        replica_ranks: tuple[int, int] = (0, 0),
     ) -> None:
         self.config = config
         self.param_sync = param_sync
@@ -121,7 +126,7 @@ class MegatronOptimizer:
             inner = {k: v for k, v in group.items() if k != "params"}
             inner["params"] = mains
             inner_groups.append(inner)
-        self._counts_in_stats = [param_is_not_duplicate(p, tp_rank) for p in self.model_params]
+        self._counts_in_stats = [counts_in_stats(p, tp_rank, replica_ranks) for p in self.model_params]
         offloaded = [(p, m) for p, m in zip(self.model_params, self.main_params) if id(p) in to_host]
         self._copy_pairs = [
             (p, m) for p, m in zip(self.model_params, self.main_params) if p is not m and id(p) not in to_host

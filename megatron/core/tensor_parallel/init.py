@@ -14,6 +14,8 @@ Each parameter carries its recipe as attributes set by the layer that owns it:
 * ``partition_dim`` / ``partition_size``: the shard is rows (dim 0) or columns (dim 1) block
   ``tp_rank`` of ``partition_size`` equal blocks; ``partition_stride`` > 1 splits each of that many
   stacked sub-tensors separately (SwiGLU's gate and up halves).
+* expert parameters (``moe.expert_params``): each local expert is its own logical tensor, named by
+  its global expert index, so the values do not depend on the expert-parallel layout either.
 """
 
 from __future__ import annotations
@@ -86,6 +88,11 @@ def init_param_rows_(
     logical tensor named ``name``: what ``init_param_`` would write to ``param_like[row_start:row_stop]``,
     bitwise, generating only the row blocks of the logical tensor that those rows come from.
 
+    An expert parameter (``expert_parallel``: local experts stacked along dim 0) is, for each local
+    expert ``i``, its expert-tp shard (block ``etp_rank`` along ``partition_dim - 1`` of the expert's
+    slice) of the logical tensor named ``f"{name}.{expert_offset + i}"``; its rows are local experts
+    and ``tp_rank`` is not read (the tags carry the expert-tp rank).
+
     Args:
         dest: ``[row_stop - row_start, *param_like.shape[1:]]``, any dtype and device.
         param_like: carries the recipe attributes (``init_std``, ``partition_dim``, ...) and the local
@@ -102,23 +109,62 @@ def init_param_rows_(
         return
     dim = getattr(param_like, "partition_dim", -1)
     parts = getattr(param_like, "partition_size", 1) if dim >= 0 else 1
-    if parts == 1:
+    stride = getattr(param_like, "partition_stride", 1)
+    if not getattr(param_like, "expert_parallel", False):
+        _fill_shard_rows_(dest, local, name, seed, std, dim, parts, stride, tp_rank, row_start, row_stop)
+        return
+    offset, etp_rank = param_like.expert_offset, param_like.etp_rank  # type: ignore[attr-defined]
+    for i in range(row_start, row_stop):
+        expert = dest[i - row_start]
+        if expert.dim() == 0:  # one value per expert: a 1-element logical tensor
+            expert = expert.view(1)
+        _fill_shard_rows_(
+            expert,
+            tuple(expert.shape),
+            f"{name}.{offset + i}",
+            seed,
+            std,
+            dim - 1,
+            parts,
+            stride,
+            etp_rank,
+            0,
+            expert.shape[0],
+        )
+
+
+def _fill_shard_rows_(
+    dest: torch.Tensor,
+    local: tuple[int, ...],
+    name: str,
+    seed: int,
+    std: float,
+    dim: int,
+    parts: int,
+    stride: int,
+    rank: int,
+    row_start: int,
+    row_stop: int,
+) -> None:
+    """Rows [row_start, row_stop) of block ``rank`` of ``parts`` along ``dim`` (-1: unsplit; ``stride``
+    stacked sub-tensors split separately along dim 0) of the normal(0, ``std``) logical tensor
+    ``name``, whose shard has shape ``local``."""
+    if dim < 0 or parts == 1:
         _fill_rows_(dest, name, seed, local, std, row_start, row_stop)
         return
     full = list(local)
     full[dim] *= parts
     if dim > 0:
-        # Columns: every row of the shard is a row of the logical tensor, narrowed to block tp_rank.
-        _fill_rows_(dest, name, seed, tuple(full), std, row_start, row_stop, dim, tp_rank * local[dim])
+        # Columns: every row of the shard is a row of the logical tensor, narrowed to block ``rank``.
+        _fill_rows_(dest, name, seed, tuple(full), std, row_start, row_stop, dim, rank * local[dim])
         return
     # Rows: each of ``stride`` stacked sub-tensors is split into ``parts`` row blocks; local row
-    # s * sub_local + j is logical row s * sub_full + tp_rank * sub_local + j.
-    stride = getattr(param_like, "partition_stride", 1)
+    # s * sub_local + j is logical row s * sub_full + rank * sub_local + j.
     sub_full, sub_local = full[0] // stride, local[0] // stride
     for s in range(stride):
         lo, hi = max(row_start, s * sub_local), min(row_stop, (s + 1) * sub_local)
         if lo < hi:
-            shift = s * sub_full + tp_rank * sub_local - s * sub_local
+            shift = s * sub_full + rank * sub_local - s * sub_local
             _fill_rows_(
                 dest[lo - row_start : hi - row_start], name, seed, tuple(full), std, lo + shift, hi + shift
             )

@@ -53,7 +53,7 @@ class MegatronModule(nn.Module):
             )
         pg = getattr(self, "pg", None) or get_parallel_state()
         return {
-            prefix + name: shard_of(prefix + name, tensor, pg.tp_rank, pg.dp_rank)
+            prefix + name: shard_of(prefix + name, tensor, pg.tp_rank, pg.dp_rank, pg.expt_dp_rank)
             for name, tensor in self.state_dict(prefix="", keep_vars=True).items()
         }
 
@@ -146,10 +146,21 @@ class Float16Module(MegatronModule):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-def shard_of(key: str, tensor: torch.Tensor, tp_rank: int, dp_rank: int) -> ShardedTensor:
+def shard_of(
+    key: str, tensor: torch.Tensor, tp_rank: int, dp_rank: int, expt_dp_rank: int = 0
+) -> ShardedTensor:
     """The ShardedTensor of one parameter. Stacked sub-tensors (SwiGLU's [gate; up], stride 2) are
     always stored as ``[stride, rows / stride, ...]``, whatever the tp size, so the shape a
-    checkpoint records never depends on the layout."""
+    checkpoint records never depends on the layout.
+
+    An expert parameter (``moe.expert_params``) is a block of the global ``[num_experts, ...]``
+    tensor: dim 0 block ``ep_rank`` of ``ep_size``, its split dim block ``etp_rank`` of
+    ``partition_size`` (stacked sub-tensors stored ``[..., stride, rows / stride, ...]`` as above),
+    replicated over expert-dp (``expt_dp_rank``; ``tp_rank`` and ``dp_rank`` are not read) and, when
+    not split, over expert-tp.
+    """
+    if getattr(tensor, "expert_parallel", False):
+        return _expert_shard_of(key, tensor, expt_dp_rank)
     dim = getattr(tensor, "partition_dim", -1)
     parts = getattr(tensor, "partition_size", 1)
     stride = getattr(tensor, "partition_stride", 1)
@@ -160,3 +171,20 @@ def shard_of(key: str, tensor: torch.Tensor, tp_rank: int, dp_rank: int) -> Shar
     if dim < 0 or parts == 1:
         return ShardedTensor.from_rank_offsets(key, data, replica_id=(tp_rank, dp_rank))
     return ShardedTensor.from_rank_offsets(key, data, (dim, tp_rank, parts), replica_id=(0, dp_rank))
+
+
+def _expert_shard_of(key: str, tensor: torch.Tensor, expt_dp_rank: int) -> ShardedTensor:
+    dim = getattr(tensor, "partition_dim", -1)
+    parts = getattr(tensor, "partition_size", 1) if dim >= 1 else 1
+    stride = getattr(tensor, "partition_stride", 1)
+    etp_rank: int = tensor.etp_rank  # type: ignore[attr-defined]
+    data = tensor
+    if stride > 1 and dim >= 1:
+        shape = tuple(tensor.shape)
+        data = tensor.view(*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1 :])
+        dim += 1
+    offsets = [(0, tensor.ep_rank, tensor.ep_size)]  # type: ignore[attr-defined]
+    if parts > 1:
+        offsets.append((dim, etp_rank, parts))
+    replica = (0 if parts > 1 else etp_rank, expt_dp_rank)
+    return ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=replica)

@@ -364,15 +364,16 @@ class GPTModel(LanguageModule):
         Tensor-parallel weights are offset along their split dim (SwiGLU's fc1 is viewed as
         ``[2, F, h]`` so its two halves split independently); replicated tensors carry the tp rank
         in their replica id, so only tp rank 0 writes them. The data-parallel rank is part of every
-        replica id. The last pipeline stage's copy of a tied embedding is a non-main replica of
-        ``embedding.word_embeddings.weight`` (replica id led by 1): the checkpoint stores the first
-        stage's tensor only, and loading fills the copy from it.
+        replica id. Expert parameters are blocks of their global ``[num_experts, ...]`` tensor,
+        replicated over expert-dp (``shard_of``). The last pipeline stage's copy of a tied embedding
+        is a non-main replica of ``embedding.word_embeddings.weight`` (replica id led by 1): the
+        checkpoint stores the first stage's tensor only, and loading fills the copy from it.
         """
         tp_rank, dp_rank = self.pg.tp_rank, self.pg.dp_cp_rank  # cp ranks hold replicas too
         out = {}
         for name, tensor in self.state_dict(prefix="", keep_vars=True).items():
             key = prefix + self.global_param_name(name)
-            shard = shard_of(key, tensor, tp_rank, dp_rank)
+            shard = shard_of(key, tensor, tp_rank, dp_rank, self.pg.expt_dp_rank)
             if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
                 rid = shard.replica_id
                 shard.replica_id = (1, *rid) if isinstance(rid, tuple) else (1, rid)

@@ -1,0 +1,228 @@
+"""Expert parameters under expert parallelism (4 gloo ranks, one spawn): a toy MoE layer whose local
+experts see every token of their expert-parallel group (all-gather dispatch, reduce-scatter combine)
+gives, under ep1 / ep2 / ep4, with plain, overlapped, averaged-in-collective DDP and the distributed
+optimizer, the single-process gradients, grad norm, params norm and optimizer steps; an ep2
+checkpoint (model and distributed-optimizer state) resumes under ep1 and ep4 on the same curve."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from harness import device, run_distributed
+from torch import nn
+
+from megatron.core import dist_checkpointing
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_param_groups
+from megatron.core.optimizer.clip_grads import params_l2_norm
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.parallel_state import ParallelState, RankGrid, build_parallel_state
+from megatron.core.tensor_parallel.init import init_param_, set_init_attrs
+from megatron.core.tensor_parallel.mappings import gather_from_sp, reduce_scatter_to_sp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.expert_params import tag_expert_param
+
+WORLD, E, H, T, MICRO, STEPS = 4, 4, 8, 3, 2, 3  # ranks, experts, hidden, tokens per rank
+OPT = OptimizerConfig(lr=0.05, weight_decay=0.1, clip_grad=0.5)
+DDP_CONFIGS = {
+    "plain": DistributedDataParallelConfig(),
+    "overlap": DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=40),
+    "avg": DistributedDataParallelConfig(overlap_grad_reduce=True, average_in_collective=True),
+    "distopt": DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=40
+    ),
+}
+
+
+class ToyMoE(MegatronModule):
+    """h = x W_d^T + b_d; token g goes to expert (3g + m + step) % E; y = h W_e^T + b_e; loss mean
+    of |y + h|^2. Expert weights ``[E_local, H, H]`` and biases ``[E_local, H]`` (expert-tagged)."""
+
+    def __init__(self, ps: ParallelState, seed: int) -> None:
+        super().__init__(SimpleNamespace(num_moe_experts=E))
+        self.pg = ps
+        local = E // ps.ep_size
+        tags = dict(num_experts=E, ep_rank=ps.ep_rank, ep_size=ps.ep_size, etp_rank=0, init_std=0.3)
+        self.dense_weight = set_init_attrs(nn.Parameter(torch.empty(H, H, device=device())), std=0.3)
+        self.dense_bias = set_init_attrs(nn.Parameter(torch.empty(H, device=device())), std=0.3)
+        self.expert_weight = tag_expert_param(nn.Parameter(torch.empty(local, H, H, device=device())), **tags)
+        self.expert_bias = tag_expert_param(nn.Parameter(torch.empty(local, H, device=device())), **tags)
+        for name, p in self.named_parameters():
+            init_param_(p, name, seed)
+        self.ep_group = ps.groups.get("ep")
+        self.ep_ranks = ps.group_ranks.get("ep", [0])
+
+    def forward(self, x: torch.Tensor, step: int, m: int) -> torch.Tensor:
+        h = x @ self.dense_weight.t() + self.dense_bias  # [n, H]
+        tokens = gather_from_sp(h, self.ep_group)  # [ep * n, H], the ep group's tokens in rank order
+        n = x.shape[0]
+        rows = torch.arange(tokens.shape[0], device=x.device)
+        global_index = torch.tensor(self.ep_ranks, device=x.device)[rows // n] * n + rows % n
+        expert = (3 * global_index + m + step) % E
+        out = torch.zeros_like(tokens)
+        offset = self.expert_weight.expert_offset  # type: ignore[attr-defined]
+        for i in range(self.expert_weight.shape[0]):
+            mask = (expert == offset + i).unsqueeze(-1)
+            out = out + mask * (tokens @ self.expert_weight[i].t() + self.expert_bias[i])
+        y = reduce_scatter_to_sp(out, self.ep_group)  # [n, H], each token's output back on its rank
+        return ((y + h) ** 2).sum(-1).mean()
+
+
+def _inputs() -> torch.Tensor:
+    return torch.randn(STEPS, MICRO, WORLD * T, H, generator=torch.Generator().manual_seed(0))
+
+
+def _reference() -> dict[str, Any]:
+    """One process, every rank's tokens: per step the gradients, grad norm and weights after it."""
+    model = ToyMoE(ParallelState(grid=RankGrid(), rank=0), seed=3)
+    opt = MegatronOptimizer(OPT, get_param_groups([model], OPT))
+    x = _inputs().to(device())
+    out: dict[str, Any] = {
+        "init": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "params_norm": float(torch.cat([p.detach().view(-1) for p in model.parameters()]).norm()),
+    }
+    for step in range(STEPS):
+        for p in model.parameters():
+            p.grad = None
+        for m in range(MICRO):
+            (model(x[step, m], step, m) / MICRO).backward()
+        out[f"grads{step}"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        ok, norm, _ = opt.step()
+        assert ok
+        out[f"norm{step}"] = norm
+        out[f"weights{step}"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _local(ref: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a reference tensor: its local experts, or all of a dense one."""
+    if getattr(p, "expert_parallel", False):
+        return ref[p.expert_offset : p.expert_offset + p.shape[0]]  # type: ignore[attr-defined]
+    return ref
+
+
+def _max_err(
+    model: nn.Module, ref: dict[str, torch.Tensor], ddp: DistributedDataParallel | None = None
+) -> float:
+    """Largest difference to the reference: weights, or (``ddp``) the gradients this rank holds."""
+    err = 0.0
+    for name, p in model.named_parameters():
+        want = _local(ref[name], p)
+        if ddp is None:
+            got = p.detach()
+        else:
+            got, want = ddp.owned_main_grad(p).view(-1), want.reshape(-1)
+            piece = ddp._piece_of.get(id(p))
+            if ddp.distributed_optimizer:
+                want = want[piece.start : piece.stop] if piece is not None else want[:0]
+        err = max(err, float((got - want).abs().max()) if got.numel() else 0.0)
+    return err
+
+
+def _build(
+    ps: ParallelState, config: DistributedDataParallelConfig, seed: int = 3
+) -> tuple[ToyMoE, Any, Any]:
+    """The toy (seed 3: the reference's weights), its DDP wrapper and optimizer."""
+    model = ToyMoE(ps, seed)
+    ddp = DistributedDataParallel(SimpleNamespace(num_moe_experts=E), config, model, ps)
+    return model, ddp, get_megatron_optimizer(OPT, [ddp])
+
+
+def _step(model: ToyMoE, ddp: DistributedDataParallel, opt: Any, step: int, ref: dict) -> dict[str, Any]:
+    """One training step on this rank's tokens (two micro-batches); its errors to the reference."""
+    rank = torch.distributed.get_rank()  # tp = cp = 1: the dense dp rank
+    x = _inputs()[step, :, rank * T : (rank + 1) * T].to(device())
+    ddp.zero_grad_buffer()
+    with ddp.no_sync():
+        (model(x[0], step, 0) / MICRO).backward()
+    (model(x[1], step, 1) / MICRO).backward()
+    finalize_model_grads([ddp])
+    grad_err = _max_err(model, ref[f"grads{step}"], ddp)
+    ok, norm, _ = opt.step()
+    opt.finish_param_sync()
+    return {
+        "grad": grad_err,
+        "norm": abs(norm - ref[f"norm{step}"]) / ref[f"norm{step}"],
+        "weights": _max_err(model, ref[f"weights{step}"]),
+        "ok": ok,
+    }
+
+
+def _body(_: ParallelState, ckpt: str) -> dict[str, Any]:
+    """Every layout's errors to the reference, by name (the tests below check them)."""
+    ref = _reference()
+    results: dict[str, Any] = {"clipped": [ref[f"norm{s}"] > OPT.clip_grad for s in range(STEPS)]}
+    for ep in (1, 2, 4):
+        ps = build_parallel_state(ep=ep)
+        assert ps.expt_dp_size == WORLD // ep
+        for name, config in DDP_CONFIGS.items():
+            model, ddp, opt = _build(ps, config)
+            results[f"init ep{ep}"] = _max_err(model, ref["init"])
+            if name == "plain":
+                results[f"params_norm ep{ep}"] = abs(params_l2_norm([ddp], ps, device()) - ref["params_norm"])
+            for step in range(2):
+                results[f"ep{ep} {name} step{step}"] = _step(model, ddp, opt, step, ref)
+            if ep == 2 and name == "distopt":
+                model_sd = ddp.sharded_state_dict()
+                state = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}
+                dist_checkpointing.save(state, ckpt)
+    for ep, name in ((1, "plain"), (4, "distopt"), (2, "overlap")):
+        ps = build_parallel_state(ep=ep)
+        model, ddp, opt = _build(ps, DDP_CONFIGS[name], seed=11)  # other weights: the load must set them
+        model_sd = ddp.sharded_state_dict()
+        request = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}
+        loaded = dist_checkpointing.load(request, ckpt)
+        opt.load_sharded_state_dict(loaded["optimizer"])
+        results[f"loaded ep{ep}"] = _max_err(model, ref["weights1"])
+        results[f"resumed ep{ep} {name}"] = _step(model, ddp, opt, 2, ref)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict[str, Any]]:
+    ckpt = str(tmp_path_factory.mktemp("expert_ckpt"))
+    return run_distributed(_body, world_size=WORLD, kwargs={"ckpt": ckpt}, timeout_s=300)
+
+
+def _all(results: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
+    found = {
+        f"rank{r} {k}": v for r, res in enumerate(results) for k, v in res.items() if k.startswith(prefix)
+    }
+    assert found, prefix
+    return found
+
+
+def test_the_reference_steps_are_clipped(results) -> None:
+    assert all(results[0]["clipped"]), "clip_grad should act, so that the norm decides the step"
+
+
+def test_init_is_the_single_process_init_under_every_ep(results) -> None:
+    assert all(v == 0.0 for v in _all(results, "init").values())
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+@pytest.mark.parametrize("config", sorted(DDP_CONFIGS))
+def test_gradients_norm_and_steps_match_one_process(results, ep: int, config: str) -> None:
+    for key, r in _all(results, f"ep{ep} {config} ").items():
+        assert r["ok"], key
+        assert r["grad"] < 1e-5, (key, r)
+        assert r["norm"] < 1e-5, (key, r)
+        assert r["weights"] < 1e-5, (key, r)
+
+
+def test_params_norm_matches_one_process(results) -> None:
+    norms = _all(results, "params_norm")
+    assert all(v < 1e-4 for v in norms.values()), norms
+
+
+def test_ep2_checkpoint_resumes_under_ep1_ep2_and_ep4(results) -> None:
+    assert all(v < 1e-6 for v in _all(results, "loaded").values())
+    for key, r in _all(results, "resumed").items():
+        assert r["ok"] and r["grad"] < 1e-5 and r["norm"] < 1e-5 and r["weights"] < 1e-5, (key, r)
