@@ -102,6 +102,12 @@ class _Dispatcher:
             expected,
         )
         self.local_expert_indices = expected
+        # etp x ep: where the tokens of the experts' ranks come from (the counts for alltoall)
+        g = self.groups
+        self.tp_ep_group = g.tp_ep
+        if self.tp_ep_group is None and g.ep_size * g.etp_size > 1:
+            assert g.etp_size == 1 or g.ep_size == 1, "MoEGroups.tp_ep is needed with ep > 1 and etp > 1"
+            self.tp_ep_group = g.ep if g.etp_size == 1 else g.etp
 
     def token_dispatch(
         self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
@@ -130,7 +136,7 @@ class MoEAllGatherTokenDispatcher(_Dispatcher):
         groups: MoEGroups | None = None,
     ) -> None:
         super().__init__(num_local_experts, local_expert_indices, config, groups)
-        self.group = self.groups.tp_ep
+        self.group = self.tp_ep_group
         # Upper bound of one token's rows: its top-k local experts, or any of them when padding to
         # capacity routes extra tokens. A static row count keeps the permutation off the host.
         pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
@@ -190,10 +196,6 @@ class MoEAlltoAllTokenDispatcher(_Dispatcher):
         super().__init__(num_local_experts, local_expert_indices, config, groups)
         g = self.groups
         self.ep_size, self.etp_size = g.ep_size, g.etp_size
-        self.count_group = g.tp_ep
-        if self.count_group is None and self.ep_size * self.etp_size > 1:
-            assert self.etp_size == 1 or self.ep_size == 1, "tp_ep group needed with ep > 1 and etp > 1"
-            self.count_group = g.ep if self.etp_size == 1 else g.etp
         if self.ep_size > 1 and self.etp_size > 1:
             # The counts are gathered over tp_ep and read as [ep, etp, E]: etp fastest in its ranks.
             ranks = dist.get_process_group_ranks(g.tp_ep)
@@ -212,8 +214,8 @@ class MoEAlltoAllTokenDispatcher(_Dispatcher):
         """``[ep, etp, E]`` on the host: tokens each rank of tp_ep sends to each expert. The one host
         sync of the dispatch (the all-to-all's split sizes)."""
         counts = routing_map.sum(0, dtype=torch.long).unsqueeze(0)  # [1, E]
-        if mappings.group_size(self.count_group) > 1:
-            counts = mappings.gather_from_sp(counts, self.count_group)  # [G, E]
+        if mappings.group_size(self.tp_ep_group) > 1:
+            counts = mappings.gather_from_sp(counts, self.tp_ep_group)  # [G, E]
         return counts.cpu().view(self.ep_size, self.etp_size, self.num_experts)
 
     def token_dispatch(
