@@ -155,10 +155,11 @@ _HOOK = "the schedules here do not call this hook; the DDP wrapper and optimizer
 MPC_NO_EFFECT: dict[str, str] = {
     "pipeline_model_parallel_comm_backend": "pipeline messages use the process groups' backend (NCCL or gloo)",
     "max_seqlen_per_dp_cp_rank": "only with hybrid_context_parallel, which is refused",
-    "expert_tensor_parallel_num_weight_shards": "only with experts (num_moe_experts), which are refused",
-    "expert_gtp_weight_remat_size": "only with experts (num_moe_experts), which are refused",
+    "expert_tensor_parallel_num_weight_shards": "only with generalized tensor parallelism (GTP), which is refused",
+    "expert_gtp_weight_remat_size": "only with generalized tensor parallelism (GTP), which is refused",
     "timers": "timing is the training application's (its own timers); library code does not call it",
-    "moe_grad_scale_func": "only with experts (num_moe_experts), which are refused",
+    "moe_grad_scale_func": "the schedules scale the auxiliary losses' gradients themselves "
+    "(MoEAuxLossAutoScaler: 1 / micro-batches, or 1 with calculate_per_token_loss)",
     "mtp_grad_scale_func": "only with multi-token prediction (mtp_num_layers), which is refused",
     "grad_sync_func": _HOOK,
     "param_sync_func": _HOOK,
@@ -220,7 +221,6 @@ MPC_REFUSED: dict[str, tuple[tuple, str]] = {
         (False,),
         "hybrid context parallelism is not built; use context_parallel_size",
     ),
-    "expert_model_parallel_size": ((1,), "experts (MoE) are not built yet (issue 28); use 1"),
     "enable_autocast": (
         (False,),
         "layers compute in params_dtype (fp16 / bf16 via those fields), not under "

@@ -44,9 +44,10 @@ class Value(argparse.Action):
             try:
                 value = self.convert(raw)
             except ValueError:
+                what = self.convert.__name__ if isinstance(self.convert, type) else "value"
+                example = getattr(self.convert, "example", None) or _EXAMPLE.get(self.convert, "x")
                 parser.mistakes.append(
-                    f"{option_string} {raw}: not a valid {self.convert.__name__}, e.g. "
-                    f"{option_string} {_EXAMPLE[self.convert]}"
+                    f"{option_string} {raw}: not a valid {what}, e.g. {option_string} {example}"
                 )
                 continue
             if self.allowed and value not in self.allowed:

@@ -37,6 +37,8 @@ def initialize_distributed(
     pp: int = 1,
     cp: int = 1,
     hierarchical_cp: list[int] | None = None,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> tuple[torch.device, ParallelState]:
     """Join the process group torchrun (or srun) describes, or run alone.
 
@@ -85,6 +87,8 @@ def initialize_distributed(
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         hierarchical_context_parallel_sizes=hierarchical_cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=False,
     )  # the trainer uses none

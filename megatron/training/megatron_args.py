@@ -66,6 +66,7 @@ MIRRORS: tuple[Mirror, ...] = (
     Mirror("ddp_bucket_size", "bucket_size"),
     Mirror("ddp_average_in_collective", "average_in_collective"),
     Mirror("use_rope_scaling", "rope_scaling"),
+    Mirror("num_experts", "num_moe_experts"),
     _negated_switch("no_save_optim", "save_optim"),
     _negated_switch("no_save_rng", "save_rng"),
     _negated_switch("no_load_optim", "load_optim"),
@@ -212,7 +213,6 @@ def _fill_derived(args: argparse.Namespace, cfg: run_config.RunConfig, world_siz
     args.global_batch_size = training.global_batch_size
     args.encoder_num_layers, args.encoder_seq_length = model.num_layers, training.seq_length
     for name, value in (
-        ("expert_tensor_parallel_size", model.tensor_model_parallel_size),
         ("eval_micro_batch_size", training.micro_batch_size),
         ("eval_global_batch_size", training.global_batch_size),
         ("start_weight_decay", cfg.optimizer.weight_decay),

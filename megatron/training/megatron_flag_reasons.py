@@ -130,9 +130,12 @@ NVTX = "no NVTX ranges are emitted; the PyTorch profiler's trace (--use-pytorch-
 CONFIG_DUMP = "the run's whole configuration is printed at start and stored in every checkpoint"
 EXPERIMENTAL = "there are no experimental features to unlock"
 ONNX = "no ONNX export happens during pretraining"
-EXPERTS_OFF = (
-    "there are no expert layers (--num-experts is refused), so an expert parallel size changes nothing"
+EXPERT_SHARDS = "only with generalized tensor parallelism of the experts, which is not built"
+MOE_OVERLAP = (
+    "the expert all-to-all is not overlapped with other layers' compute (the dispatchers run in order); "
+    "the shared experts run as one dense MLP"
 )
+MOE_FUSION = "the router and the token permutation run as torch ops (no fused kernels); the same result"
 ENERGY = "energy and nvidia-smi memory are not read; GPU memory from PyTorch's allocator is written with the scalars"
 INFERENCE = (
     "an inference setting; pretrain_gpt.py runs no inference (Megatron-LM's pretrain_gpt.py ignores it too)"
@@ -147,7 +150,19 @@ CP = (
     "hybrid (dynamic per-sample) context parallelism is not built; use --context-parallel-size with "
     "--cp-comm-type"
 )
-MOE = "mixture-of-experts layers are not built yet (dense models only)"
+MOE = (
+    "this mixture-of-experts variant is not built (built: top-k softmax/sigmoid routing, group-limited "
+    "routing, aux/seq/global aux and z losses, expert bias, capacity, shared experts, the allgather and "
+    "alltoall dispatchers)"
+)
+MOE_FLEX = (
+    "the flex dispatcher (DeepEP / HybridEP / NCCL-EP kernels) is not built; use --moe-token-dispatcher-type "
+    "alltoall"
+)
+MOE_RECOMPUTE = "recompute MoE layers with --recompute-granularity full (whole layers)"
+MOE_PAGED_STASH = "activations of the experts are kept as autograd saves them (no paged stash)"
+MOE_TRACE = "routing traces are not recorded; --moe-per-layer-logging logs each layer's routing statistics"
+MOE_UPCYCLING = "upcycling a dense checkpoint into experts is not built"
 OPT_DTYPES = (
     "the optimizer keeps fp32 main parameters and Adam moments (main gradients fp32, or bf16 with "
     "--grad-reduce-in-bf16); drop it, or pass fp32"

@@ -18,33 +18,43 @@ REFUSED_ROWS: list[ForeignFlag] = [
         REFUSED,
         why.MOE,
         """
-        --num-experts=1 --moe-apply-probs-on-input --moe-aux-loss-coeff=+ --moe-deepep-num-sms=1
-        --moe-enable-deepep --moe-enable-routing-replay --moe-expert-capacity-factor=1
-        --moe-expert-rank-capacity-factor=1 --moe-ffn-hidden-size=1 --moe-flex-dispatcher-backend=1
-        --moe-flex-dispatcher-num-sms=1 --moe-grouped-gemm --moe-hybridep-num-blocks-permute=1
-        --moe-hybridep-num-blocks-unpermute=1 --moe-hybridep-num-sms=1
-        --moe-hybridep-num-sms-preprocessing=1 --moe-hybridep-pad-uneven-dispatch-inputs
-        --moe-input-jitter-eps=1 --moe-latent-size=1 --moe-layer-freq=1 --moe-layer-recompute
-        --moe-mlp-glu-interleave-size=1 --moe-ncclep-static-shape --moe-ncclep-zero-copy
-        --moe-pad-expert-input-to-capacity --moe-paged-stash --moe-paged-stash-buffer-size-factor-cpu=1
-        --moe-paged-stash-buffer-size-factor-cuda=1 --moe-paged-stash-page-size=1 --moe-per-layer-logging
-        --moe-permute-fusion --moe-permute-fusion-into-hybridep --moe-router-bias-update-rate=1
-        --moe-router-dtype=1 --moe-router-enable-expert-bias --moe-router-force-biased=1
-        --moe-router-force-load-balancing --moe-router-fusion --moe-router-group-topk=1
-        --moe-router-load-balancing-type=+ --moe-router-num-groups=1 --moe-router-padding-for-fp8
-        --moe-router-padding-for-quantization --moe-router-pre-softmax --moe-router-quantile-balancing-ema=1
-        --moe-router-score-function=1 --moe-router-topk=1 --moe-router-topk-scaling-factor=1
-        --moe-routing-trace-capture-hidden-states --moe-routing-trace-capture-logits
-        --moe-routing-trace-dump-weights --moe-routing-trace-max-training-iters=1 --moe-routing-trace-path=1
-        --moe-shared-expert-gate --moe-shared-expert-glu-interleave-size=1
-        --moe-shared-expert-intermediate-size=1 --moe-shared-expert-overlap --moe-single-grouped-bias
-        --moe-single-grouped-weight --moe-token-dispatcher-type=1 --moe-token-drop-policy=1
-        --moe-upcycling-granularity=1 --moe-use-upcycling --moe-z-loss-coeff=1
-        --overlap-moe-expert-parallel-comm --ep-overlap-early-attn-memory-release
-        --overlap-dispatch-backward-with-experts-wgrad --high-priority-a2a-comm-stream
-        --use-grouped-gemm-for-shared-expert --use-fused-weighted-squared-relu
+        --moe-apply-probs-on-input --moe-enable-routing-replay --moe-expert-rank-capacity-factor=1
+        --moe-latent-size=1 --moe-mlp-glu-interleave-size=1 --moe-router-force-biased=1
+        --moe-router-force-load-balancing --moe-router-padding-for-fp8 --moe-router-padding-for-quantization
+        --moe-router-quantile-balancing-ema=1 --moe-shared-expert-glu-interleave-size=1
+        --moe-single-grouped-bias --moe-single-grouped-weight
     """,
     ),
+    *entries(
+        REFUSED,
+        why.MOE_FLEX,
+        """
+        --moe-enable-deepep --moe-flex-dispatcher-backend=1 --moe-deepep-num-sms=1
+        --moe-flex-dispatcher-num-sms=1 --moe-hybridep-num-blocks-permute=1
+        --moe-hybridep-num-blocks-unpermute=1 --moe-hybridep-num-sms=1
+        --moe-hybridep-num-sms-preprocessing=1 --moe-hybridep-pad-uneven-dispatch-inputs
+        --moe-ncclep-static-shape --moe-ncclep-zero-copy --moe-permute-fusion-into-hybridep
+    """,
+    ),
+    *entries(REFUSED, why.MOE_RECOMPUTE, "--moe-layer-recompute"),
+    *entries(
+        REFUSED,
+        why.MOE_PAGED_STASH,
+        """
+        --moe-paged-stash --moe-paged-stash-buffer-size-factor-cpu=1
+        --moe-paged-stash-buffer-size-factor-cuda=1 --moe-paged-stash-page-size=1
+    """,
+    ),
+    *entries(
+        REFUSED,
+        why.MOE_TRACE,
+        """
+        --moe-routing-trace-capture-hidden-states --moe-routing-trace-capture-logits
+        --moe-routing-trace-dump-weights --moe-routing-trace-max-training-iters=1 --moe-routing-trace-path=1
+    """,
+    ),
+    *entries(REFUSED, why.MOE_UPCYCLING, "--moe-use-upcycling --moe-upcycling-granularity=1"),
+    *entries(REFUSED, why.ACTIVATIONS, "--use-fused-weighted-squared-relu"),
     *entries(REFUSED, why.OPT_DTYPES, "--use-precision-aware-optimizer"),
     *entries(REFUSED, why.LOCAL_CKPT, "--non-persistent-save-interval=1"),
     *entries(REFUSED, why.CKPT_ARGS, "--use-mp-args-from-checkpoint-args"),
@@ -219,14 +229,6 @@ REFUSED_ROWS: list[ForeignFlag] = [
         "--model-parallel-size", REFUSED, "Megatron-LM removed it; use --tensor-model-parallel-size", None
     ),
     # Accepted at the values that ask for what this package does, refused at any other.
-    ForeignFlag(
-        "--expert-model-parallel-size",
-        ALWAYS,
-        "the run has no expert parallelism (size 1)",
-        None,
-        accepted=("1",),
-        otherwise=why.MOE + "; pass --expert-model-parallel-size 1 or drop it",
-    ),
     ForeignFlag(
         "--attention-backend",
         ALWAYS,

@@ -265,13 +265,17 @@ _TABLE: list[ForeignFlag] = [
     *entries(NO_EFFECT, why.CONFIG_DUMP, "--config-logger-dir=1"),
     *entries(NO_EFFECT, why.EXPERIMENTAL, "--enable-experimental"),
     *entries(NO_EFFECT, why.ONNX, "--onnx-safe=1"),
+    *entries(NO_EFFECT, why.EXPERT_SHARDS, "--expert-tensor-parallel-num-weight-shards=1"),
     *entries(
         NO_EFFECT,
-        why.EXPERTS_OFF,
+        why.MOE_OVERLAP,
         """
-        --expert-tensor-parallel-size=1 --expert-tensor-parallel-num-weight-shards=1
+        --overlap-moe-expert-parallel-comm --ep-overlap-early-attn-memory-release
+        --overlap-dispatch-backward-with-experts-wgrad --high-priority-a2a-comm-stream
+        --use-grouped-gemm-for-shared-expert
     """,
     ),
+    *entries(NO_EFFECT, why.MOE_FUSION, "--moe-router-fusion --moe-permute-fusion"),
     *entries(NO_EFFECT, why.ENERGY, "--log-energy --log-device-memory-used --log-memory-interval=1"),
     *entries(
         NO_EFFECT,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from megatron.core.config_utils import ConfigError, flag_default
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.transformer.moe_config_fields import parse_moe_layer_freq
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import checkpoint_args
 from megatron.training.config import (
@@ -227,10 +228,23 @@ EPILOG = (
 
 
 def _declared_order(cls) -> list[dataclasses.Field]:
-    """A config's fields with its own declarations first, in their order (a field redeclared over a
-    base class's, such as TransformerConfig's over ModelParallelConfig's, keeps its place here)."""
-    own = list(vars(cls).get("__annotations__", {}))
-    return sorted(dataclasses.fields(cls), key=lambda f: own.index(f.name) if f.name in own else len(own))
+    """A config's fields in the order of their latest declaration: its own first, then its bases'
+    from the nearest (a field redeclared over a base class's, such as TransformerConfig's over
+    ModelParallelConfig's, takes the place of the redeclaration; MoEConfigFields' follow
+    TransformerConfig's own)."""
+    order: dict[str, int] = {}
+    for klass in cls.__mro__:
+        for name in vars(klass).get("__annotations__", {}):
+            order.setdefault(name, len(order))
+    return sorted(dataclasses.fields(cls), key=lambda f: order.get(f.name, len(order)))
+
+
+# Fields whose flag value is not read by the field's type: field -> converter (raises ValueError).
+CONVERTERS = {"moe_layer_freq": parse_moe_layer_freq}
+
+
+def _metavar(convert) -> str:
+    return convert.__name__.upper() if isinstance(convert, type) else "INT|LIST"
 
 
 def build_parser() -> Parser:
@@ -263,14 +277,14 @@ def build_parser() -> Parser:
             if switch:
                 kwargs["action"] = "store_false" if flag_default(f) is True else "store_true"
             else:
-                convert = _base_type(hints[f.name])
+                convert = CONVERTERS.get(f.name) or _base_type(hints[f.name])
                 choices = f.metadata.get("choices")
                 kwargs.update(
                     action=Value,
                     convert=convert,
                     allowed=choices,
                     metavar=f.metadata.get("metavar")
-                    or ("{" + ",".join(choices) + "}" if choices else convert.__name__.upper()),
+                    or ("{" + ",".join(choices) + "}" if choices else _metavar(convert)),
                 )
                 if f.metadata.get("nargs"):
                     kwargs["nargs"] = f.metadata["nargs"]

@@ -67,6 +67,8 @@ class Trainer(TrainerResume):
             pp=cfg.model.pipeline_model_parallel_size,
             cp=cfg.model.context_parallel_size,
             hierarchical_cp=cfg.model.hierarchical_context_parallel_sizes,
+            ep=cfg.model.expert_model_parallel_size,
+            etp=cfg.model.expert_tensor_parallel_size,
         )
         self.world_size = dist.get_world_size()
         if cfg.impl.disable_bf16_reduced_precision_matmul:

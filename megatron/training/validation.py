@@ -18,6 +18,7 @@ from megatron.core.pipeline_parallel.interleaved import check_interleaving
 from megatron.core.transformer.context_parallel.layout import COMM_TYPES
 from megatron.training.checkpoint_dirs import check_save_dir
 from megatron.training.loop_utils import build_batch_calculator, build_scheduler, train_iters_of
+from megatron.training.validation_moe import check_experts
 
 
 def world_size_from_env() -> int:
@@ -401,7 +402,7 @@ def check_lr_schedule(cfg, world_size: int) -> None:
     build_scheduler(cfg, SimpleNamespace(param_groups=[{"lr_mult": 1.0, "wd_mult": 1.0}]), train_iters)
 
 
-LAYOUT_CHECKS = (check_batch_sizes, check_training_length, check_pipeline)
+LAYOUT_CHECKS = (check_batch_sizes, check_experts, check_training_length, check_pipeline)
 CHECKS = (
     check_sequence,
     check_context_parallel,

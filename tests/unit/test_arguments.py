@@ -1,7 +1,6 @@
 """The flag list (snapshot), flag-to-config mapping and user-error messages."""
 
 import os
-import re
 
 import pytest
 import torch
@@ -179,8 +178,6 @@ def test_megatron_compat_flags_are_accepted_without_effect():
         "--attention-softmax-in-fp32",
         "--log-memory-to-tensorboard",
         "--log-validation-ppl-to-tensorboard",
-        "--expert-model-parallel-size",
-        "1",
         "--attention-backend",
         "flash",
         "--no-masked-softmax-fusion",
@@ -226,12 +223,14 @@ def test_megatron_position_embedding_spellings():
         pos(["--use-rotary-position-embeddings", "--position-embedding-type", "none"])
 
 
-def test_expert_parallel_sizes_other_than_one_are_refused(capsys):
-    flag = "--expert-model-parallel-size"
-    with pytest.raises(SystemExit) as e:
-        parse_run_config(BASE + [flag, "2"])
-    assert e.value.code == 2
-    assert re.search(f"{flag} 2: .*not built yet.*pass {flag} 1 or drop it", capsys.readouterr().err)
+def test_expert_flags_reach_the_model_config(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    m = parse_run_config(
+        BASE
+        + "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-aux-loss-coeff 1e-2".split()
+    ).model
+    assert (m.num_moe_experts, m.moe_router_topk, m.expert_model_parallel_size) == (4, 2, 2)
+    assert (m.moe_aux_loss_coeff, m.moe_router_load_balancing_type) == (1e-2, "aux_loss")
 
 
 def test_context_parallel_flags_reach_the_model_config(monkeypatch):
@@ -254,7 +253,10 @@ def test_context_parallel_flags_reach_the_model_config(monkeypatch):
             ["--non-persistent-save-interval", "5"],
             "--non-persistent-save-interval 5: non-persistent (local) checkpoints are not built",
         ),
-        (["--moe-router-topk", "2"], "--moe-router-topk 2: mixture-of-experts layers are not built yet"),
+        (
+            ["--moe-use-upcycling"],
+            "--moe-use-upcycling: upcycling a dense checkpoint into experts is not built",
+        ),
         (
             ["--checkpoint-activations", "--non-persistent-save-interval", "5"],
             "--checkpoint-activations: Megatron-LM removed it; use --recompute-granularity full",

@@ -42,7 +42,11 @@ def test_flag_of_reads_field_metadata_aliases_datasets_and_megatron_dests():
     )  # app default True
     assert flag_of("add_bias_linear") == ("--disable-bias-linear", False)  # set only by an alias
     assert flag_of("sequence_length") == ("--seq-length", None)  # GPTDatasetConfig's name
-    assert flag_of("num_experts") == ("--num-experts", None)  # a Megatron-LM flag that is not our field
+    assert flag_of("num_moe_experts") == ("--num-experts", None)  # doc(flag=...) of an MoE field
+    assert flag_of("moe_router_force_biased") == (
+        "--moe-router-force-biased",
+        None,
+    )  # a Megatron-LM flag that is not our field
     assert flag_of("apply_rope_fusion") == (
         "--no-rope-fusion",
         False,

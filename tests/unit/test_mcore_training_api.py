@@ -98,7 +98,7 @@ def test_ignore_unknown_args(argv, capsys):
 
 
 def test_ignore_unknown_args_still_refuses_refused_flags(argv):
-    argv(FULL + ["--num-experts", "8"])
+    argv(FULL + ["--moe-enable-deepep"])
     with pytest.raises(SystemExit):
         parse_args(ignore_unknown_args=True)
 

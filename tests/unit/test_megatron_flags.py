@@ -91,11 +91,9 @@ def test_every_refused_megatron_flag_is_refused_and_named_in_one_report(capsys):
 
 
 def test_a_value_outside_the_accepted_ones_is_refused_with_what_to_pass(capsys):
-    err = _errors(capsys, BASE + ["--expert-model-parallel-size", "2"])
-    assert err[0].startswith(
-        "pretrain_gpt.py: error: --expert-model-parallel-size 2: mixture-of-experts layers are not built"
-    )
-    assert "pass --expert-model-parallel-size 1 or drop it" in err[0]
+    err = _errors(capsys, BASE + ["--attention-backend", "unfused"])
+    assert err[0].startswith("pretrain_gpt.py: error: --attention-backend unfused: attention always runs")
+    assert "pass auto or drop it" in err[0]
     assert parse_run_config(BASE + ["--recompute-modules", "core_attn"]).notes
 
 
@@ -104,10 +102,9 @@ def test_refusals_bad_values_and_unknown_flags_are_reported_together(capsys):
         capsys,
         BASE
         + [
-            "--num-experts",
-            "8",
-            "--moe-router-topk",
-            "2",
+            "--moe-enable-deepep",
+            "--moe-flex-dispatcher-backend",
+            "deepep",
             "--normalization",
             "Foo",
             "--hidden-size",
@@ -121,7 +118,7 @@ def test_refusals_bad_values_and_unknown_flags_are_reported_together(capsys):
     assert err[0].startswith("pretrain_gpt.py: error: 5 problems with the flags (see --help;")
     body = "\n".join(err)
     assert (
-        "--num-experts 8, --moe-router-topk 2: mixture-of-experts layers are not built yet" in body
+        "--moe-enable-deepep, --moe-flex-dispatcher-backend deepep: the flex dispatcher (DeepEP" in body
     )  # one reason
     assert "--normalization Foo: choose one of LayerNorm, RMSNorm" in body
     assert "--hidden-size x: not a valid int" in body
@@ -207,5 +204,5 @@ def test_help_megatron_lists_the_refused_and_accepted_flags(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "Refused, with what to use instead:" in out and "Accepted with a note: no effect here:" in out
-    for flag in ("--async-strategy", "--manual-gc", "--use-mcore-models", "--moe-router-topk"):
+    for flag in ("--async-strategy", "--manual-gc", "--use-mcore-models", "--moe-enable-deepep"):
         assert flag in out

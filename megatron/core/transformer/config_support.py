@@ -23,7 +23,8 @@ from megatron.core.config_utils import ConfigError
 from megatron.core.model_parallel_config import MPC_NO_EFFECT, MPC_REFUSED
 
 _PERF = "a fusion / kernel choice of Megatron-Core's CUDA or Transformer Engine paths; no effect here"
-_MOE = "only with experts (num_moe_experts), which are refused"
+_GLU_HALVES = "an expert's fc1 holds [gate; up] as two halves (no interleaving); leave it None"
+_STACKED = "experts' weights are stacked per layer as linear_fc1.weight / linear_fc2.weight [E_local, ...]; leave it False"
 _MTP = "only with multi-token prediction (mtp_num_layers), which is refused"
 _CUDA_GRAPH = "CUDA graphs are not captured here (torch.compile is the training application's choice)"
 _INFERENCE = "inference is out of scope of this package"
@@ -56,7 +57,6 @@ TC_NO_EFFECT: dict[str, str] = {
     "fp4_param": "only with fp4, which is refused",
     "fp4_quantizer_factory": "only with fp4, which is refused",
     "kitchen_attention_backend": "only with use_kitchen, which is refused",
-    "high_priority_a2a_comm_stream": _MOE,
     "clone_scatter_output_in_embedding": "the embedding's sequence-parallel scatter returns its own tensor",
     "config_logger_dir": "configs are logged by the training application (its argument dump)",
     "hetereogenous_dist_checkpoint": "only with heterogeneous_block_specs, which is refused",
@@ -169,69 +169,36 @@ TC_NO_EFFECT: dict[str, str] = {
     },
 }
 
-# Every moe_* field but the ones that are themselves refused: they matter only with experts.
-_MOE_FIELDS = (
-    "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate",
-    "moe_shared_expert_overlap",
-    "use_grouped_gemm_for_shared_expert",
-    "moe_shared_expert_glu_interleave_size",
-    "moe_layer_freq",
-    "moe_ffn_hidden_size",
-    "moe_router_load_balancing_type",
-    "moe_router_topk",
-    "moe_enable_routing_replay",
-    "moe_router_topk_limited_devices",
-    "moe_router_padding_for_quantization",
-    "moe_router_padding_for_fp8",
-    "moe_router_num_groups",
-    "moe_router_group_topk",
-    "moe_router_pre_softmax",
-    "moe_router_topk_scaling_factor",
-    "moe_router_score_function",
-    "moe_router_dtype",
-    "moe_router_enable_expert_bias",
-    "moe_router_bias_update_rate",
-    "moe_router_quantile_balancing_ema",
-    "moe_router_force_load_balancing",
-    "moe_router_force_biased",
-    "moe_grouped_gemm",
-    "moe_single_grouped_weight",
-    "moe_single_grouped_bias",
-    "moe_aux_loss_coeff",
-    "moe_z_loss_coeff",
-    "moe_input_jitter_eps",
-    "moe_token_dropping",
-    "moe_token_dispatcher_type",
-    "moe_enable_deepep",
-    "moe_flex_dispatcher_backend",
-    "moe_permute_fusion_into_hybridep",
-    "moe_hybridep_pad_uneven_dispatch_inputs",
-    "moe_per_layer_logging",
-    "moe_expert_capacity_factor",
-    "moe_pad_expert_input_to_capacity",
-    "moe_token_drop_policy",
-    "moe_layer_recompute",
-    "moe_permute_fusion",
-    "moe_router_fusion",
-    "moe_apply_probs_on_input",
-    "moe_latent_size",
-    "moe_flex_dispatcher_num_sms",
-    "moe_deepep_num_sms",
-    "moe_hybridep_num_sms",
-    "moe_hybridep_num_blocks_permute",
-    "moe_hybridep_num_blocks_unpermute",
-    "moe_hybridep_num_sms_preprocessing",
-    "moe_ncclep_static_shape",
-    "moe_ncclep_zero_copy",
-    "moe_mlp_glu_interleave_size",
-    "moe_expert_rank_capacity_factor",
-    "moe_paged_stash",
-    "moe_paged_stash_page_size",
-    "moe_paged_stash_buffer_size_factor_cuda",
-    "moe_paged_stash_buffer_size_factor_cpu",
+# The MoE fields of mechanisms not built whose value changes nothing here (the refused ones are in
+# TC_REFUSED, the built ones are fields of MoEConfigFields).
+_FLEX = "only with the flex token dispatcher (DeepEP / HybridEP / NCCL-EP), which is not built"
+_MOE_PERF = "a performance knob of Megatron-Core's expert kernels or overlap; no effect here"
+TC_NO_EFFECT.update(
+    {
+        "moe_flex_dispatcher_backend": _FLEX,
+        "moe_permute_fusion_into_hybridep": _FLEX,
+        "moe_hybridep_pad_uneven_dispatch_inputs": _FLEX,
+        "moe_flex_dispatcher_num_sms": _FLEX,
+        "moe_deepep_num_sms": _FLEX,
+        "moe_hybridep_num_sms": _FLEX,
+        "moe_hybridep_num_blocks_permute": _FLEX,
+        "moe_hybridep_num_blocks_unpermute": _FLEX,
+        "moe_hybridep_num_sms_preprocessing": _FLEX,
+        "moe_ncclep_static_shape": _FLEX,
+        "moe_ncclep_zero_copy": _FLEX,
+        "moe_router_quantile_balancing_ema": "only with quantile load balancing, which is not built",
+        "moe_token_dropping": "Megatron-Core's placeholder (it does nothing there either); dropping is "
+        "moe_expert_capacity_factor",
+        "moe_permute_fusion": "tokens are permuted with torch ops (index_select / scatter)",
+        "moe_router_fusion": "the router's top-k and scores run as torch ops",
+        "use_grouped_gemm_for_shared_expert": "the shared experts run as one dense MLP",
+        "moe_paged_stash": _OFFLOAD,
+        "moe_paged_stash_page_size": _OFFLOAD,
+        "moe_paged_stash_buffer_size_factor_cuda": _OFFLOAD,
+        "moe_paged_stash_buffer_size_factor_cpu": _OFFLOAD,
+        "high_priority_a2a_comm_stream": _MOE_PERF,
+    }
 )
-TC_NO_EFFECT.update({name: _MOE for name in _MOE_FIELDS})
 
 _INIT = (
     "weights are initialised from init_method_std (normal; output projections std / sqrt(2 num_layers)) "
@@ -239,7 +206,6 @@ _INIT = (
 )
 
 TC_REFUSED: dict[str, tuple[tuple, str]] = {
-    "num_moe_experts": ((None,), "MoE layers are not built yet (issue 28); leave it None for a dense MLP"),
     "mtp_num_layers": ((None,), "multi-token prediction is not built; leave it None"),
     "multi_latent_attention": ((False,), "multi-latent attention (MLA) is not built; leave it False"),
     "experimental_attention_variant": (
@@ -275,7 +241,36 @@ TC_REFUSED: dict[str, tuple[tuple, str]] = {
     "fp4": ((None,), "FP4 is not built; leave it None (FP8: fp8='e4m3' or 'hybrid')"),
     "mrope_section": ((None,), "multimodal RoPE is not built; leave it None"),
     "quant_recipe": ((None,), "quantization recipes are not built (FP8: fp8 and fp8_recipe); leave it None"),
-    "moe_router_padding_for_fp8": ((False, None), _MOE),
+    "moe_router_padding_for_fp8": ((False, None), "FP8 expert GEMMs are not built; leave it False"),
+    "moe_router_padding_for_quantization": (
+        (False, None),
+        "quantized expert GEMMs are not built; leave it False",
+    ),
+    "moe_shared_expert_glu_interleave_size": ((None,), _GLU_HALVES),
+    "moe_mlp_glu_interleave_size": ((None,), _GLU_HALVES),
+    "moe_enable_routing_replay": ((False,), "routing replay is not built; leave it False"),
+    "moe_router_topk_limited_devices": (
+        (None,),
+        "device-limited routing is moe_router_num_groups = ep size with moe_router_group_topk; leave it None",
+    ),
+    "moe_router_force_load_balancing": ((False,), "forced (benchmark) routing is not built; leave it False"),
+    "moe_router_force_biased": ((None,), "forced (benchmark) routing is not built; leave it None"),
+    "moe_single_grouped_weight": ((False,), _STACKED),
+    "moe_single_grouped_bias": ((False,), _STACKED),
+    "moe_enable_deepep": (
+        (False,),
+        "the flex dispatcher (DeepEP) is not built; use moe_token_dispatcher_type alltoall",
+    ),
+    "moe_layer_recompute": (
+        (False,),
+        "recompute whole layers with recompute_granularity full; leave it False",
+    ),
+    "moe_apply_probs_on_input": ((False,), "routing weights scale the experts' outputs; leave it False"),
+    "moe_latent_size": ((None,), "latent MoE (a projection around the experts) is not built; leave it None"),
+    "moe_expert_rank_capacity_factor": (
+        (None,),
+        "per-rank capacity is not built; use moe_expert_capacity_factor",
+    ),
     "test_mode": ((False,), "Megatron-Core's test hooks are not built; leave it False"),
 }
 
@@ -284,7 +279,6 @@ TC_REFUSED: dict[str, tuple[tuple, str]] = {
 # implements are redeclared, with their documentation and flags, in TransformerConfig).
 IMPLEMENTED: dict[str, str] = {
     "perform_initialization": "False leaves the parameters uninitialised (to be loaded from a checkpoint)",
-    "expert_tensor_parallel_size": "defaults to tensor_model_parallel_size, as in Megatron-Core (no experts yet)",
     "fp8": "Megatron-Core's name of fp8_format (both read the same)",
     "num_layers_in_first_pipeline_stage": "Megatron-Core's name of decoder_first_pipeline_num_layers",
     "num_layers_in_last_pipeline_stage": "Megatron-Core's name of decoder_last_pipeline_num_layers",

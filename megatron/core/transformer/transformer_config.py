@@ -1,9 +1,9 @@
 """TransformerConfig: the shape and numerics of a GPT-style decoder, validated on construction.
 
 It is Megatron-Core's ``TransformerConfig`` (a ``ModelParallelConfig``): every 0.19.2 field exists with
-Megatron-Core's default. The fields below are the ones this package implements, documented here and
-turned into the training application's flags; the rest (``mcore_config_fields``) are accepted without
-effect or refused as ``config_support`` says.
+Megatron-Core's default. The fields below and the mixture-of-experts fields (``moe_config_fields``)
+are the ones this package implements, documented and turned into the training application's flags;
+the rest (``mcore_config_fields``) are accepted without effect or refused as ``config_support`` says.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from megatron.core.config_utils import ConfigError, check_choice, check_positive
 from megatron.core.model_parallel_config import check_refused
 from megatron.core.pipeline_parallel.layout import PipelineLayout, build_pipeline_layout
 from megatron.core.transformer import config_aliases, config_checks, config_support
-from megatron.core.transformer.mcore_config_fields import MegatronCoreTransformerFields
+from megatron.core.transformer.moe_config_fields import MoEConfigFields
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")
@@ -28,7 +28,7 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
 
 @dataclass
-class TransformerConfig(MegatronCoreTransformerFields):
+class TransformerConfig(MoEConfigFields):
     """Model shape and numerics. Field docs double as the ``--help`` text of the matching flags.
 
     Megatron-Core's activation fields and this package's ``activation`` are one setting:
@@ -394,6 +394,7 @@ class TransformerConfig(MegatronCoreTransformerFields):
             )
         config_checks.check_fp8(self)
         config_checks.check_parallelism(self)
+        config_checks.check_moe(self)
 
     def check_parallel_sizes(self, tp_size: int, pp_size: int, cp_size: int = 1) -> None:
         """Check this config against the process groups a model is built on (``tp_size`` x ``pp_size``
