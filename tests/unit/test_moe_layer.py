@@ -156,6 +156,8 @@ def test_state_dict_names_and_tags() -> None:
     assert layer.experts.linear_fc2.weight.partition_dim == 2
     assert not is_expert_param(layer.router.weight)
     assert not is_expert_param(layer.shared_experts.linear_fc1.weight)
+    layer.set_layer_number(2)
+    assert layer.layer_number == layer.router.layer_number == 2
 
 
 @pytest.mark.parametrize("activation, bias", [("swiglu", False), ("gelu", True)])

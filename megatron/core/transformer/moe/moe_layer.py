@@ -139,6 +139,11 @@ class MoELayer(nn.Module):
                 sequence_parallel=sequence_parallel,
             )
 
+    def set_layer_number(self, layer_number: int) -> None:
+        """Megatron-Core's hook: the layer's (and its router's) 1-based global index."""
+        self.layer_number = layer_number
+        self.router.set_layer_number(layer_number)
+
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
         """``[s, b, h]`` -> ``(out [s, b, h], None)``."""
         s, b, h = hidden.shape
