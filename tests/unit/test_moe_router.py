@@ -564,3 +564,19 @@ def test_per_token_loss_scales_the_injected_loss_by_the_tokens() -> None:
     _, dx = _router_grads(make_router(moe_aux_loss_coeff=0.1), x, g)
     _, dx_tok = _router_grads(make_router(moe_aux_loss_coeff=0.1, calculate_per_token_loss=True), x, g)
     assert_close(dx_tok, dx * 4)  # T = 4 tokens on this one rank
+
+
+def test_reset_buffers_after_materialising_a_meta_router() -> None:
+    cfg = make_config(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_load_balancing_type="global_aux_loss",
+        moe_aux_loss_coeff=0.1,
+    )
+    with torch.device("meta"):
+        router = TopKRouter(cfg)
+    router.to_empty(device="cpu")
+    router.reset_buffers_()
+    for name in ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert", "ga_steps"):
+        buf = getattr(router, name)
+        assert buf.device.type == "cpu" and buf.dtype == torch.float32 and buf.abs().sum() == 0

@@ -195,6 +195,14 @@ class TopKRouter(nn.Module):
         else:
             self.global_tokens_per_expert = self.ga_steps = None
 
+    @torch.no_grad()
+    def reset_buffers_(self) -> None:
+        """Zero the bias and the counts (after ``to_empty`` materialises a meta-built model)."""
+        for name in ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert", "ga_steps"):
+            buf = getattr(self, name)
+            if buf is not None:
+                setattr(self, name, torch.zeros_like(buf, dtype=torch.float32))
+
     def keep_fp32_buffers(self) -> None:
         """Return the bias and counts to fp32 after a model-wide dtype cast (a bf16 bias would
         round away its small updates)."""
