@@ -187,18 +187,17 @@ class GroupedExperts(nn.Module):
         counts = torch.as_tensor(tokens_per_expert, device=tokens.device)
         offs = counts.cumsum(0).to(torch.int32)  # [E_local] end row of each expert
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        row_expert = None
-        if fc1.bias is not None:
-            rows = torch.arange(tokens.shape[0], device=tokens.device, dtype=torch.int32)
-            # padding rows index an appended zero bias: the op leaves their gradients unspecified
-            row_expert = torch.searchsorted(offs, rows, right=True)  # [M], E_local for padding rows
+        rows = torch.arange(tokens.shape[0], device=tokens.device, dtype=torch.int32)
+        row_expert = torch.searchsorted(offs, rows, right=True)  # [M], E_local for padding rows
+        # The op leaves rows past the last offset unset (forward and input gradient): padding rows
+        # index an appended zero bias, and fc2 reads them as zeros, so nothing unset reaches a
+        # weight gradient.
         x = torch._grouped_mm(tokens, fc1.weight.transpose(1, 2), offs=offs)  # [M, fc1_out / etp]
-        if row_expert is not None:
-            assert fc1.bias is not None
+        if fc1.bias is not None:
             x = x + _with_zero_row(fc1.bias)[row_expert]
-        y = torch._grouped_mm(self.activation(x), fc2.weight.transpose(1, 2), offs=offs)  # [M, h]
-        if row_expert is not None:
-            assert fc2.bias is not None
+        hidden = torch.where((row_expert < self.num_local_experts).unsqueeze(1), self.activation(x), 0.0)
+        y = torch._grouped_mm(hidden, fc2.weight.transpose(1, 2), offs=offs)  # [M, h]
+        if fc2.bias is not None:
             y = y + _with_zero_row(fc2.bias)[row_expert]
         return y
 
