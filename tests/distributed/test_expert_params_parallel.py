@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from harness import device, run_distributed
 from torch import nn
 
@@ -18,6 +19,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_param_groups
@@ -38,39 +40,52 @@ DDP_CONFIGS = {
     "distopt": DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=40
     ),
+    "fsdp": DistributedDataParallelConfig(use_torch_fsdp2=True),
 }
 
 
+class Experts(nn.Module):
+    """This rank's experts: ``weight`` ``[E_local, H, H]`` and ``bias`` ``[E_local, H]`` (expert-tagged)."""
+
+    def __init__(self, ps: ParallelState) -> None:
+        super().__init__()
+        local = E // ps.ep_size
+        tags = dict(num_experts=E, ep_rank=ps.ep_rank, ep_size=ps.ep_size, etp_rank=0, init_std=0.3)
+        self.weight = tag_expert_param(nn.Parameter(torch.empty(local, H, H, device=device())), **tags)
+        self.bias = tag_expert_param(nn.Parameter(torch.empty(local, H, device=device())), **tags)
+        self.offset = ps.ep_rank * local
+
+    def forward(self, tokens: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(tokens)
+        for i in range(self.weight.shape[0]):
+            mask = (expert == self.offset + i).unsqueeze(-1)
+            out = out + mask * (tokens @ self.weight[i].t() + self.bias[i])
+        return out
+
+
 class ToyMoE(MegatronModule):
-    """h = x W_d^T + b_d; token g goes to expert (3g + m + step) % E; y = h W_e^T + b_e; loss mean
-    of |y + h|^2. Expert weights ``[E_local, H, H]`` and biases ``[E_local, H]`` (expert-tagged)."""
+    """h = x W_d^T + b_d; token g goes to expert (3g + m + step) % E, on the ep rank holding it;
+    y = h W_e^T + b_e; loss mean of |y + h|^2."""
 
     def __init__(self, ps: ParallelState, seed: int) -> None:
         super().__init__(SimpleNamespace(num_moe_experts=E))
         self.pg = ps
-        local = E // ps.ep_size
-        tags = dict(num_experts=E, ep_rank=ps.ep_rank, ep_size=ps.ep_size, etp_rank=0, init_std=0.3)
-        self.dense_weight = set_init_attrs(nn.Parameter(torch.empty(H, H, device=device())), std=0.3)
-        self.dense_bias = set_init_attrs(nn.Parameter(torch.empty(H, device=device())), std=0.3)
-        self.expert_weight = tag_expert_param(nn.Parameter(torch.empty(local, H, H, device=device())), **tags)
-        self.expert_bias = tag_expert_param(nn.Parameter(torch.empty(local, H, device=device())), **tags)
+        self.dense = nn.Linear(H, H, device=device())
+        set_init_attrs(self.dense.weight, std=0.3)
+        set_init_attrs(self.dense.bias, std=0.3)
+        self.experts = Experts(ps)
         for name, p in self.named_parameters():
             init_param_(p, name, seed)
         self.ep_group = ps.groups.get("ep")
         self.ep_ranks = ps.group_ranks.get("ep", [0])
 
     def forward(self, x: torch.Tensor, step: int, m: int) -> torch.Tensor:
-        h = x @ self.dense_weight.t() + self.dense_bias  # [n, H]
+        h = self.dense(x)  # [n, H]
         tokens = gather_from_sp(h, self.ep_group)  # [ep * n, H], the ep group's tokens in rank order
         n = x.shape[0]
         rows = torch.arange(tokens.shape[0], device=x.device)
         global_index = torch.tensor(self.ep_ranks, device=x.device)[rows // n] * n + rows % n
-        expert = (3 * global_index + m + step) % E
-        out = torch.zeros_like(tokens)
-        offset = self.expert_weight.expert_offset  # type: ignore[attr-defined]
-        for i in range(self.expert_weight.shape[0]):
-            mask = (expert == offset + i).unsqueeze(-1)
-            out = out + mask * (tokens @ self.expert_weight[i].t() + self.expert_bias[i])
+        out = self.experts(tokens, (3 * global_index + m + step) % E)
         y = reduce_scatter_to_sp(out, self.ep_group)  # [n, H], each token's output back on its rank
         return ((y + h) ** 2).sum(-1).mean()
 
@@ -108,20 +123,24 @@ def _local(ref: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return ref
 
 
-def _max_err(
-    model: nn.Module, ref: dict[str, torch.Tensor], ddp: DistributedDataParallel | None = None
-) -> float:
-    """Largest difference to the reference: weights, or (``ddp``) the gradients this rank holds."""
+def _max_err(wrapper: Any, ref: dict[str, torch.Tensor], grads: bool = False) -> float:
+    """Largest difference to the reference of the weights (or gradients) this rank holds: a DDP
+    wrapper's whole params (its owned pieces' gradients with the distributed optimizer), an FSDP2
+    wrapper's local rows."""
     err = 0.0
-    for name, p in model.named_parameters():
-        want = _local(ref[name], p)
-        if ddp is None:
-            got = p.detach()
+    fsdp = isinstance(wrapper, TorchFullyShardedDataParallel)
+    named = wrapper._views.items() if fsdp else wrapper.module.named_parameters()
+    for name, p in named:
+        if fsdp:  # rows [start, stop) of the local (expert) shard
+            start, stop, _ = wrapper._rows(name)
+            want = _local(ref[name], wrapper._dtensors[name])[start:stop]
         else:
-            got, want = ddp.owned_main_grad(p).view(-1), want.reshape(-1)
-            piece = ddp._piece_of.get(id(p))
-            if ddp.distributed_optimizer:
-                want = want[piece.start : piece.stop] if piece is not None else want[:0]
+            want = _local(ref[name], p)
+        got = (wrapper.owned_main_grad(p) if grads else p.detach()).reshape(-1)
+        want = want.reshape(-1)
+        if grads and not fsdp and wrapper.distributed_optimizer:
+            piece = wrapper._piece_of.get(id(p))
+            want = want[piece.start : piece.stop] if piece is not None else want[:0]
         err = max(err, float((got - want).abs().max()) if got.numel() else 0.0)
     return err
 
@@ -129,9 +148,12 @@ def _max_err(
 def _build(
     ps: ParallelState, config: DistributedDataParallelConfig, seed: int = 3
 ) -> tuple[ToyMoE, Any, Any]:
-    """The toy (seed 3: the reference's weights), its DDP wrapper and optimizer."""
+    """The toy (seed 3: the reference's weights), its DDP (or FSDP2) wrapper and optimizer."""
     model = ToyMoE(ps, seed)
-    ddp = DistributedDataParallel(SimpleNamespace(num_moe_experts=E), config, model, ps)
+    if config.use_torch_fsdp2:
+        fsdp = TorchFullyShardedDataParallel(model.config, config, model, parallel_state=ps)
+        return model, fsdp, get_megatron_optimizer(OPT, [fsdp], grad_stats_group=dist.group.WORLD)
+    ddp = DistributedDataParallel(model.config, config, model, ps)
     return model, ddp, get_megatron_optimizer(OPT, [ddp])
 
 
@@ -144,13 +166,13 @@ def _step(model: ToyMoE, ddp: DistributedDataParallel, opt: Any, step: int, ref:
         (model(x[0], step, 0) / MICRO).backward()
     (model(x[1], step, 1) / MICRO).backward()
     finalize_model_grads([ddp])
-    grad_err = _max_err(model, ref[f"grads{step}"], ddp)
+    grad_err = _max_err(ddp, ref[f"grads{step}"], grads=True)
     ok, norm, _ = opt.step()
     opt.finish_param_sync()
     return {
         "grad": grad_err,
         "norm": abs(norm - ref[f"norm{step}"]) / ref[f"norm{step}"],
-        "weights": _max_err(model, ref[f"weights{step}"]),
+        "weights": _max_err(ddp, ref[f"weights{step}"]),
         "ok": ok,
     }
 
@@ -164,7 +186,7 @@ def _body(_: ParallelState, ckpt: str) -> dict[str, Any]:
         assert ps.expt_dp_size == WORLD // ep
         for name, config in DDP_CONFIGS.items():
             model, ddp, opt = _build(ps, config)
-            results[f"init ep{ep}"] = _max_err(model, ref["init"])
+            results[f"init ep{ep}"] = _max_err(ddp, ref["init"])
             if name == "plain":
                 results[f"params_norm ep{ep}"] = abs(params_l2_norm([ddp], ps, device()) - ref["params_norm"])
             for step in range(2):
@@ -173,14 +195,14 @@ def _body(_: ParallelState, ckpt: str) -> dict[str, Any]:
                 model_sd = ddp.sharded_state_dict()
                 state = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}
                 dist_checkpointing.save(state, ckpt)
-    for ep, name in ((1, "plain"), (4, "distopt"), (2, "overlap")):
+    for ep, name in ((1, "plain"), (4, "distopt"), (2, "overlap"), (4, "fsdp")):
         ps = build_parallel_state(ep=ep)
         model, ddp, opt = _build(ps, DDP_CONFIGS[name], seed=11)  # other weights: the load must set them
         model_sd = ddp.sharded_state_dict()
         request = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}
         loaded = dist_checkpointing.load(request, ckpt)
         opt.load_sharded_state_dict(loaded["optimizer"])
-        results[f"loaded ep{ep}"] = _max_err(model, ref["weights1"])
+        results[f"loaded ep{ep}"] = _max_err(ddp, ref["weights1"])
         results[f"resumed ep{ep} {name}"] = _step(model, ddp, opt, 2, ref)
     return results
 

@@ -22,6 +22,13 @@ of every view (and of its DTensor) to the local shard of the reduced gradient (z
 the shards of a tp-replicated parameter cover the same rows on every tp rank of a dp rank, as do
 the first and last stage's copies of a tied embedding.
 
+Expert parameters (``moe.expert_params``). A module holding expert parameters (the experts of an
+MoE layer) is a unit of its own, sharded over the expert-data-parallel group (the ranks holding the
+same expert shard); FSDP2 averages their gradients over it and ``finish_grad_sync`` rescales them
+by expert-dp / (dp x cp), so that they are divided by dp x cp as DDP scales them: each expert's
+gradient already sums the tokens its expert-parallel peers routed to it. (FSDP2's own
+``set_gradient_divide_factor`` reduces with PREMUL_SUM, which gloo lacks.)
+
 Checkpoints. ``sharded_state_dict`` yields, for each parameter, the blocks of its local dim-0 shard
 (rows [a, b) of the local tp shard are its flat range [a * cols, b * cols)) under the keys and
 global shapes the unwrapped model gives, with data viewing the local shard: FSDP2 runs save and load
@@ -45,8 +52,9 @@ from megatron.core.config_utils import ConfigError
 from megatron.core.dist_checkpointing.flat_ranges import flat_range_blocks
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.distributed.meta_init import param_attrs, restore_param_attrs_
+from megatron.core.distributed.meta_init import dim0_shard_range, param_attrs, restore_param_attrs_
 from megatron.core.parallel_state import ParallelState, get_parallel_state
+from megatron.core.transformer.moe.expert_params import is_expert_param
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 if TYPE_CHECKING:
@@ -126,6 +134,9 @@ class TorchFullyShardedDataParallel(nn.Module):
                 self._views[name] = view
                 self._dtensors[name] = p
         self._tied = (self._views[tied],) if tied is not None else ()
+        # Expert gradients come back averaged over expert-dp; DDP's net scale is 1 / (dp x cp).
+        self._expert_rescale = self.pg.expt_dp_size / self.dp_size
+        self._experts = {name for name, view in self._views.items() if is_expert_param(view)}
         self._zeros: dict[str, torch.Tensor] = {}
 
     # ---------------------------------------------------------------------------------- set-up
@@ -149,6 +160,13 @@ class TorchFullyShardedDataParallel(nn.Module):
             else MixedPrecisionPolicy(reduce_dtype=torch.float32)
         )
         reshard = self.ddp_config.fsdp_sharding() != "optim_grads"
+        expert_units = self._expert_units(module)
+        if expert_units:
+            expt_group = self.pg.groups.get("expt_dp")
+            assert expt_group is not None, "expert parameters need the expert-data-parallel group"
+            expt_mesh = DeviceMesh.from_group(expt_group, device_type, mesh_dim_names=("expt_dp",))
+        for unit in expert_units:
+            fully_shard(unit, mesh=expt_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
         units = [m for m in module.modules() if isinstance(m, unit_types) and m is not module]
         for unit in units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
@@ -157,6 +175,29 @@ class TorchFullyShardedDataParallel(nn.Module):
         for prev, nxt in zip(fsdp_units, fsdp_units[1:]):
             prev.set_modules_to_forward_prefetch([nxt])
             nxt.set_modules_to_backward_prefetch([prev])
+
+    @staticmethod
+    def _expert_units(module: nn.Module) -> list[nn.Module]:
+        """The modules whose own parameters are expert parameters.
+
+        Raises:
+            ConfigError: a module holds expert and dense parameters of its own (one FSDP2 unit
+                shards over one group).
+        """
+        units = []
+        for name, sub in module.named_modules():
+            own = list(sub.parameters(recurse=False))
+            experts = [is_expert_param(p) for p in own]
+            if any(experts) and not all(experts):
+                raise ConfigError(
+                    f"use_torch_fsdp2: module {name or type(sub).__name__} holds expert and dense "
+                    "parameters of its own; FSDP2 shards expert parameters as units of their own "
+                    "(keep them in a submodule, as the MoE layer's experts)",
+                    params=("use_torch_fsdp2",),
+                )
+            if any(experts):
+                units.append(sub)
+        return units
 
     @property
     def fsdp_module(self) -> FSDPModule:
@@ -217,6 +258,8 @@ class TorchFullyShardedDataParallel(nn.Module):
                         local.zero_()
                 else:
                     local = grad.to_local() if isinstance(grad, DTensor) else grad
+                    if name in self._experts and self._expert_rescale != 1.0:
+                        local.mul_(self._expert_rescale)
                 assert p.to_local().data_ptr() == view.data_ptr(), f"{name}'s local shard moved"
                 p.main_grad = local  # type: ignore[attr-defined]
                 view.main_grad = local  # type: ignore[attr-defined]
@@ -239,9 +282,9 @@ class TorchFullyShardedDataParallel(nn.Module):
         assert p.dim() > 0, f"FSDP2 shards dim 0; {name} is a scalar"
         rows = p.shape[0]
         cols = p.numel() // rows if rows else 0
-        per_rank = -(-rows // self.dp_size)  # FSDP2's torch.chunk: ceil(rows / dp) rows per rank
-        start = min(dist.get_rank(self.dp_group) * per_rank, rows)
-        return start, start + self._views[name].shape[0], cols
+        start, stop = dim0_shard_range(p)  # over its own mesh: dp x cp, or expert-dp
+        assert stop - start == self._views[name].shape[0], (name, start, stop)
+        return start, stop, cols
 
     def sharded_state_dict(self, prefix: str = "", *args: Any, **kwargs: Any) -> dict:
         """The unwrapped model's sharded state dict, each parameter as the blocks of its local shard."""
