@@ -5,8 +5,12 @@ our routing fields compute the HF MoE block's output, and what a family cannot e
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from torch import nn
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
@@ -152,6 +156,27 @@ def test_weights_map_to_our_expert_tensors_and_back_bit_exactly(family, tmp_path
     assert all(torch.equal(to_hf(family, fields, split)[k], v) for k, v in disk.items())
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_transformers_5_fused_experts_read_as_the_per_expert_files(family, tmp_path):
+    """A directory saved with save_original_format=False holds transformers 5's fused experts
+    (mlp.experts.gate_up_proj / down_proj, Mixtral's under mlp.): the import reads the same tensors."""
+    hf = make_hf(family)
+    _, fields, _ = hf_families.fields_from_hf(hf.config)
+    per_expert = to_ours(family, fields, saved_tensors(hf, tmp_path))
+    hf.save_pretrained(tmp_path / "fused", save_original_format=False)
+    fused_files = load_file(tmp_path / "fused" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused_files
+    fused, back = {}, {}
+    for piece in hf_weights.pieces_for(family, fields, VOCAB, 256, fused=True):
+        converted = piece.to_ours([fused_files[n] for n in piece.theirs])
+        fused.update(zip(piece.ours, converted))
+        back.update(zip(piece.theirs, piece.to_hf(converted)))
+    assert sorted(back) == sorted(fused_files)
+    assert all(torch.equal(back[k], v) for k, v in fused_files.items())
+    assert sorted(fused) == sorted(per_expert)
+    assert all(torch.equal(fused[k].reshape(v.shape), v) for k, v in per_expert.items())
+
+
 def _megatron_moe_block(
     x: torch.Tensor, fields: dict, w: dict[str, torch.Tensor], prefix: str
 ) -> torch.Tensor:
@@ -238,3 +263,160 @@ def test_features_a_moe_family_cannot_express_are_named():
             hf_families.check_expressible(family, {**base, **change})
     with pytest.raises(ToolError, match="config.json attention_bias true"):
         hf_families.fields_from_hf(make_hf("qwen3_moe", attention_bias=True).config)
+
+
+def convert(*args: str) -> int:
+    from megatron.training.checkpoint_tool import cli
+
+    return cli.main(["convert", *args])
+
+
+def _gpt_model_builds_experts() -> bool:
+    from megatron.core.config_utils import ConfigError
+    from megatron.training.checkpoint_tool import model_check
+
+    cfg = transformers.MixtralConfig(**{**BASE, **FAMILY_KW["mixtral"]})
+    try:
+        model_check.empty_model(hf_families.fields_from_hf(cfg)[1], 256, 64, torch.float32)
+    except ConfigError:
+        return False
+    return True
+
+
+ROUND_TRIPS = {
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen2_moe_dense_layer": ("qwen2_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),
+}
+
+
+@pytest.mark.skipif(not _gpt_model_builds_experts(), reason="GPTModel's layer specs build no MoE layer yet")
+@pytest.mark.parametrize("name", list(ROUND_TRIPS))
+def test_convert_both_ways_with_matching_logits(name, tmp_path, capsys):
+    from megatron.training.checkpoint_tool import model_check
+    from megatron.training.checkpoint_tool.reader import SavedCheckpoint
+
+    family, kw = ROUND_TRIPS[name]
+    hf = make_hf(family, **kw)
+    src, ours, back = tmp_path / "src", tmp_path / "ours", tmp_path / "back"
+    hf.save_pretrained(src)
+    assert convert("--input", str(src), "--output", str(ours), "--to", "megatron") == 0
+    assert convert("--input", str(ours), "--output", str(back), "--to", "hf") == 0
+    out = capsys.readouterr().out
+    assert out.count("logits check: largest absolute logit difference") == 2, out
+    assert f"--num-experts {E} --moe-ffn-hidden-size {F_MOE} --moe-router-topk {TOPK}" in out
+
+    ckpt = SavedCheckpoint(str(ours))
+    assert ckpt.tensors["decoder.layers.0.mlp.router.weight"][0] == (E, H)
+    assert ckpt.tensors["decoder.layers.0.mlp.experts.linear_fc2.weight"][0] == (E, H, F_MOE)
+    # Our model from the converted checkpoint against the original HF model, independently of the tool.
+    mine = model_check.ours_from_checkpoint(ckpt)
+    assert model_check.compare(mine, hf, vocab=VOCAB).max_abs_diff < 1e-4
+    # The check can fail: experts one step off are told apart.
+    with torch.no_grad():
+        mine.decoder.layers[-1].mlp.experts.linear_fc2.weight.add_(0.05)
+    assert model_check.compare(mine, hf, vocab=VOCAB).max_abs_diff > 1e-3
+
+    original, again = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(again) == sorted(original)
+    for key, value in original.items():
+        assert torch.equal(again[key], value), key
+    exported = transformers.AutoModelForCausalLM.from_pretrained(back).float().eval()
+    assert type(exported) is type(hf)
+    tokens, _ = model_check.fixed_batch(VOCAB)
+    with torch.no_grad():
+        diff = exported(input_ids=tokens).logits - hf(input_ids=tokens).logits
+    assert diff.abs().max() < 1e-5
+
+
+def _weights(tensors: dict[str, torch.Tensor], ps) -> nn.Module:
+    """Our model's tensors by their checkpoint names, as parameters of nested modules under a
+    MegatronModule (whose ``sharded_state_dict`` the models use) of the parallel state ``ps``; on
+    this expert-parallel rank the experts are its block of the global ``[E, ...]`` tensor, tagged as
+    GroupedExperts tags them, and SwiGLU's fc1 is tagged as the dense MLP's."""
+    from megatron.core.tensor_parallel.init import tag_param
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.moe.expert_params import tag_expert_param
+
+    root = MegatronModule(None)
+    root.pg = ps
+    ep_rank, ep_size = ps.ep_rank, ps.ep_size
+    local = E // ep_size
+    for name, value in tensors.items():
+        *path, leaf = name.split(".")
+        module: nn.Module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        if ".mlp.experts." in name:
+            param = nn.Parameter(value[ep_rank * local : (ep_rank + 1) * local].clone())
+            fc1 = "linear_fc1" in name
+            tag_expert_param(
+                param,
+                num_experts=E,
+                ep_rank=ep_rank,
+                ep_size=ep_size,
+                etp_rank=0,
+                partition_dim=1 if fc1 else 2,
+                partition_stride=2 if fc1 else 1,
+            )
+        else:
+            param = nn.Parameter(
+                value.reshape(-1, *value.shape[2:]) if "linear_fc1" in name else value.clone()
+            )
+            if "linear_fc1" in name:
+                tag_param(param, partition_dim=0, partition_size=1, partition_stride=2)
+        module.register_parameter(leaf, param)
+    return root
+
+
+def _save_under_ep2(_, family: str, src: str, out: str, extra: dict) -> None:
+    """Each of 2 ranks saves its expert-parallel half of the experts (ep2: 2 of the 4 each) through
+    the training's save_checkpoint."""
+    from megatron.core.parallel_state import build_parallel_state
+    from megatron.training.checkpointing import save_checkpoint
+
+    ps = build_parallel_state(ep=2)
+    _, fields, _ = hf_families.fields_from_hf(transformers.AutoConfig.from_pretrained(src))
+    model = _weights(to_ours(family, fields, load_file(f"{src}/model.safetensors")), ps)
+    save_checkpoint(out, 0, model.sharded_state_dict(), extra_state=extra, save_optim=False, save_rng=False)
+
+
+def test_checkpoint_saved_under_expert_parallelism_converts(tmp_path, capsys):
+    """An ep2 checkpoint holds each expert tensor as two blocks of the global [E, ...] tensor; the
+    reader sees the global tensors, and the export writes the original HF files bit-exactly."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    from harness import run_distributed
+
+    from megatron.training.checkpoint_tool import hf_import
+    from megatron.training.checkpoint_tool.reader import SavedCheckpoint
+
+    family = "qwen2_moe"
+    hf = make_hf(family)
+    src, ours, back = tmp_path / "src", tmp_path / "ours", tmp_path / "back"
+    hf.save_pretrained(src)
+    _, fields, _ = hf_families.fields_from_hf(hf.config)
+    extra = {
+        "iteration": 0,
+        "hf_model_type": family,
+        "args": hf_import.saved_args(fields, 64, VOCAB, 256, None),
+    }
+    run_distributed(
+        _save_under_ep2, world_size=2, kwargs=dict(family=family, src=str(src), out=str(ours), extra=extra)
+    )
+    ckpt = SavedCheckpoint(str(ours))
+    key = "decoder.layers.1.mlp.experts.linear_fc1.weight"
+    assert ckpt.tensors[key][0] == (E, 2, F_MOE, H)
+    blocks = sorted(tuple(c.offsets) for c in ckpt.metadata.state_dict_metadata[key].chunks)
+    assert blocks == [(0, 0, 0, 0), (E // 2, 0, 0, 0)]  # saved by the two expert-parallel ranks
+    assert torch.equal(
+        ckpt.read(key).reshape(E, 2 * F_MOE, H), hf.model.layers[1].mlp.experts.gate_up_proj.detach()
+    )
+
+    assert convert("--input", str(ours), "--output", str(back), "--to", "hf", "--no-check") == 0
+    capsys.readouterr()
+    original, again = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(again) == sorted(original)
+    assert all(torch.equal(again[k], v) for k, v in original.items())

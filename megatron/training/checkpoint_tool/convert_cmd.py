@@ -1,6 +1,6 @@
 """``checkpoint.py convert``: our checkpoints to and from Hugging Face ``transformers`` directories.
 
-    convert --input CKPT --output HF_DIR --to hf [--model-type llama|mistral|qwen2|gpt2]
+    convert --input CKPT --output HF_DIR --to hf [--model-type llama|mistral|qwen2|gpt2|mixtral|qwen2_moe|qwen3_moe]
     convert --input HF_DIR --output CKPT --to megatron
 
 Every conversion ends with the logits check (``model_check``): a difference above ``--tolerance`` is

@@ -21,7 +21,7 @@ from megatron.core.tokenizer import vocab_size_with_padding
 from megatron.training.checkpoint_tool import hf_families, hf_weights
 from megatron.training.checkpoint_tool.errors import ToolError
 from megatron.training.checkpoint_tool.hf_export import DTYPES
-from megatron.training.checkpoint_tool.hf_moe import moe_model_flags
+from megatron.training.checkpoint_tool.hf_moe import moe_layer_pattern, moe_model_flags
 from megatron.training.checkpoint_tool.model_check import empty_model, transformer_config
 from megatron.training.checkpointing import save_checkpoint
 from megatron.training.loop_utils import model_args_for_check
@@ -77,6 +77,10 @@ class HFTensors:
         if bare in self.files:
             return bare
         raise ToolError(f"{self.dir} holds no tensor {name}")
+
+    def has(self, name: str) -> bool:
+        """Whether the directory holds ``name`` (with or without its first prefix)."""
+        return name in self.files or name.split(".", 1)[1] in self.files
 
     def read(self, name: str) -> torch.Tensor:
         stored = self._name(name)
@@ -250,7 +254,9 @@ def import_hf(hf_dir: str, out: str, dtype: str | None = None) -> dict[str, Any]
     vocab = int(hf_cfg.vocab_size)
     padded = vocab_size_with_padding(vocab, MAKE_VOCAB_SIZE_DIVISIBLE_BY, 1, log=None)
     tensors = HFTensors(hf_dir)
-    pieces = hf_weights.pieces_for(family, fields, vocab, padded)
+    first_moe = next((i for i, x in enumerate(moe_layer_pattern(fields)) if x), None)
+    fused = first_moe is not None and tensors.has(f"model.layers.{first_moe}.mlp.experts.gate_up_proj")
+    pieces = hf_weights.pieces_for(family, fields, vocab, padded, fused)
     weights_dtype = DTYPES[dtype] if dtype else tensors.dtype(pieces[0].theirs[0])
     model = empty_model(fields, padded, max_pos, weights_dtype)
     fill_model(model, pieces, tensors)

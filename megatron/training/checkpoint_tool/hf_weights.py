@@ -152,19 +152,40 @@ def _experts(num_experts: int, ffn: int, h: int) -> tuple[Callable, Callable, Ca
     return fc1_to_hf, fc1_to_ours, fc2_to_hf, fc2_to_ours
 
 
-def _moe_mlp(family: str, m: dict[str, Any], ours: str, hf: str) -> list[Piece]:
+def _fused_experts(num_experts: int, ffn: int, h: int) -> tuple[Callable, Callable]:
+    """fc1 to HF, fc1 to ours for transformers 5's fused ``experts.gate_up_proj`` ``[E, 2F, h]``
+    (rows ``[gate; up]`` per expert: ours, whatever shape the checkpoint saved)."""
+
+    def fc1_to_hf(t: Tensors) -> Tensors:
+        return [t[0].reshape(num_experts, 2 * ffn, h).clone()]
+
+    return fc1_to_hf, _same
+
+
+def _moe_mlp(family: str, m: dict[str, Any], ours: str, hf: str, fused: bool = False) -> list[Piece]:
     """One layer's router, experts and shared expert: ours under ``ours`` (``decoder.layers.{i}.``),
-    HF's under ``hf`` (``model.layers.{i}.``)."""
+    HF's under ``hf`` (``model.layers.{i}.``); ``fused``: the experts as transformers 5 holds them in
+    memory (``mlp.experts.gate_up_proj`` / ``down_proj``, what ``save_pretrained(...,
+    save_original_format=False)`` writes), else one tensor per expert."""
     num_experts, ffn = m["num_moe_experts"], m["moe_ffn_hidden_size"]
-    block = hf + ("block_sparse_moe." if family == "mixtral" else "mlp.")
-    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    gate, up, down = ([f"{block}experts.{j}.{n}.weight" for j in range(num_experts)] for n in names)
+    block = hf + ("block_sparse_moe." if family == "mixtral" and not fused else "mlp.")
     fc1_hf, fc1_ours, fc2_hf, fc2_ours = _experts(num_experts, ffn, m["hidden_size"])
-    pieces = [
-        _one(ours + "mlp.router.weight", block + "gate.weight"),
-        Piece((ours + "mlp.experts.linear_fc1.weight",), (*gate, *up), fc1_hf, fc1_ours),
-        Piece((ours + "mlp.experts.linear_fc2.weight",), tuple(down), fc2_hf, fc2_ours),
-    ]
+    if fused:
+        fc1_hf, fc1_ours = _fused_experts(num_experts, ffn, m["hidden_size"])
+        experts = [
+            Piece(
+                (ours + "mlp.experts.linear_fc1.weight",), (block + "experts.gate_up_proj",), fc1_hf, fc1_ours
+            ),
+            _one(ours + "mlp.experts.linear_fc2.weight", block + "experts.down_proj"),
+        ]
+    else:
+        names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        gate, up, down = ([f"{block}experts.{j}.{n}.weight" for j in range(num_experts)] for n in names)
+        experts = [
+            Piece((ours + "mlp.experts.linear_fc1.weight",), (*gate, *up), fc1_hf, fc1_ours),
+            Piece((ours + "mlp.experts.linear_fc2.weight",), tuple(down), fc2_hf, fc2_ours),
+        ]
+    pieces = [_one(ours + "mlp.router.weight", block + "gate.weight"), *experts]
     shared = m.get("moe_shared_expert_intermediate_size")
     if shared:
         pieces += _dense_mlp(m, ours + "mlp.shared_experts.", block + "shared_expert.", shared)
@@ -174,10 +195,10 @@ def _moe_mlp(family: str, m: dict[str, Any], ours: str, hf: str) -> list[Piece]:
 
 
 def llama_pieces(
-    m: dict[str, Any], num_layers: int, vocab: int, padded: int, family: str = "llama"
+    m: dict[str, Any], num_layers: int, vocab: int, padded: int, family: str = "llama", fused: bool = False
 ) -> list[Piece]:
     """Llama / Mistral / Qwen2 and the MoE families (``model.*``, ``lm_head.weight``), for our model
-    fields ``m``."""
+    fields ``m`` (``fused``: see ``_moe_mlp``)."""
     heads = Heads(m["num_attention_heads"], m["num_query_groups"], m["kv_channels"])
     emb_hf, emb_ours = _vocab_rows(vocab, padded)
     norm = _norm_to_hf(bool(m.get("apply_layernorm_1p")))
@@ -205,7 +226,7 @@ def llama_pieces(
                 )
         pieces.append(_one(ours + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight", norm))
         if has_experts[i]:
-            pieces += _moe_mlp(family, m, ours, hf)
+            pieces += _moe_mlp(family, m, ours, hf, fused)
         else:
             pieces += _dense_mlp(m, ours + "mlp.", mlp, m["ffn_hidden_size"])
         if m["add_bias_linear"]:
@@ -271,8 +292,9 @@ def gpt2_pieces(m: dict[str, Any], num_layers: int, vocab: int, padded: int) -> 
     return pieces
 
 
-def pieces_for(family: str, m: dict[str, Any], vocab: int, padded: int) -> list[Piece]:
-    """Every tensor of the model ``m`` (our fields) as pieces of ``family``, in HF's order."""
+def pieces_for(family: str, m: dict[str, Any], vocab: int, padded: int, fused: bool = False) -> list[Piece]:
+    """Every tensor of the model ``m`` (our fields) as pieces of ``family``, in HF's order (``fused``:
+    experts in transformers 5's fused tensors, see ``_moe_mlp``)."""
     if family == "gpt2":
         return gpt2_pieces(m, m["num_layers"], vocab, padded)
-    return llama_pieces(m, m["num_layers"], vocab, padded, family)
+    return llama_pieces(m, m["num_layers"], vocab, padded, family, fused)
