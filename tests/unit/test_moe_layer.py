@@ -236,3 +236,24 @@ def test_bf16_layer_close_to_fp32(dispatcher: str, grouped: bool) -> None:
     _, map32 = layer32.router(x.float())
     assert torch.equal(map16, map32)
     assert_close(y16.float(), y32, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recomputed_layer_gives_the_same_gradients(dispatcher: str, reentrant: bool) -> None:
+    """The whole layer under activation checkpointing (``--recompute-modules moe``)."""
+    layer = MoELayer(moe_config(moe_token_dispatcher_type=dispatcher, moe_shared_expert_intermediate_size=12))
+    fill_(layer, 7)
+    gen = torch.Generator().manual_seed(8)
+    x, dy = torch.randn(6, 2, H, generator=gen), torch.randn(6, 2, H, generator=gen)
+    plain = _grads(layer, x, lambda t: layer(t)[0], dy)
+    recomputed = _grads(
+        layer,
+        x,
+        lambda t: torch.utils.checkpoint.checkpoint(lambda u: layer(u)[0], t, use_reentrant=reentrant),
+        dy,
+    )
+    assert_close(recomputed[0], plain[0], rtol=0, atol=0)
+    assert_close(recomputed[1], plain[1], rtol=0, atol=0)
+    for name in plain[2]:
+        assert_close(recomputed[2][name], plain[2][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
