@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.testing import assert_close
 
 from megatron.core.config_utils import ConfigError
