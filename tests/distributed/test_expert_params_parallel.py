@@ -28,7 +28,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.parallel_state import ParallelState, RankGrid, build_parallel_state
 from megatron.core.tensor_parallel.init import init_param_, set_init_attrs
 from megatron.core.tensor_parallel.mappings import gather_from_sp, reduce_scatter_to_sp
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.module import MegatronModule, shard_of
 from megatron.core.transformer.moe.expert_params import tag_expert_param
 
 WORLD, E, H, T, MICRO, STEPS = 4, 4, 8, 3, 2, 3  # ranks, experts, hidden, tokens per rank
@@ -204,7 +204,44 @@ def _body(_: ParallelState, ckpt: str) -> dict[str, Any]:
         opt.load_sharded_state_dict(loaded["optimizer"])
         results[f"loaded ep{ep}"] = _max_err(ddp, ref["weights1"])
         results[f"resumed ep{ep} {name}"] = _step(model, ddp, opt, 2, ref)
+    results.update(_etp_reshard(ckpt + "_etp"))
     return results
+
+
+def _swiglu_fc1(ps: ParallelState, value: float | None = None) -> torch.Tensor:
+    """An fc1-like expert weight ``[E_local, 2F / etp, H]`` ([gate; up] split separately), F = 4."""
+    w = torch.empty(E // ps.ep_size, 8 // ps.expt_tp_size, H, device=device())
+    tag_expert_param(
+        w,
+        num_experts=E,
+        ep_rank=ps.ep_rank,
+        ep_size=ps.ep_size,
+        etp_rank=ps.expt_tp_rank,
+        init_std=0.3,
+        partition_dim=1,
+        partition_size=ps.expt_tp_size,
+        partition_stride=2,
+    )
+    if value is None:
+        init_param_(w, "fc1", seed=3)
+    else:
+        w.fill_(value)
+    return w
+
+
+def _etp_reshard(ckpt: str) -> dict[str, float]:
+    """An ep2 x etp2 checkpoint of a strided expert weight loads under ep1 / ep4 with etp 1 and
+    under ep1 x etp2: each rank gets the values its own layout initialises."""
+    ps = build_parallel_state(ep=2, etp=2)
+    w = _swiglu_fc1(ps)
+    dist_checkpointing.save({"w": shard_of("fc1", w, 0, 0, ps.expt_dp_rank)}, ckpt)
+    errors = {}
+    for ep, etp in ((1, 1), (4, 1), (1, 2)):
+        ps = build_parallel_state(ep=ep, etp=etp)
+        w = _swiglu_fc1(ps, value=float("nan"))
+        dist_checkpointing.load({"w": shard_of("fc1", w, 0, 0, ps.expt_dp_rank)}, ckpt)
+        errors[f"etp reshard ep{ep} etp{etp}"] = float((w - _swiglu_fc1(ps)).abs().max())
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +279,11 @@ def test_gradients_norm_and_steps_match_one_process(results, ep: int, config: st
 def test_params_norm_matches_one_process(results) -> None:
     norms = _all(results, "params_norm")
     assert all(v < 1e-4 for v in norms.values()), norms
+
+
+def test_ep2_etp2_checkpoint_loads_under_other_ep_and_etp(results) -> None:
+    errors = _all(results, "etp reshard")
+    assert all(v == 0.0 for v in errors.values()), errors
 
 
 def test_ep2_checkpoint_resumes_under_ep1_ep2_and_ep4(results) -> None:
