@@ -1,7 +1,8 @@
 """The MoE layer under expert, expert-tensor and tensor (sequence) parallelism, with both token
 dispatchers, equals the one-rank layer on the same logical experts and the same global tokens:
 output, input gradient and every weight gradient (fp32, 1e-5); with capacity dropping or padding
-(per-rank capacity) the one-rank layer on each rank's tokens. One spawn of 4 gloo ranks runs
+(per-rank capacity) the one-rank layer on each rank's tokens. The initialisation from the parameter
+tags gives each rank its slice of the one-rank layer's values. One spawn of 4 gloo ranks runs
 every layout in turn, each with its own groups."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.testing import assert_close
 from megatron.core.config_utils import ConfigError
 from megatron.core.parallel_state import ParallelState
 from megatron.core.parallel_state_grid import build_parallel_state
+from megatron.core.tensor_parallel.init import init_param_
 from megatron.core.transformer.moe.groups import MoEGroups
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -166,12 +168,30 @@ def _case(
         assert_close(grad, _shard(name, dw_ref[name], ps), **TOL, msg=lambda m, n=name: f"d{n} {what}: {m}")
 
 
+def _init_is_layout_invariant(ps: ParallelState, tp: int) -> None:
+    """The model's initialisation (``init_param_`` from the tags) gives each rank the slice of the
+    one-rank layer's values."""
+    cfg = dict(moe_shared_expert_intermediate_size=SHARED, moe_shared_expert_gate=True)
+    ref = MoELayer(moe_config(**cfg))
+    layer = MoELayer(
+        moe_config(sequence_parallel=tp > 1, **cfg),
+        tp_group=ps.tp_group,
+        sequence_parallel=tp > 1,
+        moe_groups=MoEGroups.of(ps),
+    )
+    for (name, full), (_, mine) in zip(ref.named_parameters(), layer.named_parameters(), strict=True):
+        init_param_(full, name, seed=3)
+        init_param_(mine, name, seed=3, tp_rank=ps.tp_rank)
+        assert_close(mine, _shard(name, full, ps), rtol=0, atol=0, msg=lambda m, n=name: f"init {n}: {m}")
+
+
 def _all_layouts(ps0: ParallelState) -> None:
     weights = _logical(0)
     gen = torch.Generator().manual_seed(1)
     x, dy = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
     for i, (tp, ep, etp) in enumerate(LAYOUTS):
         ps = build_parallel_state(tp=tp, ep=ep, etp=etp)
+        _init_is_layout_invariant(ps, tp)
         for j, dispatcher in enumerate(("allgather", "alltoall")):
             _case(ps, tp, dispatcher, (i + j) % 2 == 1, None, weights, x, dy)
             if (tp, ep, etp) in CAPACITY_LAYOUTS:
