@@ -21,10 +21,8 @@ NUM_LAYERS = 2
 
 
 def _config(**moe: object) -> TransformerConfig:
-    cfg = TransformerConfig(num_layers=NUM_LAYERS, hidden_size=H, num_attention_heads=1)
-    for k, v in ({"num_moe_experts": E, "moe_router_topk": 2} | moe).items():
-        setattr(cfg, k, v)
-    return cfg
+    fields = {"num_moe_experts": E, "moe_router_topk": 2} | moe
+    return TransformerConfig(num_layers=NUM_LAYERS, hidden_size=H, num_attention_heads=1, **fields)
 
 
 def _run(router: TopKRouter, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:

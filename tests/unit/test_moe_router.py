@@ -28,13 +28,8 @@ LOGITS = [
 
 
 def make_config(**moe: object) -> TransformerConfig:
-    """A config with experts. The MoE fields are set after construction: TransformerConfig still
-    refuses ``num_moe_experts`` at construction until the trainer integration lifts it."""
-    cfg = TransformerConfig(num_layers=4, hidden_size=E, num_attention_heads=1)
     fields = {"num_moe_experts": E, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.0} | moe
-    for k, v in fields.items():
-        setattr(cfg, k, v)
-    return cfg
+    return TransformerConfig(num_layers=4, hidden_size=E, num_attention_heads=1, **fields)
 
 
 def make_router(layer_number: int = 1, **moe: object) -> TopKRouter:
@@ -537,8 +532,12 @@ def test_dropped_fraction_is_logged() -> None:
     ],
 )
 def test_router_config_errors_name_the_field(fields: dict, param: str) -> None:
+    # The router checks its own fields (a config built without TransformerConfig's validation).
+    cfg = make_config()
+    for k, v in fields.items():
+        setattr(cfg, k, v)
     with pytest.raises(ConfigError) as err:
-        TopKRouter(make_config(**fields))
+        TopKRouter(cfg)
     assert param in err.value.params and param in str(err.value)
 
 
@@ -580,3 +579,19 @@ def test_reset_buffers_after_materialising_a_meta_router() -> None:
     for name in ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert", "ga_steps"):
         buf = getattr(router, name)
         assert buf.device.type == "cpu" and buf.dtype == torch.float32 and buf.abs().sum() == 0
+
+
+def test_metrics_report_only_what_this_step_recorded() -> None:
+    # A loss recorded in an earlier step (and a model with another layer count) is not reported.
+    TopKRouter(make_config(moe_aux_loss_coeff=0.1)).train()(torch.tensor(LOGITS, requires_grad=True))
+    mu.track_moe_metrics(1.0)
+    cfg = make_config(moe_z_loss_coeff=0.1)
+    cfg.num_layers = 2
+    router = TopKRouter(cfg, layer_number=2)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))
+    router.train()
+    router(torch.tensor(LOGITS, requires_grad=True))
+    out = mu.track_moe_metrics(1.0)
+    assert "load_balancing_loss" not in out
+    assert out["z_loss"] == pytest.approx(float(_z_reference(torch.tensor(LOGITS), 1.0)) / 2)

@@ -248,6 +248,7 @@ class _Entry:
     reduce_group: ProcessGroup | None = None  # summed over it at log time
     avg_group: ProcessGroup | None = None  # then averaged over it
     needs_dp_avg: bool = True  # then averaged over the data-parallel group
+    live: bool = False  # recorded (or force-initialised) since the last clear
 
 
 _AUX_LOSSES: dict[str, _Entry] = {}
@@ -281,6 +282,7 @@ def _record(
     if entry is None or entry.values.shape != shape or entry.values.device != value.device:
         entry = table[name] = _Entry(torch.zeros(shape, device=value.device))
     entry.values[layer_number - 1] += value
+    entry.live = True
     entry.reduce_group, entry.avg_group, entry.needs_dp_avg = reduce_group, avg_group, needs_dp_avg
 
 
@@ -339,11 +341,19 @@ def clear_aux_losses_tracker() -> None:
     """Zero every recorded loss and statistic (entries and their storage are reused)."""
     for entry in (*_AUX_LOSSES.values(), *_STATS.values()):
         entry.values.zero_()
+        entry.live = False
+
+
+def _live(table: dict[str, _Entry]) -> list[str]:
+    """Names recorded since the last clear, sorted (every rank reduces them in the same order)."""
+    return sorted(n for n, e in table.items() if e.live)
 
 
 def _ensure(table: dict[str, _Entry], name: str, shape: tuple[int, ...], device: torch.device) -> None:
-    if name not in table:
-        table[name] = _Entry(torch.zeros(shape, device=device))
+    entry = table.get(name)
+    if entry is None or entry.values.shape != shape:
+        entry = table[name] = _Entry(torch.zeros(shape, device=device))
+    entry.live = True
 
 
 def reduce_aux_losses_tracker_across_ranks(
@@ -354,9 +364,10 @@ def reduce_aux_losses_tracker_across_ranks(
     """Reduce the recorded values in place: sum over ``pp_group`` (stages hold different layers'
     rows), sum over each entry's reduce group, average over its avg group, then average over
     ``dp_group`` where the entry asks for it. Every rank of these groups must call this with the
-    same names (see ``track_moe_metrics``'s ``force_initialize``)."""
-    names = list(_AUX_LOSSES) if track_names is None else list(track_names)
-    entries = [_AUX_LOSSES[n] for n in names if n in _AUX_LOSSES] + [_STATS[n] for n in sorted(_STATS)]
+    same names (see ``track_moe_metrics``'s ``force_initialize``). Default: the losses recorded
+    since the last clear; the recorded statistics always."""
+    names = _live(_AUX_LOSSES) if track_names is None else list(track_names)
+    entries = [_AUX_LOSSES[n] for n in names if n in _AUX_LOSSES] + [_STATS[n] for n in _live(_STATS)]
     for e in entries:
         if group_size(pp_group) > 1:
             dist.all_reduce(e.values, group=pp_group)
@@ -383,7 +394,7 @@ def num_moe_layers(num_layers: int, moe_layer_freq: int | list[int] | None = Non
 def _stat_metrics(per_layer_logging: bool) -> dict[str, float]:
     """Imbalance (max / mean tokens per expert) and the dropped fraction from the reduced stats."""
     out: dict[str, float] = {}
-    if "tokens_per_expert" not in _STATS:
+    if set(STAT_NAMES) - set(_live(_STATS)):
         return out
     counts = _STATS["tokens_per_expert"].values  # [L, E]
     layers = (counts.sum(dim=1) > 0).nonzero().flatten().tolist()
@@ -437,7 +448,7 @@ def track_moe_metrics(
         num_layers, moe_layer_freq: the model's layers and MoE pattern (the average's divisor);
             default: the number of recorded layers.
     """
-    names = list(_AUX_LOSSES) if track_names is None else list(track_names)
+    names = _live(_AUX_LOSSES) if track_names is None else list(track_names)
     if force_initialize:
         assert num_layers is not None and num_experts is not None
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -451,10 +462,14 @@ def track_moe_metrics(
     present = [n for n in names if n in _AUX_LOSSES]
     out: dict[str, float] = {}
     if present:
-        table = torch.stack([_AUX_LOSSES[n].values.float() for n in present]) * loss_scale  # [N, L]
-        divisor = num_moe_layers(num_layers, moe_layer_freq) if num_layers else table.shape[1]
-        rows = table.cpu().tolist()  # the one host sync for the losses
-        for n, row in zip(present, rows):
+        values = [_AUX_LOSSES[n].values.float() for n in present]  # [L] each
+        flat = (torch.cat(values) * loss_scale).cpu().tolist()  # the one host sync for the losses
+        starts = [0]
+        for t in values:
+            starts.append(starts[-1] + t.numel())
+        for n, a, b in zip(present, starts, starts[1:]):
+            row = flat[a:b]
+            divisor = num_moe_layers(num_layers, moe_layer_freq) if num_layers else len(row)
             out[n] = sum(row) / max(divisor, 1)
             if total_loss_dict is not None:
                 total_loss_dict[n] = total_loss_dict.get(n, 0.0) + out[n]
