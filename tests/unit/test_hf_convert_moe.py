@@ -420,3 +420,57 @@ def test_checkpoint_saved_under_expert_parallelism_converts(tmp_path, capsys):
     original, again = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
     assert sorted(again) == sorted(original)
     assert all(torch.equal(again[k], v) for k, v in original.items())
+
+
+def _resave_gpt_model_under_ep2(_, ckpt: str, out: str) -> None:
+    """Each of 2 ranks builds our GPTModel under ep2 (2 of the 4 experts each), loads the one-process
+    checkpoint ``ckpt`` into it and saves it again through the training's save_checkpoint."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.parallel_state import build_parallel_state
+    from megatron.training.checkpoint_tool import model_check
+    from megatron.training.checkpoint_tool.reader import SavedCheckpoint
+    from megatron.training.checkpointing import save_checkpoint
+
+    ps = build_parallel_state(ep=2)
+    saved = SavedCheckpoint(ckpt)
+    cfg = model_check.transformer_config(model_check.model_fields(saved))
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    model = GPTModel(cfg, spec, 256, 64, parallel_output=False, device="cpu", parallel_state=ps)
+    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, saved.dir)["model"])
+    extra = {k: v for k, v in saved.common.items() if k not in ("checkpoint_contents", "finite")}
+    save_checkpoint(
+        out,
+        0,
+        model.sharded_state_dict(),
+        extra_state=extra,
+        save_optim=False,
+        save_rng=False,
+        parallel_state=ps,
+    )
+
+
+@pytest.mark.skipif(not _gpt_model_builds_experts(), reason="GPTModel's layer specs build no MoE layer yet")
+def test_gpt_model_checkpoint_saved_under_expert_parallelism_converts(tmp_path, capsys):
+    """Our GPTModel saved under ep2 (each expert tensor two blocks of the global [E, ...] tensor)
+    exports with the logits check passing and the original HF files bit-exactly."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    from harness import run_distributed
+
+    from megatron.training.checkpoint_tool.reader import SavedCheckpoint
+
+    hf = make_hf("qwen2_moe")
+    src, ours, ep2, back = tmp_path / "src", tmp_path / "ours", tmp_path / "ep2", tmp_path / "back"
+    hf.save_pretrained(src)
+    assert convert("--input", str(src), "--output", str(ours), "--to", "megatron", "--no-check") == 0
+    run_distributed(_resave_gpt_model_under_ep2, world_size=2, kwargs=dict(ckpt=str(ours), out=str(ep2)))
+    ckpt = SavedCheckpoint(str(ep2))
+    key = "decoder.layers.1.mlp.experts.linear_fc2.weight"
+    blocks = sorted(tuple(c.offsets) for c in ckpt.metadata.state_dict_metadata[key].chunks)
+    assert blocks == [(0, 0, 0), (E // 2, 0, 0)]  # saved by the two expert-parallel ranks
+    assert convert("--input", str(ep2), "--output", str(back), "--to", "hf") == 0
+    assert "logits check: largest absolute logit difference" in capsys.readouterr().out
+    original, again = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(again) == sorted(original)
+    assert all(torch.equal(again[k], v) for k, v in original.items())
