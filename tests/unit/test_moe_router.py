@@ -595,3 +595,21 @@ def test_metrics_report_only_what_this_step_recorded() -> None:
     out = mu.track_moe_metrics(1.0)
     assert "load_balancing_loss" not in out
     assert out["z_loss"] == pytest.approx(float(_z_reference(torch.tensor(LOGITS), 1.0)) / 2)
+
+
+def test_aux_loss_names_are_what_the_router_records() -> None:
+    from megatron.core.transformer.moe.router import aux_loss_names
+
+    cfg = make_config(
+        moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+        moe_aux_loss_coeff=[0.1, 0.0, 0.2],
+        moe_z_loss_coeff=0.01,
+    )
+    names = aux_loss_names(cfg)
+    assert names == ["load_balancing_loss", "global_load_balancing_loss", "z_loss"]
+    router = TopKRouter(cfg)
+    router.train()
+    router(torch.randn(3, 2, E, requires_grad=True))
+    assert sorted(
+        n for n, e in mu.get_moe_layer_wise_logging_tracker().items() if e["values"].any()
+    ) == sorted(names)

@@ -65,6 +65,13 @@ def _balancing_coeffs(config: Any) -> dict[str, float]:
     return {t: float(c) for t, c in zip(types, coeffs) if t != "none" and c > 0}
 
 
+def aux_loss_names(config: Any) -> list[str]:
+    """The tracker names the routers of ``config`` record (``track_moe_metrics``' ``track_names``:
+    every pipeline stage must reduce the same ones)."""
+    names = [_LOSS_NAMES[t] for t in _balancing_coeffs(config)]
+    return names + (["z_loss"] if config.moe_z_loss_coeff else [])
+
+
 def check_router_config(config: Any) -> None:
     """Raise ``ConfigError`` naming the field for a router setting this router cannot run."""
     num_experts, topk = config.num_moe_experts, config.moe_router_topk
