@@ -13,6 +13,7 @@ gradient is that loss's gradient. The tracker sums the shares over the group whe
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -253,6 +254,9 @@ class _Entry:
 
 _AUX_LOSSES: dict[str, _Entry] = {}
 _STATS: dict[str, _Entry] = {}
+# Routers with per-step bookkeeping (graph-less first passes awaiting their recompute), reset with
+# the tracker: a recompute never crosses a step.
+ROUTERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 # Names of the losses and statistics the router records (Megatron-Core's loss names).
 AUX_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss")
@@ -338,10 +342,13 @@ def get_moe_stats_tracker() -> dict[str, dict[str, Any]]:
 
 
 def clear_aux_losses_tracker() -> None:
-    """Zero every recorded loss and statistic (entries and their storage are reused)."""
+    """Zero every recorded loss and statistic (entries and their storage are reused); call once
+    per step (``track_moe_metrics`` does)."""
     for entry in (*_AUX_LOSSES.values(), *_STATS.values()):
         entry.values.zero_()
         entry.live = False
+    for router in ROUTERS:
+        router._unrecorded_passes = 0
 
 
 def _live(table: dict[str, _Entry]) -> list[str]:

@@ -159,6 +159,7 @@ class TopKRouter(nn.Module):
         self.groups = groups or MoEGroups()
         self.layer_number = layer_number
         self._unrecorded_passes = 0
+        moe_utils.ROUTERS.add(self)
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.score_function = config.moe_router_score_function
