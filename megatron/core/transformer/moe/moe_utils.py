@@ -221,9 +221,7 @@ def apply_router_token_dropping(
     capacity = min(get_capacity(num_tokens * router_topk, num_experts, capacity_factor), num_tokens)
     if drop_policy == "probs":
         # Routed tokens rank by probability (> 0 for every score function); unrouted ones after.
-        key = torch.where(
-            routing_map, routing_probs.float(), torch.full_like(routing_probs, -1.0, dtype=torch.float32)
-        )
+        key = torch.where(routing_map, routing_probs, torch.full_like(routing_probs, -1.0))
     elif drop_policy == "position":
         key = routing_map.float()
     else:
