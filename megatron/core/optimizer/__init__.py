@@ -213,7 +213,7 @@ def get_megatron_optimizer(
         if _has_experts(model_chunks):
             # Expert shards differ along ep, which the model-parallel group does not span: sum over
             # the world, each gradient counted on its first data-parallel replica only.
-            pg = model_chunks[0].pg  # type: ignore[union-attr]
+            pg: parallel_state.ParallelState = model_chunks[0].pg  # type: ignore[assignment]
             grad_stats_group, replicas = dist.group.WORLD, (pg.dp_cp_rank, pg.expt_dp_rank)
         return MegatronOptimizer(
             config, groups, _make_grad_scaler(config), grad_stats_group, tp_rank, replica_ranks=replicas
