@@ -239,6 +239,20 @@ def test_qwen_dense_layers_are_a_layer_pattern(tmp_path):
     ]
 
 
+def test_experts_default_to_the_ffn_hidden_size(tmp_path):
+    """A trained checkpoint without --moe-ffn-hidden-size has experts of --ffn-hidden-size."""
+    hf = make_hf("mixtral")
+    _, fields, _ = hf_families.fields_from_hf(hf.config)
+    fields = {**fields, "moe_ffn_hidden_size": None, "ffn_hidden_size": F_MOE}
+    assert (
+        hf_families.hf_config("mixtral", fields, VOCAB, 64, "float32", None, None)["intermediate_size"]
+        == F_MOE
+    )
+    disk = saved_tensors(hf, tmp_path)
+    back = to_hf("mixtral", fields, to_ours("mixtral", fields, disk))
+    assert all(torch.equal(back[k], v) for k, v in disk.items())
+
+
 def test_features_a_moe_family_cannot_express_are_named():
     _, base, _ = hf_families.fields_from_hf(make_hf("mixtral").config)
     cases = [

@@ -75,6 +75,12 @@ def moe_layer_pattern(m: dict[str, Any]) -> list[int]:
     raise ToolError(f"--moe-layer-freq {freq!r}: give an int or a list of {num_layers} zeros and ones")
 
 
+def moe_ffn(m: dict[str, Any]) -> int:
+    """The experts' hidden size: ``moe_ffn_hidden_size``, else ``ffn_hidden_size`` (Megatron's default)."""
+    size = m.get("moe_ffn_hidden_size")
+    return int(size if size is not None else m["ffn_hidden_size"])
+
+
 def _aux_coeff(m: dict[str, Any]) -> float:
     coeff = m.get("moe_aux_loss_coeff") or 0.0
     return float(coeff[0] if isinstance(coeff, (list, tuple)) else coeff)
@@ -144,7 +150,7 @@ def moe_hf_config(family: str, m: dict[str, Any], base: dict[str, Any]) -> dict[
     experts, topk = m["num_moe_experts"], m["moe_router_topk"]
     if family == "mixtral":
         out.update(
-            intermediate_size=m["moe_ffn_hidden_size"],
+            intermediate_size=moe_ffn(m),
             num_local_experts=experts,
             num_experts_per_tok=topk,
             router_jitter_noise=float(m.get("moe_input_jitter_eps") or 0.0),
@@ -153,7 +159,7 @@ def moe_hf_config(family: str, m: dict[str, Any], base: dict[str, Any]) -> dict[
         return out
     pattern = moe_layer_pattern(m)
     out.update(
-        moe_intermediate_size=m["moe_ffn_hidden_size"],
+        moe_intermediate_size=moe_ffn(m),
         num_experts=experts,
         num_experts_per_tok=topk,
         norm_topk_prob=not m.get("moe_router_pre_softmax"),
@@ -222,7 +228,7 @@ def moe_model_flags(m: dict[str, Any]) -> list[str]:
         return []
     flags = [
         f"--num-experts {m['num_moe_experts']}",
-        f"--moe-ffn-hidden-size {m['moe_ffn_hidden_size']}",
+        f"--moe-ffn-hidden-size {moe_ffn(m)}",
         f"--moe-router-topk {m['moe_router_topk']}",
     ]
     if m.get("moe_router_pre_softmax"):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron.training.checkpoint_tool.hf_moe import moe_layer_pattern
+from megatron.training.checkpoint_tool.hf_moe import moe_ffn, moe_layer_pattern
 
 Tensors = list[torch.Tensor]
 
@@ -167,7 +167,7 @@ def _moe_mlp(family: str, m: dict[str, Any], ours: str, hf: str, fused: bool = F
     HF's under ``hf`` (``model.layers.{i}.``); ``fused``: the experts as transformers 5 holds them in
     memory (``mlp.experts.gate_up_proj`` / ``down_proj``, what ``save_pretrained(...,
     save_original_format=False)`` writes), else one tensor per expert."""
-    num_experts, ffn = m["num_moe_experts"], m["moe_ffn_hidden_size"]
+    num_experts, ffn = m["num_moe_experts"], moe_ffn(m)
     block = hf + ("block_sparse_moe." if family == "mixtral" and not fused else "mlp.")
     fc1_hf, fc1_ours, fc2_hf, fc2_ours = _experts(num_experts, ffn, m["hidden_size"])
     if fused:
