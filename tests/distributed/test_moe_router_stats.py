@@ -61,6 +61,7 @@ def _check_layout(
     gen = torch.Generator().manual_seed(0)
     x, g = torch.randn(S, B, H, generator=gen), torch.randn(S * B, E, generator=gen)
     mu.MoEAuxLossAutoScaler.set_loss_scale(1.0)
+    mu.clear_aux_losses_tracker()  # a forked rank inherits the parent's tracker
 
     ref_router = TopKRouter(_config(sequence_parallel=False, **case))  # same init: seeded by layer
     ref = _run(ref_router, x, g)
