@@ -33,6 +33,7 @@ from megatron.core.fusions.fp8 import (
 )
 from megatron.core.fusions.kernels import kernel_report, sdpa_backend
 from megatron.core.fusions.triton import KERNELS, TritonKernels, self_check
+from megatron.core.transformer.moe_config_fields import moe_layer_pattern
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 # The SwiGLU activation: the torch ops (autograd's backward), or the autograd function whose backward
@@ -110,6 +111,8 @@ class ExecutionPlan:
             ``(name, why it does not run)``, for every name of ``fusions.triton_kernels.KERNELS``.
         interpret: Triton's interpreter runs the kernels on CPU tensors (``TRITON_INTERPRET=1``).
         fp8: the FP8 GEMMs, or None (every GEMM in the model's dtype).
+        moe_layers: the global 1-based numbers of the layers whose MLP is an ``MoELayer`` (the
+            config's ``num_moe_experts`` with ``moe_layer_freq``'s pattern); empty for a dense model.
     """
 
     config: TransformerConfig = dataclasses.field(compare=False, repr=False)
@@ -125,6 +128,7 @@ class ExecutionPlan:
     triton_checks: tuple[tuple[str, str | None], ...] = ()
     interpret: bool = False
     fp8: Fp8Plan | None = None
+    moe_layers: frozenset[int] = frozenset()
 
     @classmethod
     def plain(cls, config: TransformerConfig, tp_size: int = 1) -> ExecutionPlan:
@@ -136,6 +140,7 @@ class ExecutionPlan:
             attention="context_parallel" if getattr(config, "context_parallel_size", 1) > 1 else "sdpa",
             cross_entropy=_cross_entropy_path(config, tp_size, "cpu", False, False),
             triton_checks=tuple((k, "no self-check was run (a plan without resolve())") for k in KERNELS),
+            moe_layers=moe_layer_numbers(config),
         )
 
     @property
@@ -205,6 +210,10 @@ def resolve(
         # Not compiled: the layer would break its graph at every key/value exchange, and compiled
         # layers with context parallelism have not run on several GPUs here.
         reason = "context parallelism (its attention exchanges keys and values between ranks)"
+    moe_layers = moe_layer_numbers(config)
+    if moe_layers and not reason:
+        # Not compiled: the tokens each expert gets change every step (data-dependent shapes).
+        reason = "mixture of experts (the tokens per expert change every step)"
     helpers = cuda and torch_compile
     swiglu = "triton" if config.activation == "swiglu" and cuda and "swiglu" in passed else "torch"
     n_q, n_kv = config.num_attention_heads // tp_size, max(1, _known(config.num_query_groups) // tp_size)
@@ -227,7 +236,13 @@ def resolve(
         triton_checks=tuple((k, checks.get(k, "not checked")) for k in KERNELS),
         interpret=interpret,
         fp8=_fp8_plan(config, device, tp_size, fp8_emulate and device.type == "cpu"),
+        moe_layers=moe_layers,
     )
+
+
+def moe_layer_numbers(config: TransformerConfig) -> frozenset[int]:
+    """The global 1-based numbers of the MoE layers of ``config`` (``moe_layer_pattern``)."""
+    return frozenset(i + 1 for i, moe in enumerate(moe_layer_pattern(config)) if moe)
 
 
 def _known(value: int | None) -> int:

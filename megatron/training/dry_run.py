@@ -16,6 +16,7 @@ from megatron.training.memory_estimate import (
 )
 from megatron.training.memory_params import stage_params
 from megatron.training.validation import planned_world_size
+from megatron.training.validation_moe import expert_layout_line
 
 
 def dry_run(cfg, padded_vocab_size: int, log: Callable[[str], None] = print) -> None:
@@ -41,6 +42,8 @@ def dry_run(cfg, padded_vocab_size: int, log: Callable[[str], None] = print) -> 
             f"per rank; data-parallel size {data_parallel_size(cfg, world)} (world / (tp x pp x cp)); "
             "the figures below are per rank"
         )
+    if cfg.model.num_moe_experts:
+        log("  " + expert_layout_line(cfg, world) + "; the figures below are per rank")
     log(f"  parameters: {params.total:,} (padded vocabulary {padded_vocab_size})")
     log(f"  pipeline stage {busiest.pp_rank} (the largest peak), per GPU:")
     summary = {

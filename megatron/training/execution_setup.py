@@ -16,6 +16,7 @@ from megatron.core.fusions.compile import compile_layers
 from megatron.core.fusions.fp8 import EMULATE_ENV, AmaxReducer
 from megatron.core.parallel_state import ParallelState
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.training.validation_moe import expert_layout_line
 
 
 def resolve_plan(
@@ -78,8 +79,8 @@ def _comm_type_runs(types: list[str], num_layers: int) -> str:
     return "layers " + ", ".join(f"{a}-{b} {t}" if a != b else f"{a} {t}" for a, b, t in runs)
 
 
-def layout_lines(cfg: Any) -> list[str]:
-    """The start-up lines of the context-parallel layout (none without it) and, with
+def layout_lines(cfg: Any, world_size: int = 1) -> list[str]:
+    """The start-up lines of the context-parallel and expert layouts (none without them) and, with
     --reset-attention-mask, of the attention FLOPs convention of the logged TFLOP/s and MFU."""
     m, s = cfg.model, cfg.training.seq_length
     lines = []
@@ -94,6 +95,8 @@ def layout_lines(cfg: Any) -> list[str]:
             f"{s // (2 * cp)}, rank r holding chunks r and {2 * cp - 1}-r; comm type "
             f"{_comm_type_runs(types, m.num_layers)}{levels}; gradients reduced over dp x cp"
         )
+    if m.num_moe_experts:
+        lines.append(" > " + expert_layout_line(cfg, world_size))
     if cfg.data.reset_attention_mask:
         lines.append(
             " > attention FLOPs (TFLOP/s, MFU): full causal attention over each sequence, as Megatron counts "

@@ -11,6 +11,11 @@ TFLOP/s and MFU keep this convention. :func:`document_masked_floating_point_oper
 step's FLOPs with the attention the documents actually do (the sum over documents of L^2 instead of
 S^2 per sequence, halved for causal in the same way), a separate figure for the log. Context
 parallelism changes neither: it splits the same work over the cp ranks.
+
+Mixture of experts counts the experts a token actually runs through: in an MoE layer the k routed
+experts of F_moe and the shared experts F_sh (``moe_layer_freq``'s pattern says which layers),
+whatever the expert-parallel layout; dropped tokens and capacity padding are not subtracted or
+added (Megatron's convention), so MFU is on active parameters.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+from megatron.core.transformer.moe_config_fields import moe_layer_pattern
 
 
 @dataclass(frozen=True)
@@ -33,9 +40,17 @@ class FlopsShape:
     ffn_hidden_size: int
     padded_vocab_size: int
     swiglu: bool
+    num_moe_layers: int = 0
+    """Layers whose MLP is routed experts (``moe_layer_freq``'s pattern); the others are dense."""
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+    """Active routed experts per token (k) in an MoE layer."""
+    shared_expert_size: int = 0
+    """F_sh: the shared experts' hidden size (0: none), run on every token of an MoE layer."""
 
 
 def shape_from_config(config, padded_vocab_size: int) -> FlopsShape:
+    moe_layers = sum(moe_layer_pattern(config))
     return FlopsShape(
         config.num_layers,
         config.hidden_size,
@@ -45,7 +60,20 @@ def shape_from_config(config, padded_vocab_size: int) -> FlopsShape:
         config.ffn_hidden_size,
         padded_vocab_size,
         config.activation == "swiglu",
+        num_moe_layers=moe_layers,
+        moe_ffn_hidden_size=(config.moe_ffn_hidden_size or 0) if moe_layers else 0,
+        moe_router_topk=config.moe_router_topk if moe_layers else 0,
+        shared_expert_size=(config.moe_shared_expert_intermediate_size or 0) if moe_layers else 0,
     )
+
+
+def mlp_flops_per_token(shape: FlopsShape) -> int:
+    """The MLPs' 6 x MACs per token: dense layers F, MoE layers k routed experts of F_moe plus the
+    shared experts F_sh (the router's [h, E] GEMM is not counted, as in Megatron)."""
+    e = 3 if shape.swiglu else 2
+    dense = shape.num_layers - shape.num_moe_layers
+    routed = shape.moe_ffn_hidden_size * shape.moe_router_topk + shape.shared_expert_size
+    return 6 * shape.hidden_size * e * (shape.ffn_hidden_size * dense + routed * shape.num_moe_layers)
 
 
 def core_attention_flops(shape: FlopsShape, sum_squared_lengths: int) -> int:
@@ -59,10 +87,9 @@ def num_floating_point_operations(shape: FlopsShape, batch_size: int, seq_length
     """Model FLOPs of one step over ``batch_size`` samples of ``seq_length`` tokens."""
     h, L, d = shape.hidden_size, shape.num_layers, shape.kv_channels
     q_proj = d * shape.num_attention_heads
-    e = 3 if shape.swiglu else 2
     tokens = batch_size * seq_length
     per_token = (
-        6 * h * e * shape.ffn_hidden_size * L  # MLP
+        mlp_flops_per_token(shape)  # MLP: dense, routed (k active experts) and shared experts
         + 6 * (h * (q_proj + 2 * d * shape.num_query_groups) + q_proj * h) * L  # QKV + output projection
         + 6 * h * shape.padded_vocab_size  # logit layer
     )

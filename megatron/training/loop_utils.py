@@ -264,6 +264,7 @@ class IntervalLog:
         self.batches: list[tuple[int, float]] = []  # (global batch size, model FLOPs) of each step
         self.grad_norm: float | None = None
         self.num_zeros: float | None = None
+        self.moe: dict[str, float] = {}
 
     def record(
         self,
@@ -278,12 +279,14 @@ class IntervalLog:
         global_batch_size: int | None = None,
         flops: float | None = None,
         decoupled_lr: float | None = None,
+        moe: dict[str, float] | None = None,
     ) -> None:
         """One step's results: ``losses`` {name: (sum, count)}, the learning rate and loss scale that
         the step left behind, ``done`` (the ``perf_counter()`` time the step was seen finished), with
         ``--log-num-zeros-in-grad`` the number of zero gradient elements, and on a GPU the timing
         event recorded at the step's end. ``global_batch_size`` and ``flops`` are the step's (default
-        the trainer's constant ones); ``decoupled_lr`` the --decoupled-lr groups' learning rate."""
+        the trainer's constant ones); ``decoupled_lr`` the --decoupled-lr groups' learning rate;
+        ``moe`` the MoE losses and routing statistics since the last line (``moe_metrics``)."""
         self.steps.append((losses, success))
         tr = self.trainer
         self.batches.append(
@@ -298,6 +301,8 @@ class IntervalLog:
             self.grad_norm = grad_norm
         if num_zeros is not None:
             self.num_zeros = num_zeros
+        if moe:
+            self.moe = moe
 
     def flush(self) -> None:
         tr = self.trainer
@@ -334,6 +339,7 @@ class IntervalLog:
             skipped_iterations=skipped,
             nan_iterations=nan,
             params_norm=params_norm,
+            moe=self.moe,
         )
         print_rank_last(format_iteration_line(tr.state.iteration, tr.train_iters, stats))
         scalars = {
@@ -349,6 +355,7 @@ class IntervalLog:
             "skipped-iterations": skipped,
             "nan-iterations": nan,
             **avg,
+            **self.moe,
         }
         if self.num_zeros is not None:
             scalars["num-zeros"] = self.num_zeros

@@ -23,6 +23,7 @@ from megatron.core.fusions.fp8 import FP8_LINEAR_NAMES
 from megatron.core.fusions.linear_cross_entropy import chunk_tokens
 from megatron.core.fusions.triton import KERNELS
 from megatron.core.transformer.context_parallel.layout import comm_type_of_layer
+from megatron.core.transformer.moe_config_fields import moe_layer_pattern
 from megatron.training.memory_params import StageParams
 
 
@@ -177,12 +178,38 @@ def layer_activation_bytes(
     dropout = m.hidden_dropout > 0
     total += 2 * ts * h * kernels.mask_bytes if dropout else 0.0  # the two residual-branch dropouts
     total += ts * h * p + ts * norm_stats * kernels.stat_bytes  # pre_mlp_layernorm: the mid residual
+    if moe_layer_pattern(m)[layer_number - 1]:
+        return total + moe_mlp_bytes(cfg, x, kernels)
     total += linear_input("linear_fc1", t * h)
-    f = x.ffn
-    total += t * f * (2 if x.gated else 1) * p  # fc1's output, saved by the activation
+    total += mlp_bytes(x, kernels, t, x.ffn)
+    total += linear_input("linear_fc2", t * x.ffn)  # the activation's output
+    return total
+
+
+def mlp_bytes(x: Shape, kernels: Kernels, rows: float, ffn: int) -> float:
+    """What an MLP of ``ffn`` channels (on this rank) saves between fc1 and fc2 for ``rows`` tokens:
+    fc1's output, and silu(gate) where the SwiGLU kernel saves it."""
+    total = rows * ffn * (2 if x.gated else 1) * x.p  # fc1's output, saved by the activation
     if x.gated and kernels.swiglu_saves_output:
-        total += t * f * p  # silu(gate), saved by the product
-    total += linear_input("linear_fc2", t * f)  # the activation's output
+        total += rows * ffn * x.p  # silu(gate), saved by the product
+    return total
+
+
+def moe_mlp_bytes(cfg, x: Shape, kernels: Kernels) -> float:
+    """An MoE layer's saved tensors for one micro-batch on one rank: the normed input, the router's
+    fp32 logits, scores and routing weights ``[T, E]``, the routed rows (each of the ``T`` tokens
+    the linears see goes to k experts; balanced, a rank's local experts take ``T x k`` rows whatever
+    ep) with their expert MLP of F_moe / etp and fc2's output (for the routing weights' gradient),
+    and the shared experts' MLP of F_sh / tp on every token."""
+    m, t, h, p = cfg.model, x.tokens, x.hidden, x.p
+    rows = t * m.moe_router_topk
+    total = t * h * p + 3 * t * m.num_moe_experts * 4.0  # normed input; logits, scores, weights
+    ffn = m.moe_ffn_hidden_size // m.expert_tensor_parallel_size
+    total += rows * h * p + mlp_bytes(x, kernels, rows, ffn) + rows * ffn * p + rows * h * p
+    shared = m.moe_shared_expert_intermediate_size
+    if shared:
+        total += mlp_bytes(x, kernels, t, shared // m.tensor_model_parallel_size)
+        total += t * (shared // m.tensor_model_parallel_size) * p  # fc2's input
     return total
 
 

@@ -4,7 +4,9 @@ Every tensor-, context- and data-parallel rank of a pipeline stage holds the sam
 (all virtual chunks of the rank together) describes every GPU. Context parallelism over ``N`` ranks
 divides every activation by ``N`` (each rank holds ``S / N`` tokens of a sequence); parameters,
 gradients and optimizer state are replicated over cp, except the distributed optimizer's and FSDP2's
-shards, which are over dp x cp. The terms follow how this code uses memory:
+shards, which are over dp x cp. Expert parameters hold this rank's E / ep experts split over
+expert-tp, and the distributed optimizer shards them over expert-dp; an MoE layer's activations count
+the routed rows (tokens x k, balanced). The terms follow how this code uses memory:
 
 * weights: the parameters in their dtype (with the distributed optimizer, the padded param buffer
   they are views of; with FSDP2, this rank's dim-0 shard in fp32, which is also the optimizer's main
@@ -174,6 +176,12 @@ def estimate(
     dp = data_parallel_size(cfg, world_size)
     microbatches = max(1, (t.global_batch_size or mbs * dp) // (mbs * dp))
     shape = activation_shape(cfg, mbs)
+    # Expert parameters are replicated over expert-dp = world / (etp x ep x pp) ranks.
+    expt_dp = max(
+        1,
+        world_size
+        // (m.expert_tensor_parallel_size * m.expert_model_parallel_size * m.pipeline_model_parallel_size),
+    )
     one_pass = cfg.optimizer.optimizer == "adam" and cfg.optimizer.use_fused_adam and not m.fp16
     rows = []
     for r, chunks in enumerate(params.chunks):
@@ -185,7 +193,7 @@ def estimate(
             work = backward_working_set(shape) if chunk.num_layers else 0.0
             # Gradients are reduced, and the distributed optimizer / FSDP2 shard, over dp x cp (the cp
             # ranks of a sequence hold replicas of every parameter).
-            static = chunk_static(cfg, chunk, dp * context_parallel_size(cfg), microbatches)
+            static = chunk_static(cfg, chunk, dp * context_parallel_size(cfg), microbatches, expt_dp)
             terms.append(ChunkTerms(acts + saved, recompute, fwd, bwd + work, lg, 0.0, 0.0))
             statics.append(static)
             logits += lg

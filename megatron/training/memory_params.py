@@ -3,7 +3,8 @@
 The whole model is built once on the meta device without tensor or pipeline splitting (no memory, a
 fraction of a second even for 70B shapes); each parameter is then assigned to the virtual stage that
 builds it (``TransformerConfig.pipeline_layout``) and sized for one tensor-parallel rank from its
-partitioning recipe (``partition_dim``, set by ``tensor_parallel.init.set_init_attrs``).
+partitioning recipe (``partition_dim``, set by ``tensor_parallel.init.set_init_attrs``); an expert
+parameter (``moe.expert_params``) holds this ep rank's E / ep experts, split over expert-tp.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from megatron.core.parallel_state import ParallelState, RankGrid
+from megatron.core.transformer.moe.expert_params import is_expert_param
 from megatron.training.gpt import model_provider
 
 # Replicated parameters fed by sequence-sharded activations: tagged ``sequence_parallel`` (their
@@ -32,6 +34,7 @@ class ParamInfo:
     rows: int  # dim 0 (what FSDP2 shards)
     sp_tagged: bool  # its gradient is reduced again after backward (no aliasing of a single gradient)
     tied_copy: bool = False  # the last stage's copy of the tied word embedding
+    expert: bool = False  # an expert parameter: its gradients reduced and its state sharded over expert-dp
 
 
 @dataclass
@@ -76,6 +79,8 @@ def _whole(model):
         num_layers_in_first_pipeline_stage=None,
         num_layers_in_last_pipeline_stage=None,
         microbatch_group_size_per_vp_stage=None,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1,
     )
 
 
@@ -85,15 +90,22 @@ def whole_model_on_meta(cfg, padded_vocab_size: int) -> list:
     return model_provider(whole, padded_vocab_size, ParallelState(grid=RankGrid(), rank=0), "meta")
 
 
-def _local(name: str, param, tp: int, sp: bool) -> ParamInfo:
+def _local(name: str, param, tp: int, sp: bool, ep: int = 1, etp: int = 1) -> ParamInfo:
+    """One rank's part of ``param`` of the whole model: split over tp along its partition dim, or,
+    an expert parameter (``[E, ...]``), its E / ep local experts split over etp."""
     dim = getattr(param, "partition_dim", -1)
     shape = list(param.shape)
-    if dim is not None and dim >= 0 and tp > 1:
-        shape[dim] //= tp
+    split = tp
+    if is_expert_param(param):
+        shape[0] //= ep
+        split = etp
+    if dim is not None and dim >= 0 and split > 1:
+        shape[dim] //= split
     numel = 1
     for n in shape:
         numel *= n
-    return ParamInfo(name, numel, shape[0] if shape else 1, sp and bool(_SP_TAGGED.search(name)))
+    sp_tagged = sp and bool(_SP_TAGGED.search(name))
+    return ParamInfo(name, numel, shape[0] if shape else 1, sp_tagged, expert=is_expert_param(param))
 
 
 def stage_params(cfg, padded_vocab_size: int, chunks: list | None = None) -> StageParams:
@@ -108,7 +120,7 @@ def stage_params(cfg, padded_vocab_size: int, chunks: list | None = None) -> Sta
     total = 0
     for name, param in model.named_parameters():
         total += param.numel()
-        info = _local(name, param, tp, sp)
+        info = _local(name, param, tp, sp, m.expert_model_parallel_size, m.expert_tensor_parallel_size)
         hit = _LAYER.match(name)
         if hit:
             layer_params.setdefault(int(hit.group(1)), []).append(info)

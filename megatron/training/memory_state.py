@@ -114,8 +114,9 @@ class StaticTerms:
     single_grads: int = 0
 
 
-def chunk_static(cfg, chunk, dp: int, microbatches: int) -> StaticTerms:
-    """Weights, gradient memory and optimizer state of one chunk on one rank."""
+def chunk_static(cfg, chunk, dp: int, microbatches: int, expt_dp: int | None = None) -> StaticTerms:
+    """Weights, gradient memory and optimizer state of one chunk on one rank; the distributed optimizer
+    shards dense parameters over ``dp`` (dp x cp) and expert parameters over ``expt_dp`` (default dp)."""
     p = dtype_bytes(cfg.model.params_dtype)
     main, moments = _optimizer_bytes_per_element(cfg)
     f = _offload_fraction(cfg)
@@ -135,13 +136,17 @@ def chunk_static(cfg, chunk, dp: int, microbatches: int) -> StaticTerms:
         out.gathered_in_flight = 0.0 if sharding == "optim_grads" else 2.0 * max(layers, default=0) * p
         out.backward_extra = max(layers, default=0) * (p + 4.0)
         return out
-    if cfg.ddp.use_distributed_optimizer and dp > 1:
-        buckets = padded_buckets(cfg, chunk.params, dp)
-        padded = sum(buckets)
+    expt_dp = dp if expt_dp is None else expt_dp
+    if cfg.ddp.use_distributed_optimizer and (dp > 1 or expt_dp > 1):
+        dense = [i for i in chunk.params if not i.expert]
+        experts = [i for i in chunk.params if i.expert]
+        dense_padded = sum(padded_buckets(cfg, dense, dp)) if dense else 0
+        expert_padded = sum(padded_buckets(cfg, experts, expt_dp)) if experts else 0
+        padded = dense_padded + expert_padded
         g = 4 if cfg.ddp.grad_reduce_in_fp32 else p
         out.weights = padded * p
         out.gradients_first = out.gradients_more = padded * g
-        owned = padded / dp
+        owned = dense_padded / dp + expert_padded / expt_dp
         out.optimizer = owned * (main + moments) * (1 - f)
         out.host = offload_host_bytes(owned * f, moments, staged)
         return out

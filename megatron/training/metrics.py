@@ -13,6 +13,8 @@ import time
 from collections import deque
 from datetime import datetime
 
+from megatron.training.moe_metrics import format_moe_metrics
+
 
 def format_iteration_line(it: int, train_iters: int, stats: dict) -> str:
     """One training log line: Megatron's fields in Megatron's order, plus tokens/s and MFU after the
@@ -31,6 +33,7 @@ def format_iteration_line(it: int, train_iters: int, stats: dict) -> str:
     parts.append(f"global batch size: {stats['global_batch_size']:5d}")
     for key, value in stats["losses"].items():
         parts.append(f"{key}: {value:.6E}")
+    parts += format_moe_metrics(stats.get("moe") or {})
     parts.append(f"loss scale: {stats['loss_scale']:.1f}")
     if stats.get("grad_norm") is not None:
         parts.append(f"grad norm: {stats['grad_norm']:.3f}")
@@ -169,3 +172,24 @@ class MetricsWriter:
             self.wandb.finish()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def writer_kwargs(cfg, world_size: int) -> dict:
+    """``MetricsWriter``'s sinks for a run: --tensorboard-dir, W&B, and the metrics file (default
+    ``metrics.jsonl`` in the TensorBoard or --save directory)."""
+    lg, ck = cfg.logger, cfg.checkpoint
+    metrics_file = lg.metrics_file
+    run_dir = lg.tensorboard_dir or ck.save
+    if metrics_file is None and run_dir:
+        metrics_file = os.path.join(run_dir, "metrics.jsonl")
+    return dict(
+        tensorboard_dir=lg.tensorboard_dir,
+        wandb_project=lg.wandb_project,
+        wandb_exp_name=lg.wandb_exp_name,
+        wandb_save_dir=lg.wandb_save_dir,
+        metrics_file=metrics_file,
+        run_config=cfg.to_dict(),
+        wandb_entity=lg.wandb_entity,
+        log_loss_scale=lg.log_loss_scale_to_tensorboard,
+        world_size=world_size if lg.log_world_size_to_tensorboard else None,
+    )

@@ -42,8 +42,9 @@ from megatron.training.loop_utils import (
     train_iters_of,
 )
 from megatron.training.memory_estimate import report_memory
-from megatron.training.metrics import MetricsWriter, format_validation
+from megatron.training.metrics import MetricsWriter, format_validation, writer_kwargs
 from megatron.training.model_wrapping import grad_stats_group, model_build_device, wrap_model_chunks
+from megatron.training.moe_metrics import MoEStepHooks
 from megatron.training.profiling import OPTIMIZER_RANGE, StepProfiler
 from megatron.training.trainer_checkpointing import TrainingDiverged as TrainingDiverged
 from megatron.training.trainer_checkpointing import TrainState as TrainState
@@ -79,7 +80,7 @@ class Trainer(TrainerResume):
         print_rank_0(format_arguments(cfg))
         if self.pg.pp_size > 1:
             print_rank_0(cfg.model.pipeline_layout().table())
-        for line in layout_lines(cfg):
+        for line in layout_lines(cfg, self.world_size):
             print_rank_0(line)
         self.tokenizer, self.padded_vocab_size = providers.tokenizer(cfg, self.pg)
         # Every implementation choice, once, before the model: the layers are built from it.
@@ -145,10 +146,12 @@ class Trainer(TrainerResume):
             print_rank_0(
                 f" > MFU is not known for device {device_name or 'cpu'} (no dense bf16 peak on record)"
             )
+        self.moe = MoEStepHooks(cfg.model, self.pg) if cfg.model.num_moe_experts else None
+        self.moe_metrics: dict[int, dict] = {}  # the MoE log values read at a logged step, by iteration
         self.forward_backward = get_forward_backward_func(self.pg.pp_size, len(self.model))
         (self.train_iter, self.valid_iter, self.test_iter), self.has_split = providers.data_iterators(self)
         self.train_iter = self.wrap_train_iterator(self.train_iter)
-        self.writer = MetricsWriter(is_last_rank(), **self._writer_kwargs())
+        self.writer = MetricsWriter(is_last_rank(), **writer_kwargs(cfg, self.world_size))
         self.signal_handler = (
             DistributedSignalHandler((getattr(signal, t.exit_signal), signal.SIGINT))
             if t.exit_signal_handler
@@ -156,24 +159,6 @@ class Trainer(TrainerResume):
         )
 
     # ----------------------------------------------------------------------------------------------
-    def _writer_kwargs(self) -> dict:
-        lg, ck = self.cfg.logger, self.cfg.checkpoint
-        metrics_file = lg.metrics_file
-        run_dir = lg.tensorboard_dir or ck.save
-        if metrics_file is None and run_dir:
-            metrics_file = os.path.join(run_dir, "metrics.jsonl")
-        return dict(
-            tensorboard_dir=lg.tensorboard_dir,
-            wandb_project=lg.wandb_project,
-            wandb_exp_name=lg.wandb_exp_name,
-            wandb_save_dir=lg.wandb_save_dir,
-            metrics_file=metrics_file,
-            run_config=self.cfg.to_dict(),
-            wandb_entity=lg.wandb_entity,
-            log_loss_scale=lg.log_loss_scale_to_tensorboard,
-            world_size=self.world_size if lg.log_world_size_to_tensorboard else None,
-        )
-
     def _start_batch_schedule(self) -> None:
         """Check the batch sizes still to come against this layout (a resumed run from its consumed
         samples on) and describe a ramp."""
@@ -234,6 +219,8 @@ class Trainer(TrainerResume):
         losses = self._reduce_losses(metrics)
         with torch.profiler.record_function(OPTIMIZER_RANGE):  # the profile's optimizer category (--profile)
             success, grad_norm, num_zeros = self.optimizer.step(sync=sync)
+        if self.moe is not None:  # the routers' expert bias and global-batch counts, once per step
+            self.moe.after_step(self.model, num_microbatches)
         if success:
             self.scheduler.step(increment=global_batch_size)
         return losses, success, grad_norm, num_zeros
@@ -328,6 +315,9 @@ class Trainer(TrainerResume):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return flags
 
+    def _logs_at(self, iteration: int) -> bool:
+        return iteration % self.cfg.logger.log_interval == 0 or iteration == 1
+
     def _evaluates_at(self, iteration: int) -> bool:
         lg = self.cfg.logger
         started = lg.start_eval_at_iter is None or iteration >= lg.start_eval_at_iter
@@ -368,8 +358,11 @@ class Trainer(TrainerResume):
         losses, success, grad_norm, num_zeros = self.train_step(
             sync=False, num_microbatches=b.get(), global_batch_size=b.get_current_running_global_batch_size()
         )
-        # The log line of this step shows the learning rates and loss scale as they are now.
+        # The log line of this step shows the learning rates and loss scale as they are now, and the
+        # MoE losses and routing statistics of the steps since the last line (read on every rank).
         lr, decoupled_lr = self._learning_rates()
+        if self.moe is not None and self._logs_at(iteration):
+            self.moe_metrics[iteration] = self.moe.read()
         return InFlightStep(
             iteration,
             losses,
@@ -442,8 +435,9 @@ class Trainer(TrainerResume):
                     global_batch_size=batch,
                     flops=flops,
                     decoupled_lr=scalars["decoupled_lr"],
+                    moe=self.moe_metrics.pop(self.state.iteration, None),
                 )
-                if self.state.iteration % lg.log_interval == 0 or self.state.iteration == 1:
+                if self._logs_at(self.state.iteration):
                     interval.flush()
                 if self._evaluates_at(self.state.iteration):
                     self.evaluate_and_print(f"validation loss at iteration {self.state.iteration}", 1)

@@ -5,6 +5,7 @@ must tile the world. Each raises ConfigError naming the flags and a valid value.
 from __future__ import annotations
 
 from megatron.core.config_utils import ConfigError
+from megatron.core.transformer.moe_config_fields import moe_layer_pattern
 
 
 def expert_layout(cfg, world_size: int) -> dict[str, int]:
@@ -37,3 +38,22 @@ def check_experts(cfg, world_size: int) -> None:
             f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp}: the experts' ranks "
             f"must tile the world{hint}"
         )
+
+
+def expert_layout_line(cfg, world_size: int) -> str:
+    """One line: the experts, the MoE layers and the expert grid of ``world_size`` ranks."""
+    m = cfg.model
+    lay = expert_layout(cfg, world_size)
+    moe = [i + 1 for i, on in enumerate(moe_layer_pattern(m)) if on]
+    layers = "every layer" if len(moe) == m.num_layers else f"layers {', '.join(map(str, moe))}"
+    shared = (
+        f", shared experts of {m.moe_shared_expert_intermediate_size}"
+        if m.moe_shared_expert_intermediate_size
+        else ""
+    )
+    return (
+        f"experts: {m.num_moe_experts} of FFN {m.moe_ffn_hidden_size} (top-{m.moe_router_topk}{shared}) in "
+        f"{layers}; expert grid etp {lay['etp']} x ep {lay['ep']} x expert-dp {lay['expt_dp']} x pp "
+        f"{m.pipeline_model_parallel_size}: {lay['local_experts']} local experts per rank, each split over "
+        f"{lay['etp']} rank(s); expert gradients reduced over expert-dp {lay['expt_dp']}"
+    )

@@ -20,6 +20,8 @@ from megatron.core.transformer import MegatronModule, ModuleSpec, TransformerCon
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import GroupedExperts
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import build_module, get_module, get_submodules, import_module
 
 
@@ -78,18 +80,17 @@ def test_local_spec_signature_refusals_and_attention_mask_type():
     subs = get_gpt_layer_local_submodules()
     assert subs.self_attention.params == {"attn_mask_type": AttnMaskType.causal}
     for kw in (
-        dict(num_experts=8),
         dict(multi_latent_attention=True),
         dict(qk_l2_norm=True),
-        dict(moe_grouped_gemm=True),
     ):
         name = next(iter(kw))
         with pytest.raises(
             ConfigError, match=rf"get_gpt_layer_local_submodules\({name}=.*not supported here"
         ):
             get_gpt_layer_local_spec(**kw)
-    with pytest.raises(ConfigError, match="num_experts"):
-        get_mlp_module_spec(num_experts=4)
+    moe = get_mlp_module_spec(num_experts=4)  # experts: the MoE layer in the mlp slot
+    assert moe.module is MoELayer and get_submodules(moe).experts is GroupedExperts
+    assert get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=True).submodules.mlp.module is MoELayer
     mlp = get_mlp_module_spec()  # use_te=True: the local MLP
     assert mlp.module is MLP and get_submodules(mlp).linear_fc1 is not None
     spec = get_gpt_layer_local_spec(fp8="e4m3", normalization="RMSNorm")

@@ -42,6 +42,7 @@ def test_losses_are_reduced_before_the_step_queues_the_weight_broadcasts(monkeyp
         num_microbatches=2,
         global_batch_size=4,
         pg=SimpleNamespace(dp_size=2, dp_cp_size=2, dp_cp_group=dp_group),
+        moe=None,  # a dense model: no MoE step hooks
     )
     trainer._reduce_losses = lambda m: Trainer._reduce_losses(trainer, m)
 

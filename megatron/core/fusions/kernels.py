@@ -81,6 +81,7 @@ def kernel_report(
         f"   cross entropy: {cross_entropy_line(plan)}",
         f"   optimizer: {optimizer_line(optimizer_config, plan)}",
         f"   recompute: {recompute_line(plan.config)}",
+        *([f"   experts: {experts_line(plan)}"] if plan.moe_layers else []),
         f"   FP8: {fp8_line(plan, fp8_linears)}",
         f"   Triton: {triton_line(plan)}",
         "   Transformer Engine: not used (--transformer-impl local; no TE path is shipped)",
@@ -152,6 +153,30 @@ def triton_line(plan: ExecutionPlan) -> str:
     if reasons:
         parts.append("not used: " + "; ".join(f"{', '.join(ks)} ({why})" for why, ks in reasons.items()))
     return "; ".join(parts) or "no kernels"
+
+
+def experts_line(plan: ExecutionPlan) -> str:
+    """How the MoE layers run: which layers, the routing, the dispatcher and the experts' GEMMs."""
+    c = plan.config
+    layers = sorted(plan.moe_layers)
+    which = "every layer" if len(layers) == c.num_layers else f"layers {', '.join(map(str, layers))}"
+    shared = (
+        f", shared experts of {c.moe_shared_expert_intermediate_size}"
+        if c.moe_shared_expert_intermediate_size
+        else ""
+    )
+    gemm = (
+        "one torch._grouped_mm per linear over the local experts where it runs (bf16 on Hopper; "
+        "this torch's CPU op), else a loop over the experts"
+        if c.moe_grouped_gemm
+        else "a loop over the local experts (--moe-grouped-gemm for one grouped GEMM)"
+    )
+    return (
+        f"{c.num_moe_experts} experts of {c.moe_ffn_hidden_size} in {which}, top-{c.moe_router_topk} "
+        f"{c.moe_router_score_function} routing in {c.moe_router_dtype or 'fp32'}{shared}; "
+        f"{c.moe_token_dispatcher_type} dispatcher over ep {c.expert_model_parallel_size} x etp "
+        f"{c.expert_tensor_parallel_size}; {gemm}; not compiled"
+    )
 
 
 def recompute_line(config: Any) -> str:

@@ -23,6 +23,7 @@ from megatron.core.config_utils import ConfigError
 from megatron.core.parallel_state_grid import ParallelState
 from megatron.core.parallel_state_init import get_parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 # What forward_step_func returns: the chunk's output and, on the last stage, the loss function.
 ForwardStepFunc = Callable[
@@ -215,6 +216,8 @@ def forward_step(
     if hasattr(inner, "set_input_tensor"):
         inner.set_input_tensor(input_tensor)
     output_tensor, loss_func = forward_step_func(data_iterator, model)
+    if getattr(config, "num_moe_experts", None):
+        set_aux_loss_scale(config, num_microbatches, inner, output_tensor.device)
     if not is_last_stage:
         return output_tensor
     result = loss_func(output_tensor)
@@ -229,6 +232,21 @@ def forward_step(
         loss = loss / num_microbatches
     metrics.append(metric)
     return loss  # type: ignore[no-any-return]
+
+
+def set_aux_loss_scale(
+    config: ScheduleConfig, num_microbatches: int, model: Any, device: torch.device
+) -> None:
+    """The MoE auxiliary losses' gradient scale for the micro-batch just run forward (read in its
+    backward by ``MoEAuxLossAutoScaler``), as the main loss is scaled: 1 / micro-batches, times the cp
+    size (the cp ranks' shares of a sequence's loss are averaged with the gradients over dp x cp);
+    1 with ``calculate_per_token_loss`` (Megatron-Core's rule); times the fp16 loss scale."""
+    cp_size = getattr(getattr(model, "pg", None), "cp_size", 1)
+    value = 1.0 if config.calculate_per_token_loss else cp_size / num_microbatches
+    scale = torch.full((), value, device=device)  # on the device: backward reads it without a copy
+    if config.grad_scale_func is not None:
+        scale = config.grad_scale_func(scale)
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
 def _mean_over_context_parallel(

@@ -2,20 +2,24 @@
 function names and signatures.
 
 Every spec here builds the same local layer: pre-norms, SDPA self-attention (causal) and a dense
-MLP. Which norm (``config.normalization``) and which activation (``config.activation``) run is the
-config's, as with Megatron-Core's local modules; ``use_te=True`` / ``use_transformer_engine=True``
-build the local layer too (Transformer Engine is not used here: the same function, this package's
-kernels). What is not built (experts, multi-latent attention, QK L2 norm, Kitchen) is refused.
+MLP, or with experts (``num_experts``) an ``MoELayer`` in the MLP's slot (router, token dispatcher,
+grouped experts, shared experts). Which norm (``config.normalization``) and which activation
+(``config.activation``) run is the config's, as with Megatron-Core's local modules; ``use_te=True`` /
+``use_transformer_engine=True`` build the local layer too (Transformer Engine is not used here: the
+same function, this package's kernels). The decoder block specs put the MoE layer on the layers that
+``config.moe_layer_freq`` marks (``moe_config_fields.moe_layer_pattern``) and the dense MLP on the
+others. What is not built (multi-latent attention, QK L2 norm, Kitchen) is refused.
 
 :func:`get_gpt_layer_plan_spec` and :func:`get_gpt_decoder_block_plan_spec` build the same layer with
 the implementations an ``ExecutionPlan`` chose: each linear's GEMM (``fp8_gemm``), the activation
-(``MLPSubmodules.activation_func``) and the MLP class (:class:`~megatron.core.transformer.mlp.
-Fp8SwigluMLP` for the FP8 SwiGLU block). This is where a new variant (an expert MLP, context-parallel
-attention) enters: a class in a slot, chosen from the plan.
+(``MLPSubmodules.activation_func``), the MLP class (:class:`~megatron.core.transformer.mlp.
+Fp8SwigluMLP` for the FP8 SwiGLU block, ``MoELayer`` on ``plan.moe_layers``) and the core attention
+(``ContextParallelAttention``). A new variant enters here: a class in a slot, chosen from the plan.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from megatron.core.config_utils import ConfigError
@@ -26,6 +30,10 @@ from megatron.core.transformer.attention import DotProductAttention, SelfAttenti
 from megatron.core.transformer.context_parallel.attention import ContextParallelAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, Fp8SwigluMLP, MLPSubmodules, swiglu_triton_backward
+from megatron.core.transformer.moe.experts import GroupedExperts
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.moe_config_fields import moe_layer_pattern
 from megatron.core.transformer.norms import Norm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -34,8 +42,6 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 def _refuse(function: str, **asked: Any) -> None:
     what = {
-        "num_experts": "experts (MoE) are not built yet (issue 28); leave it None",
-        "moe_grouped_gemm": "only with experts, which are not built yet (issue 28); leave it False",
         "multi_latent_attention": "multi-latent attention is not built; leave it False",
         "qk_l2_norm": "query/key L2 norm is not built; use qk_layernorm=True or leave it False",
         "use_kitchen": "NVIDIA Kitchen is not used; leave it False",
@@ -61,20 +67,22 @@ def get_gpt_layer_local_submodules(
     """The submodules of the local decoder layer.
 
     Args:
+        num_experts: an ``MoELayer`` in the MLP's slot (its size and routing are the config's
+            ``num_moe_experts`` and ``moe_*`` fields); None: the dense MLP.
+        moe_grouped_gemm: accepted; whether the experts run one grouped GEMM is the config's
+            ``moe_grouped_gemm`` (the same ``GroupedExperts`` module either way).
         qk_layernorm: build query/key norms even when ``config.qk_layernorm`` is False (either one
             turns them on).
         fp8: deprecated in Megatron-Core; ignored (FP8 is the config's ``fp8``).
         normalization: accepted; the norm is ``config.normalization``'s.
-        num_experts, moe_grouped_gemm, multi_latent_attention, qk_l2_norm, use_kitchen,
-            use_kitchen_attention: must be left at their defaults (not built here).
+        multi_latent_attention, qk_l2_norm, use_kitchen, use_kitchen_attention: must be left at
+            their defaults (not built here).
 
     Raises:
         ConfigError: one of the refused arguments set, naming it.
     """
     _refuse(
         "get_gpt_layer_local_submodules",
-        num_experts=num_experts,
-        moe_grouped_gemm=moe_grouped_gemm,
         multi_latent_attention=multi_latent_attention,
         qk_l2_norm=qk_l2_norm,
         use_kitchen=use_kitchen,
@@ -95,7 +103,7 @@ def get_gpt_layer_local_submodules(
             ),
         ),
         pre_mlp_layernorm=Norm,
-        mlp=get_mlp_module_spec(use_te=False),
+        mlp=get_mlp_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm),
     )
 
 
@@ -160,16 +168,38 @@ def get_mlp_module_spec(
     use_te_op_fuser: bool | None = False,
 ) -> ModuleSpec:
     """The dense MLP's spec, ``ModuleSpec(MLP, submodules=MLPSubmodules(ColumnParallelLinear,
-    RowParallelLinear))``. ``use_te=True`` (the default) and ``use_te_op_fuser`` build the same local MLP
-    (no Transformer Engine here); ``fp8`` is ignored.
-
-    Raises:
-        ConfigError: ``num_experts`` or ``moe_grouped_gemm`` set (experts are not built yet).
-    """
-    _refuse("get_mlp_module_spec", num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
+    RowParallelLinear))``, or with ``num_experts`` the MoE layer's, ``ModuleSpec(MoELayer,
+    submodules=MoESubmodules(GroupedExperts, SharedExpertMLP))`` (shared experts built when the
+    config has ``moe_shared_expert_intermediate_size``; ``moe_grouped_gemm`` is the config's, see
+    :func:`get_gpt_layer_local_submodules`). ``use_te=True`` (the default) and ``use_te_op_fuser``
+    build the same local modules (no Transformer Engine here); ``fp8`` is ignored."""
+    if num_experts:
+        return ModuleSpec(
+            module=MoELayer,
+            submodules=MoESubmodules(experts=GroupedExperts, shared_experts=SharedExpertMLP),
+        )
     return ModuleSpec(
         module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     )
+
+
+def _dense_mlp_of_moe_model(
+    config: Any,
+    *,
+    module: type,
+    submodules: Any,
+    moe_groups: Any = None,
+    layer_number: int = 1,
+    **kwargs: Any,
+) -> Any:
+    """Builds the dense MLP of a layer that ``moe_layer_freq`` leaves dense: a model with experts
+    hands every layer's mlp slot its MoE groups and layer number, which the dense MLP does not take."""
+    return module(config, submodules=submodules, **kwargs)
+
+
+def _dense_in_moe_model(spec: ModuleSpec) -> functools.partial:
+    """``spec`` (a dense MLP) as a builder that drops the MoE layer's arguments."""
+    return functools.partial(_dense_mlp_of_moe_model, module=spec.module, submodules=spec.submodules)
 
 
 def get_gpt_decoder_block_spec(
@@ -180,20 +210,28 @@ def get_gpt_decoder_block_spec(
     vp_stage: int | None = None,
     pp_rank: int | None = None,
 ) -> TransformerBlockSubmodules:
-    """The decoder block's spec: one local layer spec for each of ``config.num_layers`` layers (every
-    layer is the same here, so the pipeline stage's slice is any ``num_layers`` of them; GPTModel
-    builds its stage's layers) and the final norm.
+    """The decoder block's spec: one local layer spec for each of ``config.num_layers`` layers (layer
+    ``i``'s at index ``i``; GPTModel builds its stage's layers) and the final norm. With
+    ``config.num_moe_experts`` the layers ``config.moe_layer_freq`` marks hold an ``MoELayer`` and
+    the others the dense MLP.
 
     Raises:
-        ConfigError: ``config.num_moe_experts`` or ``qk_l2_norm`` set.
+        ConfigError: ``qk_l2_norm`` set.
     """
-    layer = get_gpt_layer_local_spec(
-        num_experts=getattr(config, "num_moe_experts", None),
+    experts = getattr(config, "num_moe_experts", None)
+    common = dict(
         qk_layernorm=getattr(config, "qk_layernorm", False),
         normalization=normalization,
         qk_l2_norm=qk_l2_norm,
+        moe_grouped_gemm=getattr(config, "moe_grouped_gemm", False),
     )
-    return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=Norm)
+    moe = get_gpt_layer_local_spec(num_experts=experts, **common)
+    if not experts:
+        return TransformerBlockSubmodules(layer_specs=[moe] * config.num_layers, layer_norm=Norm)
+    dense = get_gpt_layer_local_spec(**common)
+    dense.submodules.mlp = _dense_in_moe_model(dense.submodules.mlp)
+    specs = [moe if is_moe else dense for is_moe in moe_layer_pattern(config)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=Norm)
 
 
 def _linear(
@@ -218,6 +256,9 @@ def get_gpt_layer_plan_spec(
         attn.core_attention = ContextParallelAttention
     attn.linear_qkv = _linear(ColumnParallelLinear, "linear_qkv", layer_number, plan, builder)
     attn.linear_proj = _linear(RowParallelLinear, "linear_proj", layer_number, plan, builder)
+    if layer_number in plan.moe_layers:
+        submodules.mlp = get_mlp_module_spec(num_experts=plan.config.num_moe_experts)
+        return ModuleSpec(module=TransformerLayer, submodules=submodules)
     swiglu = plan.config.activation == "swiglu"
     activation = swiglu_triton_backward if swiglu and plan.swiglu == "triton" else None
     block = plan.fp8 is not None and plan.fp8.swiglu_block and layer_number in plan.fp8.layers
@@ -229,6 +270,8 @@ def get_gpt_layer_plan_spec(
             activation_func=activation,
         ),
     )
+    if plan.moe_layers:
+        submodules.mlp = _dense_in_moe_model(submodules.mlp)
     return ModuleSpec(module=TransformerLayer, submodules=submodules)
 
 
@@ -238,11 +281,11 @@ def get_gpt_decoder_block_plan_spec(
     """One :func:`get_gpt_layer_plan_spec` per layer of the model (``plan.config.num_layers``; layers
     the plan treats alike share one spec) and the final norm; GPTModel builds its stage's layers."""
     fp8_layers = plan.fp8.layers if plan.fp8 is not None else frozenset()
-    shared: dict[bool, ModuleSpec] = {}
+    shared: dict[tuple[bool, bool], ModuleSpec] = {}
     specs = []
     for number in range(1, plan.config.num_layers + 1):
-        in_fp8 = number in fp8_layers
-        if in_fp8 not in shared:
-            shared[in_fp8] = get_gpt_layer_plan_spec(plan, number, amax_reducer)
-        specs.append(shared[in_fp8])
+        kind = (number in fp8_layers, number in plan.moe_layers)
+        if kind not in shared:
+            shared[kind] = get_gpt_layer_plan_spec(plan, number, amax_reducer)
+        specs.append(shared[kind])
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=Norm)

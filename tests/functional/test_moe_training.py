@@ -1,0 +1,42 @@
+"""A mixture-of-experts model through pretrain_gpt.py on the CPU: it trains, and every log line,
+the metrics file and the start-up report carry the MoE figures (aux and z losses, expert load
+imbalance, dropped tokens; per layer with --moe-per-layer-logging)."""
+
+import math
+
+import pytest
+from launch import metrics
+from test_layouts import MODEL
+
+from megatron.training.cli import run
+
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2".split()
+
+
+@pytest.mark.slow
+def test_moe_model_trains_and_logs_its_metrics(tmp_path, capsys):
+    flags = (
+        MODEL
+        + MOE
+        + "--moe-z-loss-coeff 1e-3 --moe-layer-freq [0]*1+[1]*1 --moe-per-layer-logging --moe-grouped-gemm".split()
+        + "--moe-expert-capacity-factor 1.0 --train-iters 4 --log-interval 2".split()
+        + ["--metrics-file", f"{tmp_path}/m.jsonl"]
+    )
+    assert run(flags) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if " iteration " in ln and "lm loss" in ln]
+    assert len(lines) == 3  # iterations 1, 2 and 4
+    for ln in lines:
+        assert "load_balancing_loss: " in ln and "z_loss: " in ln and "expert load max/mean: " in ln
+        assert "dropped tokens: " in ln
+    assert "   experts: 4 experts of " in out and " > experts: 4 of FFN" in out  # kernels and layout
+    recs = metrics(f"{tmp_path}/m.jsonl", "lm loss")
+    assert sorted(recs) == [1, 2, 4]
+    for rec in recs.values():
+        # Switch loss E * sum f_i P_i >= 1 (1 when balanced), z-loss > 0, imbalance >= 1.
+        assert 0.99 < rec["load_balancing_loss"] < 4 and rec["z_loss"] > 0
+        assert rec["expert_load_imbalance"] >= 1.0 and 0.0 <= rec["dropped_token_fraction"] < 1.0
+        assert "moe/load_balancing_loss_layer_1" in rec and "moe/expert_load_imbalance_layer_1" in rec
+        assert not any(k.endswith("_layer_0") for k in rec)  # layer 0 is dense
+    first, last = recs[1]["lm loss"], recs[4]["lm loss"]
+    assert math.isfinite(last) and last < first
