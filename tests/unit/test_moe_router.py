@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.transformer.moe import moe_utils as mu
-from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router import TopKRouter, aux_loss_names
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 E = 4
@@ -600,8 +600,6 @@ def test_metrics_report_only_what_this_step_recorded() -> None:
 
 
 def test_aux_loss_names_are_what_the_router_records() -> None:
-    from megatron.core.transformer.moe.router import aux_loss_names
-
     cfg = make_config(
         moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
         moe_aux_loss_coeff=[0.1, 0.0, 0.2],
