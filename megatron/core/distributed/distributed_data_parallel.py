@@ -26,12 +26,13 @@ all-reduce starts as soon as its last gradient has been accumulated, overlapping
 with the rest of backward; ``finish_grad_sync`` waits for them (and reduces any bucket whose
 parameters got no gradient). Without overlap, everything is reduced in ``finish_grad_sync``.
 
-With ``use_distributed_optimizer`` (and more than one DP rank) the buckets take Megatron's layout
-(:mod:`.param_and_grad_buffer`): params aligned to 64 elements, each bucket padded to a multiple of
-lcm(DP, 128), one param dtype per bucket and a pipeline-tied embedding in a bucket of its own; each
-bucket is reduce-scattered (DP rank r keeps the slice [r*len/DP, (r+1)*len/DP) of the sum, the only
-part ``owned_main_grad`` and the optimizer read), no gradient is aliased, and the model params become
-views into ``param_buffers``, which the distributed optimizer all-gathers after its step.
+With ``use_distributed_optimizer`` (and more than one rank in some bucket's group) the buckets take
+Megatron's layout (:mod:`.param_and_grad_buffer`): params aligned to 64 elements, each bucket padded
+to a multiple of lcm(DP, 128), one param dtype per bucket and a pipeline-tied embedding in a bucket
+of its own; each bucket is reduce-scattered (DP rank r keeps the slice [r*len/DP, (r+1)*len/DP) of
+the sum, the only part ``owned_main_grad`` and the optimizer read), no gradient is aliased, and the
+model params become views into ``param_buffers``, which the distributed optimizer all-gathers after
+its step.
 
 Expert parameters (``moe.expert_params``: ``allreduce = False``) live in buckets of their own,
 reduced over the expert-data-parallel group (the ranks holding the same expert shard) instead of
@@ -51,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +59,15 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.core.distributed.param_and_grad_buffer import ParamBuffer, bucket_layout, shard_range
+from megatron.core.distributed.param_and_grad_buffer import (  # noqa: F401 - bucket_* re-exported
+    NO_REDUCTION,
+    ParamBuffer,
+    ReduceDomain,
+    bucket_layout,
+    bucket_lengths,
+    bucket_size,
+    shard_range,
+)
 from megatron.core.fusions.compile import maybe_compiled
 from megatron.core.parallel_state import ParallelState, get_parallel_state
 from megatron.core.transformer.moe.expert_params import is_expert_param
@@ -87,46 +95,6 @@ def _rank_in(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if group is not None else 0
 
 
-def bucket_size(ddp_config: DistributedDataParallelConfig, dp_size: int) -> int:
-    """Elements per gradient bucket: ``ddp_config.bucket_size``, else max(40M, 1M x DP), Megatron's
-    default for overlap (without overlap the buckets only bound how much gradient memory appears at
-    once, and are reduced at the end of the step)."""
-    if ddp_config.bucket_size is not None:
-        return ddp_config.bucket_size
-    return max(40_000_000, 1_000_000 * dp_size)
-
-
-def bucket_lengths(numels: list[int], limit: int) -> list[int]:
-    """How many of the consecutive params of ``numels`` elements each bucket takes: a bucket closes
-    as soon as it holds ``limit`` elements or more."""
-    lengths, count, size = [], 0, 0
-    for n in numels:
-        count, size = count + 1, size + n
-        if size >= limit:
-            lengths.append(count)
-            count, size = 0, 0
-    return lengths + [count] if count else lengths
-
-
-@dataclass(frozen=True)
-class ReduceDomain:
-    """Where a bucket's gradients are summed: ``group`` (``size`` ranks, this one ``rank``), and
-    divided by ``divisor`` (the net factor: 1/(dp x cp) for dense and expert buckets alike)."""
-
-    group: dist.ProcessGroup | None
-    size: int
-    rank: int
-    divisor: int
-
-    @property
-    def trivial(self) -> bool:
-        """Nothing to do: one rank and no division."""
-        return self.size == 1 and self.divisor == 1
-
-
-_ALONE = ReduceDomain(None, 1, 0, 1)
-
-
 class _Bucket:
     """A contiguous fp32 (or param-dtype) gradient slice and the parameters whose ``main_grad`` live in it.
 
@@ -144,7 +112,7 @@ class _Bucket:
         aliasable: frozenset[int] = frozenset(),
         compile_helpers: bool = True,
         layout: tuple[list[int], int] | None = None,
-        domain: ReduceDomain = _ALONE,
+        domain: ReduceDomain = NO_REDUCTION,
     ) -> None:
         self.params = params
         self.domain = domain

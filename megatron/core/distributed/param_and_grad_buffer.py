@@ -25,8 +25,50 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+
 PARAM_ALIGN = 64  # elements; every parameter's start in a bucket is a multiple
 BUCKET_PAD = 128  # bucket lengths are multiples of lcm(dp, BUCKET_PAD)
+
+
+def bucket_size(ddp_config: DistributedDataParallelConfig, dp_size: int) -> int:
+    """Elements per gradient bucket: ``ddp_config.bucket_size``, else max(40M, 1M x DP), Megatron's
+    default for overlap (without overlap the buckets only bound how much gradient memory appears at
+    once, and are reduced at the end of the step)."""
+    if ddp_config.bucket_size is not None:
+        return ddp_config.bucket_size
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
+def bucket_lengths(numels: list[int], limit: int) -> list[int]:
+    """How many of the consecutive params of ``numels`` elements each bucket takes: a bucket closes
+    as soon as it holds ``limit`` elements or more."""
+    lengths, count, size = [], 0, 0
+    for n in numels:
+        count, size = count + 1, size + n
+        if size >= limit:
+            lengths.append(count)
+            count, size = 0, 0
+    return lengths + [count] if count else lengths
+
+
+@dataclass(frozen=True)
+class ReduceDomain:
+    """Where a bucket's gradients are summed: ``group`` (``size`` ranks, this one ``rank``), and
+    divided by ``divisor`` (the net factor: 1/(dp x cp) for dense and expert buckets alike)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    divisor: int
+
+    @property
+    def trivial(self) -> bool:
+        """Nothing to do: one rank and no division."""
+        return self.size == 1 and self.divisor == 1
+
+
+NO_REDUCTION = ReduceDomain(None, 1, 0, 1)
 
 
 def bucket_layout(numels: list[int], dp_size: int) -> tuple[list[int], int]:
