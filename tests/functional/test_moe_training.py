@@ -1,12 +1,13 @@
 """A mixture-of-experts model through pretrain_gpt.py on the CPU: it trains, and every log line,
 the metrics file and the start-up report carry the MoE figures (aux and z losses, expert load
-imbalance, dropped tokens; per layer with --moe-per-layer-logging)."""
+imbalance, dropped tokens; per layer with --moe-per-layer-logging); on 2 ranks, dp2 and ep2 with
+either dispatcher train the one-process model (losses, grad norms and the MoE figures)."""
 
 import math
 
 import pytest
-from launch import metrics
-from test_layouts import MODEL
+from launch import metrics, torchrun_many
+from test_layouts import MODEL, assert_curves_match, curves
 
 from megatron.training.cli import run
 
@@ -40,3 +41,24 @@ def test_moe_model_trains_and_logs_its_metrics(tmp_path, capsys):
         assert not any(k.endswith("_layer_0") for k in rec)  # layer 0 is dense
     first, last = recs[1]["lm loss"], recs[4]["lm loss"]
     assert math.isfinite(last) and last < first
+
+
+@pytest.mark.slow
+def test_two_rank_expert_layouts_match_single_process(tmp_path):
+    d = tmp_path
+    flags = MODEL + MOE + ["--moe-z-loss-coeff", "1e-3"]
+    assert run(flags + ["--metrics-file", f"{d}/ref.jsonl"]) == 0
+    layouts = {
+        "dp2": [],
+        "ep2-allgather": ["--expert-model-parallel-size", "2"],
+        "ep2-alltoall": "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall".split(),
+    }
+    torchrun_many(2, [flags + extra + ["--metrics-file", f"{d}/{n}.jsonl"] for n, extra in layouts.items()])
+    ref, ref_moe = curves(f"{d}/ref.jsonl"), metrics(f"{d}/ref.jsonl", "lm loss")
+    for name in layouts:
+        got = curves(f"{d}/{name}.jsonl")
+        assert sorted(got) == sorted(ref) == list(range(1, 11)), name
+        assert_curves_match(got, ref, name)
+        for it, rec in metrics(f"{d}/{name}.jsonl", "lm loss").items():
+            for key in ("load_balancing_loss", "z_loss", "expert_load_imbalance"):
+                assert rec[key] == pytest.approx(ref_moe[it][key], rel=1e-5), (name, it, key)
