@@ -1,8 +1,11 @@
 """Expert parameters under expert parallelism (4 gloo ranks, one spawn): a toy MoE layer whose local
 experts see every token of their expert-parallel group (all-gather dispatch, reduce-scatter combine)
 gives, under ep1 / ep2 / ep4, with plain, overlapped, averaged-in-collective DDP and the distributed
-optimizer, the single-process gradients, grad norm, params norm and optimizer steps; an ep2
-checkpoint (model and distributed-optimizer state) resumes under ep1 and ep4 on the same curve."""
+optimizer, and FSDP2, the single-process gradients, grad norm, params norm and optimizer steps; an
+ep2 checkpoint (model and distributed-optimizer state) resumes under ep1, ep2 and ep4 (and FSDP2) on
+the same curve; an ep2 x etp2 checkpoint of a strided expert weight loads under other ep / etp; and
+a GPTModel with MoE layers takes the single-process step under ep2 (alltoall) and ep4 (allgather)
+with the distributed optimizer, its ep2 checkpoint loading under ep4."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from megatron.core.distributed import (
     TorchFullyShardedDataParallel,
     finalize_model_grads,
 )
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_param_groups
 from megatron.core.optimizer.clip_grads import params_l2_norm
 from megatron.core.optimizer.optimizer import MegatronOptimizer
@@ -30,6 +35,7 @@ from megatron.core.tensor_parallel.init import init_param_, set_init_attrs
 from megatron.core.tensor_parallel.mappings import gather_from_sp, reduce_scatter_to_sp
 from megatron.core.transformer.module import MegatronModule, shard_of
 from megatron.core.transformer.moe.expert_params import tag_expert_param
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 WORLD, E, H, T, MICRO, STEPS = 4, 4, 8, 3, 2, 3  # ranks, experts, hidden, tokens per rank
 OPT = OptimizerConfig(lr=0.05, weight_decay=0.1, clip_grad=0.5)
@@ -205,7 +211,60 @@ def _body(_: ParallelState, ckpt: str) -> dict[str, Any]:
         results[f"loaded ep{ep}"] = _max_err(ddp, ref["weights1"])
         results[f"resumed ep{ep} {name}"] = _step(model, ddp, opt, 2, ref)
     results.update(_etp_reshard(ckpt + "_etp"))
+    results.update(_gpt_moe(ckpt + "_gpt"))
     return results
+
+
+def _gpt(ps: ParallelState, dispatcher: str, seed: int = 3) -> GPTModel:
+    """A 2-layer MoE GPT (4 experts, top-2, SwiGLU experts) of this layout."""
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_moe_experts=E,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=8,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=ps.ep_size,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=E)
+    return GPTModel(
+        cfg, spec, vocab_size=32, max_sequence_length=8, parallel_state=ps, device=device(), seed=seed
+    )
+
+
+def _gpt_moe(ckpt: str) -> dict[str, float]:
+    """GPTModel with MoE layers: one distributed-optimizer step under ep2 (alltoall) and ep4
+    (allgather) gives the single-process grad norm and weights; ep2's checkpoint loads under ep4."""
+    ids = torch.randint(0, 32, (WORLD * 2, 8), generator=torch.Generator().manual_seed(1)).to(device())
+    solo = _gpt(ParallelState(grid=RankGrid(), rank=0), "alltoall")
+    opt = MegatronOptimizer(OPT, get_param_groups([solo], OPT))
+    solo(ids, None, None, labels=ids).mean().backward()
+    _, ref_norm, _ = opt.step()
+    ref = {n: p.detach().clone() for n, p in solo.named_parameters()}
+    rank, errors = torch.distributed.get_rank(), {}
+    for ep, dispatcher in ((2, "alltoall"), (4, "allgather")):
+        ps = build_parallel_state(ep=ep)
+        model = _gpt(ps, dispatcher)
+        ddp = DistributedDataParallel(model.config, DDP_CONFIGS["distopt"], model, ps)
+        opt = get_megatron_optimizer(OPT, [ddp])
+        local = ids[rank * 2 : (rank + 1) * 2]
+        ddp(local, None, None, labels=local).mean().backward()
+        finalize_model_grads([ddp])
+        _, norm, _ = opt.step()
+        opt.finish_param_sync()
+        errors[f"gpt ep{ep} norm"] = abs(norm - ref_norm) / ref_norm
+        errors[f"gpt ep{ep} weights"] = _max_err(ddp, ref)
+        if ep == 2:
+            dist_checkpointing.save({"model": ddp.sharded_state_dict()}, ckpt)
+    model = _gpt(build_parallel_state(ep=4), "alltoall", seed=11)
+    dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)
+    errors["gpt loaded ep4"] = _max_err(SimpleNamespace(module=model), ref)
+    return errors
 
 
 def _swiglu_fc1(ps: ParallelState, value: float | None = None) -> torch.Tensor:
@@ -284,6 +343,11 @@ def test_params_norm_matches_one_process(results) -> None:
 def test_ep2_etp2_checkpoint_loads_under_other_ep_and_etp(results) -> None:
     errors = _all(results, "etp reshard")
     assert all(v == 0.0 for v in errors.values()), errors
+
+
+def test_gpt_moe_step_and_checkpoint_match_one_process(results) -> None:
+    errors = _all(results, "gpt")
+    assert all(v < 1e-5 for v in errors.values()), errors
 
 
 def test_ep2_checkpoint_resumes_under_ep1_ep2_and_ep4(results) -> None:
