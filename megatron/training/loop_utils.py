@@ -15,7 +15,7 @@ from megatron.core.num_microbatches_calculator import (
     NumMicroBatchesCalculator,
     build_num_microbatches_calculator,
 )
-from megatron.core.optimizer.clip_grads import grad_norm_sq, param_is_not_duplicate
+from megatron.core.optimizer.clip_grads import params_l2_norm as core_params_l2_norm
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.checkpointing import find_arg
 from megatron.training.metrics import LossSpikeWatch, format_iteration_line
@@ -198,19 +198,9 @@ def gelu_change_note(saved_args, model) -> str | None:
 
 def params_l2_norm(model_chunks: list, parallel_state, device: torch.device) -> float:
     """The L2 norm of the whole model's parameters (``--log-params-norm``), the same under every
-    layout: tensor-parallel shards and pipeline stages are summed over the model-parallel group,
-    while tp-replicated parameters and the last stage's copy of a tied embedding count once. Every
-    rank of the model-parallel group must call it (one all-reduce)."""
-    params = [
-        p.detach()
-        for chunk in model_chunks
-        for p in chunk.parameters()
-        if param_is_not_duplicate(p, parallel_state.tp_rank)
-    ]
-    total = grad_norm_sq(params, device)  # the squared norm of any tensors, in fp32
-    if parallel_state.tp_size * parallel_state.pp_size > 1:
-        dist.all_reduce(total, group=parallel_state.mp_group)
-    return float(total.sqrt())
+    layout (``megatron.core.optimizer.clip_grads.params_l2_norm``: tensor-parallel shards, pipeline
+    stages and expert shards summed, replicated and tied copies counted once). Every rank calls it."""
+    return core_params_l2_norm(model_chunks, parallel_state, device)
 
 
 def average_losses(steps: list[tuple[dict, bool]]) -> tuple[dict[str, float], int, int]:
