@@ -8,10 +8,11 @@ Our layout (``megatron.core.transformer``): the fused QKV weight stacks, per que
 vocabulary's rows. HF splits q, k, v (Llama family) or concatenates them as ``[q | k | v]`` along the
 output (GPT-2, whose ``Conv1D`` weights are stored ``[in, out]``, the transpose of ours).
 
-Experts (``mlp.experts.linear_fc1.weight`` ``[E, 2F, h]``, each expert's ``[gate; up]``, and
-``linear_fc2.weight`` ``[E, h, F]``; dim 0 the global expert index) are one piece per layer with one
-HF tensor per expert (``experts.{j}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's ``w1`` / ``w3``
-/ ``w2``: the per-expert names of the released checkpoints, which every transformers version reads).
+Experts (``mlp.experts.linear_fc1.weight`` ``[E, 2F, h]``, each expert's ``[gate; up]``, stored
+``[E, 2, F, h]``, and ``linear_fc2.weight`` ``[E, h, F]``; dim 0 the global expert index) are one piece
+per layer with one HF tensor per expert (``experts.{j}.gate_proj`` / ``up_proj`` / ``down_proj``,
+Mixtral's ``w1`` / ``w3`` / ``w2``: the per-expert names of the released checkpoints, which every
+transformers version reads).
 
 Each :class:`Piece` converts a few tensors that belong together (one QKV weight and its three HF
 tensors), so a conversion reads each of our tensors once.
