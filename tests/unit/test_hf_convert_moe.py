@@ -308,6 +308,7 @@ def test_convert_both_ways_with_matching_logits(name, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("logits check: largest absolute logit difference") == 2, out
     assert f"--num-experts {E} --moe-ffn-hidden-size {F_MOE} --moe-router-topk {TOPK}" in out
+    assert "note: config.json router_aux_loss_coef 0.02: pass --moe-aux-loss-coeff 0.02" in out
 
     ckpt = SavedCheckpoint(str(ours))
     assert ckpt.tensors["decoder.layers.0.mlp.router.weight"][0] == (E, H)

@@ -21,7 +21,7 @@ from megatron.core.tokenizer import vocab_size_with_padding
 from megatron.training.checkpoint_tool import hf_families, hf_weights
 from megatron.training.checkpoint_tool.errors import ToolError
 from megatron.training.checkpoint_tool.hf_export import DTYPES
-from megatron.training.checkpoint_tool.hf_moe import moe_layer_pattern, moe_model_flags
+from megatron.training.checkpoint_tool.hf_moe import aux_loss_note, moe_layer_pattern, moe_model_flags
 from megatron.training.checkpoint_tool.model_check import empty_model, transformer_config
 from megatron.training.checkpointing import save_checkpoint
 from megatron.training.loop_utils import model_args_for_check
@@ -280,6 +280,9 @@ def import_hf(hf_dir: str, out: str, dtype: str | None = None) -> dict[str, Any]
         flush=True,
     )
     _report(hf_dir, flags, tokenizer_dir, vocab, padded, window if window and window < max_pos else None)
+    note = aux_loss_note(fields)
+    if note:
+        print(note, flush=True)
     return {
         "family": family,
         "fields": fields,

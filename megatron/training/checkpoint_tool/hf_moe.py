@@ -244,6 +244,16 @@ def moe_model_flags(m: dict[str, Any]) -> list[str]:
             flags.append("--moe-shared-expert-gate")
     if m.get("qk_layernorm"):
         flags.append("--qk-layernorm")
-    if m.get("moe_aux_loss_coeff"):
-        flags.append(f"--moe-aux-loss-coeff {m['moe_aux_loss_coeff']}")
     return flags
+
+
+def aux_loss_note(m: dict[str, Any]) -> str | None:
+    """The line telling a user the imported model's load-balancing coefficient (a training flag, which
+    ``--use-checkpoint-args`` does not take)."""
+    coeff = _aux_coeff(m)
+    if not m.get("num_moe_experts") or not coeff:
+        return None
+    return (
+        f"note: config.json router_aux_loss_coef {coeff}: pass --moe-aux-loss-coeff {coeff} to train with "
+        "the model's load-balancing loss (a training flag: --use-checkpoint-args does not take it)"
+    )
