@@ -25,8 +25,10 @@ A feature a family cannot express is a :class:`ToolError` naming it.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
+from megatron.core.transformer.moe_config_fields import moe_layer_pattern as layer_spec_pattern
 from megatron.training.checkpoint_tool.errors import ToolError
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -58,21 +60,22 @@ MOE_FIELDS = tuple(MOE_DEFAULTS)
 
 
 def moe_layer_pattern(m: dict[str, Any]) -> list[int]:
-    """1 for each layer with experts, 0 for a dense one (Megatron's reading of ``moe_layer_freq``);
-    all zeros for a model without experts.
+    """1 for each layer with experts, 0 for a dense one, as the layer specs read ``moe_layer_freq``
+    (``moe_config_fields.moe_layer_pattern``); all zeros for a model without experts.
 
     Raises:
-        ToolError: a ``moe_layer_freq`` that is neither an int nor a list of one 0/1 per layer.
+        ToolError: a ``moe_layer_freq`` that is neither a positive int nor a list of one 0/1 per layer.
     """
     num_layers = m["num_layers"]
-    if not m.get("num_moe_experts"):
-        return [0] * num_layers
     freq = m.get("moe_layer_freq", 1)
-    if isinstance(freq, int) and freq > 0:
-        return [int(i % freq == 0) for i in range(num_layers)]
-    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and set(freq) <= {0, 1}:
-        return [int(x) for x in freq]
-    raise ToolError(f"--moe-layer-freq {freq!r}: give an int or a list of {num_layers} zeros and ones")
+    valid_int = isinstance(freq, int) and freq > 0
+    valid_list = isinstance(freq, (list, tuple)) and len(freq) == num_layers and set(freq) <= {0, 1}
+    if m.get("num_moe_experts") and not (valid_int or valid_list):
+        raise ToolError(f"--moe-layer-freq {freq!r}: give an int or a list of {num_layers} zeros and ones")
+    config = SimpleNamespace(
+        num_layers=num_layers, num_moe_experts=m.get("num_moe_experts"), moe_layer_freq=freq
+    )
+    return [int(x) for x in layer_spec_pattern(config)]
 
 
 def moe_ffn(m: dict[str, Any]) -> int:
