@@ -244,6 +244,7 @@ FP8_LAYOUTS = {  # name: (processes, flags, FP8 linears on rank 0)
     "tp2-sp": (2, "--tensor-model-parallel-size 2 --sequence-parallel", 8),
     "dp2-overlap": (2, "--overlap-grad-reduce --ddp-bucket-size 2000", 8),
     "pp2": (2, "--pipeline-model-parallel-size 2", 4),
+    "cp2": (2, "--context-parallel-size 2", 8),  # amaxes over tp x dp x cp: cp ranks share scales
     "tp2xdp2-sp-distopt": (
         4,
         "--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer",
@@ -260,7 +261,7 @@ FP8_LAYOUTS = {  # name: (processes, flags, FP8 linears on rank 0)
 @pytest.mark.slow
 def test_fp8_trains_under_every_layout(tmp_path, monkeypatch, capsys):
     """Delayed-scaling FP8 (emulated on the CPU: MEGATRON_FP8_EMULATE=1) under tensor + sequence,
-    data (overlapped reduction), pipeline parallelism and the distributed optimizer, with the amaxes
+    data (overlapped reduction), pipeline and context parallelism and the distributed optimizer, with the amaxes
     reduced over each stage's ranks: FP8 is on in each run, and the losses follow the one-process FP8
     run within 1% (the FP8 loss criterion of docs/performance.md). Not bitwise: the amax histories
     advance per micro-batch on each rank, and at this learning rate the runs' rounding differences
