@@ -384,3 +384,27 @@ def test_gpt_model_checkpoint_saved_under_expert_parallelism_converts(tmp_path, 
     original, again = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
     assert sorted(again) == sorted(original)
     assert all(torch.equal(again[k], v) for k, v in original.items())
+
+
+def test_trained_moe_checkpoint_exports_as_its_family(tmp_path, capsys):
+    """A checkpoint pretrain_gpt.py wrote (one step; Qwen3-MoE's features, a dense first layer,
+    pre-softmax routing) exports as qwen3_moe with the logits check passing."""
+    import json
+
+    from megatron.training.cli import run
+
+    flags = (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+        "--micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 200 --num-workers 0 "
+        "--eval-iters 0 --train-iters 1 --swiglu --normalization RMSNorm --position-embedding-type rope "
+        "--disable-bias-linear --group-query-attention --num-query-groups 2 --qk-layernorm "
+        "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-layer-freq [0,1] "
+        "--moe-router-pre-softmax --moe-aux-loss-coeff 1e-2"
+    ).split()
+    assert run([*flags, "--save", str(tmp_path / "ckpt")]) == 0
+    assert convert("--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"), "--to", "hf") == 0
+    out = capsys.readouterr().out
+    assert "Qwen3MoeForCausalLM" in out and "logits check: largest absolute logit difference" in out
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["mlp_only_layers"] == [0] and written["norm_topk_prob"] is False
+    assert written["num_experts"] == E and written["moe_intermediate_size"] == 24
