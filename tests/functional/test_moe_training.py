@@ -1,7 +1,7 @@
 """A mixture-of-experts model through pretrain_gpt.py on the CPU: it trains, and every log line,
 the metrics file and the start-up report carry the MoE figures (aux and z losses, expert load
-imbalance, dropped tokens; per layer with --moe-per-layer-logging); on 2 ranks, dp2 and ep2 with
-either dispatcher train the one-process model (losses, grad norms and the MoE figures)."""
+imbalance, dropped tokens; per layer with --moe-per-layer-logging); on 2 ranks, dp2, ep2 with
+either dispatcher and cp2 train the one-process model (losses, grad norms and the MoE figures)."""
 
 import math
 
@@ -43,19 +43,31 @@ def test_moe_model_trains_and_logs_its_metrics(tmp_path, capsys):
     assert math.isfinite(last) and last < first
 
 
+# Aux and z losses strong enough that their gradients dominate: a wrong aux-loss scale under cp
+# (the cp ranks' shares of a sequence's loss, averaged over dp x cp) shows in the grad norm.
+STRONG = "--moe-aux-loss-coeff 1.0 --moe-z-loss-coeff 0.1".split()
+
+
 @pytest.mark.slow
 def test_two_rank_expert_layouts_match_single_process(tmp_path):
     d = tmp_path
     flags = MODEL + MOE + ["--moe-z-loss-coeff", "1e-3"]
     assert run(flags + ["--metrics-file", f"{d}/ref.jsonl"]) == 0
-    layouts = {
-        "dp2": [],
-        "ep2-allgather": ["--expert-model-parallel-size", "2"],
-        "ep2-alltoall": "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall".split(),
+    assert run(flags + STRONG + ["--metrics-file", f"{d}/ref-strong.jsonl"]) == 0
+    layouts = {  # name: (flags, reference)
+        "dp2": ([], "ref"),
+        "ep2-allgather": (["--expert-model-parallel-size", "2"], "ref"),
+        "ep2-alltoall": (
+            "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall".split(),
+            "ref",
+        ),
+        "cp2-strong": (["--context-parallel-size", "2", *STRONG], "ref-strong"),
     }
-    torchrun_many(2, [flags + extra + ["--metrics-file", f"{d}/{n}.jsonl"] for n, extra in layouts.items()])
-    ref, ref_moe = curves(f"{d}/ref.jsonl"), metrics(f"{d}/ref.jsonl", "lm loss")
-    for name in layouts:
+    torchrun_many(
+        2, [flags + extra + ["--metrics-file", f"{d}/{n}.jsonl"] for n, (extra, _) in layouts.items()]
+    )
+    for name, (_, ref_name) in layouts.items():
+        ref, ref_moe = curves(f"{d}/{ref_name}.jsonl"), metrics(f"{d}/{ref_name}.jsonl", "lm loss")
         got = curves(f"{d}/{name}.jsonl")
         assert sorted(got) == sorted(ref) == list(range(1, 11)), name
         assert_curves_match(got, ref, name)

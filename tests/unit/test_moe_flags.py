@@ -65,7 +65,7 @@ def test_every_built_flag_reaches_its_field(world):
             "--moe-token-drop-policy position --moe-shared-expert-intermediate-size 64 --moe-shared-expert-overlap "
             "--moe-shared-expert-gate "
             "--moe-grouped-gemm --moe-token-dispatcher-type alltoall --expert-model-parallel-size 2 "
-            "--expert-tensor-parallel-size 2 --moe-per-layer-logging --moe-input-jitter-eps 0.01"
+            "--expert-tensor-parallel-size 2 --moe-per-layer-logging --moe-input-jitter-eps 0.01 --disable-bias-linear"
         ).split()
     )
     m = parse_run_config(argv).model
@@ -232,8 +232,14 @@ MISTAKES = {
     ),
     "expert ffn not divisible by etp": (
         2,
-        "--num-experts 4 --moe-ffn-hidden-size 33 --expert-tensor-parallel-size 2",
+        "--num-experts 4 --moe-ffn-hidden-size 33 --expert-tensor-parallel-size 2 --disable-bias-linear",
         r"--moe-ffn-hidden-size 33 is not divisible by --expert-tensor-parallel-size 2",
+    ),
+    "expert biases over expert-tp": (
+        2,
+        "--num-experts 4 --expert-tensor-parallel-size 2",
+        r"--expert-tensor-parallel-size 2 with no --disable-bias-linear: expert biases split over expert-tp "
+        r"are not built; set --disable-bias-linear",
     ),
     "a refused MoE flag": (
         1,
@@ -271,7 +277,7 @@ def test_valid_neighbours_are_taken(world):
         (6, "--num-experts 4 --expert-model-parallel-size 2"),
         (1, "--num-experts 4 --moe-layer-freq [0]*1+[1]*3"),
         (1, "--num-experts 8 --moe-router-num-groups 4 --moe-router-group-topk 2 --moe-router-topk 4"),
-        (2, "--num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel"),
+        (2, "--num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel --disable-bias-linear"),
         (1, "--num-experts 4 --moe-router-enable-expert-bias --moe-router-score-function sigmoid"),
         (1, "--num-experts 4 --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity"),
         (
@@ -282,7 +288,7 @@ def test_valid_neighbours_are_taken(world):
             1,
             "--num-experts 4 --moe-shared-expert-intermediate-size 64 --moe-shared-expert-overlap --moe-token-dispatcher-type alltoall",
         ),
-        (2, "--num-experts 4 --moe-ffn-hidden-size 32 --expert-tensor-parallel-size 2"),
+        (2, "--num-experts 4 --moe-ffn-hidden-size 32 --expert-tensor-parallel-size 2 --disable-bias-linear"),
     ):
         world(size)
         assert parse_run_config(BASE + flags.split()).model.num_moe_experts

@@ -443,6 +443,12 @@ def _check_moe_parallelism(config: Any) -> None:
             "Megatron-Core); set sequence_parallel=True",
             params=("tensor_model_parallel_size", "sequence_parallel"),
         )
+    if etp > 1 and config.add_bias_linear:
+        raise ConfigError(
+            f"expert_tensor_parallel_size {etp} with add_bias_linear=True: expert biases split over "
+            "expert-tp are not built; set add_bias_linear=False or expert_tensor_parallel_size 1",
+            params=("expert_tensor_parallel_size", "add_bias_linear"),
+        )
     if config.moe_shared_expert_overlap:
         if shared is None:
             raise ConfigError(
