@@ -278,6 +278,10 @@ def test_features_a_moe_family_cannot_express_are_named():
             hf_families.check_expressible(family, {**base, **change})
     with pytest.raises(ToolError, match="config.json attention_bias true"):
         hf_families.fields_from_hf(make_hf("qwen3_moe", attention_bias=True).config)
+    with pytest.raises(ToolError, match="config.json use_sliding_window true"):
+        hf_families.fields_from_hf(
+            transformers.Qwen2MoeConfig(**{**BASE, **FAMILY_KW["qwen2_moe"]}, use_sliding_window=True)
+        )
 
 
 def convert(*args: str) -> int:
@@ -408,3 +412,26 @@ def test_trained_moe_checkpoint_exports_as_its_family(tmp_path, capsys):
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert written["mlp_only_layers"] == [0] and written["norm_topk_prob"] is False
     assert written["num_experts"] == E and written["moe_intermediate_size"] == 24
+
+
+def test_export_to_a_family_that_cannot_express_the_model_is_one_line(tmp_path, capsys):
+    hf = make_hf("qwen2_moe")
+    hf.save_pretrained(tmp_path / "src")
+    assert (
+        convert(
+            "--input",
+            str(tmp_path / "src"),
+            "--output",
+            str(tmp_path / "ours"),
+            "--to",
+            "megatron",
+            "--no-check",
+        )
+        == 0
+    )
+    capsys.readouterr()
+    args = ["--input", str(tmp_path / "ours"), "--output", str(tmp_path / "x"), "--to", "hf", "--model-type"]
+    assert convert(*args, "qwen3_moe") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "--model-type qwen3_moe cannot express shared experts" in err
