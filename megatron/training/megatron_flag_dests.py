@@ -1,8 +1,9 @@
 """Megatron-LM 0.19.2's dest names and defaults for the flags of ``megatron_flag_table`` (the flags
 that are not fields of our configs), read from the released megatron-core 0.19.2 wheel's
 ``add_megatron_arguments``. ``megatron_args.parse_args`` sets each of them on its namespace, so that
-code written against Megatron-LM's ``args`` finds every attribute it reads (``args.num_experts`` is
-None here, as there, and stays None: the flag is refused).
+code written against Megatron-LM's ``args`` finds every attribute it reads (``args.moe_enable_deepep``
+is False here, as there, and stays False: the flag is refused). Dests of flags that are now fields of
+our configs (the MoE flags) are set from the configs instead (``megatron_args``).
 """
 
 from __future__ import annotations

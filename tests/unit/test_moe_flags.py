@@ -292,3 +292,37 @@ def test_valid_neighbours_are_taken(world):
     ):
         world(size)
         assert parse_run_config(BASE + flags.split()).model.num_moe_experts
+
+
+def test_megatron_mixtral_example_flags_are_taken(world):
+    """examples/mixtral/train_mixtral_8x7b_distributed.sh's model, MoE and parallel flags (sizes scaled
+    to 4 processes, pp2 x ep2; mock data instead of its tokenizer and corpus)."""
+    world(4)
+    argv = (
+        "--disable-bias-linear --seq-length 64 --max-position-embeddings 128 --num-layers 4 --hidden-size 64 "
+        "--ffn-hidden-size 224 --num-attention-heads 4 --init-method-std 0.01 --attention-dropout 0.0 "
+        "--hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu "
+        "--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 2 "
+        "--no-masked-softmax-fusion --no-position-embedding --rotary-base 1000000 "
+        "--num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+        "--moe-grouped-gemm --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce "
+        "--micro-batch-size 1 --global-batch-size 8 --lr 1e-4 --train-iters 20 --lr-decay-iters 16 "
+        "--lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 2 --clip-grad 1.0 --bf16 "
+        "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2 "
+        "--use-distributed-optimizer --sequence-parallel --log-interval 1 --eval-interval 10 --eval-iters 1 "
+        "--no-load-optim --no-load-rng --mock-data --vocab-size 128"
+    ).split()
+    cfg = parse_run_config(argv)
+    m = cfg.model
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_token_dispatcher_type, m.moe_grouped_gemm) == (
+        8,
+        2,
+        "alltoall",
+        True,
+    )
+    assert (m.expert_model_parallel_size, m.pipeline_model_parallel_size, m.moe_ffn_hidden_size) == (
+        2,
+        2,
+        224,
+    )
+    assert not m.sequence_parallel  # tp 1: turned off with a note, as Megatron-LM does
