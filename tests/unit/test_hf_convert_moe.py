@@ -390,28 +390,30 @@ def test_gpt_model_checkpoint_saved_under_expert_parallelism_converts(tmp_path, 
     assert all(torch.equal(again[k], v) for k, v in original.items())
 
 
-def test_trained_moe_checkpoint_exports_as_its_family(tmp_path, capsys):
-    """A checkpoint pretrain_gpt.py wrote (one step; Qwen3-MoE's features, a dense first layer,
-    pre-softmax routing) exports as qwen3_moe with the logits check passing."""
+def test_converted_moe_trains_with_its_recorded_flags_and_exports_again(tmp_path, capsys):
+    """A converted Qwen3-MoE (a dense first layer, norm_topk_prob false) trains one step through
+    pretrain_gpt.py with --use-checkpoint-args only; the checkpoint that run saved (which names no
+    family) exports as qwen3_moe with the logits check passing."""
     import json
 
     from megatron.training.cli import run
 
+    src, ours, trained, back = (tmp_path / n for n in ("src", "ours", "trained", "back"))
+    make_hf("qwen3_moe", mlp_only_layers=[0], norm_topk_prob=False).save_pretrained(src)
+    assert convert("--input", str(src), "--output", str(ours), "--to", "megatron", "--no-check") == 0
     flags = (
-        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
-        "--micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 200 --num-workers 0 "
-        "--eval-iters 0 --train-iters 1 --swiglu --normalization RMSNorm --position-embedding-type rope "
-        "--disable-bias-linear --group-query-attention --num-query-groups 2 --qk-layernorm "
-        "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 24 --moe-layer-freq [0,1] "
-        "--moe-router-pre-softmax --moe-aux-loss-coeff 1e-2"
+        f"--load {ours} --use-checkpoint-args --save {trained} --seq-length 16 --micro-batch-size 2 "
+        "--global-batch-size 2 --lr 1e-3 --mock-data --vocab-size 200 --num-workers 0 --eval-iters 0 "
+        "--train-iters 1 --hidden-dropout 0 --attention-dropout 0"
     ).split()
-    assert run([*flags, "--save", str(tmp_path / "ckpt")]) == 0
-    assert convert("--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"), "--to", "hf") == 0
+    assert run(flags) == 0
+    assert "--num-experts 4 --moe-ffn-hidden-size 48 --moe-layer-freq" in capsys.readouterr().out
+    assert convert("--input", str(trained), "--output", str(back), "--to", "hf") == 0
     out = capsys.readouterr().out
     assert "Qwen3MoeForCausalLM" in out and "logits check: largest absolute logit difference" in out
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    written = json.loads((back / "config.json").read_text())
     assert written["mlp_only_layers"] == [0] and written["norm_topk_prob"] is False
-    assert written["num_experts"] == E and written["moe_intermediate_size"] == 24
+    assert written["num_experts"] == E and written["moe_intermediate_size"] == F_MOE
 
 
 def test_export_to_a_family_that_cannot_express_the_model_is_one_line(tmp_path, capsys):
