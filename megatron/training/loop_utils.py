@@ -172,6 +172,11 @@ def model_args_for_check(cfg, padded_vocab_size: int) -> dict:
     }
     if m.position_embedding_type == "learned_absolute":
         out["--max-position-embeddings"] = cfg.training.max_position_embeddings
+    if getattr(m, "num_moe_experts", None):  # experts: their count, sizes and which layers hold them
+        out["--num-experts"] = m.num_moe_experts
+        out["--moe-ffn-hidden-size"] = m.moe_ffn_hidden_size or m.ffn_hidden_size
+        out["--moe-shared-expert-intermediate-size"] = m.moe_shared_expert_intermediate_size
+        out["--moe-layer-freq"] = m.moe_layer_freq
     return out
 
 

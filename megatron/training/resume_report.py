@@ -113,7 +113,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def layout_text(layout: dict | None) -> str:
     """``tp2 pp2 dp1 (4 ranks, distributed optimizer)`` for a checkpoint's ``args['layout']`` (``cp2``
-    after the pipeline sizes with context parallelism; checkpoints before it have none)."""
+    after the pipeline sizes with context parallelism, ``ep2 etp1`` after dp in a model with experts;
+    checkpoints before them have none)."""
     if not layout:
         return "not recorded"
     vpp = layout.get("virtual_pipeline_model_parallel_size") or 1
@@ -123,6 +124,8 @@ def layout_text(layout: dict | None) -> str:
         + (f" cp{cp}" if (cp := layout.get("context_parallel_size") or 1) > 1 else "")
         + f" dp{layout.get('data_parallel_size')}"
     )
+    if (ep := layout.get("expert_model_parallel_size")) is not None:
+        text += f" ep{ep} etp{layout.get('expert_tensor_parallel_size')}"
     ranks = layout.get("world_size")
     extras = [f"{ranks} rank{'s' if ranks != 1 else ''}"]
     for key, name in (

@@ -90,6 +90,14 @@ class TrainerCheckpointing:
             "sequence_parallel": bool(m.sequence_parallel),
             "use_distributed_optimizer": bool(ddp.use_distributed_optimizer),
             "use_torch_fsdp2": bool(ddp.use_torch_fsdp2),
+            **(
+                {
+                    "expert_model_parallel_size": self.pg.ep_size,
+                    "expert_tensor_parallel_size": self.pg.expt_tp_size,
+                }
+                if getattr(m, "num_moe_experts", None)
+                else {}
+            ),
         }
 
     def fp8_sharded_state_dict(self) -> dict:

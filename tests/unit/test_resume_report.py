@@ -180,3 +180,30 @@ def test_stopped_fingerprints_hash_nothing():
     next(it[0])
     assert len(fp.pending) == 0
     assert bf.BatchFingerprints(False, 1, 2).step(4) is None
+
+
+def test_layout_names_the_expert_grid_of_a_model_with_experts():
+    dense = {
+        "world_size": 4,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "data_parallel_size": 4,
+    }
+    assert layout_text(dense) == "tp1 pp1 dp4 (4 ranks)"
+    ep2 = {**dense, "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1}
+    ep4 = {**ep2, "expert_model_parallel_size": 4}
+    assert layout_text(ep2) == "tp1 pp1 dp4 ep2 etp1 (4 ranks)"
+    assert layout_text(ep2) != layout_text(ep4)  # an ep change is not "as saved"
+
+
+def test_a_model_with_other_experts_is_refused_before_its_tensors_are_read():
+    moe = "--num-experts 4 --moe-router-topk 2 --moe-layer-freq [0,1]".split()
+    saved = _common(moe)
+    assert saved["args"]["num_experts"] == 4 and saved["args"]["moe_layer_freq"] == [0, 1]
+    _report(saved, moe).raise_if_refused()  # the same experts: nothing refused
+    for other in (["--num-experts", "8"], ["--moe-layer-freq", "1"], ["--moe-ffn-hidden-size", "48"]):
+        report = _report(saved, moe + other)
+        flag = other[0]
+        assert any(line.startswith(f"    {flag}:") and "refused" in line for line in report.lines()), flag
+        with pytest.raises(CheckpointError, match=flag):
+            report.raise_if_refused()
