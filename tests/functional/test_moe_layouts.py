@@ -13,7 +13,7 @@ holds ep2 and dp2 on two ranks.
 """
 
 import pytest
-from launch import torchrun_many
+from launch import metrics, torchrun_many
 from test_layouts import LLAMA, MODEL, assert_curves_match, curves
 
 from megatron.training.cli import run
@@ -48,10 +48,20 @@ def _reference(d) -> dict:
 
 
 def _assert_all_match(d, names, ref) -> None:
+    """Losses and grad norms, and the logged MoE figures (the aux loss and the expert load over the
+    whole batch: the same numbers whatever the layout)."""
     for name in names:
         got = curves(f"{d}/{name}.jsonl")
         assert sorted(got) == sorted(ref), name
         assert_curves_match(got, ref, name)
+        _assert_moe_figures_match(d, name)
+
+
+def _assert_moe_figures_match(d, name: str) -> None:
+    ref = metrics(f"{d}/ref.jsonl", "lm loss")
+    for it, rec in metrics(f"{d}/{name}.jsonl", "lm loss").items():
+        for key in ("load_balancing_loss", "expert_load_imbalance"):
+            assert rec[key] == pytest.approx(ref[it][key], rel=1e-5), (name, it, key)
 
 
 @pytest.mark.slow
@@ -87,3 +97,4 @@ def test_four_rank_expert_layouts_and_ep_resharding(tmp_path):
         got = curves(f"{d}/{name}.jsonl")
         assert sorted(got) == list(range(4, 11)), name
         assert_curves_match(got, {it: v for it, v in ref.items() if it > 3}, name)
+        _assert_moe_figures_match(d, name)
