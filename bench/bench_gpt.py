@@ -30,6 +30,17 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+MIXTRAL_PROXY = (
+    "--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --group-query-attention "
+    "--num-query-groups 4 --swiglu --normalization RMSNorm --position-embedding-type rope "
+    "--rotary-base 1000000 --disable-bias-linear --untie-embeddings-and-output-weights --seq-length 4096 "
+    "--max-position-embeddings 4096 --micro-batch-size 2 --vocab-size 32000"
+)
+MIXTRAL_PROXY_MOE = (
+    "--ffn-hidden-size 5632 --num-experts 8 --moe-ffn-hidden-size 5632 --moe-router-topk 2 "
+    "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2"
+)
+
 CONFIGS = {
     "gpt-1.3b": (
         "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 8192 "
@@ -48,6 +59,19 @@ CONFIGS = {
         "--position-embedding-type rope --rotary-base 500000 --disable-bias-linear "
         "--untie-embeddings-and-output-weights --seq-length 4096 --max-position-embeddings 4096 "
         "--micro-batch-size 1 --vocab-size 128256"
+    ),
+    # Mixtral's shape scaled to one H200 (hidden 2048, 16 layers, 8 experts top-2 of FFN 5632, GQA 4:1
+    # with head size 128, rope base 1e6, untied, vocabulary 32000, aux loss 1e-2 as Megatron-LM's
+    # Mixtral example): 4.73B parameters, 1.41B active per token. "-loop" runs the experts in a
+    # Python loop; "-dense" is the dense model of the same active parameters (FFN 2 x 5632).
+    "mixtral-proxy": MIXTRAL_PROXY + " " + MIXTRAL_PROXY_MOE + " --moe-grouped-gemm",
+    "mixtral-proxy-loop": MIXTRAL_PROXY + " " + MIXTRAL_PROXY_MOE,
+    "mixtral-proxy-dense": MIXTRAL_PROXY + " --ffn-hidden-size 11264",
+    "tiny-moe": (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 64 "
+        "--max-position-embeddings 64 --micro-batch-size 2 --vocab-size 512 --swiglu --disable-bias-linear "
+        "--num-experts 4 --moe-ffn-hidden-size 64 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss "
+        "--moe-aux-loss-coeff 1e-2 --moe-grouped-gemm"
     ),
     "tiny": (
         "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 "
