@@ -77,9 +77,9 @@ def test_two_rank_expert_layouts_match_single_process(tmp_path):
 
 @pytest.mark.slow
 def test_four_rank_expert_layouts_and_ep_resharding(tmp_path):
-    """ep4, ep2 x tp2 with sequence parallelism (each dispatcher), ep2 x etp2 over dense dp4, ep2 x pp2; and a checkpoint saved
-    under ep2 (x expert-dp 2, distributed optimizer) at step 3 resumed under ep4 (allgather) and in
-    one process (ep1) on the uninterrupted curve."""
+    """ep4, ep2 x tp2 with sequence parallelism (each dispatcher), ep2 x etp2 over dense dp4,
+    ep2 x pp2; and a checkpoint saved under ep2 (x expert-dp 2, distributed optimizer) at step 3
+    resumed under ep4 (allgather) and in one process (ep1) on the uninterrupted curve."""
     d = tmp_path
     ref = _reference(d)
     runs = [MOE + f.split() + ["--metrics-file", f"{d}/{n}.jsonl"] for n, f in FOUR_RANKS.items()]
@@ -90,6 +90,8 @@ def test_four_rank_expert_layouts_and_ep_resharding(tmp_path):
     runs.append(MOE + f"{ep4} --load {ck} --metrics-file {d}/resumed-ep4.jsonl".split())
     outs = torchrun_many(4, runs)
     assert f"resuming from {ck}/iter_0000003: iteration 3" in outs[-1].stdout
+    assert "layout      checkpoint tp1 pp1 dp4 ep2 etp1 " in outs[-1].stdout
+    assert "now tp1 pp1 dp4 ep4 etp1 " in outs[-1].stdout
     assert "--expert-model-parallel-size: 2 -> 4 (allowed)" in outs[-1].stdout
     _assert_all_match(d, FOUR_RANKS, ref)
     assert run(MOE + f"--load {ck} --metrics-file {d}/resumed-ep1.jsonl".split()) == 0
