@@ -260,12 +260,4 @@ REFUSED_ROWS: list[ForeignFlag] = [
             ("--exp-avg-sq-dtype", "Adam's moments are"),
         )
     ],
-    ForeignFlag(
-        "--recompute-modules",
-        ALWAYS,
-        "selective recompute recomputes the core attention",
-        "+",
-        accepted=("core_attn",),
-        otherwise="selective recompute recomputes the core attention only; pass core_attn or drop it",
-    ),
 ]

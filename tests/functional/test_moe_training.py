@@ -77,15 +77,19 @@ def test_two_rank_expert_layouts_match_single_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_full_recompute_trains_and_logs_as_without(tmp_path):
-    """Recomputed MoE layers route again in backward: the same losses, grad norms and MoE figures
-    (the recompute records no second copy of the aux losses or token counts)."""
+def test_recompute_trains_and_logs_as_without(tmp_path):
+    """Recomputed MoE layers route again in backward, whole layers (--recompute-granularity full) or
+    the MoE layers alone (selective, --recompute-modules moe): the same losses, grad norms and MoE
+    figures (the recompute records no second copy of the aux losses or token counts)."""
     flags = MODEL + MOE + ["--moe-z-loss-coeff", "1e-3", "--train-iters", "3"]
     full = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
+    moe = "--recompute-granularity selective --recompute-modules core_attn moe".split()
     assert run(flags + ["--metrics-file", f"{tmp_path}/ref.jsonl"]) == 0
-    assert run(flags + full + ["--metrics-file", f"{tmp_path}/full.jsonl"]) == 0
-    ref, got = metrics(f"{tmp_path}/ref.jsonl", "lm loss"), metrics(f"{tmp_path}/full.jsonl", "lm loss")
-    assert sorted(got) == sorted(ref) == [1, 2, 3]
-    for it in ref:
-        for key in ("lm loss", "grad-norm", "load_balancing_loss", "z_loss", "expert_load_imbalance"):
-            assert got[it][key] == pytest.approx(ref[it][key], rel=1e-6), (it, key)
+    ref = metrics(f"{tmp_path}/ref.jsonl", "lm loss")
+    for name, extra in (("full", full), ("moe", moe)):
+        assert run(flags + extra + ["--metrics-file", f"{tmp_path}/{name}.jsonl"]) == 0
+        got = metrics(f"{tmp_path}/{name}.jsonl", "lm loss")
+        assert sorted(got) == sorted(ref) == [1, 2, 3]
+        for it in ref:
+            for key in ("lm loss", "grad-norm", "load_balancing_loss", "z_loss", "expert_load_imbalance"):
+                assert got[it][key] == pytest.approx(ref[it][key], rel=1e-6), (name, it, key)

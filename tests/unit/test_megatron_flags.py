@@ -94,7 +94,7 @@ def test_a_value_outside_the_accepted_ones_is_refused_with_what_to_pass(capsys):
     err = _errors(capsys, BASE + ["--attention-backend", "unfused"])
     assert err[0].startswith("pretrain_gpt.py: error: --attention-backend unfused: attention always runs")
     assert "pass auto or drop it" in err[0]
-    assert parse_run_config(BASE + ["--recompute-modules", "core_attn"]).notes
+    assert parse_run_config(BASE + ["--main-params-dtype", "fp32"]).notes
 
 
 def test_refusals_bad_values_and_unknown_flags_are_reported_together(capsys):

@@ -258,3 +258,28 @@ def test_recomputed_layer_gives_the_same_gradients(dispatcher: str, reentrant: b
     assert_close(recomputed[1], plain[1], rtol=0, atol=0)
     for name in plain[2]:
         assert_close(recomputed[2][name], plain[2][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_selective_recompute_of_moe_layers_runs_the_layer_again_in_backward() -> None:
+    """``recompute_granularity="selective"`` with ``"moe"`` in ``recompute_modules``: the layer keeps
+    only its input and runs again in backward (the router twice per step), with the same gradients."""
+    cfg = dict(moe_token_dispatcher_type="alltoall", moe_shared_expert_intermediate_size=12)
+    plain_layer = MoELayer(moe_config(**cfg))
+    layer = MoELayer(moe_config(**cfg, recompute_granularity="selective", recompute_modules=["moe"]))
+    fill_(plain_layer, 7)
+    layer.load_state_dict(plain_layer.state_dict())
+    calls = []
+    layer.router.register_forward_hook(lambda *_: calls.append(1))
+    gen = torch.Generator().manual_seed(8)
+    x, dy = torch.randn(6, 2, H, generator=gen), torch.randn(6, 2, H, generator=gen)
+    plain = _grads(plain_layer, x, lambda t: plain_layer(t)[0], dy)
+    recomputed = _grads(layer, x, lambda t: layer(t)[0], dy)
+    assert len(calls) == 2  # forward, then the recompute in backward
+    for a, b in zip(recomputed[:2], plain[:2]):
+        assert_close(a, b, rtol=0, atol=0)
+    for name in plain[2]:
+        assert_close(recomputed[2][name], plain[2][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    layer.eval()
+    calls.clear()
+    layer(x)
+    assert len(calls) == 1  # evaluation keeps no graph to recompute

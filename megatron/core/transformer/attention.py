@@ -113,7 +113,9 @@ class SelfAttention(nn.Module):
             **({} if cp_groups is None else {"cp_groups": cp_groups}),
         )
         self.rng_tracker = rng_tracker
-        self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.recompute_core_attention = config.recompute_granularity == "selective" and "core_attn" in (
+            config.recompute_modules or ("core_attn",)
+        )
         self.linear_proj = build_module(
             submodules.linear_proj,
             n_h * d,

@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from megatron.core.config_utils import ConfigError
 from megatron.core.transformer import config_support
 
+# What selective recompute (recompute_modules) can recompute here.
+RECOMPUTE_MODULES = ("core_attn", "moe")
+
 
 def sync_activation(config: Any) -> bool:
     """Make ``activation`` and Megatron-Core's ``gated_linear_unit`` / ``activation_func`` agree.
@@ -63,11 +66,19 @@ def sync_megatron_names(config: Any) -> None:
     if config.recompute_modules is None:
         config.recompute_modules = ["core_attn"]
     if config.recompute_granularity == "selective":
-        if list(config.recompute_modules) != ["core_attn"]:
+        unknown = [m for m in config.recompute_modules if m not in RECOMPUTE_MODULES]
+        if unknown or not config.recompute_modules:
             raise ConfigError(
                 f"TransformerConfig.recompute_modules={config.recompute_modules!r} is not supported "
-                "here: selective recompute covers the core attention; use ['core_attn']",
+                f"here: selective recompute covers {' and '.join(RECOMPUTE_MODULES)} (the core attention, "
+                "whole MoE layers); use e.g. ['core_attn'] or ['core_attn', 'moe']",
                 params=("recompute_modules",),
+            )
+        if "moe" in config.recompute_modules and not config.num_moe_experts:
+            raise ConfigError(
+                "recompute_modules 'moe' recomputes MoE layers, and this model has none (num_moe_experts "
+                "is unset); drop 'moe' or set num_moe_experts",
+                params=("recompute_modules", "num_moe_experts"),
             )
         if config.recompute_num_layers is not None:
             raise ConfigError(

@@ -288,7 +288,6 @@ IMPLEMENTED: dict[str, str] = {
     "kernel); it needs add_bias_linear with F.gelu. False (the default) computes the "
     "exact GELU, as Megatron-Core; our bias_gelu_fusion=True (the training "
     "application's default) is the same switch",
-    "recompute_modules": "['core_attn'] (the default) is what selective recompute covers; others are refused",
     "init_method": "set to N(0, init_method_std^2) on construction; a user-given callable is refused",
     "output_layer_init_method": "set to N(0, (init_method_std / sqrt(2 num_layers))^2); a user-given callable "
     "is refused",

@@ -99,7 +99,6 @@ class MegatronCoreTransformerFields(ModelParallelConfig):
     fused_residual_rmsnorm: bool = doc(False, flag=None)
     use_transformer_engine_op_fuser: bool = doc(False, flag=None)
     distribute_saved_activations: bool | None = doc(False, flag=None)
-    recompute_modules: list[str] | None = doc(None, flag=None)
     fp8: Literal["e4m3", "hybrid"] | None = doc(None, flag=None)
     fp8_param: bool = doc(False, flag=None)
     fp8_quantizer_factory: str | None = doc(None, flag=None)

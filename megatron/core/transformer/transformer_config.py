@@ -254,6 +254,14 @@ class TransformerConfig(MoEConfigFields):
         "core attention.",
         choices=("full", "selective"),
     )
+    recompute_modules: list[str] | None = doc(
+        None,
+        "With --recompute-granularity selective: what runs again in backward instead of keeping its "
+        "activations: 'core_attn' (the core attention; the default) and/or 'moe' (each MoE layer whole: "
+        "router, dispatch, experts, combine). Megatron-LM's other modules are refused.",
+        flag="--recompute-modules",
+        nargs="+",
+    )
     recompute_method: str | None = doc(
         None,
         "With full recompute: 'uniform' checkpoints chunks of --recompute-num-layers layers; 'block' "

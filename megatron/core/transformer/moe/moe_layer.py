@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.tensor_parallel.mappings import ProcessGroup, group_size
+from megatron.core.tensor_parallel.rng_states import checkpoint_with_rng
 from megatron.core.transformer.moe.experts import GroupedExperts
 from megatron.core.transformer.moe.groups import MoEGroups
 from megatron.core.transformer.moe.router import TopKRouter
@@ -120,6 +121,9 @@ class MoELayer(nn.Module):
         submodules = submodules or MoESubmodules()
         self.config = config
         self.layer_number = layer_number
+        self.recompute = getattr(config, "recompute_granularity", None) == "selective" and "moe" in (
+            getattr(config, "recompute_modules", None) or ()
+        )
         self.num_local_experts = config.num_moe_experts // groups.ep_size
         self.local_expert_indices = [
             groups.ep_rank * self.num_local_experts + i for i in range(self.num_local_experts)
@@ -145,7 +149,13 @@ class MoELayer(nn.Module):
         self.router.set_layer_number(layer_number)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """``[s, b, h]`` -> ``(out [s, b, h], None)``."""
+        """``[s, b, h]`` -> ``(out [s, b, h], None)``. With selective recompute of ``"moe"``
+        (``config.recompute_modules``) the whole layer runs again in backward, keeping only its input."""
+        if self.recompute and self.training:
+            return checkpoint_with_rng(self._forward, hidden), None
+        return self._forward(hidden), None
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         s, b, h = hidden.shape
         probs, routing_map = self.router(hidden)  # [T, E] each, T = s * b
         rows, tokens_per_expert = self.token_dispatcher.token_dispatch(
@@ -154,4 +164,4 @@ class MoELayer(nn.Module):
         out = self.token_dispatcher.token_combine(self.experts(rows, tokens_per_expert)).view(s, b, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
-        return out, None
+        return out
