@@ -219,7 +219,7 @@ def get_gpt_decoder_block_spec(
         ConfigError: ``qk_l2_norm`` set.
     """
     experts = getattr(config, "num_moe_experts", None)
-    common = dict(
+    common: dict[str, Any] = dict(
         qk_layernorm=getattr(config, "qk_layernorm", False),
         normalization=normalization,
         qk_l2_norm=qk_l2_norm,
