@@ -64,8 +64,9 @@ class MoEConfigFields(MegatronCoreTransformerFields):
     )
     moe_router_dtype: str | None = doc(
         None,
-        "Dtype of the routing math and the weighted sum of the experts' outputs: fp32 or fp64. "
-        "Default: fp32 (the router never computes in bf16 here).",
+        "Dtype of the routing math (logits, scores, top-k, auxiliary losses): fp32 or fp64; the routing "
+        "weights it returns, and the combine of the experts' outputs, are fp32 either way. Default: "
+        "fp32 (the router never computes in bf16 here).",
         choices=("fp32", "fp64"),
     )
     moe_router_load_balancing_type: str | list[str] = doc(

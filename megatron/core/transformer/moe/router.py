@@ -85,7 +85,7 @@ def check_router_config(config: Any) -> None:
     if config.moe_router_score_function not in ("softmax", "sigmoid", "sqrtsoftplus"):
         raise ConfigError(
             f"moe_router_score_function {config.moe_router_score_function!r} is not valid; choose "
-            "softmax or sigmoid",
+            "softmax, sigmoid or sqrtsoftplus",
             params=("moe_router_score_function",),
         )
     if config.moe_router_dtype not in (None, "fp32", "fp64"):
