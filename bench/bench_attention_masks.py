@@ -30,8 +30,6 @@ import functools
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,26 +37,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from cuda_timing import time_ms  # noqa: E402
+
 from megatron.core.transformer.context_parallel import blocks, kernels  # noqa: E402
 from megatron.core.transformer.context_parallel.layout import chunk_ids, local_token_indices  # noqa: E402
 from megatron.core.transformer.document_mask import DocumentMask  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-
-def time_ms(fn: Callable[[], object], iters: int, device: torch.device) -> float:
-    """Median ms of ``fn()`` (CUDA events on a GPU, wall clock elsewhere) after two warm-up calls."""
-    if device.type == "cuda":
-        from cuda_timing import median_ms
-
-        return median_ms(fn, iters, warmup=2)
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def document_ids(s: int, mean: int, device: torch.device) -> torch.Tensor:

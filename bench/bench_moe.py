@@ -28,13 +28,13 @@ import argparse
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from cuda_timing import time_ms  # noqa: E402
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from megatron.core.transformer.mlp import MLP, MLPSubmodules  # noqa: E402
@@ -44,21 +44,6 @@ from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 SMOKE = dict(seq=16, batch=2, hidden=32, ffn=16, experts=4, topk=2, iters=1)
-
-
-def time_ms(fn: Callable[[], object], iters: int, device: torch.device) -> float:
-    """Median ms of ``fn()`` (CUDA events on a GPU, wall clock elsewhere) after two warm-up calls."""
-    if device.type == "cuda":
-        from cuda_timing import median_ms
-
-        return median_ms(fn, iters, warmup=2)
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def make_config(args, dtype: torch.dtype, **moe: object) -> TransformerConfig:

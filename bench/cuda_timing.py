@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -27,4 +28,17 @@ def median_ms(
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_ms(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Median ms of ``fn()``: CUDA events on a GPU (two warm-up calls), the wall clock elsewhere (one)."""
+    if device.type == "cuda":
+        return median_ms(fn, iters, warmup=2)
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
