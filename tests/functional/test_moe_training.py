@@ -1,7 +1,8 @@
 """A mixture-of-experts model through pretrain_gpt.py on the CPU: it trains, and every log line,
 the metrics file and the start-up report carry the MoE figures (aux and z losses, expert load
 imbalance, dropped tokens; per layer with --moe-per-layer-logging); on 2 ranks, dp2, ep2 with
-either dispatcher and cp2 train the one-process model (losses, grad norms and the MoE figures)."""
+either dispatcher, ep2 under FSDP2 and cp2 train the one-process model (losses, grad norms and the
+MoE figures)."""
 
 import math
 
@@ -62,6 +63,8 @@ def test_two_rank_expert_layouts_match_single_process(tmp_path):
             "ref",
         ),
         "cp2-strong": (["--context-parallel-size", "2", *STRONG], "ref-strong"),
+        # FSDP2: the experts are one unit sharded over expert-dp (here 1 rank), the rest over dp2
+        "ep2-fsdp2": ("--expert-model-parallel-size 2 --use-torch-fsdp2".split(), "ref"),
     }
     torchrun_many(
         2, [flags + extra + ["--metrics-file", f"{d}/{n}.jsonl"] for n, (extra, _) in layouts.items()]

@@ -178,25 +178,31 @@ class TorchFullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def _expert_units(module: nn.Module) -> list[nn.Module]:
-        """The modules whose own parameters are expert parameters.
+        """The outermost modules whose parameters are all expert parameters (e.g. an MoE layer's
+        experts, whose forward reads its children's weights directly: the unit must be the module
+        whose forward runs, so that FSDP2 gathers the weights before it).
 
         Raises:
             ConfigError: a module holds expert and dense parameters of its own (one FSDP2 unit
                 shards over one group).
         """
-        units = []
+        units: list[nn.Module] = []
+        inside: set[str] = set()  # names of the chosen units
         for name, sub in module.named_modules():
-            own = list(sub.parameters(recurse=False))
-            experts = [is_expert_param(p) for p in own]
-            if any(experts) and not all(experts):
+            own = [is_expert_param(p) for p in sub.parameters(recurse=False)]
+            if any(own) and not all(own):
                 raise ConfigError(
                     f"use_torch_fsdp2: module {name or type(sub).__name__} holds expert and dense "
                     "parameters of its own; FSDP2 shards expert parameters as units of their own "
                     "(keep them in a submodule, as the MoE layer's experts)",
                     params=("use_torch_fsdp2",),
                 )
-            if any(experts):
+            if any(name == u or name.startswith(u + ".") for u in inside) or sub is module:
+                continue
+            params = list(sub.parameters())
+            if params and all(is_expert_param(p) for p in params):
                 units.append(sub)
+                inside.add(name)
         return units
 
     @property
