@@ -78,7 +78,7 @@ def test_two_rank_expert_layouts_match_single_process(tmp_path):
 @pytest.mark.slow
 def test_four_rank_expert_layouts_and_ep_resharding(tmp_path):
     """ep4, ep2 x tp2 with sequence parallelism (each dispatcher), ep2 x etp2 over dense dp4,
-    ep2 x pp2; and a checkpoint saved under ep2 (x expert-dp 2, distributed optimizer) at step 3
+    ep2 x pp2, and ep2 x pp2 with virtual stages (4 layers, the first dense); and a checkpoint saved under ep2 (x expert-dp 2, distributed optimizer) at step 3
     resumed under ep4 (allgather) and in one process (ep1) on the uninterrupted curve."""
     d = tmp_path
     ref = _reference(d)
@@ -88,12 +88,23 @@ def test_four_rank_expert_layouts_and_ep_resharding(tmp_path):
     runs.append(MOE + f"{save} --save {ck} --save-interval 3 --exit-interval 3".split())
     ep4 = "--expert-model-parallel-size 4 --use-distributed-optimizer"
     runs.append(MOE + f"{ep4} --load {ck} --metrics-file {d}/resumed-ep4.jsonl".split())
+    # ep2 x pp2 with virtual stages on a 4-layer model (a dense first layer), against its own reference
+    deep = list(MOE) + ["--moe-layer-freq", "[0,1,1,1]"]
+    deep[deep.index("--num-layers") + 1] = "4"
+    vpp = f"--expert-model-parallel-size 2 --pipeline-model-parallel-size 2 {A2A}"
+    vpp += " --num-layers-per-virtual-pipeline-stage 1"
+    runs.append(deep + vpp.split() + ["--metrics-file", f"{d}/ep2xpp2-vpp2.jsonl"])
     outs = torchrun_many(4, runs)
-    assert f"resuming from {ck}/iter_0000003: iteration 3" in outs[-1].stdout
-    assert "layout      checkpoint tp1 pp1 dp4 ep2 etp1 " in outs[-1].stdout
-    assert "now tp1 pp1 dp4 ep4 etp1 " in outs[-1].stdout
-    assert "--expert-model-parallel-size: 2 -> 4 (allowed)" in outs[-1].stdout
+    resumed = outs[-2].stdout  # the ep4 resume (the vpp run is last)
+    assert f"resuming from {ck}/iter_0000003: iteration 3" in resumed
+    assert "layout      checkpoint tp1 pp1 dp4 ep2 etp1 " in resumed
+    assert "now tp1 pp1 dp4 ep4 etp1 " in resumed
+    assert "--expert-model-parallel-size: 2 -> 4 (allowed)" in resumed
     _assert_all_match(d, FOUR_RANKS, ref)
+    assert run(deep + ["--metrics-file", f"{d}/ref-deep.jsonl"]) == 0
+    got, ref_deep = curves(f"{d}/ep2xpp2-vpp2.jsonl"), curves(f"{d}/ref-deep.jsonl")
+    assert sorted(got) == sorted(ref_deep) == list(range(1, 11))
+    assert_curves_match(got, ref_deep, "ep2xpp2-vpp2")
     assert run(MOE + f"--load {ck} --metrics-file {d}/resumed-ep1.jsonl".split()) == 0
     for name in ("resumed-ep4", "resumed-ep1"):
         got = curves(f"{d}/{name}.jsonl")
