@@ -164,7 +164,8 @@ def layer_activation_bytes(
     if x.rotary_dim:
         total += t * (q + kv) * p  # RoPE's outputs q and k, saved by attention
         total += 4 * t * x.rotary_dim * p  # cos / sin in the activation dtype, for q and for k
-    selective = m.recompute_granularity == "selective"
+    modules = (m.recompute_modules or ["core_attn"]) if m.recompute_granularity == "selective" else []
+    selective = "core_attn" in modules  # the core attention is recomputed
     if x.cp > 1 and not selective:
         comm = comm_type_of_layer(getattr(m, "cp_comm_type", None), layer_number, m.num_layers)
         total += cp_attention_bytes(x, comm)
@@ -179,7 +180,8 @@ def layer_activation_bytes(
     total += 2 * ts * h * kernels.mask_bytes if dropout else 0.0  # the two residual-branch dropouts
     total += ts * h * p + ts * norm_stats * kernels.stat_bytes  # pre_mlp_layernorm: the mid residual
     if moe_layer_pattern(m)[layer_number - 1]:
-        return total + moe_mlp_bytes(cfg, x, kernels)
+        # --recompute-modules moe: the layer keeps only its input (the normed hidden) for the recompute
+        return total + (t * h * p if "moe" in modules else moe_mlp_bytes(cfg, x, kernels))
     total += linear_input("linear_fc1", t * h)
     total += mlp_bytes(x, kernels, t, x.ffn)
     total += linear_input("linear_fc2", t * x.ffn)  # the activation's output

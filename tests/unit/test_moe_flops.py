@@ -136,6 +136,28 @@ def test_moe_activations_count_the_routed_rows(world):
     assert a4 - a2 == 4 * rows * 4 * (h + 2 * f + f + h)
 
 
+def test_recomputed_moe_layers_keep_only_their_input(world):
+    """--recompute-granularity selective --recompute-modules moe: each of the 4 MoE layers saves its
+    normed input (tokens x h, fp32) instead of its routed rows; core_attn beside it changes the
+    attention's share only (the same with and without experts recomputed)."""
+    plain = parse_run_config(BASE + MOE)
+    sel = "--recompute-granularity selective --recompute-modules".split()
+    moe = parse_run_config(BASE + MOE + sel + ["moe"])
+    both = parse_run_config(BASE + MOE + sel + ["core_attn", "moe"])
+    attn = parse_run_config(BASE + MOE + sel + ["core_attn"])
+    a_plain, a_moe, a_both, a_attn = (
+        estimate(c, 128, 1)[0].activations_per_microbatch for c in (plain, moe, both, attn)
+    )
+    t, h, f, e, k, sh = 2 * 16, 64, 32, 8, 2, 64  # tokens, hidden, F_moe, experts, top-k, F_sh
+    # no longer saved per MoE layer: the router's fp32 logits, scores and weights [T, E], the
+    # routed rows' input h, fc1's output 2F, the activation's output F and fc2's output h, and the
+    # shared experts' fc1 output 2 F_sh and fc2 input F_sh on every token
+    layer = 3 * t * e * 4 + t * k * (h + 2 * f + f + h) * 4 + t * (2 * sh + sh) * 4
+    assert a_plain - a_moe == pytest.approx(4 * layer)
+    assert a_attn - a_both == pytest.approx(4 * layer)
+    assert a_moe > a_both  # core attention kept without core_attn
+
+
 def test_dry_run_prints_the_expert_layout(world, capsys):
     world(8)
     cfg = parse_run_config(
