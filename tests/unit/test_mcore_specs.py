@@ -237,3 +237,21 @@ def test_a_spec_written_with_megatron_core_import_paths_builds_the_local_model()
         torch.manual_seed(0)
         dropped = get_bias_dropout_add(True, fused)((x, None), residual, 0.5) - residual
         assert ((dropped == 0) | torch.isclose(dropped, 2 * x)).all() and (dropped == 0).any()
+
+
+def test_the_moe_groups_go_only_to_an_mlp_that_takes_them():
+    """TransformerLayer hands the MoE groups to the mlp slot only where the module takes them: an MoE
+    layer, not the dense MLP of a layer the pattern leaves dense (or a user's own MLP)."""
+    import functools
+
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec, accepts_keyword
+
+    assert accepts_keyword(MoELayer, "moe_groups") and accepts_keyword(
+        ModuleSpec(module=MoELayer), "moe_groups"
+    )
+    assert not accepts_keyword(MLP, "moe_groups")
+    assert not accepts_keyword(ModuleSpec(module=MLP, submodules=MLPSubmodules()), "moe_groups")
+    assert not accepts_keyword(functools.partial(MLP, submodules=MLPSubmodules()), "moe_groups")
+    assert accepts_keyword(lambda config, **kwargs: None, "moe_groups")

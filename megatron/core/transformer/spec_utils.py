@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import types
 from dataclasses import dataclass, field
@@ -119,3 +120,18 @@ def get_submodules(spec: Any) -> Any:
     if hasattr(spec, "submodules"):
         return spec.submodules
     raise ValueError(f"Could not find `submodules` in the provided spec: {spec!r}")
+
+
+def accepts_keyword(spec_or_module: Any, name: str) -> bool:
+    """Whether building ``spec_or_module`` (a class, ``ModuleSpec`` or ``functools.partial``) takes the
+    keyword ``name`` (by name, or through ``**kwargs``)."""
+    target = spec_or_module
+    if isinstance(target, functools.partial):
+        target = target.func
+    elif not isinstance(target, type) and hasattr(target, "module"):
+        target = get_module(target)
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

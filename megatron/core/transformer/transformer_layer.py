@@ -12,7 +12,7 @@ from torch import nn
 from megatron.core.config_utils import ConfigError
 from megatron.core.tensor_parallel.mappings import ProcessGroup
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.spec_utils import accepts_keyword, build_module
 
 Rotary = tuple[torch.Tensor, torch.Tensor] | None
 
@@ -93,8 +93,11 @@ class TransformerLayer(nn.Module):
             **cp,
         )
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config, config.hidden_size, **sp)
-        # the MoE layer's groups go to the mlp slot only when given (models with experts)
-        moe = {} if moe_groups is None else {"moe_groups": moe_groups, "layer_number": layer_number}
+        # the MoE groups (models with experts) go to an mlp that takes them: an MoE layer, not the dense
+        # MLP of a layer the pattern leaves dense
+        moe = {}
+        if moe_groups is not None and accepts_keyword(submodules.mlp, "moe_groups"):
+            moe = {"moe_groups": moe_groups, "layer_number": layer_number}
         self.mlp = build_module(submodules.mlp, config, tp_group=tp_group, **sp, **moe)
 
     def forward(

@@ -19,7 +19,6 @@ Fp8SwigluMLP` for the FP8 SwiGLU block, ``MoELayer`` on ``plan.moe_layers``) and
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from megatron.core.config_utils import ConfigError
@@ -183,25 +182,6 @@ def get_mlp_module_spec(
     )
 
 
-def _dense_mlp_of_moe_model(
-    config: Any,
-    *,
-    module: type,
-    submodules: Any,
-    moe_groups: Any = None,
-    layer_number: int = 1,
-    **kwargs: Any,
-) -> Any:
-    """Builds the dense MLP of a layer that ``moe_layer_freq`` leaves dense: a model with experts
-    hands every layer's mlp slot its MoE groups and layer number, which the dense MLP does not take."""
-    return module(config, submodules=submodules, **kwargs)
-
-
-def _dense_in_moe_model(spec: ModuleSpec) -> functools.partial:
-    """``spec`` (a dense MLP) as a builder that drops the MoE layer's arguments."""
-    return functools.partial(_dense_mlp_of_moe_model, module=spec.module, submodules=spec.submodules)
-
-
 def get_gpt_decoder_block_spec(
     config: Any,
     use_transformer_engine: bool,
@@ -229,7 +209,6 @@ def get_gpt_decoder_block_spec(
     if not experts:
         return TransformerBlockSubmodules(layer_specs=[moe] * config.num_layers, layer_norm=Norm)
     dense = get_gpt_layer_local_spec(**common)
-    dense.submodules.mlp = _dense_in_moe_model(dense.submodules.mlp)
     specs = [moe if is_moe else dense for is_moe in moe_layer_pattern(config)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=Norm)
 
@@ -270,8 +249,6 @@ def get_gpt_layer_plan_spec(
             activation_func=activation,
         ),
     )
-    if plan.moe_layers:
-        submodules.mlp = _dense_in_moe_model(submodules.mlp)
     return ModuleSpec(module=TransformerLayer, submodules=submodules)
 
 
