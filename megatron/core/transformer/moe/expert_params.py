@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core.tensor_parallel.init import tag_param
+from megatron.core.tensor_parallel.init import set_init_attrs, tag_param
 
 
 def tag_expert_param(
@@ -43,6 +43,14 @@ def tag_expert_param(
         ep_size,
     )
     assert partition_dim != 0, "dim 0 of an expert parameter is the expert index"
+    set_init_attrs(
+        param,
+        std=init_std,
+        value=init_value,
+        partition_dim=partition_dim,
+        partition_size=partition_size,
+        partition_stride=partition_stride,
+    )
     return tag_param(
         param,
         allreduce=False,
@@ -53,12 +61,6 @@ def tag_expert_param(
         ep_rank=ep_rank,
         ep_size=ep_size,
         etp_rank=etp_rank,
-        init_std=init_std,
-        init_value=init_value,
-        partition_dim=partition_dim,
-        partition_size=partition_size,
-        partition_stride=partition_stride,
-        tensor_model_parallel=partition_dim >= 0 and partition_size > 1,
     )
 
 
