@@ -228,6 +228,11 @@ class DistributedDataParallel(nn.Module):
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
+        # With check_local_grads, each step's per-parameter gradient norms before any reduction, per
+        # bucket: [(params, fp32 norms)] (a device tensor each, no host sync), so that a NaN/Inf
+        # gradient can be traced to the rank and parameter it arose in. A new list every step.
+        self.check_local_grads = False
+        self.local_grad_norms: list[tuple[list[nn.Parameter], torch.Tensor]] = []
         self.pg = parallel_state if parallel_state is not None else get_parallel_state()
         self.dp_group = self.pg.dp_cp_group
         self.dp_size = self.pg.dp_size * self.pg.cp_size
@@ -394,8 +399,15 @@ class DistributedDataParallel(nn.Module):
         torch._foreach_mul_(views, 1.0 / domain.divisor)
         return dist.ReduceOp.SUM
 
+    def _note_local_norms(self, bucket: _Bucket) -> None:
+        if self.check_local_grads and bucket.params:
+            grads = [p.main_grad for p in bucket.params]  # type: ignore[attr-defined]
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            self.local_grad_norms.append((bucket.params, torch.stack(norms)))
+
     def _start_reduce(self, bucket: _Bucket, async_op: bool) -> None:
         bucket.finish()
+        self._note_local_norms(bucket)
         # Every gradient of the bucket aliased (one micro-batch): reduce them where they are, no copy.
         tensors = (
             [p.main_grad for p in bucket.params]  # type: ignore[attr-defined]
@@ -436,6 +448,7 @@ class DistributedDataParallel(nn.Module):
             bucket.release()
         for p in self.module.parameters():
             p.grad = None
+        self.local_grad_norms = []
 
     def finish_grad_sync(self) -> None:
         """Wait for the buckets reduced during backward; reduce the others now. Afterwards every
@@ -444,6 +457,7 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             if bucket.domain.trivial:
                 bucket.finish()
+                self._note_local_norms(bucket)
             elif bucket.handle is None:
                 self._start_reduce(bucket, async_op=True)
         for bucket in self.buckets:

@@ -73,23 +73,34 @@ def unscale_and_check_inf(grads: list[torch.Tensor], inv_scale: float, device: t
 
 
 def step_with_divisor(
-    optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], divisor: torch.Tensor | None
+    optimizer: torch.optim.Optimizer,
+    grads: list[torch.Tensor],
+    divisor: torch.Tensor | None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """``optimizer.step()`` with its gradients ``grads`` divided by the 0-dim ``divisor`` (None: as they are).
 
     torch's fused Adam/SGD kernels divide every gradient by their ``grad_scale`` tensor as they read
     it, so there clipping costs no pass of its own; otherwise the grads are scaled in place first. A
-    divisor of exactly 1 (no clipping) leaves the gradients bit-for-bit unchanged.
+    divisor of exactly 1 (no clipping) leaves the gradients bit-for-bit unchanged. ``found_inf`` (a
+    0-dim device flag, fused kernels only) makes them skip the step on the device.
     """
-    if divisor is None or not grads:
+    fused = all(g.get("fused") for g in optimizer.param_groups)
+    if found_inf is not None:
+        assert fused, "found_inf needs torch's fused kernels"
+    if (divisor is None and found_inf is None) or not grads:
         optimizer.step()
         return
-    if all(g.get("fused") for g in optimizer.param_groups):
-        setattr(optimizer, "grad_scale", divisor)  # noqa: B010 - read by torch's fused kernels
+    if fused:
+        attrs = {"grad_scale": divisor, "found_inf": None if found_inf is None else found_inf.float()}
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        for k, v in attrs.items():
+            setattr(optimizer, k, v)  # read by torch's fused kernels
         try:
             optimizer.step()
         finally:
-            delattr(optimizer, "grad_scale")
+            for k in attrs:
+                delattr(optimizer, k)
     else:
         torch._foreach_mul_(grads, 1.0 / divisor)
         optimizer.step()

@@ -36,18 +36,21 @@ def _update(
 ) -> torch.Tensor:
     """One AdamW step of a flat fp32 ``param`` in place; returns the new param (for the model copy).
 
-    ``hyper`` is ``[lr, weight_decay, beta1, beta2, eps]`` (fp32, on the param's device).
+    ``hyper`` is ``[lr, weight_decay, beta1, beta2, eps, keep]`` (fp32, on the param's device).
+    ``keep`` 0 skips the step exactly on the device (a rejected step, decided without a host sync):
+    the param, both moments and the step count keep their bits, even where the gradient is NaN.
     """
-    lr, wd, beta1, beta2, eps = hyper[0], hyper[1], hyper[2], hyper[3], hyper[4]
-    step.add_(1)
-    g = grad.float() / divisor
-    param.mul_(1.0 - lr * wd)
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).add_((1.0 - beta2) * g * g)
-    bias_correction1 = 1.0 - torch.pow(beta1, step)
-    bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step))
+    lr, wd, beta1, beta2, eps, keep = hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5]
+    step.add_(keep)
+    g = torch.where(keep > 0, grad.float() / divisor, 0.0)
+    param.mul_(1.0 - lr * wd * keep)
+    exp_avg.lerp_(g, (1.0 - beta1) * keep)
+    exp_avg_sq.mul_(torch.where(keep > 0, beta2, 1.0)).add_((1.0 - beta2) * keep * g * g)
+    counted = torch.clamp(step, min=1.0)  # a first step skipped: no 0 / 0 below
+    bias_correction1 = 1.0 - torch.pow(beta1, counted)
+    bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, counted))
     denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-    param.sub_((lr / bias_correction1) * exp_avg / denom)
+    param.sub_((lr * keep / bias_correction1) * exp_avg / denom)
     return param
 
 
@@ -87,15 +90,20 @@ KERNELS = {
 }
 
 
-def _hyper(group: dict, device: torch.device) -> torch.Tensor:
-    """The group's [lr, weight_decay, beta1, beta2, eps] on ``device`` without a blocking copy."""
+def _hyper(group: dict, device: torch.device, skip: torch.Tensor | None = None) -> torch.Tensor:
+    """The group's [lr, weight_decay, beta1, beta2, eps, keep] on ``device`` without a blocking copy;
+    ``keep`` is 1 - ``skip`` (a 0-dim device flag) or 1."""
     beta1, beta2 = group["betas"]
     values = torch.tensor(
-        [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]], dtype=torch.float32
+        [group["lr"], group["weight_decay"], beta1, beta2, group["eps"], 1.0], dtype=torch.float32
     )
     if device.type == "cuda":
-        return values.pin_memory().to(device, non_blocking=True)
-    return values.to(device)
+        values = values.pin_memory().to(device, non_blocking=True)
+    else:
+        values = values.to(device)
+    if skip is not None:
+        values[5] = 1.0 - skip.to(device=device, dtype=torch.float32)
+    return values
 
 
 @torch.no_grad()
@@ -106,6 +114,7 @@ def adamw_step(
     dynamic: bool = False,
     grads: Mapping[int, torch.Tensor] | None = None,
     compile: bool = True,
+    skip: torch.Tensor | None = None,
 ) -> None:
     """Step every param of ``optimizer`` that has a gradient (``grads``, else ``.grad``).
 
@@ -117,6 +126,7 @@ def adamw_step(
         dynamic: compile one size-generic kernel instead of one per tensor size.
         grads: ``id(main param) -> gradient`` (any float dtype, read in fp32) replacing ``.grad``.
         compile: run the compiled kernels on CUDA (``OptimizerConfig.compile_helpers``); eager otherwise.
+        skip: 0-dim device flag (1: leave every param, moment and step count as it is), or None.
     """
     update_main, update_main_and_model = KERNELS[dynamic]
     if grads is None:
@@ -133,7 +143,7 @@ def adamw_step(
                 params=("amsgrad", "maximize"),
             )
         device = params[0].device
-        hyper = _hyper(group, device)
+        hyper = _hyper(group, device, skip)
         div = divisor if divisor is not None else torch.ones((), dtype=torch.float32, device=device)
         for p in params:
             state = optimizer.state[p]

@@ -103,6 +103,9 @@ class MegatronOptimizer:
         replica_ranks: tuple[int, int] = (0, 0),
     ) -> None:
         self.config = config
+        # Reject a step whose gradient norm is NaN/Inf on the device, as ``step(reject=...)`` does
+        # (the trainer sets it from --check-for-nan-in-loss-and-grad).
+        self.skip_non_finite = False
         self.param_sync = param_sync
         self.grad_scaler = grad_scaler
         self.grad_stats_group = grad_stats_group
@@ -193,7 +196,7 @@ class MegatronOptimizer:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
 
     @torch.no_grad()
-    def step(self, sync: bool = True) -> tuple[bool, Any, Any]:
+    def step(self, sync: bool = True, reject: torch.Tensor | None = None) -> tuple[Any, Any, Any]:
         """Unscale, check overflow, clip and update.
 
         Args:
@@ -201,6 +204,12 @@ class MegatronOptimizer:
                 count) as 0-dim device tensors and, without a loss scaler, never waits for the
                 device, so the caller can queue the next step before reading them. With a loss
                 scaler (fp16) the step always syncs: whether to skip depends on the overflow flag.
+            reject: a 0-dim device flag (> 0: do not update), summed over the grad-stats group with
+                the norms, so that a flag raised on one rank (a non-finite loss on the last pipeline
+                stage) rejects the step everywhere. With it, or with ``skip_non_finite``, the
+                decision stays on the device: the one-pass AdamW and torch's fused kernels skip by a
+                device flag; other inner optimizers read it (one host sync). With ``sync=False``
+                ``update_successful`` is then a 0-dim bool device tensor.
 
         Returns:
             ``(update_successful, grad_norm, num_zeros)``. On overflow (fp16) nothing is updated and
@@ -222,6 +231,10 @@ class MegatronOptimizer:
         parts = [found_inf, grad_norm_sq(counted, self.device)]
         if self.config.log_num_zeros_in_grad:
             parts.append(count_zeros(counted, self.device))
+        guarded = reject is not None or self.skip_non_finite
+        if guarded:  # the last slot: the callers' reject flags, summed with the norms
+            zero = torch.zeros((), dtype=torch.float32, device=self.device)
+            parts.append(zero if reject is None else reject.to(device=self.device, dtype=torch.float32))
         stats = torch.stack(parts)
         self._reduce_stats(stats)
         if self.grad_scaler is not None:
@@ -234,6 +247,15 @@ class MegatronOptimizer:
             if math.sqrt(stats[1].item()) > self.config.grad_norm_skip_threshold:
                 return self._skipped(stats, sync)
         divisor = self._clip_divisor(grad_norm) if present else None
+        skip = None
+        if guarded:
+            skip = stats[-1] > 0
+            if self.skip_non_finite:
+                skip = skip | ~torch.isfinite(stats[1])
+            if not self._skips_on_device():
+                if bool(skip.item()):  # the step's one host sync
+                    return self._rejected(stats, sync, skip)
+                skip = None
         if self._offload is not None:  # offloaded params: gradients to the host, stepped there below
             on_host = [self._offload.holds(m) for m in self.main_params]
             self._offload.start_grad_copies([g for g, h in zip(grads, on_host) if h], divisor)
@@ -245,9 +267,10 @@ class MegatronOptimizer:
                 divisor,
                 grads={id(m): g for m, g in zip(self.main_params, grads) if g is not None},
                 compile=self.config.compile_helpers,
+                skip=skip,
             )
         else:
-            step_with_divisor(self.optimizer, [g for g in grads if g is not None], divisor)
+            step_with_divisor(self.optimizer, [g for g in grads if g is not None], divisor, found_inf=skip)
             self._copy_main_params_to_model_params()
         if self._offload is not None:
             self._offload.step()
@@ -255,9 +278,22 @@ class MegatronOptimizer:
             self.param_sync()
         num_zeros = stats[2] if self.config.log_num_zeros_in_grad else None
         if not sync:
-            return True, grad_norm, num_zeros
+            return (True if skip is None else ~skip), grad_norm, num_zeros
         values = stats.tolist()
-        return True, math.sqrt(values[1]), int(values[2]) if num_zeros is not None else None
+        applied = True if skip is None else not bool(skip.item())
+        return applied, math.sqrt(values[1]), int(values[2]) if num_zeros is not None else None
+
+    def _skips_on_device(self) -> bool:
+        """Whether a rejected step can be skipped by a device flag: the one-pass AdamW, or torch's
+        fused kernels (their ``found_inf``), with nothing stepped on the host."""
+        if self._offload is not None:
+            return False
+        return self._one_pass_adamw or all(g.get("fused") for g in self.optimizer.param_groups)
+
+    def _rejected(self, stats: torch.Tensor, sync: bool, skip: torch.Tensor) -> tuple[Any, Any, Any]:
+        """``step``'s result when the step was rejected and decided on the host: no update."""
+        _, norm, zeros = self._skipped(stats, sync)
+        return (~skip if not sync else False), norm, zeros
 
     def _skipped(self, stats: torch.Tensor, sync: bool) -> tuple[bool, Any, Any]:
         """``step``'s result when the grad norm is above ``config.grad_norm_skip_threshold``: no update."""
