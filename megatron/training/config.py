@@ -423,6 +423,26 @@ class LoggerConfig:
     metrics_file: str | None = doc(
         None, "JSON-lines metrics file; default metrics.jsonl in --tensorboard-dir, else --save, else none."
     )
+    timing_log_level: int = doc(
+        0,
+        "Print the per-step time breakdown every --log-interval: 1 the phases (forward-backward, "
+        "batch-generator, all-grads-sync, pipeline-wait, optimizer, params-all-gather), 2 also "
+        "forward-compute and the pipeline's recv/send waits. 1 and 2 synchronise the device at each "
+        "timer boundary (slower steps); 0 adds nothing.",
+        choices=(0, 1, 2),
+        metavar="{0,1,2}",
+    )
+    timing_log_option: str = doc(
+        "minmax",
+        "How --timing-log-level shows each timer over the ranks: max, minmax (the fastest and slowest "
+        "rank) or all (every rank).",
+        choices=("max", "minmax", "all"),
+    )
+    log_timers_to_tensorboard: bool = doc(
+        False,
+        "Also write each timer (<name>-time, the slowest rank's seconds per step) with the scalars "
+        "(TensorBoard, W&B, the metrics file).",
+    )
     profile: bool = doc(
         False,
         "Profile iterations --profile-step-start to --profile-step-end - 1 on --profile-ranks: "

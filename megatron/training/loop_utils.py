@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import signal
 import sys
 import time
@@ -300,6 +301,8 @@ class IntervalLog:
             self.moe = moe
 
     def flush(self) -> None:
+        """Print the log line of the steps recorded since the last one and write the same record to
+        the metrics writer (and, with --timing-log-level, the timer block; every rank calls it)."""
         tr = self.trainer
         n = len(self.steps)
         if self.event0 is not None and self.event is not None:
@@ -310,58 +313,64 @@ class IntervalLog:
         avg, skipped, nan = average_losses(self.steps)
         for line in self.spikes.check(tr.state.iteration - n + 1, tr.state.iteration, avg):
             print_rank_last(line)
+        record = self._record(elapsed, avg, skipped, nan)
+        timers = getattr(tr, "timers", None)
+        block, timer_scalars = timers.report(tr.state.iteration, n) if timers is not None else (None, {})
+        if getattr(tr.cfg.logger, "log_timers_to_tensorboard", False):
+            record.update(timer_scalars)
+        print_rank_last(format_iteration_line(tr.state.iteration, tr.train_iters, record))
+        if block is not None:
+            print_rank_last(block)
+        tr.writer.log_scalars(record, tr.state.iteration, tr.state.consumed_train_samples)
+        self._reset()
+
+    def _record(self, elapsed: float, avg: dict, skipped: int, nan: int) -> dict:
+        """The one set of values of a log line, by the names TensorBoard shows them under; the line,
+        the metrics file, TensorBoard and W&B all get it (a value that does not exist is left out)."""
+        tr = self.trainer
+        n = len(self.batches)
         # Per step on average: with a batch-size ramp the steps of one line differ.
         flops = sum(f for _, f in self.batches) / max(n, 1)
         samples = sum(b for b, _ in self.batches) / max(n, 1)
-        batch = (
-            self.batches[-1][0] if self.batches else tr.global_batch_size
-        )  # the last step's, as Megatron logs
         tflops = flops / (elapsed * 1e12 * tr.world_size)
-        params_norm = params_l2_norm(tr.model, tr.pg, tr.device) if tr.cfg.logger.log_params_norm else None
-        stats = dict(
-            consumed_samples=tr.state.consumed_train_samples,
-            iteration_time_ms=elapsed * 1000.0,
-            tflops_per_gpu=tflops,
-            tokens_per_sec_per_gpu=samples * tr.cfg.training.seq_length / elapsed / tr.world_size,
-            mfu=(tflops / tr.peak_tflops) if tr.peak_tflops else None,
-            learning_rate=self.lr,
-            decoupled_learning_rate=self.decoupled_lr,
-            global_batch_size=batch,
-            losses=avg,
-            loss_scale=self.loss_scale,
-            grad_norm=self.grad_norm,
-            num_zeros=self.num_zeros,
-            skipped_iterations=skipped,
-            nan_iterations=nan,
-            params_norm=params_norm,
-            moe=self.moe,
-        )
-        print_rank_last(format_iteration_line(tr.state.iteration, tr.train_iters, stats))
-        scalars = {
-            "learning-rate": stats["learning_rate"],
-            "decoupled-learning-rate": stats["decoupled_learning_rate"],
-            "batch-size": batch,
-            "loss-scale": stats["loss_scale"],
-            "grad-norm": self.grad_norm,
+        consumed = tr.state.consumed_train_samples
+        values = {
+            "consumed-samples": consumed,
             "iteration-time": elapsed,
             "throughput": tflops,
-            "tokens-per-sec-per-gpu": stats["tokens_per_sec_per_gpu"],
-            "mfu": stats["mfu"],
-            "skipped-iterations": skipped,
-            "nan-iterations": nan,
+            "tokens-per-sec-per-gpu": samples * tr.cfg.training.seq_length / elapsed / tr.world_size,
+            "mfu": (tflops / tr.peak_tflops) if tr.peak_tflops else None,
+            "learning-rate": self.lr,
+            "decoupled-learning-rate": self.decoupled_lr,  # --decoupled-lr, on stages that hold those params
+            "batch-size": self.batches[-1][0] if self.batches else tr.global_batch_size,  # the last step's
             **avg,
             **self.moe,
+            "loss-scale": self.loss_scale,
+            "grad-norm": self.grad_norm,
+            "num-zeros": self.num_zeros,
+            "params-norm": (
+                params_l2_norm(tr.model, tr.pg, tr.device) if tr.cfg.logger.log_params_norm else None
+            ),
+            "skipped-iterations": skipped,
+            "nan-iterations": nan,
+            "consumed-tokens": consumed * tr.cfg.training.seq_length,
+            **memory_scalars(tr.device),
+            "world-size": tr.world_size
+            if getattr(tr.cfg.logger, "log_world_size_to_tensorboard", False)
+            else None,
         }
-        if self.num_zeros is not None:
-            scalars["num-zeros"] = self.num_zeros
-        if params_norm is not None:
-            scalars["params-norm"] = params_norm
-        if tr.device.type == "cuda":
-            scalars["mem-allocated-bytes"] = torch.cuda.memory_allocated(tr.device)
-            scalars["mem-max-allocated-bytes"] = torch.cuda.max_memory_allocated(tr.device)
-            scalars["mem-max-reserved-bytes"] = torch.cuda.max_memory_reserved(tr.device)
-        tr.writer.log_scalars(scalars, tr.state.iteration, tr.state.consumed_train_samples)
-        self._reset()
+        return {k: v for k, v in values.items() if v is not None}
+
+
+def memory_scalars(device: torch.device) -> dict[str, int]:
+    """The allocator's figures of ``device`` (a GPU) and this process's peak resident host memory."""
+    out = {}
+    if device.type == "cuda":
+        out["mem-allocated-bytes"] = torch.cuda.memory_allocated(device)
+        out["mem-max-allocated-bytes"] = torch.cuda.max_memory_allocated(device)
+        out["mem-max-reserved-bytes"] = torch.cuda.max_memory_reserved(device)
+    out["mem-host-max-rss-bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return out
 
 
 class InFlightStep:

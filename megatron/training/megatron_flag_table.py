@@ -88,7 +88,6 @@ _TABLE: list[ForeignFlag] = [
         NO_EFFECT,
         why.TIMERS,
         """
-        --timing-log-level=1 --timing-log-option=1 --log-timers-to-tensorboard
         --no-barrier-with-level-1-timing
     """,
     ),

@@ -8,41 +8,99 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import statistics
 import time
 from collections import deque
 from datetime import datetime
 
-from megatron.training.moe_metrics import format_moe_metrics
+import torch.distributed as dist
+
+from megatron.training.moe_metrics import LINE_METRICS, format_moe_metrics
+from megatron.training.timers import TIMER_LEVELS
+
+# The record's fixed keys shown on the line, in Megatron's order: (key, label, format). The losses and
+# MoE values follow the batch size; a key the record lacks is not shown.
+_HEAD = (
+    ("consumed-samples", "consumed samples", "{:12d}"),
+    ("iteration-time", "elapsed time per iteration (ms)", "ms"),
+    ("throughput", "throughput per GPU (TFLOP/s/GPU)", "tflops"),
+    ("tokens-per-sec-per-gpu", "tokens per second per GPU", "{:.1f}"),
+    ("mfu", "MFU", "percent"),
+    ("learning-rate", "learning rate", "{:.6E}"),
+    ("decoupled-learning-rate", "decoupled learning rate", "{:.6E}"),  # --decoupled-lr
+    ("batch-size", "global batch size", "{:5d}"),
+)
+_TAIL = (
+    ("loss-scale", "loss scale", "{:.1f}"),
+    ("grad-norm", "grad norm", "{:.3f}"),
+    ("num-zeros", "num zeros", "{:.1f}"),
+    ("params-norm", "params norm", "{:.3f}"),
+    ("skipped-iterations", "number of skipped iterations", "{:3d}"),
+    ("nan-iterations", "number of nan iterations", "{:3d}"),
+    # Not in Megatron's line (appended, so that parsers of its fields keep working):
+    ("consumed-tokens", "consumed tokens", "{:d}"),
+    ("mem-allocated-bytes", "mem allocated (MB)", "MB"),
+    ("mem-max-allocated-bytes", "mem max allocated (MB)", "MB"),
+    ("mem-max-reserved-bytes", "mem max reserved (MB)", "MB"),
+    ("mem-host-max-rss-bytes", "host mem max RSS (MB)", "MB"),
+    ("world-size", "world size", "{:d}"),
+)
+FIXED_KEYS = frozenset(k for k, _, _ in _HEAD + _TAIL)
+MOE_STATS = ("expert_load_imbalance", "expert_load_imbalance_max", "dropped_token_fraction")
+_NOT_LOSSES = frozenset([*(name for name, _ in LINE_METRICS), *MOE_STATS])
+_MOE_LABEL_KEYS = {
+    "expert load max/mean": "expert_load_imbalance",
+    "dropped tokens": "dropped_token_fraction",
+}
+TIMER_KEYS = frozenset(f"{name}-time" for name in TIMER_LEVELS)
 
 
-def format_iteration_line(it: int, train_iters: int, stats: dict) -> str:
-    """One training log line: Megatron's fields in Megatron's order, plus tokens/s and MFU after the
-    throughput (``stats`` keys as in ``Trainer._log``)."""
-    parts = [
-        f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}] iteration {it:8d}/{train_iters:8d}",
-        f"consumed samples: {stats['consumed_samples']:12d}",
-        f"elapsed time per iteration (ms): {stats['iteration_time_ms']:.1f}",
-        f"throughput per GPU (TFLOP/s/GPU): {_tflops(stats['tflops_per_gpu'])}",
-        f"tokens per second per GPU: {stats['tokens_per_sec_per_gpu']:.1f}",
-        "MFU: " + (f"{stats['mfu'] * 100:.1f}%" if stats.get("mfu") is not None else "n/a"),
-        f"learning rate: {stats['learning_rate']:.6E}",
+def _text(value: float, fmt: str) -> str:
+    if fmt == "ms":
+        return f"{value * 1000.0:.1f}"
+    if fmt == "tflops":
+        return _tflops(value)
+    if fmt == "percent":
+        return f"{value * 100:.1f}%"
+    if fmt == "MB":
+        return f"{value / 2**20:.1f}"
+    return fmt.format(value)
+
+
+def line_fields(record: dict) -> list[tuple[str, str, str]]:
+    """(key, label, printed value) of each field of the log line of ``record``, in the line's order.
+    The line shows every value of the record but the per-layer MoE ones (``moe/...``) and the timers'
+    (``<timer>-time``: the timer block shows them); ``expert_load_imbalance_max`` is shown with
+    ``expert_load_imbalance``."""
+    out = []
+    for key, label, fmt in _HEAD:
+        if key in record:
+            out.append((key, label, _text(record[key], fmt)))
+        elif key == "mfu":  # no dense bf16 peak on record for the device
+            out.append((key, label, "n/a"))
+    out += [(k, k, f"{record[k]:.6E}") for k in loss_keys(record)]
+    for part in format_moe_metrics(record):
+        label, text = part.split(": ", 1)
+        out.append((_MOE_LABEL_KEYS.get(label, label), label, text))
+    out += [(key, label, _text(record[key], fmt)) for key, label, fmt in _TAIL if key in record]
+    return out
+
+
+def loss_keys(record: dict) -> list[str]:
+    """The keys of ``record`` that are training losses (``lm loss`` and the model's other ones)."""
+    return [
+        k
+        for k in record
+        if k not in FIXED_KEYS and k not in _NOT_LOSSES and not k.startswith("moe/") and k not in TIMER_KEYS
     ]
-    if stats.get("decoupled_learning_rate") is not None:  # --decoupled-lr, on stages that hold those params
-        parts.append(f"decoupled learning rate: {stats['decoupled_learning_rate']:.6E}")
-    parts.append(f"global batch size: {stats['global_batch_size']:5d}")
-    for key, value in stats["losses"].items():
-        parts.append(f"{key}: {value:.6E}")
-    parts += format_moe_metrics(stats.get("moe") or {})
-    parts.append(f"loss scale: {stats['loss_scale']:.1f}")
-    if stats.get("grad_norm") is not None:
-        parts.append(f"grad norm: {stats['grad_norm']:.3f}")
-    if stats.get("num_zeros") is not None:
-        parts.append(f"num zeros: {stats['num_zeros']:.1f}")
-    if stats.get("params_norm") is not None:
-        parts.append(f"params norm: {stats['params_norm']:.3f}")
-    parts.append(f"number of skipped iterations: {stats['skipped_iterations']:3d}")
-    parts.append(f"number of nan iterations: {stats['nan_iterations']:3d}")
+
+
+def format_iteration_line(it: int, train_iters: int, record: dict) -> str:
+    """One training log line: Megatron's fields in Megatron's order, plus tokens/s and MFU after the
+    throughput, then ours (tokens, memory) at the end; ``record`` as ``IntervalLog`` builds it."""
+    parts = [f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}] iteration {it:8d}/{train_iters:8d}"]
+    parts += [f"{label}: {text}" for _, label, text in line_fields(record)]
     return " | ".join(parts) + " |"
 
 
@@ -100,7 +158,15 @@ def format_validation(prefix: str, losses: dict) -> str:
 
 
 class MetricsWriter:
-    """Fans scalars out to TensorBoard, Weights & Biases and a JSON-lines file (each optional)."""
+    """Writes each logged record, as built once by the log line, to TensorBoard, Weights & Biases and a
+    JSON-lines file (each optional); only the rank that owns the loss has one that is enabled.
+
+    The metrics file and W&B hold the values as computed (float64, ints as ints); TensorBoard stores
+    float32. TensorBoard's step axis is the iteration; each scalar is also written against the
+    consumed samples (``<name> vs samples``) in the ``vs-samples`` run below it. A run resumed at
+    iteration k (``resumed_at``) purges what an earlier run wrote there for steps after k (TensorBoard's
+    ``purge_step``: a resume from an older checkpoint leaves no duplicate steps) and continues the W&B
+    run ``wandb_run_id`` (``resume="allow"``)."""
 
     def __init__(
         self,
@@ -113,19 +179,29 @@ class MetricsWriter:
         run_config: dict | None = None,
         wandb_entity: str | None = None,
         log_loss_scale: bool = True,
-        world_size: int | None = None,
+        resumed_at: tuple[int, int] = (0, 0),
+        wandb_run_id: str | None = None,
     ):
-        """``log_loss_scale`` False drops the "loss-scale" scalar; ``world_size`` (when given) is added
-        as "world-size" to every record that carries the training scalars (those with a learning rate)."""
+        """``log_loss_scale`` False drops the "loss-scale" scalar (--no-log-loss-scale-to-tensorboard:
+        the log line still shows it); ``resumed_at`` is the (iteration, consumed samples) the run
+        starts from."""
         self.enabled = enabled
-        self.tb = self.wandb = self.jsonl = None
-        self.log_loss_scale, self.world_size = log_loss_scale, world_size
+        self.tb = self.tb_samples = self.wandb = self.jsonl = None
+        self.log_loss_scale = log_loss_scale
         if not enabled:
             return
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
+            iteration, samples = resumed_at
+            self.tb = SummaryWriter(
+                tensorboard_dir, max_queue=1000, purge_step=iteration + 1 if iteration else None
+            )
+            self.tb_samples = SummaryWriter(
+                os.path.join(tensorboard_dir, "vs-samples"),
+                max_queue=1000,
+                purge_step=samples + 1 if samples else None,
+            )
         if wandb_project:
             import wandb
 
@@ -137,23 +213,24 @@ class MetricsWriter:
                 dir=save_dir,
                 config=run_config,
                 entity=wandb_entity,
+                id=wandb_run_id,
+                resume="allow" if wandb_run_id else None,
             )
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             self.jsonl = open(metrics_file, "a", buffering=1)
 
     def log_scalars(self, scalars: dict, iteration: int, consumed_samples: int) -> None:
+        """Write one record: ``scalars`` {name: number or None (absent)} at ``iteration``."""
         if not self.enabled:
             return
-        clean = {k: float(v) for k, v in scalars.items() if v is not None}
+        clean = {k: v for k, v in scalars.items() if v is not None}
         if not self.log_loss_scale:
             clean.pop("loss-scale", None)
-        if self.world_size is not None and "learning-rate" in clean:
-            clean["world-size"] = float(self.world_size)
-        if self.tb is not None:
+        if self.tb is not None and self.tb_samples is not None:
             for k, v in clean.items():
                 self.tb.add_scalar(k, v, iteration)
-                self.tb.add_scalar(f"{k} vs samples", v, consumed_samples)
+                self.tb_samples.add_scalar(f"{k} vs samples", v, consumed_samples)
         if self.wandb is not None:
             self.wandb.log(clean, step=iteration)
         if self.jsonl is not None:
@@ -166,15 +243,27 @@ class MetricsWriter:
             self.jsonl.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for tb in (self.tb, self.tb_samples):
+            if tb is not None:
+                tb.close()
         if self.wandb is not None:
             self.wandb.finish()
         if self.jsonl is not None:
             self.jsonl.close()
 
 
-def writer_kwargs(cfg, world_size: int) -> dict:
+def wandb_run_id(cfg, saved: str | None) -> str | None:
+    """The W&B run this run writes to, the same on every rank: the one of the checkpoint loaded
+    (``saved``), else with --wandb-project a new id (made on rank 0 and broadcast), else None."""
+    if saved or not cfg.logger.wandb_project:
+        return saved
+    ids = [secrets.token_hex(6)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(ids, src=0)
+    return ids[0]
+
+
+def writer_kwargs(cfg, resumed_at: tuple[int, int] = (0, 0), wandb_run_id: str | None = None) -> dict:
     """``MetricsWriter``'s sinks for a run: --tensorboard-dir, W&B, and the metrics file (default
     ``metrics.jsonl`` in the TensorBoard or --save directory)."""
     lg, ck = cfg.logger, cfg.checkpoint
@@ -191,5 +280,6 @@ def writer_kwargs(cfg, world_size: int) -> dict:
         run_config=cfg.to_dict(),
         wandb_entity=lg.wandb_entity,
         log_loss_scale=lg.log_loss_scale_to_tensorboard,
-        world_size=world_size if lg.log_world_size_to_tensorboard else None,
+        resumed_at=resumed_at,
+        wandb_run_id=wandb_run_id,
     )

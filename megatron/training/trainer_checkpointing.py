@@ -70,6 +70,7 @@ class TrainerCheckpointing:
     start_time: float
     flops_at_start: int  # FLOPs of the loaded state: --log-progress reports this job's throughput
     job_id: str
+    wandb_run_id: str | None = None  # the W&B run the checkpoints carry on (metrics.wandb_run_id)
 
     def model_sharded_state_dict(self) -> dict:
         """All chunks' tensors (keys are global layer names, so any layout reads any other)."""
@@ -121,6 +122,8 @@ class TrainerCheckpointing:
         args["vocab_size"] = getattr(self.tokenizer, "vocab_size", None)  # unpadded, for exports
         args["layout"] = self.layout()
         extra.update(args=args, checkpoint_version=3.0)
+        if self.wandb_run_id:  # a run resumed from this checkpoint continues the same W&B run
+            extra["wandb_run_id"] = self.wandb_run_id
         check_nan = self.cfg.training.check_for_nan_in_loss_and_grad
         try:  # with the NaN check on, a state holding NaN/Inf is never saved: it cannot be trained on
             pending = checkpointing.save_checkpoint(

@@ -106,6 +106,7 @@ class TrainerResume(TrainerCheckpointing):
         if not weights_only:
             for f in dataclasses.fields(TrainState):
                 setattr(self.state, f.name, int(extra.get(f.name, 0)))
+            self.wandb_run_id = extra.get("wandb_run_id")
 
     def wrap_train_iterator(self, train_iter):
         """The training data iterator the loop reads (called once, after the iterators exist): the

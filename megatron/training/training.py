@@ -42,10 +42,11 @@ from megatron.training.loop_utils import (
     train_iters_of,
 )
 from megatron.training.memory_estimate import report_memory
-from megatron.training.metrics import MetricsWriter, format_validation, writer_kwargs
+from megatron.training.metrics import MetricsWriter, format_validation, wandb_run_id, writer_kwargs
 from megatron.training.model_wrapping import grad_stats_group, model_build_device, wrap_model_chunks
 from megatron.training.moe_metrics import MoEStepHooks
 from megatron.training.profiling import OPTIMIZER_RANGE, StepProfiler
+from megatron.training.timers import build_timers
 from megatron.training.trainer_checkpointing import TrainingDiverged as TrainingDiverged
 from megatron.training.trainer_checkpointing import TrainState as TrainState
 from megatron.training.trainer_resume import TrainerResume
@@ -151,7 +152,10 @@ class Trainer(TrainerResume):
         self.forward_backward = get_forward_backward_func(self.pg.pp_size, len(self.model))
         (self.train_iter, self.valid_iter, self.test_iter), self.has_split = providers.data_iterators(self)
         self.train_iter = self.wrap_train_iterator(self.train_iter)
-        self.writer = MetricsWriter(is_last_rank(), **writer_kwargs(cfg, self.world_size))
+        self.wandb_run_id = wandb_run_id(cfg, self.wandb_run_id)  # the checkpoint's W&B run, else a new one
+        resumed_at = (self.state.iteration, self.state.consumed_train_samples)  # TensorBoard's purge step
+        self.writer = MetricsWriter(is_last_rank(), **writer_kwargs(cfg, resumed_at, self.wandb_run_id))
+        self.timers = build_timers(self)  # --timing-log-level: hooks the data iterator, grads and optimizer
         self.signal_handler = (
             DistributedSignalHandler((getattr(signal, t.exit_signal), signal.SIGINT))
             if t.exit_signal_handler
@@ -199,10 +203,12 @@ class Trainer(TrainerResume):
         step's samples."""
         num_microbatches = self.num_microbatches if num_microbatches is None else num_microbatches
         global_batch_size = self.global_batch_size if global_batch_size is None else global_batch_size
+        self.timers.next_step()
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         t = self.cfg.training
+        self.timers("forward-backward").start()
         metrics = self.forward_backward(
             forward_step_func=self.providers.forward_step,
             data_iterator=self.train_iter,
@@ -212,13 +218,16 @@ class Trainer(TrainerResume):
             micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
+        self.timers("forward-backward").stop()
         # Before the step: NCCL runs a communicator's collectives in the order they were issued, and
         # the step ends by queueing the weight broadcasts (--use-distributed-optimizer) on the same
         # data-parallel communicator; a loss all-reduce queued after them would hold the next forward
         # until every broadcast had run (docs/performance.md, the loss all-reduce's place).
         losses = self._reduce_losses(metrics)
+        self.timers("optimizer").start()
         with torch.profiler.record_function(OPTIMIZER_RANGE):  # the profile's optimizer category (--profile)
             success, grad_norm, num_zeros = self.optimizer.step(sync=sync)
+        self.timers("optimizer").stop()
         if self.moe is not None:  # the routers' expert bias and global-batch counts, once per step
             self.moe.after_step(self.model, num_microbatches)
         if success:

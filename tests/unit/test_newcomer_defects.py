@@ -50,25 +50,24 @@ def test_missing_lr_is_one_clear_error():
 def test_throughput_on_a_cpu_is_shown_not_rounded_to_zero():
     from megatron.training.metrics import format_iteration_line
 
-    stats = dict(
-        consumed_samples=2,
-        iteration_time_ms=70.0,
-        tflops_per_gpu=0.000621,
-        tokens_per_sec_per_gpu=900.0,
-        mfu=None,
-        learning_rate=1e-3,
-        global_batch_size=2,
-        losses={"lm loss": 4.8},
-        loss_scale=1.0,
-        grad_norm=1.0,
-        skipped_iterations=0,
-        nan_iterations=0,
-        params_norm=12.5,
-    )
-    line = format_iteration_line(1, 2, stats)
+    record = {
+        "consumed-samples": 2,
+        "iteration-time": 0.07,
+        "throughput": 0.000621,
+        "tokens-per-sec-per-gpu": 900.0,
+        "learning-rate": 1e-3,
+        "batch-size": 2,
+        "lm loss": 4.8,
+        "loss-scale": 1.0,
+        "grad-norm": 1.0,
+        "params-norm": 12.5,
+        "skipped-iterations": 0,
+        "nan-iterations": 0,
+    }
+    line = format_iteration_line(1, 2, record)
     assert "throughput per GPU (TFLOP/s/GPU): 0.000621 |" in line and "MFU: n/a" in line
     assert "grad norm: 1.000 | params norm: 12.500 |" in line
-    assert "TFLOP/s/GPU): 312.4 |" in format_iteration_line(1, 2, {**stats, "tflops_per_gpu": 312.44})
+    assert "TFLOP/s/GPU): 312.4 |" in format_iteration_line(1, 2, {**record, "throughput": 312.44})
 
 
 def test_profile_without_the_pytorch_profiler_on_a_cpu_says_it_records_nothing(capsys):
