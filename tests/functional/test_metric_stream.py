@@ -90,6 +90,7 @@ def printed(stdout: str) -> dict[int, tuple[str, dict[str, str]]]:
     for line in stdout.splitlines():
         if m := LINE.search(line):
             current = int(m.group(1))
+            assert current not in out, f"iteration {current} printed twice"  # by one rank only
             out[current] = (line, {})
         elif (m := TIMER.match(line)) and current is not None:
             out[current][1][m.group(1)] = m.group(2)
