@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 SBATCH = os.path.join(ROOT, "scripts", "slurm", "pretrain_gpt.sbatch")
 DAEMONS = ("munged", "slurmctld", "slurmd")
-CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo")
+CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo", "squeue")
 TRAIN_ITERS = 40
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
