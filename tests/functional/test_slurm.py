@@ -307,7 +307,7 @@ def test_preempted_three_ways_requeues_resumes_and_matches_the_uninterrupted_run
         assert saved[-2] < saved[-1] < TRAIN_ITERS, (way, saved, _read(out)[-4000:])
         # Slurm holds a requeued job 120 s; start it now, but in a later second than its last run's
         # credential was revoked in (slurmd refuses a launch with a credential as old)
-        time.sleep(2)
+        time.sleep(1.5)
         slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     info = _wait(slurm, job, out, lambda: _finished(slurm, job), 150, "the job to end")
     text = _read(out)
