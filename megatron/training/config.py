@@ -96,7 +96,15 @@ class TrainingConfig:
         "torch.distributed backend; auto = nccl with CUDA, else gloo.",
         choices=("auto", "nccl", "gloo"),
     )
-    distributed_timeout_minutes: int = doc(10, "Timeout of collectives in minutes.")
+    distributed_timeout_minutes: int = doc(
+        10, "Timeout of collectives in minutes; after the first iteration see the seconds flag below."
+    )
+    distributed_timeout_seconds_after_init: int | None = doc(
+        None, "Timeout of collectives in seconds after the first iteration (default: the minutes flag)."
+    )
+    flight_recorder_dump_on_timeout: bool = doc(
+        True, "On a hang or a lost rank, print and save the hang report (stacks, collectives); off: one line."
+    )
     dry_run: bool = doc(
         False,
         "Validate the configuration, build the model on the meta device, print the "
@@ -126,6 +134,8 @@ class TrainingConfig:
                 f"--distributed-timeout-minutes must be a whole number of minutes >= 1, got "
                 f"{self.distributed_timeout_minutes} (e.g. --distributed-timeout-minutes 10, the default)"
             )
+        after_init = self.distributed_timeout_seconds_after_init
+        check_positive("distributed_timeout_seconds_after_init", after_init, allow_none=True)
         self._check_batch_schedule()
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
@@ -422,6 +432,9 @@ class LoggerConfig:
     )
     metrics_file: str | None = doc(
         None, "JSON-lines metrics file; default metrics.jsonl in --tensorboard-dir, else --save, else none."
+    )
+    log_straggler: bool = doc(
+        False, "Every --log-interval, print on rank 0 the ranks with the longest busy time per iteration."
     )
     timing_log_level: int = doc(
         0,

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 import torch
@@ -19,8 +19,15 @@ import torch.distributed as dist
 
 from megatron.core.config_utils import ConfigError
 from megatron.core.parallel_state import ParallelState, destroy_model_parallel, initialize_model_parallel
+from megatron.training import hang_report, job_watch
 from megatron.training.global_vars import app_state
+from megatron.training.hang_report import Pending, Waited
+from megatron.training.job_watch import JobWatch
+from megatron.training.job_watch import configure_job_watch as configure_job_watch
 from megatron.training.peers import LOST_RANK_CODE, Loss, PeerWatch, kill_stopped, wait_reaped
+
+if TYPE_CHECKING:
+    pass
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -71,6 +78,8 @@ def initialize_distributed(
                 f"{world} processes but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun, "
                 "or export MASTER_ADDR=<first node> MASTER_PORT=29500 in the srun script"
             )
+        if world > 1:
+            hang_report.enable_flight_recorder()
         dist.init_process_group(
             backend=backend,
             init_method=init_method,
@@ -82,7 +91,7 @@ def initialize_distributed(
         if world > 1 and init_method == "env://":
             local_world = _env_int("LOCAL_WORLD_SIZE", default=0) or None
             _start_error_channel(world, rank, 60.0 * timeout_minutes, local_world)
-    return device, initialize_model_parallel(
+    state = initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
@@ -92,6 +101,10 @@ def initialize_distributed(
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=False,
     )  # the trainer uses none
+    channel = app_state().channel
+    if channel is not None:
+        channel.group_names = hang_report.group_names(state.groups, state.group_ranks)
+    return device, state
 
 
 def _free_port() -> int:
@@ -136,7 +149,11 @@ def destroy() -> None:
 # A rank that stops (SIGSTOP) or dies (kill -9, a crash) cannot report itself: its peers do, from
 # its heartbeat and, on its host, its process (megatron.training.peers). The first rank to find it
 # prints one line naming it and every live rank exits LOST_RANK_CODE (4); the barrier counts the
-# lost ranks as arrived.
+# lost ranks as arrived. A collective that waits its budget (``PeerWatch.tick``) or raises its
+# timeout is a hang: the rank names the ranks of the group that never entered it, lost or not, and
+# the job stops the same way. Either way every live rank puts its part of the hang report (its main
+# thread's stack, its recent collectives) in the store before the barrier, and the first rank to
+# report prints the report after it (``hang_report``).
 
 POLL_S = 1.0  # how often a rank looks for a peer's error
 JOIN_TIMEOUT_S = 60.0  # how long the ranks that know wait for the others at the barrier
@@ -150,6 +167,10 @@ class ErrorChannel:
         self._lock = threading.Lock()  # one exit per process: the main thread's or the watcher's
         self._closed = threading.Event()
         self.stopping = False  # set once this process is on its way out through ``stop``
+        self.job = JobWatch()  # ``configure_job_watch``
+        self.group_names: dict[str, list] = {}  # process group name -> [label, ranks]
+        self.main_stack: list[str] | None = None  # the main thread's, with a collective's error in hand
+        self._hang = threading.Event()  # one thread handles a hang; the other waits for the exit
 
     def watch(self) -> None:
         """Poll for a peer's error in a daemon thread; on one, leave with its code (see ``stop``).
@@ -166,34 +187,70 @@ class ErrorChannel:
         self._closed.set()
 
     def _watch(self) -> None:
-        loss: Loss | None = None
+        found: Loss | Pending | None = None
         try:
             while not self.store.check(["failed"]):
                 if self.peers is None:
                     if self._closed.wait(POLL_S):
                         return
                     continue
-                loss = self.peers.tick(self._closed)
+                found = self.peers.tick(self._closed)
                 if self._closed.is_set():
                     return
-                if loss is not None and not self.store.check(["failed"]):
+                if found is not None and not self.store.check(["failed"]):
                     break
-                loss = None
+                found = None
         except Exception:  # the store server is gone: the job is ending anyway
             return
-        if loss is not None:
-            self.lose(loss)
+        if isinstance(found, Pending):
+            self.hang(found)
+        elif found is not None:
+            self.lose(found)
         if not self._closed.is_set():
             self.stop(None, 0)
 
-    def lose(self, loss: Loss) -> None:
-        """A rank is lost: kill it if it is a stopped process on this host, report it, leave with
-        LOST_RANK_CODE. Returns at once when this process is already leaving (for another reason)."""
+    def lose(self, loss: Loss, stuck: Pending | None = None) -> None:
+        """A rank is lost: kill it if it is a stopped process on this host, report it (with the
+        collective this rank waits for it in, if any), leave with LOST_RANK_CODE. Returns at once
+        when this process is already leaving (for another reason)."""
         if self.stopping:
             return
         _ignore_sigterm()  # the launcher SIGTERMs the survivors of a rank that died
         kill_stopped(loss)  # first, so that the launcher names the lost rank as the first to fail
-        self.stop(loss.message, LOST_RANK_CODE, loss=loss)
+        waited = self._waited(stuck)
+        if waited is not None:
+            loss = loss.waited(
+                f"rank {waited.by} waited {waited.seconds:.0f} s for it in {waited.text(self.group_names)}"
+            )
+        self.stop(loss.message, LOST_RANK_CODE, loss=loss, waited=waited)
+
+    def hang(self, stuck: Pending | None) -> None:
+        """A collective of this rank waited its budget (``stuck``; None: the main thread's collective
+        raised its timeout). A lost rank is reported as such (``lose``); else the ranks of the group
+        that never entered the collective are named, and the job stops with LOST_RANK_CODE."""
+        if self.stopping or self._hang.is_set():
+            return
+        self._hang.set()
+        _ignore_sigterm()
+        assert self.peers is not None
+        try:
+            loss = self.peers.explain(lambda: self.store.check(["failed"]))
+            if self.store.check(["failed"]):
+                self.stop(None, 0)
+        except Exception:  # the store server is gone: report what this rank knows
+            loss = None
+        if loss is not None:
+            self.lose(loss, stuck)
+        waited = self._waited(stuck)
+        self.stop(self._hang_message(waited), LOST_RANK_CODE, waited=waited)
+
+    def _hang_message(self, waited: Waited | None) -> str:
+        assert self.peers is not None
+        return job_watch.hang_message(self.peers, waited, self.group_names)
+
+    def _waited(self, stuck: Pending | None) -> Waited | None:
+        """The collective this rank waits in: ``stuck``, else the oldest one still pending."""
+        return None if self.peers is None else job_watch.waited_for(self.peers, stuck, self.group_names)
 
     def explain(self, error: BaseException) -> None:
         """Main thread, with ``error`` in hand. A collective that failed or timed out: if a rank was
@@ -205,6 +262,9 @@ class ErrorChannel:
             or threading.current_thread() is not threading.main_thread()
         ):
             return
+        self.main_stack = hang_report.exception_stack(error)
+        if self._hang.is_set():  # the watcher found the hang first and is on its way out
+            self._wait_for_exit()
         previous = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as in ``lose``: while looking for the lost rank
         try:
@@ -213,6 +273,9 @@ class ErrorChannel:
                 self.lose(loss)
             if self.store.check(["failed"]):
                 self.stop(None, 0)
+            if job_watch.is_timeout(error):
+                self.hang(None)
+                self._wait_for_exit()
             self.peers.mark("raising")
         except Exception:  # the store server is gone: nothing to learn from it
             pass
@@ -225,25 +288,42 @@ class ErrorChannel:
             finally:
                 self._lock.release()
 
-    def stop(self, message: str | None, code: int, loss: Loss | None = None) -> NoReturn:
+    def _wait_for_exit(self) -> None:
+        """Another thread of this process is leaving through ``stop``: wait for its os._exit."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._lock:  # held until os._exit
+            pass
+
+    def stop(
+        self, message: str | None, code: int, loss: Loss | None = None, waited: Waited | None = None
+    ) -> NoReturn:
         """Exit this process once every rank knows. ``message`` is this rank's own error (main
         thread): the first rank to report one prints it and sets the job's exit code (``code``).
         ``None`` (the watcher): a peer failed; leave quietly with the job's code. ``loss``: the rank
-        the message is about, which is not waited for."""
+        the message is about, which is not waited for; ``waited``: the collective it hung in. A lost
+        rank or a hang (``code`` LOST_RANK_CODE) asks every rank for its part of the hang report."""
         with self._lock:
             self.stopping = True
-            reported = False
+            reported = first = False
             try:
                 _ignore_sigterm()
                 if loss is not None:
-                    self._mark_lost(loss.rank)
+                    self._mark_lost(loss)
+                report = code == LOST_RANK_CODE and self.job.dump_on_timeout and self.peers is not None
                 if message is not None:
-                    first = self._report(code)
+                    first = self._report(code, report)
                     reported = True
                     if first:
                         _print_error(message)
                 code = int(self.store.get("code"))
+                report = report or self.store.check(["report"])
+                if report:
+                    self._publish_part()
                 self._join()
+                if first and report and message is not None:
+                    self._print_report(message, waited)
                 wait_reaped(loss)
                 self._leave_in_order(reporter=message is not None)
             except Exception:  # a broken store, or a rank that never came: leave all the same
@@ -253,13 +333,24 @@ class ErrorChannel:
             sys.stderr.flush()
             os._exit(code)
 
-    def _report(self, code: int) -> bool:
-        """Record this rank's error; True for the first rank to report (the one that prints)."""
+    def _report(self, code: int, report: bool = False) -> bool:
+        """Record this rank's error; True for the first rank to report (the one that prints).
+        ``report``: every rank is to publish its part of the hang report."""
         first = self.store.add("reporters", 1) == 1
         if first:
             self.store.set("code", str(code))
+            if report:
+                self.store.set("report", "1")
         self.store.set("failed", "1")
         return first
+
+    def _publish_part(self) -> None:
+        assert self.peers is not None
+        job_watch.publish_part(self.store, self.peers, self.main_stack, self.group_names)
+
+    def _print_report(self, message: str, waited: Waited | None) -> None:
+        assert self.peers is not None
+        job_watch.print_report(self.store, self.peers, self.world, message, waited, self.job.report_dir)
 
     def _join(self) -> None:
         # Each rank that joins reads the lost count after adding itself, each rank that marks a loss
@@ -268,7 +359,9 @@ class ErrorChannel:
             self.store.set("all_joined", "1")
         self.store.wait(["all_joined"], timedelta(seconds=JOIN_TIMEOUT_S))
 
-    def _mark_lost(self, rank: int) -> None:
+    def _mark_lost(self, loss: Loss) -> None:
+        rank = loss.rank
+        self.store.set(f"why/{rank}", loss.short)
         if self.store.add(f"lost/{rank}", 1) == 1:
             if self.store.add("num_lost", 1) + self.store.add("joined", 0) >= self.world:
                 self.store.set("all_joined", "1")
@@ -315,10 +408,14 @@ def wait_if_leaving() -> None:
 
 def note_iteration(iteration: int) -> None:
     """The last iteration the training loop finished, for this rank's heartbeat (a plain attribute
-    store: nothing waits for the device)."""
+    store: nothing waits for the device). After the first, the budget after start-up takes over;
+    with --log-straggler, at log intervals, the ranks' times are gathered (``stragglers``)."""
     channel = app_state().channel
-    if channel is not None and channel.peers is not None:
+    if channel is None:
+        return
+    if channel.peers is not None:
         channel.peers.iteration = iteration
+    job_watch.after_step(channel.job, channel.peers, iteration)
 
 
 def _is_communication_error(error: BaseException) -> bool:
@@ -369,6 +466,7 @@ def _channel_prefix() -> str:
 def _start_error_channel(world: int, rank: int, timeout_s: float, local_world: int | None) -> None:
     store = _store_client(_channel_prefix())
     peers = PeerWatch(store, rank, world, timeout_s, local_world)
+    peers.records = hang_report.recording()
     peers.register()
     channel = ErrorChannel(store, world, peers)
     app_state().channel = channel

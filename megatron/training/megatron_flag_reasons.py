@@ -84,8 +84,8 @@ PP_KNOB = (
 WGRAD_DEFER = "weight gradients are computed in the backward pass where autograd schedules them"
 NCCL = "NCCL is used with its defaults; tune it through its environment variables (NCCL_*)"
 FLIGHT = (
-    "this package does not configure PyTorch's NCCL flight recorder; set TORCH_NCCL_TRACE_BUFFER_SIZE and "
-    "TORCH_FR_DUMP_TEMP_FILE in the environment for it"
+    "the flight recorder keeps 2000 entries (TORCH_FR_BUFFER_SIZE overrides) and the hang report shows each "
+    "rank's recent collectives; set TORCH_FR_DUMP_TEMP_FILE and TORCH_NCCL_DUMP_ON_TIMEOUT for PyTorch's own dumps"
 )
 OFFLOAD = (
     "activations are not offloaded to the CPU; --recompute-granularity full trades compute for activation "
@@ -113,7 +113,6 @@ SIGNAL_SHUTDOWN = (
     "without --exit-signal-handler a stop signal ends the run (the newest complete checkpoint stays the "
     "latest); --exit-signal-handler also saves first"
 )
-TIMEOUT = "--distributed-timeout-minutes applies from start to end"
 CLONE = "an internal copy in Megatron's embedding that this package does not make"
 RERUN = (
     "steps are never re-run: a NaN/Inf gradient norm stops the run before anything is saved "
@@ -125,7 +124,10 @@ FT = (
     "--distributed-timeout-minutes and --exit-signal-handler saves on SIGTERM"
 )
 INPROCESS_KNOB = "tunes in-process restart, which is not built (--inprocess-restart is refused)"
-STRAGGLER = "no straggler detector runs; --profile --use-pytorch-profiler on --profile-ranks shows slow ranks"
+STRAGGLER = (
+    "NVIDIA's straggler detector service is not used; --log-straggler names the slowest ranks every "
+    "--log-interval"
+)
 NVTX = "no NVTX ranges are emitted; the PyTorch profiler's trace (--use-pytorch-profiler) names every op"
 CONFIG_DUMP = "the run's whole configuration is printed at start and stored in every checkpoint"
 EXPERIMENTAL = "there are no experimental features to unlock"

@@ -158,10 +158,10 @@ _TABLE: list[ForeignFlag] = [
         NO_EFFECT,
         why.FLIGHT,
         """
-        --disable-flight-recorder-dump-on-timeout --disable-flight-recorder-extra-dump-on-exec
+        --disable-flight-recorder-extra-dump-on-exec
         --disable-flight-recorder-include-only-active --flight-recorder-dump-path=1
         --flight-recorder-include-stack-trace --flight-recorder-trace-buffer-size=1
-        --no-flight-recorder-dump-on-timeout --no-flight-recorder-extra-dump-on-exec
+        --no-flight-recorder-extra-dump-on-exec
         --no-flight-recorder-include-only-active
     """,
     ),
@@ -215,7 +215,6 @@ _TABLE: list[ForeignFlag] = [
     *entries(NO_EFFECT, why.INIT, "--no-initialization"),
     *entries(NO_EFFECT, why.SYNC, "--train-sync-interval=1"),
     *entries(NO_EFFECT, why.SIGNAL_SHUTDOWN, "--exit-signal-handler-for-training"),
-    *entries(NO_EFFECT, why.TIMEOUT, "--distributed-timeout-seconds-after-init=1"),
     *entries(
         NO_EFFECT,
         why.CLONE,
@@ -256,7 +255,7 @@ _TABLE: list[ForeignFlag] = [
         NO_EFFECT,
         why.STRAGGLER,
         """
-        --log-straggler --disable-straggler-on-startup --straggler-ctrlr-port=1 --straggler-minmax-count=1
+        --disable-straggler-on-startup --straggler-ctrlr-port=1 --straggler-minmax-count=1
         --gpu-sniff-test-interval=1 --run-workload-inspector-server
     """,
     ),

@@ -1,7 +1,8 @@
 """Which rank of the job stopped or died: heartbeats in the job's store, process checks on this host.
 
 Every rank's watcher thread (``initialize.ErrorChannel``) writes a heartbeat to the job's store
-every ``HEARTBEAT_S``: a counter, the wall time and the last iteration the rank finished. A process
+every ``HEARTBEAT_S``: a counter, the wall time, the last iteration the rank finished and, per
+process group, the last collective it entered (PyTorch's flight recorder: ``hang_report``). A process
 that is stopped (SIGSTOP, Ctrl-Z, a frozen node) stops beating, all its threads with it; a process
 that died stops too, and on its own host its pid no longer names a running process. Each rank
 watches
@@ -13,8 +14,10 @@ watches
 
 Silence is measured on the watcher's own monotonic clock (when the value it reads last changed), so
 the hosts' clocks need not agree; a watcher that was itself stopped (a whole job suspended and
-resumed) starts its observations afresh. Nothing here runs on the training step: the loop only
-stores its iteration number in an attribute (``note_iteration``).
+resumed) starts its observations afresh. The same thread watches this rank's own collectives: one
+pending for the budget less ``LEAD_S`` is a hang (``tick`` returns it), reported before the
+backend's own timeout fires. Nothing here runs on the training step: the loop only stores its
+iteration number in an attribute (``note_iteration``).
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
+
+from megatron.training.hang_report import Pending, decode_seqs, encode_seqs, pending_for, sequence_numbers
 
 HEARTBEAT_S = 1.0  # how often a rank beats (and looks at its ring neighbour and local peers)
 SILENT_S = 3.0  # after a collective failed: a rank that has not beaten for this long is not running
@@ -37,6 +42,7 @@ EXPLAIN_S = 5.0  # after a collective failed: how long to look for the rank that
 SUSPENDED_S = 5.0  # a gap this long in a watcher's own loop means the watcher itself was stopped
 SCAN_ALL_UP_TO = 64  # after a collective failed, jobs up to this size check every rank's heartbeat
 LOST_RANK_CODE = 4  # every live rank's exit code when a rank stopped responding or died
+LEAD_S = 10.0  # a collective pending for the budget less this (at most 20 % of it) is a hang
 
 
 @dataclass(frozen=True)
@@ -55,9 +61,19 @@ class Loss:
     """A rank the job lost: one line for the user, and the stopped process to kill, if any."""
 
     rank: int
-    message: str
+    what: str  # what happened to it
+    tail: str  # what happens now
     kill: Peer | None = None  # a stopped process on this host: killed so that no launcher waits for it
     reap: Peer | None = None  # an ended (or killed) process on this host: see ``wait_reaped``
+    short: str = "stopped responding: no stack"  # its line in the hang report
+    clause: str = ""  # the collective the others waited for it in, when known
+
+    @property
+    def message(self) -> str:
+        return f"{self.what}; {self.clause + '; ' if self.clause else ''}{self.tail}"
+
+    def waited(self, clause: str) -> Loss:
+        return replace(self, clause=clause)
 
 
 @dataclass(frozen=True)
@@ -120,8 +136,12 @@ class PeerWatch:
         self, store: dist.Store, rank: int, world: int, timeout_s: float, local_world: int | None
     ) -> None:
         self.store, self.rank, self.world, self.timeout_s = store, rank, world, timeout_s
+        self.budget = f"--distributed-timeout-minutes {timeout_s / 60:g}"  # the flag that set timeout_s
         self.local_world = local_world
         self.iteration: int | None = None  # the last iteration this rank finished (note_iteration)
+        self.records = False  # the flight recorder records this rank's collectives (``hang_report``)
+        self.seqs: dict[str, tuple[int, int]] = {}  # pg -> (last entered, last completed), each beat
+        self.pending: dict[str, Pending] = {}  # pg -> its oldest collective not finished
         self.machine = _machine()
         self._count = 0
         self._peers: dict[int, Peer] = {}
@@ -150,9 +170,16 @@ class PeerWatch:
             self.store.set(f"local/{self.machine}/{index}", str(self.rank))
         self.beat()
 
+    def set_budget(self, seconds: float, flag: str) -> None:
+        """From now on a rank silent (or a collective pending) this long is lost (after start-up)."""
+        self.timeout_s, self.budget = seconds, flag
+
     def beat(self) -> None:
         self._count += 1
-        self.store.set(f"beat/{self.rank}", f"{self._count} {time.time():.3f} {self.iteration}")
+        if self.records:
+            self.seqs = sequence_numbers()
+        seqs = encode_seqs(self.seqs)
+        self.store.set(f"beat/{self.rank}", f"{self._count} {time.time():.3f} {self.iteration} {seqs}")
 
     def mark(self, what: str) -> None:
         """``done``: this rank ends normally; ``raising``: it is about to print an exception of its
@@ -160,12 +187,17 @@ class PeerWatch:
         self.store.set(f"{what}/{self.rank}", "1")
 
     # -- the watcher thread: one round ----------------------------------------------------------
-    def tick(self, closed: threading.Event) -> Loss | None:
-        """Beat, look at the ring neighbour, and wait up to HEARTBEAT_S for a local peer to end."""
+    def tick(self, closed: threading.Event) -> Loss | Pending | None:
+        """Beat, look at this rank's own collectives and the ring neighbour, and wait up to
+        HEARTBEAT_S for a local peer to end. A collective pending too long is returned as such."""
         now = time.monotonic()
         if now - self._last_round > SUSPENDED_S:  # this process was stopped itself: nobody is late yet
             self._seen = (self._seen[0], now)
+            self.pending.clear()
         self.beat()
+        stuck = pending_for(self.seqs, self.pending, now)
+        if stuck is not None and now - stuck.since >= self.timeout_s - min(LEAD_S, 0.2 * self.timeout_s):
+            return stuck
         with self._lock:
             self._open_local_peers()
         loss = self._check_neighbour(now)
@@ -261,6 +293,12 @@ class PeerWatch:
         key = f"beat/{r}"
         return self.store.get(key).decode() if self.store.check([key]) else None
 
+    def entered(self, r: int) -> dict[str, int]:
+        """Rank ``r``'s last collective entered per process group, by its last heartbeat."""
+        beat = self._beat(r)
+        fields = beat.split() if beat else []
+        return decode_seqs(fields[3]) if len(fields) > 3 else {}
+
     def _excused(self, r: int) -> bool:
         return self.store.check([f"done/{r}"]) or self.store.check([f"raising/{r}"])
 
@@ -269,32 +307,39 @@ class PeerWatch:
         process. ``silent``: how long the watcher saw no beat (None: found by a process check)."""
         peer = self.peer(r)
         beat = self._beat(r)
-        _, wall, iteration = beat.split() if beat else ("0", "0", "None")
+        _, wall, iteration = beat.split()[:3] if beat else ("0", "0", "None")
         at = _format_iteration(iteration)
         ago = max(time.time() - float(wall), 0.0) if beat else 0.0  # its last beat, by this host's clock
         who = f"rank {r} (pid {peer.pid}, host {peer.host})"
         rest = f"the job stops, every other rank with exit code {LOST_RANK_CODE}"
-        stalled = (
-            f"{who} stopped responding {silent if silent is not None else ago:.0f} s ago, {at}{{}}; no rank "
-            f"waits longer than --distributed-timeout-minutes {self.timeout_s / 60:g}: {rest}"
-        )
+        stalled = f"{who} stopped responding {silent if silent is not None else ago:.0f} s ago, {at}"
+        waits = f"no rank waits longer than {self.budget}: {rest}"
         if not (self.machine and peer.machine == self.machine):
-            return Loss(r, stalled.format(""))
+            return Loss(r, stalled, waits)
         state = state if state is not None else _proc_state(peer.pid)
         if state is None or not _is_running(peer, state):
+            how = _how_it_ended(state)
             return Loss(
                 r,
-                f"{who} {_how_it_ended(state)}; its last heartbeat, {ago:.1f} s before, was {at}; {rest}",
+                f"{who} {how}; its last heartbeat, {ago:.1f} s before, was {at}",
+                rest,
                 reap=peer,
+                short=f"{how.split(' (')[0]}: no stack",
             )
         if state.state == "T":
             return Loss(
                 r,
-                stalled.format(": its process is stopped (SIGSTOP or Ctrl-Z), and is killed"),
+                f"{stalled}: its process is stopped (SIGSTOP or Ctrl-Z), and is killed",
+                waits,
                 kill=peer,
                 reap=peer,
+                short="stopped (SIGSTOP or Ctrl-Z): no stack",
             )
-        return Loss(r, stalled.format(" (stopped in a debugger)" if state.state == "t" else ""))
+        if state.state == "t":
+            return Loss(
+                r, f"{stalled} (stopped in a debugger)", waits, short="stopped in a debugger: no stack"
+            )
+        return Loss(r, stalled, waits)
 
 
 def kill_stopped(loss: Loss) -> None:

@@ -103,6 +103,7 @@ SPELLINGS: dict[str, str] = {
     "--persistent-save-interval": "save_interval",
     "--disable-log-loss-scale-to-tensorboard": "log_loss_scale_to_tensorboard",
     "--disable-pad-vocab-size": "pad_vocab_size",
+    "--disable-flight-recorder-dump-on-timeout": "flight_recorder_dump_on_timeout",
 }
 
 # Megatron spellings that are not one field each: flag -> (section, argparse kwargs).

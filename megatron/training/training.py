@@ -28,7 +28,12 @@ from megatron.training.execution_setup import (
     resolve_plan,
 )
 from megatron.training.flops import num_floating_point_operations, peak_tflops, shape_from_config
-from megatron.training.initialize import initialize_distributed, note_iteration, set_random_seeds
+from megatron.training.initialize import (
+    configure_job_watch,
+    initialize_distributed,
+    note_iteration,
+    set_random_seeds,
+)
 from megatron.training.loop_utils import (
     DistributedSignalHandler,
     InFlightStep,
@@ -72,6 +77,7 @@ class Trainer(TrainerResume):
             ep=cfg.model.expert_model_parallel_size,
             etp=cfg.model.expert_tensor_parallel_size,
         )
+        configure_job_watch(cfg)  # the hang report's flags and directory, --log-straggler
         self.world_size = dist.get_world_size()
         if cfg.impl.disable_bf16_reduced_precision_matmul:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False

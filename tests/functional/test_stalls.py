@@ -1,5 +1,7 @@
-"""A rank that stops (SIGSTOP) or dies (kill -9) in the middle of training: one line that names it,
-every live rank exits 4, torchrun 1, within about --distributed-timeout-minutes of the stop.
+"""A rank that stops (SIGSTOP) or dies (kill -9) in the middle of training: one line that names it
+and the collective the other waited for it in, the hang report (printed once, and written to
+--save), every live rank exits 4, torchrun 1, within the budget of the stop
+(--distributed-timeout-seconds-after-init) or at once for a killed rank.
 
 The job runs under plain torchrun, as users run it: the ranks are torchrun's children, so its summary
 shows each rank's exit code and which failure it observed first (its "Root Cause").
@@ -30,7 +32,8 @@ def _rank_of(pid: int) -> int:
 
 def _job_with_rank_1_hit(sig: signal.Signals, extra: list[str], timeout: float) -> tuple[str, int, float]:
     """Two ranks under torchrun; ``sig`` to rank 1 once it has trained a while. Returns (everything
-    the job printed, rank 1's pid, seconds from the signal to torchrun's exit)."""
+    the job printed, rank 1's pid, seconds from the signal to torchrun's exit). Only the ranks of
+    the torchrun this test started are signalled."""
     cmd = [
         sys.executable,
         "-m",
@@ -96,31 +99,72 @@ def _check_one_line(out: str, pid: int, *expected: str) -> str:
     return line
 
 
+def _check_report(out: str, save: str, lost: str) -> str:
+    """The hang report: printed once, after the line; the same text in <save>/hang_report_*.txt;
+    rank 0's main-thread stack (it waited in a collective), rank 1 without one."""
+    assert out.count("hang report (") == 1, out[-4000:]
+    printed = "hang report (" + out.split("hang report (")[1].split("  (the report is also in ")[0]
+    files = [f for f in os.listdir(save) if re.fullmatch(r"hang_report_\d{8}-\d{6}\.txt", f)]
+    assert len(files) == 1, os.listdir(save)
+    with open(os.path.join(save, files[0])) as f:
+        text = f.read()
+    assert text == printed, (text, printed)
+    rank0 = text.split("  rank 0 (pid ")[1].split("\n  rank 1")[0]
+    assert "main thread:\n" in rank0 and 'File "' in rank0 and "pretrain" in rank0, text
+    assert f"  rank 1: {lost}: no stack\n" in text, text
+    return text
+
+
 @pytest.mark.slow
-def test_a_stopped_rank_ends_the_job_after_the_timeout():
-    """SIGSTOP of rank 1: rank 0 waits --distributed-timeout-minutes 1 for it (every process group
-    honours the flag, and so does the heartbeat watch), names it, kills the stopped process (which
-    torchrun's SIGTERM would only wait 30 s for) and exits 4."""
-    out, pid, elapsed = _job_with_rank_1_hit(
-        signal.SIGSTOP, ["--distributed-timeout-minutes", "1"], timeout=150
+def test_a_stopped_rank_ends_the_job_within_the_budget(tmp_path):
+    """SIGSTOP of rank 1 inside a step: rank 0's collective waits for it; within
+    --distributed-timeout-seconds-after-init 10 (every process group and the watch follow it after
+    the first iteration) rank 0 names rank 1 and the collective and group it never arrived at,
+    prints the hang report with its own stack, kills the stopped process (which torchrun's SIGTERM
+    would only wait 30 s for) and exits 4."""
+    save = str(tmp_path / "save")
+    budget = ["--distributed-timeout-seconds-after-init", "10", "--save", save, "--save-interval", "100000"]
+    out, pid, elapsed = _job_with_rank_1_hit(signal.SIGSTOP, budget, timeout=90)
+    line = _check_one_line(
+        out,
+        pid,
+        "stopped responding",
+        "its process is stopped",
+        "--distributed-timeout-seconds-after-init 10",
     )
-    _check_one_line(
-        out, pid, "stopped responding", "its process is stopped", "--distributed-timeout-minutes 1"
+    waited = re.search(r"rank 0 waited (\d+) s for it in (\w+) #(\d+) on the (.+?) \[0, 1\]", line)
+    assert waited and 5 <= int(waited.group(1)) <= 10, line
+    assert elapsed < 25, elapsed  # the budget, the report, torchrun's poll
+    text = _check_report(out, save, "stopped (SIGSTOP or Ctrl-Z)")
+    assert (
+        f"waited for: {waited.group(2)} #{waited.group(3)} on the {waited.group(4)} [0, 1], by rank 0" in text
     )
-    assert 55 < elapsed < 90, elapsed
+    assert "  never arrived: rank 1\n" in text, text
     codes, root = _summary(out)
     assert codes == {0: "4", 1: "-9"} and root == 1, out[-3000:]
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_named_by_the_survivor():
-    """kill -9 of rank 1: rank 0 names it (not gloo's "Connection reset by peer" at an address) and
-    exits 4 after torchrun has seen rank 1 end, so that torchrun names rank 1 as the root cause."""
-    out, pid, elapsed = _job_with_rank_1_hit(signal.SIGKILL, [], timeout=60)
+def test_a_killed_rank_is_named_by_the_survivor(tmp_path):
+    """kill -9 of rank 1: rank 0 names it (not gloo's "Connection reset by peer" at an address),
+    prints the report and exits 4 within seconds, after torchrun has seen rank 1 end, so that
+    torchrun names rank 1 as the root cause. The same run logs --log-straggler's line."""
+    save = str(tmp_path / "save")
+    flags = ["--log-straggler", "--save", save, "--save-interval", "100000"]
+    out, pid, elapsed = _job_with_rank_1_hit(signal.SIGKILL, flags, timeout=60)
     _check_one_line(out, pid, "was killed by SIGKILL")
-    assert elapsed < 30, elapsed
+    assert elapsed < 15, elapsed
+    _check_report(out, save, "was killed by SIGKILL")
     codes, root = _summary(out)
     assert codes == {0: "4", 1: "-9"} and root == 1, out[-3000:]
+    lines = re.findall(r"stragglers at iteration (\d+): busy time per iteration, slowest rank ([01]) .*", out)
+    assert len(lines) >= 30 and {int(i) for i, _ in lines} >= set(range(2, 30)), out[-3000:]
+
+
+def test_a_budget_after_init_below_one_second_is_refused(capsys):
+    assert run([*TINY, "--train-iters", "4", "--distributed-timeout-seconds-after-init", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count(ERROR) == 1 and "--distributed-timeout-seconds-after-init" in err, err
 
 
 @pytest.mark.parametrize("minutes", ["0", "-1"])
