@@ -284,7 +284,10 @@ class GPTDataset(MegatronDataset):
             text = torch.full((S + int(extra),), self._pad_token_id, dtype=torch.int64)
             lengths: list[int] = []
         else:  # a padding sample (idx None) is sample 0 with no loss, as in Megatron
-            raw, lengths = self._query(0 if idx is None else int(idx))
+            try:
+                raw, lengths = self._query(0 if idx is None else int(idx))
+            except DataError as e:  # a file that changed under the run: which sample needed it
+                raise DataError(f"{e} (reading sample {0 if idx is None else int(idx)})") from None
             text = torch.from_numpy(raw)
         if extra:
             tokens, labels = text[:-1].contiguous(), text[1:].contiguous()

@@ -214,8 +214,28 @@ class IndexedDataset:
                 "written again without its .idx); write both again (tools/preprocess_data.py)"
             )
         self._bin: np.ndarray | None = None
+        self._bin_size = have
+        self._fd: int | None = None
         if self.mmap and have > 0:
             self._bin = np.memmap(bin_path, mode="r", order="C")
+            # Held open to check, per read, that the file under the map still has the bytes: a page
+            # of a mapping past the end of a file truncated meanwhile kills the process (SIGBUS).
+            self._fd = os.open(bin_path, os.O_RDONLY)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _changed(self, end: int) -> DataError:
+        path = data_file_path(self.path_prefix)
+        return DataError(
+            f"data file {path!r} changed while training: it now holds fewer bytes than the {end} its "
+            f"index needs ({self._bin_size} when the run opened it); restore it or write the dataset again"
+        )
 
     def __getstate__(self) -> dict:
         return {"path_prefix": self.path_prefix, "multimodal": self.multimodal, "mmap": self.mmap}
@@ -251,11 +271,20 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {idx} of length {size}")
         start = int(self.index.sequence_pointers[idx]) + offset * self.index.dtype_size
+        end = start + length * self.index.dtype_size
         if self._bin is not None:
+            if self._fd is not None and os.fstat(self._fd).st_size < end:
+                raise self._changed(end)
             return np.frombuffer(self._bin, dtype=self.index.dtype, count=length, offset=start)
-        with open(data_file_path(self.path_prefix), "rb") as f:
-            f.seek(start)
-            data = f.read(length * self.index.dtype_size)
+        path = data_file_path(self.path_prefix)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read(length * self.index.dtype_size)
+        except OSError as e:
+            raise DataError(f"data file {path!r} cannot be read while training: {e}") from None
+        if len(data) < length * self.index.dtype_size:
+            raise self._changed(end)
         return np.frombuffer(data, dtype=self.index.dtype, count=length)
 
     def __getitem__(self, idx: int | slice) -> np.ndarray | list[np.ndarray]:
