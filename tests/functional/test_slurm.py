@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -207,13 +208,16 @@ def slurm(tmp_path_factory):
             pytest.fail(f"{why}, and MEGATRON_REQUIRE_SLURM is set (.ci/run installs Debian's packages)")
         pytest.skip(why)
     root = str(tmp_path_factory.mktemp("slurm"))
-    assert len(root) < 60, root  # Unix socket paths under it must stay short
+    if len(root) > 60:  # Unix socket paths under it (108 bytes at most) must stay short
+        root = tempfile.mkdtemp(prefix="slurm-", dir="/tmp")
     cluster = Slurm(root)
     try:
         cluster.start()
         yield cluster
     finally:
         cluster.stop()
+        if not root.startswith(str(tmp_path_factory.getbasetemp())):
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _wait(slurm: Slurm, job: str, out: str, ready, seconds: float, what: str):
