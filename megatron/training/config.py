@@ -82,8 +82,53 @@ class TrainingConfig:
     )
     check_for_nan_in_loss_and_grad: bool = doc(
         True,
-        "Stop (exit code 3, nothing saved) when the gradient norm is NaN or Inf; "
-        "--no-check-for-nan-in-loss-and-grad keeps going. fp16 overflow steps are skipped instead.",
+        "Reject a step whose loss or gradient is NaN/Inf before the update (decided on the device, "
+        "no host sync), name the rank and the first parameter, then act per --rerun-mode; "
+        "--no-check-for-nan-in-loss-and-grad trains on. fp16 overflow steps are skipped as before.",
+    )
+    check_for_spiky_loss: bool = doc(
+        False,
+        "Reject a step whose loss is more than 10x the median of the last 10 accepted steps' losses "
+        "(after 5 of them), then act per --rerun-mode (disabled: warn only).",
+    )
+    rerun_mode: str = doc(
+        "validate_results",
+        "What a rejected step leads to. validate_results: re-run it in place with the same data and "
+        "random state; not reproduced (transient fault) the re-run's update is kept, reproduced the batch "
+        "is skipped (two such steps in a row stop the run, exit 3). report_stats: re-run every step and "
+        "report how much loss and gradient norm differ. disabled: no re-run; a NaN stops the run (exit 3).",
+        choices=("validate_results", "report_stats", "disabled"),
+    )
+    result_rejected_tracker_filename: str | None = doc(
+        None, "Append one line per rejected result (Megatron's format) to this file."
+    )
+    error_injection_rate: int = doc(
+        0,
+        "Fault drills: inject a fault about once every this many steps on each rank (0: never; "
+        "deterministic for a --seed). See --error-injection-iterations for chosen steps.",
+    )
+    error_injection_type: str = doc(
+        "transient_error",
+        "transient_error: the fault is in the first run only (a re-run does not reproduce it); "
+        "persistent_error / correct_result: also in the re-run (here both are reproduced in place).",
+        choices=("correct_result", "transient_error", "persistent_error"),
+    )
+    error_injection_iterations: list[int] = doc(
+        default_factory=list, help="Inject the fault at exactly these iterations (drills, tests).", nargs="*"
+    )
+    error_injection_ranks: list[int] | None = doc(
+        None, "The ranks a fault is injected on (default: every rank).", nargs="*"
+    )
+    error_injection_kind: str = doc(
+        "nan_grad",
+        "What is injected: nan_grad (this rank's gradients become NaN; the loss stays finite) or "
+        "spiky_loss (the last stage's loss, and its gradients, scaled by 1000).",
+        choices=("nan_grad", "spiky_loss"),
+    )
+    iterations_to_skip: list[int] = doc(
+        default_factory=list,
+        help="Iterations that consume their batch without updating the model (counted as skipped).",
+        nargs="*",
     )
     make_vocab_size_divisible_by: int = doc(
         128, "Pad the vocabulary to a multiple of this times the TP size."
@@ -134,6 +179,7 @@ class TrainingConfig:
                 f"--distributed-timeout-minutes must be a whole number of minutes >= 1, got "
                 f"{self.distributed_timeout_minutes} (e.g. --distributed-timeout-minutes 10, the default)"
             )
+        check_positive("error_injection_rate", self.error_injection_rate, allow_zero=True)
         after_init = self.distributed_timeout_seconds_after_init
         check_positive("distributed_timeout_seconds_after_init", after_init, allow_none=True)
         self._check_batch_schedule()

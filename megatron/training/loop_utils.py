@@ -209,21 +209,22 @@ def params_l2_norm(model_chunks: list, parallel_state, device: torch.device) -> 
     return core_params_l2_norm(model_chunks, parallel_state, device)
 
 
-def average_losses(steps: list[tuple[dict, bool]]) -> tuple[dict[str, float], int, int]:
+def average_losses(steps: list[tuple]) -> tuple[dict[str, float], int, int]:
     """(mean loss by name, skipped steps, nan steps) of one log line's steps, each ``({name: (sum,
     count)}, update_successful)``.
 
     A step is a nan iteration when any of its losses is NaN or Inf, skipped (fp16 overflow) or not:
-    with --no-check-for-nan-in-loss-and-grad such a step is taken. The mean is over the taken steps
+    with --no-check-for-nan-in-loss-and-grad such a step is taken. A third entry True marks a step
+    rejected for a NaN/Inf gradient (its losses finite) as one too. The mean is over the taken steps
     with finite losses, so that a NaN never hides in it; a name whose every taken step was non-finite
     shows NaN."""
     sums: dict[str, float] = {}
     taken = skipped = nan = 0
     names: dict[str, None] = {}  # every loss name of a taken step, in order
-    for losses, success in steps:
+    for losses, success, *marked in steps:
         values = {k: v[0] / max(v[1], 1.0) for k, v in losses.items()}
         finite = all(math.isfinite(v) for v in values.values())
-        nan += not finite
+        nan += not finite or bool(marked and marked[0])
         if not success:
             skipped += 1
             continue
@@ -276,6 +277,7 @@ class IntervalLog:
         flops: float | None = None,
         decoupled_lr: float | None = None,
         moe: dict[str, float] | None = None,
+        non_finite: bool = False,
     ) -> None:
         """One step's results: ``losses`` {name: (sum, count)}, the learning rate and loss scale that
         the step left behind, ``done`` (the ``perf_counter()`` time the step was seen finished), with
@@ -283,7 +285,7 @@ class IntervalLog:
         event recorded at the step's end. ``global_batch_size`` and ``flops`` are the step's (default
         the trainer's constant ones); ``decoupled_lr`` the --decoupled-lr groups' learning rate;
         ``moe`` the MoE losses and routing statistics since the last line (``moe_metrics``)."""
-        self.steps.append((losses, success))
+        self.steps.append((losses, success, non_finite))
         tr = self.trainer
         self.batches.append(
             (

@@ -114,10 +114,6 @@ SIGNAL_SHUTDOWN = (
     "latest); --exit-signal-handler also saves first"
 )
 CLONE = "an internal copy in Megatron's embedding that this package does not make"
-RERUN = (
-    "steps are never re-run: a NaN/Inf gradient norm stops the run before anything is saved "
-    "(--no-check-for-nan-in-loss-and-grad keeps going)"
-)
 TELEMETRY = "NVIDIA's internal telemetry (one-logger) is not used"
 FT = (
     "NVIDIA's fault-tolerance and autoresume services are not used; a hung collective fails after "
@@ -194,11 +190,13 @@ LAZY_MPU = (
     "(megatron.core.parallel_state)"
 )
 NAN_CHECKS = (
-    "Megatron-LM's loss-spike and large-gradient checks (re-running the step) are not built yet; a NaN/Inf "
-    "gradient norm stops the run (see --no-check-for-nan-in-loss-and-grad) and a logged loss far above its "
-    "recent median prints a one-line warning"
+    "Megatron-LM's large-gradient check is not built; --check-for-nan-in-loss-and-grad rejects NaN/Inf "
+    "gradients and --check-for-spiky-loss spiky losses, re-run per --rerun-mode"
 )
-FAULTS = "fault injection is not built"
+FAULTS = (
+    "NVIDIA's process fault injector is not built; --error-injection-rate / --error-injection-type inject "
+    "NaN gradients or loss spikes for drills"
+)
 HASH = (
     "weight-hash checks across replicas are not built; data-parallel replicas start from identical weights and "
     "apply identical reduced gradients"
@@ -250,7 +248,6 @@ SPECIAL_TOKENS = (
     "added special tokens would change the vocabulary; add them when training the tokenizer instead"
 )
 SAMPLE_RATE = "sampling a fraction of the data is not built; use --data-path weights or --split"
-SKIP_ITERS = "skipping chosen iterations is not built"
 RL_STEP = "reinforcement learning is not built; pretrain_gpt.py pretrains"
 DISTILL = "knowledge distillation from saved logits is not built"
 FREEZE = "freezing layers is not built; pretrain_gpt.py trains every parameter"

@@ -73,7 +73,7 @@ REFUSED_ROWS: list[ForeignFlag] = [
     *entries(REFUSED, why.DIST_OPT_INST, "--num-distributed-optimizer-instances=1"),
     *entries(REFUSED, why.FAKE_PG, "--fake-process-group"),
     *entries(REFUSED, why.LAZY_MPU, "--lazy-mpu-init"),
-    *entries(REFUSED, why.NAN_CHECKS, "--check-for-spiky-loss --check-for-large-grads"),
+    *entries(REFUSED, why.NAN_CHECKS, "--check-for-large-grads"),
     *entries(
         REFUSED,
         why.FAULTS,
@@ -81,7 +81,7 @@ REFUSED_ROWS: list[ForeignFlag] = [
         --fault-injector-delay-start-iteration=1 --fault-injector-fault-delay=1
         --fault-injector-fault-probabilities=1 --fault-injector-fault-types=1
         --fault-injector-mtti-seconds=1 --fault-injector-num-ranks=1 --fault-injector-offset-seconds=1
-        --fault-injector-ranks=1 --fault-injector-seed=1 --error-injection-rate=1 --error-injection-type=1
+        --fault-injector-ranks=1 --fault-injector-seed=1
     """,
     ),
     *entries(REFUSED, why.HASH, "--check-weight-hash-across-dp-replicas-interval=1"),
@@ -197,7 +197,6 @@ REFUSED_ROWS: list[ForeignFlag] = [
     *entries(REFUSED, why.EVAL_BATCH, "--eval-micro-batch-size=1 --eval-global-batch-size=1"),
     *entries(REFUSED, why.SPECIAL_TOKENS, "--tokenizer-special-tokens=+"),
     *entries(REFUSED, why.SAMPLE_RATE, "--sample-rate=1"),
-    *entries(REFUSED, why.SKIP_ITERS, "--iterations-to-skip=+"),
     *entries(REFUSED, why.RL_STEP, "--perform-rl-step"),
     *entries(
         REFUSED,

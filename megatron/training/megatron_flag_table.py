@@ -222,7 +222,6 @@ _TABLE: list[ForeignFlag] = [
         --no-clone-scatter-output-in-embedding --disable-clone-scatter-output-in-embedding
     """,
     ),
-    *entries(NO_EFFECT, why.RERUN, "--rerun-mode=1 --result-rejected-tracker-filename=1"),
     *entries(
         NO_EFFECT,
         why.TELEMETRY,

@@ -285,7 +285,7 @@ def build_parser() -> Parser:
                     convert=convert,
                     allowed=choices,
                     metavar=f.metadata.get("metavar")
-                    or ("{" + ",".join(choices) + "}" if choices else _metavar(convert)),
+                    or ("{" + ",".join(str(c) for c in choices) + "}" if choices else _metavar(convert)),
                 )
                 if f.metadata.get("nargs"):
                     kwargs["nargs"] = f.metadata["nargs"]

@@ -20,6 +20,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_seed
 from megatron.training import checkpointing
 from megatron.training.arguments import RunConfig, format_arguments
+from megatron.training.data_faults import DataFault, name_data_faults
 from megatron.training.execution_setup import (
     amax_reducer,
     apply_compile_choice,
@@ -51,6 +52,14 @@ from megatron.training.metrics import MetricsWriter, format_validation, wandb_ru
 from megatron.training.model_wrapping import grad_stats_group, model_build_device, wrap_model_chunks
 from megatron.training.moe_metrics import MoEStepHooks
 from megatron.training.profiling import OPTIMIZER_RANGE, StepProfiler
+from megatron.training.rerun import (
+    SPIKE_FACTOR,
+    RandomState,
+    ReplayIterators,
+    StepGuard,
+    Verdict,
+    first_bad_param,
+)
 from megatron.training.timers import build_timers
 from megatron.training.trainer_checkpointing import TrainingDiverged as TrainingDiverged
 from megatron.training.trainer_checkpointing import TrainState as TrainState
@@ -77,8 +86,8 @@ class Trainer(TrainerResume):
             ep=cfg.model.expert_model_parallel_size,
             etp=cfg.model.expert_tensor_parallel_size,
         )
-        configure_job_watch(cfg)  # the hang report's flags and directory, --log-straggler
         self.world_size = dist.get_world_size()
+        configure_job_watch(cfg)  # the hang report's flags and directory, --log-straggler
         if cfg.impl.disable_bf16_reduced_precision_matmul:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         set_random_seeds(t.seed, self.pg.pp_rank)
@@ -158,6 +167,9 @@ class Trainer(TrainerResume):
         self.forward_backward = get_forward_backward_func(self.pg.pp_size, len(self.model))
         (self.train_iter, self.valid_iter, self.test_iter), self.has_split = providers.data_iterators(self)
         self.train_iter = self.wrap_train_iterator(self.train_iter)
+        self._loading = 0  # the iteration whose micro-batches are being loaded, for a data fault's line
+        self.train_iter = name_data_faults(self.train_iter, self._loading_what)
+        self._build_guard()
         self.wandb_run_id = wandb_run_id(cfg, self.wandb_run_id)  # the checkpoint's W&B run, else a new one
         resumed_at = (self.state.iteration, self.state.consumed_train_samples)  # TensorBoard's purge step
         self.writer = MetricsWriter(is_last_rank(), **writer_kwargs(cfg, resumed_at, self.wandb_run_id))
@@ -167,6 +179,38 @@ class Trainer(TrainerResume):
             if t.exit_signal_handler
             else None
         )
+
+    def _loading_what(self) -> str:
+        return f"a micro-batch of iteration {self._loading} (data-parallel rank {self.pg.dp_rank})"
+
+    def _build_guard(self) -> None:
+        """The checks on every step before its update (megatron.training.rerun), when any is on."""
+        t = self.cfg.training
+        self.guard: StepGuard | None = None
+        self.replay: ReplayIterators | None = None
+        armed = (
+            t.check_for_nan_in_loss_and_grad
+            or t.check_for_spiky_loss
+            or t.iterations_to_skip
+            or t.error_injection_rate
+            or t.error_injection_iterations
+            or t.rerun_mode == "report_stats"
+        )
+        if not armed:
+            return
+        self.guard = StepGuard(self.cfg, self.device, dist.get_rank())
+        self.guard.last_applied = self.state.iteration
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for o in optimizers:
+            o.skip_non_finite = t.check_for_nan_in_loss_and_grad
+        for chunk in self.model:
+            if hasattr(chunk, "check_local_grads"):
+                chunk.check_local_grads = t.check_for_nan_in_loss_and_grad
+        if t.rerun_mode != "disabled":
+            self.replay = ReplayIterators(self.train_iter)
+            self.train_iter = self.replay.iterators
+            self.random_state = RandomState(self.pg.rng_tracker)
+            self.schedule_state: dict[int, tuple] = {}
 
     # ----------------------------------------------------------------------------------------------
     def _start_batch_schedule(self) -> None:
@@ -200,20 +244,30 @@ class Trainer(TrainerResume):
 
     # ----------------------------------------------------------------------------------------------
     def train_step(
-        self, sync: bool = True, num_microbatches: int | None = None, global_batch_size: int | None = None
+        self,
+        sync: bool = True,
+        num_microbatches: int | None = None,
+        global_batch_size: int | None = None,
+        iteration: int = 0,
+        run: str = "first",
     ):
         """One optimizer step over ``num_microbatches`` micro-batches of ``global_batch_size`` samples
         in all (default: the final batch size's). Returns (loss sum/count tensors, update_successful,
-        grad_norm, num_zeros); with ``sync=False`` the grad norm and zero count are device tensors
-        and nothing waits for the device (see :class:`InFlightStep`). The LR schedule advances by the
-        step's samples."""
+        grad_norm, num_zeros); with ``sync=False`` the grad norm and zero count (and, with the step
+        checks on, update_successful) are device tensors and nothing waits for the device (see
+        :class:`InFlightStep`). The LR schedule advances by the step's samples, a rejected step's too
+        (it consumes them). ``run``: ``first``, ``re-run`` (megatron.training.rerun) or ``stats``
+        (report_stats' first run, rejected)."""
         num_microbatches = self.num_microbatches if num_microbatches is None else num_microbatches
         global_batch_size = self.global_batch_size if global_batch_size is None else global_batch_size
-        self.timers.next_step()
+        self.timers.next_step(iteration)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         t = self.cfg.training
+        guard = getattr(self, "guard", None)
+        if guard is not None:
+            guard.arm(iteration, self.model, rerun=run == "re-run")
         self.timers("forward-backward").start()
         metrics = self.forward_backward(
             forward_step_func=self.providers.forward_step,
@@ -230,22 +284,40 @@ class Trainer(TrainerResume):
         # data-parallel communicator; a loss all-reduce queued after them would hold the next forward
         # until every broadcast had run (docs/performance.md, the loss all-reduce's place).
         losses = self._reduce_losses(metrics)
+        reject = None
+        self.step_checks: dict = {}
+        if guard is not None:
+            guard.disarm()
+            forced = iteration in guard.skip or run == "stats"
+            flags = guard.reject_flags(iteration, losses, forced)
+            reject = guard.reject(flags)
+            self.step_checks = {"flags": flags, "forced": forced, "local_losses": self._local_losses}
         self.timers("optimizer").start()
         with torch.profiler.record_function(OPTIMIZER_RANGE):  # the profile's optimizer category (--profile)
-            success, grad_norm, num_zeros = self.optimizer.step(sync=sync)
+            success, grad_norm, num_zeros = (
+                self.optimizer.step(sync=sync)
+                if reject is None
+                else self.optimizer.step(sync=sync, reject=reject)
+            )
         self.timers("optimizer").stop()
+        if guard is not None:
+            guard.after_update(losses, success)
+            self.step_checks["local_norms"] = [getattr(c, "local_grad_norms", []) for c in self.model]
+            if guard.reruns:  # the next step queued before this one is read must not update
+                guard.poison = None if forced else (~success if torch.is_tensor(success) else None)
         if self.moe is not None:  # the routers' expert bias and global-batch counts, once per step
             self.moe.after_step(self.model, num_microbatches)
-        if success:
+        if torch.is_tensor(success) or success:
             self.scheduler.step(increment=global_batch_size)
         return losses, success, grad_norm, num_zeros
 
     def _reduce_losses(self, metrics: list) -> dict:
         """Token-weighted sums over micro-batches and data- and context-parallel ranks:
         {name: tensor([sum, count])}."""
-        out = {}
+        out, self._local_losses = {}, {}
         for key in metrics[0] if metrics else []:
             total = torch.stack([m[key].detach().float() for m in metrics]).sum(0)
+            self._local_losses[key] = total.clone() if self.pg.dp_cp_size > 1 else total
             if self.pg.dp_cp_size > 1:  # cp ranks hold other tokens of the same samples
                 dist.all_reduce(total, group=self.pg.dp_cp_group)
             out[key] = total
@@ -290,26 +362,88 @@ class Trainer(TrainerResume):
             self.writer.log_scalars(scalars, self.state.iteration, self.state.consumed_train_samples)
 
     # ----------------------------------------------------------------------------------------------
-    def _check_finite(self, grad_norm, losses: dict) -> None:
-        """A NaN/Inf gradient norm at step k + 1 was computed from the weights of iteration k: stop before
-        they are trained on or saved again, and name the newest checkpoint older than k whose tensors
-        were finite (the checkpoint of k itself would repeat the NaN: resuming is exact)."""
-        if (
-            not self.cfg.training.check_for_nan_in_loss_and_grad
-            or grad_norm is None
-            or math.isfinite(grad_norm)
-        ):
-            return
+    def _decide(self, step: InFlightStep, losses: dict, scalars: dict, verdict: Verdict):
+        """A step the checks rejected (or, with report_stats, any step): re-run it in place per
+        --rerun-mode, and return the step, losses, scalars and verdict the loop goes on with."""
+        guard = self.guard
+        assert guard is not None
+        it = step.iteration
+        if guard.mode == "report_stats":
+            again, losses2, scalars2, verdict2 = self._rerun(step)
+            main = "lm loss" if "lm loss" in losses else next(iter(losses), None)
+            if main is not None and main in losses2:
+                a, b = losses[main], losses2[main]
+                guard.record_stats(
+                    (a[0] / max(a[1], 1.0), scalars.get("grad_norm")),
+                    (b[0] / max(b[1], 1.0), scalars2.get("grad_norm")),
+                )
+            if verdict2.reasons:
+                self._diverged(it, verdict2.report, scalars2.get("grad_norm"), losses2)
+            return again, losses2, scalars2, verdict2
+        if guard.mode == "disabled":  # (spikes do not reject there)
+            self._diverged(it, verdict.report, scalars.get("grad_norm"), losses)
+        print_rank_last(
+            f"warning: {verdict.report}; re-running iteration {it} in place (--rerun-mode validate_results)"
+        )
+        again, losses2, scalars2, verdict2 = self._rerun(step)
+        if verdict2.applied:
+            guard.skipped_in_a_row = 0
+            print_rank_last(
+                f"warning: iteration {it}: the re-run did not reproduce the fault (a transient error: check "
+                "the hardware of the rank named above); the re-run's update is kept"
+            )
+            guard._track(it, "re-run not reproduced", verdict.report)
+            return again, losses2, scalars2, verdict2
+        if guard.skipped_in_a_row:  # two bad batches in a row: the weights are bad, not the data
+            self._diverged(it, verdict2.report, scalars2.get("grad_norm"), losses2)
+        guard.skipped_in_a_row += 1
+        print_rank_last(
+            f"warning: iteration {it}: the re-run reproduced it; the batch is skipped (its samples are "
+            "consumed, the model is not updated)"
+        )
+        return again, losses2, scalars2, verdict2
+
+    def _rerun(self, step: InFlightStep):
+        """Step ``step.iteration`` again from the same weights, batches, random state and schedule."""
+        assert self.replay is not None and self.guard is not None
+        it = step.iteration
+        run = "re-run"
+        self.replay.rewind([it, it + 1])
+        self.random_state.restore(it)
+        num_steps, groups = self.schedule_state[it]
+        self.scheduler.num_steps = num_steps
+        for g, (lr, wd) in zip(self.optimizer.param_groups, groups):
+            g["lr"] = lr
+            if wd is not None:
+                g["weight_decay"] = wd
+        self.guard.poison = None
+        again = self._launch(it, step.consumed, run=run)  # type: ignore[attr-defined]
+        losses, scalars, _ = again.read()
+        self.guard.poison = None  # decided on the host: the next step is queued clean
+        if it + 1 in self.random_state.saved:
+            self.random_state.restore(it + 1)
+        verdict = self._verdict(again, losses, scalars, "re-run")
+        if verdict.reasons:
+            verdict.report = verdict.report.replace("in the re-run run", "in the re-run")
+        return again, losses, scalars, verdict
+
+    def _diverged(self, iteration: int, report: str, grad_norm, losses: dict | None = None) -> None:
+        """Stop on a NaN/Inf (with --rerun-mode validate_results: one reproduced right after a skipped
+        step) before the weights it would corrupt are trained on or saved. The model is untouched since
+        the last applied step; the advice names the newest checkpoint older than that whose tensors were
+        finite (a checkpoint of the same weights would repeat the NaN: resuming is exact)."""
         self.wait_for_saves()  # a checkpoint still being written completes, and the advice can name it
-        loss = {k: v[0] / max(v[1], 1.0) for k, v in losses.items()}
         it, advice = self.state.iteration, checkpointing.checkpoint_advice
+        since = min(it, self.guard.last_applied) if self.guard is not None else it
         roots = advice.checkpoint_roots((self.cfg.checkpoint.save, self.cfg.checkpoint.load))
         bad = advice.saved_at(roots, it)
         repeats = f", which {bad} holds (resuming from it repeats this)" if bad else ""
+        loss = {k: v[0] / max(v[1], 1.0) for k, v in (losses or {}).items()}
         raise TrainingDiverged(
-            f"non-finite gradient norm ({grad_norm}) at iteration {it + 1} (loss {loss}), computed from the weights "
-            f"of iteration {it}{repeats}; {advice.resume_advice(roots, it)}. Lower --lr, raise --lr-warmup-iters, "
-            "check --clip-grad and the data, or pass --no-check-for-nan-in-loss-and-grad to continue anyway"
+            f"non-finite gradient norm ({grad_norm}) at iteration {iteration} (loss {loss}), computed from the "
+            f"weights of iteration {it}{repeats}; {advice.resume_advice(roots, since)}. Lower --lr, raise "
+            "--lr-warmup-iters, check --clip-grad and the data, or pass --no-check-for-nan-in-loss-and-grad to "
+            f"continue anyway ({report})"
         )
 
     def _exit_flags(self) -> torch.Tensor | None:
@@ -366,28 +500,82 @@ class Trainer(TrainerResume):
             or self._exits_at(iteration)
         )
 
-    def _launch(self, iteration: int, consumed_samples: int) -> InFlightStep:
+    def _launch(self, iteration: int, consumed_samples: int, run: str = "first") -> InFlightStep:
         """Queue step ``iteration``, which starts after ``consumed_samples`` samples."""
         b = self.batch_sizes
         b.update(consumed_samples, consistency_check=True, verbose=True)
+        self._loading = iteration
+        if self.replay is not None:  # what a re-run of this step needs: its batches, random state, schedule
+            self.replay.begin(iteration)
+            self.random_state.save(iteration)
+            groups = [(g["lr"], g.get("weight_decay")) for g in self.optimizer.param_groups]
+            self.schedule_state[iteration] = (self.scheduler.num_steps, groups)
+            for old in [k for k in self.schedule_state if k < iteration - 1]:
+                del self.schedule_state[old]
         losses, success, grad_norm, num_zeros = self.train_step(
-            sync=False, num_microbatches=b.get(), global_batch_size=b.get_current_running_global_batch_size()
+            sync=False,
+            num_microbatches=b.get(),
+            global_batch_size=b.get_current_running_global_batch_size(),
+            iteration=iteration,
+            run=run,
         )
+        checks = self.step_checks
         # The log line of this step shows the learning rates and loss scale as they are now, and the
         # MoE losses and routing statistics of the steps since the last line (read on every rank).
         lr, decoupled_lr = self._learning_rates()
         if self.moe is not None and self._logs_at(iteration):
             self.moe_metrics[iteration] = self.moe.read()
-        return InFlightStep(
+        scalars = {"grad_norm": grad_norm, "num_zeros": num_zeros, "decoupled_lr": decoupled_lr}
+        if torch.is_tensor(success):  # decided on the device: read with the step's other results
+            scalars["applied"] = success
+        step = InFlightStep(
             iteration,
             losses,
-            success,
-            {"grad_norm": grad_norm, "num_zeros": num_zeros, "decoupled_lr": decoupled_lr},
+            success if not torch.is_tensor(success) else True,
+            scalars,
             self._exit_flags(),
             self.device,
             lr=lr,
             loss_scale=float(self.optimizer.get_loss_scale()),
         )
+        step.checks = checks  # type: ignore[attr-defined]
+        step.consumed = consumed_samples  # type: ignore[attr-defined]
+        return step
+
+    def _verdict(self, step: InFlightStep, losses: dict, scalars: dict, run: str) -> Verdict:
+        """Whether the read step's update was kept, and if it was rejected by a check, why and where
+        (a collective: every rank knows the step was rejected, from the reduced flags)."""
+        applied = step.success and scalars.get("applied", 1.0) > 0
+        checks = getattr(step, "checks", {})
+        guard = self.guard
+        if applied or guard is None or checks.get("forced") or scalars.get("grad_norm") is None:
+            return Verdict(applied)  # taken, or skipped as asked (--iterations-to-skip), or fp16 overflow
+        flags = checks["flags"].tolist()
+        local_losses = checks.get("local_losses", {})
+        loss_bad = any(not math.isfinite(float(v[0])) for v in local_losses.values())
+        param = first_bad_param(self.model, [n for norms in checks.get("local_norms", []) for n in norms])
+        spike = None
+        if flags[1] > 0:
+            main = losses.get("lm loss") or next(iter(losses.values()))
+            spike = f"{main[0] / max(main[1], 1.0):.4E}"
+        local = {
+            "rank": dist.get_rank(),
+            "host": os.uname()[1],
+            "device": str(self.device),
+            "loss_bad": loss_bad,
+            "spike": spike,
+            "param": param,
+        }
+        reasons = []
+        grad_norm = scalars.get("grad_norm")
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            reasons.append(f"gradient norm {grad_norm}")
+        loss_values = {k: v[0] / max(v[1], 1.0) for k, v in losses.items()}
+        if any(not math.isfinite(v) for v in loss_values.values()):
+            reasons.append("non-finite loss")
+        if spike is not None or (not reasons and guard.check_spiky):
+            reasons.append(f"loss spike (over {SPIKE_FACTOR:g}x the median of the last accepted steps)")
+        return Verdict(False, reasons, guard.report(step.iteration, reasons, local, run))
 
     def _learning_rates(self) -> tuple[float, float | None]:
         """(the learning rate, the --decoupled-lr groups' one or None) of the optimizer's groups."""
@@ -411,26 +599,42 @@ class Trainer(TrainerResume):
         self.log_progress("starting job")
         pending: InFlightStep | None = None
         reason = None
+        data_fault: DataFault | None = None
         while True:
             launched = pending.iteration if pending is not None else self.state.iteration
             consumed = self.state.consumed_train_samples  # after `launched`: the pending step's samples added
             if pending is not None:
                 consumed += self.step_batch_size(consumed)
             step = None
+            in_step = self.guard is not None and self.guard.mode == "report_stats"  # every step run twice
             if (
                 reason is None
                 and launched < self.train_iters
-                and (pending is None or not self._needs_barrier(launched))
+                and (pending is None or not (in_step or self._needs_barrier(launched)))
             ):
                 profiler.before_step(launched + 1)
-                step = self._launch(launched + 1, consumed)
+                try:
+                    step = self._launch(launched + 1, consumed, run="stats" if in_step else "first")
+                except DataFault as e:
+                    if self.world_size > 1:  # the other ranks wait inside the step: no checkpoint
+                        raise DataFault(
+                            f"{e}; no checkpoint was written: resume from the newest one"
+                        ) from None
+                    data_fault, reason, step = e, "data fault", None  # the step before it is saved below
                 summary = profiler.after_step(launched + 1)
                 if summary:
                     print(summary, flush=True)
             if pending is not None:
                 losses, scalars, flags = pending.read()
-                success, grad_norm = pending.success, scalars["grad_norm"]
-                self._check_finite(grad_norm, losses)
+                verdict = self._verdict(pending, losses, scalars, "first")
+                if verdict.reasons or (in_step and self.guard is not None):
+                    if step is not None:  # queued poisoned behind the rejected step: it comes again
+                        step.read()
+                        step = None
+                    pending, losses, scalars, verdict = self._decide(pending, losses, scalars, verdict)
+                success, grad_norm = verdict.applied, scalars["grad_norm"]
+                if self.guard is not None and success:
+                    self.guard.last_applied, self.guard.skipped_in_a_row = pending.iteration, 0
                 self.state.iteration = pending.iteration
                 note_iteration(self.state.iteration)  # for the heartbeat that names a lost rank
                 batch = self.step_batch_size(self.state.consumed_train_samples)
@@ -451,9 +655,13 @@ class Trainer(TrainerResume):
                     flops=flops,
                     decoupled_lr=scalars["decoupled_lr"],
                     moe=self.moe_metrics.pop(self.state.iteration, None),
+                    non_finite=grad_norm is not None and not math.isfinite(grad_norm) and not success,
                 )
                 if self._logs_at(self.state.iteration):
                     interval.flush()
+                    stats = self.guard.stats_line() if self.guard is not None else None
+                    if stats:
+                        print_rank_last(stats)
                 if self._evaluates_at(self.state.iteration):
                     self.evaluate_and_print(f"validation loss at iteration {self.state.iteration}", 1)
                 if self._saves_at(self.state.iteration):
@@ -467,6 +675,13 @@ class Trainer(TrainerResume):
         if ck.save and last_saved != self.state.iteration:
             self.save()
         self.wait_for_saves()
+        if data_fault is not None:
+            saved = (
+                f"iteration {self.state.iteration} was saved: resume from it with --load {ck.save}"
+                if ck.save
+                else "nothing was saved (no --save)"
+            )
+            raise DataFault(f"{data_fault}; {saved}") from None
         if reason:
             print_rank_0(reason)
             return

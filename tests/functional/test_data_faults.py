@@ -17,6 +17,7 @@ import pytest
 from launch import ROOT, torchrun
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.training import checkpointing
 from megatron.training.cli import run
 
 NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
@@ -279,3 +280,68 @@ def test_odd_blend_names_the_weights_and_prefixes(tmp_path, capsys):
         f"{ERROR}--data-path '0.5 {prefix} 0.5': weights and prefixes must alternate (WEIGHT PREFIX "
         f"[WEIGHT PREFIX ...], e.g. 0.3 A 0.7 B) or be prefixes only; 3 entries cannot pair up"
     ]
+
+
+def _at_iteration(monkeypatch, when: int, action) -> None:
+    """Run ``action()`` once, when the loop has finished iteration ``when`` (mid-run, in this process)."""
+    from megatron.training import training
+
+    original = training.note_iteration
+
+    def note(iteration: int) -> None:
+        original(iteration)
+        if iteration == when:
+            action()
+
+    monkeypatch.setattr(training, "note_iteration", note)
+
+
+def _children() -> set[int]:
+    pid = os.getpid()
+    found = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found.update(int(p) for p in f.read().split())
+    return found
+
+
+@pytest.mark.parametrize("fault", ["truncated", "worker killed"])
+def test_a_data_fault_mid_run_saves_the_last_step_and_names_the_file_and_sample(
+    tmp_path, capsys, monkeypatch, fault
+):
+    """A .bin truncated under the running job (its pages would SIGBUS), or a DataLoader worker killed
+    (kill -9, as the OOM killer does): one line naming the file and the sample (or the worker and the
+    step), exit 2, and a checkpoint of the last complete step that resumes."""
+    prefix = documents(str(tmp_path / "d"), n=400)
+    ck = tmp_path / "ck"
+    if fault == "truncated":
+        _at_iteration(monkeypatch, 3, lambda: os.truncate(prefix + ".bin", 64))
+        workers = "0"
+    else:  # this process's only children are the run's DataLoader workers
+        _at_iteration(monkeypatch, 3, lambda: [os.kill(p, signal.SIGKILL) for p in _children()])
+        workers = "1"
+    args = [
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+        "--train-iters",
+        "40",
+        "--save",
+        str(ck),
+    ]
+    rc, err = train(capsys, prefix, *args, "--save-interval", "100", "--num-workers", workers)
+    assert rc == 2 and len(err) == 1, err
+    saved = checkpointing.read_tracker(str(ck))
+    assert saved is not None and saved >= 3
+    assert err[0].endswith(f"; iteration {saved} was saved: resume from it with --load {ck}"), err[0]
+    if fault == "truncated":
+        assert err[0].startswith(f"{ERROR}data file {prefix + '.bin'!r} changed while training"), err[0]
+        assert "(reading sample " in err[0] and f"loading a micro-batch of iteration {saved + 1}" in err[0]
+    else:
+        assert "a DataLoader worker died while loading a micro-batch of iteration" in err[0], err[0]
+        assert "exited unexpectedly" in err[0] or "killed by signal" in err[0], err[0]
+    monkeypatch.undo()
+    documents(prefix, n=400)  # the file restored
+    rc, err = train(capsys, prefix, *args, "--load", str(ck), "--exit-interval", str(saved + 2))
+    assert rc == 0 and not err, err
