@@ -122,6 +122,49 @@ def test_compiled_adamw_reads_bf16_gradients_exactly():
         assert torch.equal(a, b)
 
 
+def test_compiled_adamw_skip_keeps_every_bit_and_a_kept_step_is_unchanged():
+    """A rejected step (skip flag on the device) in the compiled one-pass AdamW: params, moments, step
+    count and the bf16 model copy keep their bits even with NaN gradients; a kept step (flag 0)
+    updates exactly as a step given no flag."""
+    from megatron.core.optimizer.fused_adamw import adamw_step
+
+    def make():
+        g = torch.Generator().manual_seed(0)
+        mains = [torch.nn.Parameter(torch.randn(s, generator=g).cuda()) for s in [(300, 70), (70,)]]
+        opt = torch.optim.AdamW(mains, lr=1e-2, weight_decay=0.1, fused=True)
+        return mains, [m.detach().to(torch.bfloat16) for m in mains], opt
+
+    (a, am, aopt), (b, bm, bopt) = make(), make()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(m.shape, generator=g).cuda() for m in a]
+        for mains, models, opt, skip in (
+            (a, am, aopt, torch.zeros((), dtype=torch.bool, device="cuda")),
+            (b, bm, bopt, None),
+        ):
+            adamw_step(
+                opt,
+                {id(m): p for m, p in zip(mains, models)},
+                torch.tensor(2.0, device="cuda"),
+                grads={id(m): x for m, x in zip(mains, grads)},
+                skip=skip,
+            )
+    for x, y in zip(a + am, b + bm):
+        assert torch.equal(x, y)
+    before = [t.clone() for t in a + am] + [t.clone() for st in aopt.state.values() for t in st.values()]
+    nan = [torch.full_like(m, float("nan")) for m in a]
+    adamw_step(
+        aopt,
+        {id(m): p for m, p in zip(a, am)},
+        torch.tensor(float("nan"), device="cuda"),
+        grads={id(m): x for m, x in zip(a, nan)},
+        skip=torch.ones((), dtype=torch.bool, device="cuda"),
+    )
+    after = list(a + am) + [t for st in aopt.state.values() for t in st.values()]
+    for x, y in zip(before, after):
+        assert torch.equal(x, y)
+
+
 def test_compiled_gradient_scaling_matches_eager():
     """fp32 multiply, one rounding, on both paths. (A first version computed ``grad * scale`` eagerly,
     which for a bf16 ``grad`` rounds the 0-dim fp32 scale to bf16 first; Inductor does not, and this
