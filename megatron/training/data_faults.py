@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from megatron.core.datasets.errors import DataError
+from megatron.training.loop_utils import wrap_each_iterator
 
 _WORKER_DIED = "DataLoader worker"  # torch's text for a worker that exited or was killed
 
@@ -71,11 +72,4 @@ class FaultNamingIterator:
 
 def name_data_faults(iterators: Any, where: Callable[[], str]) -> Any:
     """The per-chunk list of training iterators (entries possibly shared or None), each wrapped once."""
-    single = not isinstance(iterators, list)
-    wrapped: dict[int, FaultNamingIterator] = {}
-    out = []
-    for it in [iterators] if single else iterators:
-        if it is not None and id(it) not in wrapped:
-            wrapped[id(it)] = FaultNamingIterator(it, where)
-        out.append(None if it is None else wrapped[id(it)])
-    return out[0] if single else out
+    return wrap_each_iterator(iterators, lambda it, _: FaultNamingIterator(it, where))

@@ -90,6 +90,20 @@ def _notice(msg: str) -> None:
         pass
 
 
+def wrap_each_iterator(iterators, wrap):
+    """The training iterators (one, or the per-model-chunk list whose entries may be None or the same
+    iterator twice: virtual stages share the first and last stage's) with each distinct one wrapped
+    once by ``wrap(iterator, index)``; the structure, Nones and sharing kept."""
+    single = not isinstance(iterators, list)
+    wrapped: dict[int, object] = {}
+    out = []
+    for it in [iterators] if single else iterators:
+        if it is not None and id(it) not in wrapped:
+            wrapped[id(it)] = wrap(it, len(wrapped))
+        out.append(None if it is None else wrapped[id(it)])
+    return out[0] if single else out
+
+
 def build_scheduler(cfg, optimizer, train_iters: int) -> OptimizerParamScheduler:
     """LR / WD schedule with every length converted to samples, as Megatron does."""
     t, s, o = cfg.training, cfg.scheduler, cfg.optimizer

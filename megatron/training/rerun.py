@@ -46,6 +46,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.training.loop_utils import wrap_each_iterator
+
 SPIKE_FACTOR = 10.0  # a loss this many times the reference is a spike (Megatron-LM's factor)
 SPIKE_WINDOW = 10  # the reference: the median of the last this many accepted steps' losses
 SPIKE_WARMUP = 5  # accepted steps before any loss is judged
@@ -84,18 +86,7 @@ class ReplayIterators:
         self.steps: dict[int, dict[int, list]] = {}
         self.current: int | None = None
         self.queue: dict[int, list] = {}
-        single = not isinstance(iterators, list)
-        items = [iterators] if single else iterators
-        wrapped: dict[int, _Replaying] = {}
-        out: list[_Replaying | None] = []
-        for it in items:
-            if it is None:
-                out.append(None)
-                continue
-            if id(it) not in wrapped:
-                wrapped[id(it)] = _Replaying(self, it, len(wrapped))
-            out.append(wrapped[id(it)])
-        self.iterators = out[0] if single else out
+        self.iterators = wrap_each_iterator(iterators, lambda it, slot: _Replaying(self, it, slot))
 
     def begin(self, iteration: int) -> None:
         self.current = iteration
