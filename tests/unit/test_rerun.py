@@ -189,3 +189,23 @@ def test_poisoned_gradients_name_the_first_parameter_in_model_order():
     assert all(torch.isnan(p.grad).all() for p in params)
     assert first_bad_param([model], norms) == "1.weight"  # the second layer's: the first one NaN here
     assert first_bad_param([model], [(params, torch.ones(4))]) is None
+
+
+def test_injection_rate_is_about_one_in_n_never_at_iteration_one_and_fixed_by_the_seed():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+
+    def due_iterations(seed: int, rank: int) -> list[int]:
+        g = _guard(error_injection_rate=10, seed=seed)
+        g.rank = rank
+        g._draws.seed(seed * 1009 + rank)  # as StepGuard seeds it for this rank
+        found = []
+        for it in range(1, 2001):
+            g.arm(it, [model], rerun=False)
+            if g._hooks:
+                found.append(it)
+        g.disarm()
+        return found
+
+    a = due_iterations(1234, 0)
+    assert 1 not in a and 150 < len(a) < 250  # about one step in ten
+    assert a == due_iterations(1234, 0) and a != due_iterations(1234, 1) and a != due_iterations(99, 0)
