@@ -85,16 +85,18 @@ def recording() -> bool:
 # in get none), its entries name the group too: ``entries`` learns id -> name, for every rank to use
 # the group's name, which all ranks share.
 _NAMES: dict[str, str] = {}
-_LEARNED = [0.0]  # when ``sequence_numbers`` last read the entries for an id it did not know
-LEARN_EVERY_S = 10.0
+_TRIED: dict[str, float] = {}  # id -> when ``sequence_numbers`` last read the entries to learn it
+LEARN_EVERY_S = 10.0  # an id the entries no longer hold (its one collective evicted): how often to retry
 
 
 def sequence_numbers() -> dict[str, tuple[int, int]]:
     """{process group name: (last collective entered, last completed)} from the flight recorder."""
     state = _dump(collectives=False) or {}
     status = {str(i): s for i, s in state.get("pg_status", {}).items()}
-    if any(i not in _NAMES for i in status) and time.monotonic() - _LEARNED[0] > LEARN_EVERY_S:
-        _LEARNED[0] = time.monotonic()
+    now = time.monotonic()
+    unknown = [i for i in status if i not in _NAMES and now - _TRIED.get(i, -LEARN_EVERY_S) >= LEARN_EVERY_S]
+    if unknown:  # a group's first collectives: learn its name at once, while the entries hold them
+        _TRIED.update(dict.fromkeys(unknown, now))
         entries()
     out = {}
     for i, s in status.items():

@@ -233,15 +233,15 @@ class ErrorChannel:
         self._hang.set()
         _ignore_sigterm()
         assert self.peers is not None
+        waited = self._waited(stuck)
         try:
-            loss = self.peers.explain(lambda: self.store.check(["failed"]))
+            loss = job_watch.find_lost(self.peers, waited, lambda: self.store.check(["failed"]))
             if self.store.check(["failed"]):
                 self.stop(None, 0)
         except Exception:  # the store server is gone: report what this rank knows
             loss = None
         if loss is not None:
             self.lose(loss, stuck)
-        waited = self._waited(stuck)
         self.stop(self._hang_message(waited), LOST_RANK_CODE, waited=waited)
 
     def _hang_message(self, waited: Waited | None) -> str:

@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from megatron.training import hang_report
 from megatron.training.global_vars import app_state
 from megatron.training.hang_report import Part, Pending, Waited
-from megatron.training.peers import LOST_RANK_CODE, PeerWatch
+from megatron.training.peers import LOST_RANK_CODE, Loss, PeerWatch
 from megatron.training.stragglers import StragglerLog
 
 if TYPE_CHECKING:
@@ -90,6 +91,16 @@ def after_init(watch: JobWatch, peers: PeerWatch | None) -> None:
         peers.set_budget(float(seconds), f"--distributed-timeout-seconds-after-init {seconds}")
 
 
+def find_lost(peers: PeerWatch, waited: Waited | None, failed: Callable[[], bool]) -> Loss | None:
+    """The lost rank behind a hang, if any: none to look for when every rank that never arrived
+    runs (a glance at each); else ``PeerWatch.explain`` looks (up to EXPLAIN_S)."""
+    entered = {r: peers.entered(r) for r in (waited.ranks if waited else [])}
+    absent = hang_report.absent(waited, entered)
+    if absent and all(peers.running(r) for r in absent):
+        return None
+    return peers.explain(failed)
+
+
 def hang_message(peers: PeerWatch, waited: Waited | None, names: dict[str, list]) -> str:
     """The one line of a hang no lost rank explains: who never arrived at which collective."""
     tail = (
@@ -115,12 +126,16 @@ def _who(peers: PeerWatch, r: int) -> str:
 
 def waited_for(peers: PeerWatch, stuck: Pending | None, names: dict[str, list]) -> Waited | None:
     """The collective this rank waits in: ``stuck``, else the oldest one still pending."""
+    recorded = hang_report.entries()
     if stuck is None:
         stuck = min(peers.pending.values(), key=lambda p: p.since, default=None)
-    if stuck is None:
-        return None
+    if stuck is None:  # the main thread's collective timed out before the watcher saw it pending
+        last = next((e for e in reversed(recorded) if not e["p2p"]), None)  # the one that timed out
+        if last is None:
+            return None
+        stuck = Pending(last["pg"], last["seq"], time.monotonic() - peers.timeout_s)
     ranks = hang_report.lookup_group(stuck.pg, names)[1]
-    op = hang_report.op_of(hang_report.entries(), stuck.pg, stuck.seq)
+    op = hang_report.op_of(recorded, stuck.pg, stuck.seq)
     seconds = time.monotonic() - stuck.since
     return Waited(peers.rank, op, stuck.pg, stuck.seq, seconds, list(ranks))
 

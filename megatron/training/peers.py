@@ -42,7 +42,7 @@ EXPLAIN_S = 5.0  # after a collective failed: how long to look for the rank that
 SUSPENDED_S = 5.0  # a gap this long in a watcher's own loop means the watcher itself was stopped
 SCAN_ALL_UP_TO = 64  # after a collective failed, jobs up to this size check every rank's heartbeat
 LOST_RANK_CODE = 4  # every live rank's exit code when a rank stopped responding or died
-LEAD_S = 10.0  # a collective pending for the budget less this (at most 20 % of it) is a hang
+LEAD_S = 10.0  # a collective pending for the budget less this (at most 30 % of it) is a hang
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ class PeerWatch:
             self.pending.clear()
         self.beat()
         stuck = pending_for(self.seqs, self.pending, now)
-        if stuck is not None and now - stuck.since >= self.timeout_s - min(LEAD_S, 0.2 * self.timeout_s):
+        if stuck is not None and now - stuck.since >= self.timeout_s - min(LEAD_S, 0.3 * self.timeout_s):
             return stuck
         with self._lock:
             self._open_local_peers()
@@ -281,6 +281,16 @@ class PeerWatch:
                 return None
             time.sleep(0.25)
         return None
+
+    def running(self, r: int) -> bool:
+        """Rank ``r`` runs, at a glance: on this host its process is not stopped nor ended; elsewhere
+        its last heartbeat is under SILENT_S old by this host's clock (``explain`` looks longer)."""
+        peer = self.peer(r)
+        if self.machine and peer.machine == self.machine:
+            state = _proc_state(peer.pid)
+            return _is_running(peer, state) and state is not None and state.state not in "Tt"
+        beat = self._beat(r)
+        return beat is not None and time.time() - float(beat.split()[1]) < SILENT_S
 
     # -- what is known of a rank ----------------------------------------------------------------
     def peer(self, r: int) -> Peer:

@@ -227,3 +227,63 @@ def test_a_survivor_that_is_leaving_keeps_ignoring_sigterm():
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+HANG = """
+import sys, time
+import torch, torch.distributed as dist
+from megatron.training.global_vars import app_state
+from megatron.training.initialize import initialize_distributed, note_iteration, wait_if_leaving
+
+def slow_data_read():  # rank 1 never reaches the collective: alive, but stuck elsewhere
+    time.sleep(120)
+
+_, ps = initialize_distributed("gloo", timeout_minutes=1)
+app_state().channel.job.report_dir = sys.argv[1]
+app_state().channel.job.seconds_after_init = 8
+try:  # as cli.run does
+    dist.all_reduce(torch.ones(1), group=ps.groups["dp"])
+    note_iteration(1)  # the budget after start-up: 8 s
+    if dist.get_rank() == 1:
+        slow_data_read()
+    dist.all_reduce(torch.ones(1), group=ps.groups["dp"])
+except Exception:
+    wait_if_leaving()
+    raise
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_outside_the_collective_is_named_with_its_stack(tmp_path):
+    """Rank 1 runs but never enters the all-reduce rank 0 waits in (a stuck read): before the
+    group's own timeout, rank 0 names rank 1 and the collective, the report holds rank 1's stack
+    (where it is stuck) and rank 0's, and both exit 4."""
+    script = tmp_path / "hang.py"
+    script.write_text(HANG)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    start = time.monotonic()
+    done = subprocess.run(
+        [*cmd, str(script), str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=90
+    )
+    elapsed, out = time.monotonic() - start, done.stdout + done.stderr
+    assert done.returncode == 1 and elapsed < 40, (elapsed, out[-4000:])
+    assert out.count(ERROR) == 1, out[-4000:]
+    line = out.split(ERROR)[1].splitlines()[0]
+    assert re.match(
+        r"rank 1 \(pid \d+, host .+\) never arrived at all_reduce #2 on the data-parallel group \(dp\) \[0, 1\], "
+        r"which rank 0 waited \d+ s in .*--distributed-timeout-seconds-after-init 8: the job stops",
+        line,
+    ), line
+    text = _check_report_file(tmp_path)
+    rank1 = text.rsplit("\n  rank 1 (pid ", 1)[1]  # its block, after the headline that names it
+    assert "in slow_data_read\n" in rank1 and "time.sleep(120)" in rank1, text
+    assert "  never arrived: rank 1\n" in text and "Traceback" not in text, text
+    codes, _ = _summary(out)
+    assert codes == {0: "4", 1: "4"}, out[-3000:]
+
+
+def _check_report_file(directory) -> str:
+    files = [f for f in os.listdir(directory) if f.startswith("hang_report_")]
+    assert len(files) == 1, os.listdir(directory)
+    with open(os.path.join(directory, files[0])) as f:
+        return f.read()
