@@ -163,3 +163,21 @@ def test_the_flight_recorder_numbers_are_keyed_by_the_groups_name():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_the_flags_reach_the_configs():
+    from megatron.training.arguments import parse_run_config
+
+    tiny = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+        "--lr 1e-3 --mock-data --vocab-size 128"
+    ).split()
+    cfg = parse_run_config([*tiny, "--train-iters", "1"])
+    t = cfg.training
+    assert (t.distributed_timeout_seconds_after_init, t.flight_recorder_dump_on_timeout) == (None, True)
+    assert cfg.logger.log_straggler is False
+    for spelling in ("--disable-flight-recorder-dump-on-timeout", "--no-flight-recorder-dump-on-timeout"):
+        flags = [*tiny, "--train-iters", "1", spelling, "--distributed-timeout-seconds-after-init", "30"]
+        cfg = parse_run_config([*flags, "--log-straggler"])
+        assert cfg.training.flight_recorder_dump_on_timeout is False
+        assert cfg.training.distributed_timeout_seconds_after_init == 30 and cfg.logger.log_straggler
