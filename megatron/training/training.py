@@ -18,7 +18,6 @@ from megatron.core.optimizer import DistributedOptimizer, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import memory_report
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_seed
-from megatron.training import checkpointing
 from megatron.training.arguments import RunConfig, format_arguments
 from megatron.training.data_faults import DataFault, name_data_faults
 from megatron.training.execution_setup import (
@@ -44,30 +43,23 @@ from megatron.training.loop_utils import (
     is_last_rank,
     print_rank_0,
     print_rank_last,
-    signal_name,
     train_iters_of,
 )
 from megatron.training.memory_estimate import report_memory
-from megatron.training.metrics import MetricsWriter, format_validation, wandb_run_id, writer_kwargs
+from megatron.training.metrics import MetricsWriter, wandb_run_id, writer_kwargs
 from megatron.training.model_wrapping import grad_stats_group, model_build_device, wrap_model_chunks
 from megatron.training.moe_metrics import MoEStepHooks
 from megatron.training.profiling import OPTIMIZER_RANGE, StepProfiler
-from megatron.training.rerun import (
-    SPIKE_FACTOR,
-    RandomState,
-    ReplayIterators,
-    StepGuard,
-    Verdict,
-    first_bad_param,
-)
 from megatron.training.timers import build_timers
 from megatron.training.trainer_checkpointing import TrainingDiverged as TrainingDiverged
 from megatron.training.trainer_checkpointing import TrainState as TrainState
+from megatron.training.trainer_events import TrainerEvents
+from megatron.training.trainer_rerun import TrainerRerun
 from megatron.training.trainer_resume import TrainerResume
 from megatron.training.validation import batch_schedule_flag, check_batch_schedule
 
 
-class Trainer(TrainerResume):
+class Trainer(TrainerResume, TrainerRerun, TrainerEvents):
     """Owns the model, optimizer, schedule, data iterators and writers of one run."""
 
     def __init__(self, cfg: RunConfig, providers):
@@ -183,35 +175,6 @@ class Trainer(TrainerResume):
     def _loading_what(self) -> str:
         return f"a micro-batch of iteration {self._loading} (data-parallel rank {self.pg.dp_rank})"
 
-    def _build_guard(self) -> None:
-        """The checks on every step before its update (megatron.training.rerun), when any is on."""
-        t = self.cfg.training
-        self.guard: StepGuard | None = None
-        self.replay: ReplayIterators | None = None
-        armed = (
-            t.check_for_nan_in_loss_and_grad
-            or t.check_for_spiky_loss
-            or t.iterations_to_skip
-            or t.error_injection_rate
-            or t.error_injection_iterations
-            or t.rerun_mode == "report_stats"
-        )
-        if not armed:
-            return
-        self.guard = StepGuard(self.cfg, self.device, dist.get_rank())
-        self.guard.last_applied = self.state.iteration
-        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        for o in optimizers:
-            o.skip_non_finite = t.check_for_nan_in_loss_and_grad
-        for chunk in self.model:
-            if hasattr(chunk, "check_local_grads"):
-                chunk.check_local_grads = t.check_for_nan_in_loss_and_grad
-        if t.rerun_mode != "disabled":
-            self.replay = ReplayIterators(self.train_iter)
-            self.train_iter = self.replay.iterators
-            self.random_state = RandomState(self.pg.rng_tracker)
-            self.schedule_state: dict[int, tuple] = {}
-
     # ----------------------------------------------------------------------------------------------
     def _start_batch_schedule(self) -> None:
         """Check the batch sizes still to come against this layout (a resumed run from its consumed
@@ -323,183 +286,7 @@ class Trainer(TrainerResume):
             out[key] = total
         return out
 
-    def evaluate(self, data_iter, num_iters: int) -> dict:
-        t = self.cfg.training
-        for chunk in self.model:
-            chunk.eval()
-        sums: dict = {}
-        with torch.no_grad():
-            for _ in range(num_iters):
-                metrics = self.forward_backward(
-                    forward_step_func=self.providers.forward_step,
-                    data_iterator=data_iter,
-                    model=self.model,
-                    num_microbatches=self.num_microbatches,
-                    seq_length=t.seq_length,
-                    micro_batch_size=t.micro_batch_size,
-                    forward_only=True,
-                )
-                for k, v in self._reduce_losses(metrics).items():
-                    sums[k] = sums.get(k, 0) + v
-                self.state.consumed_valid_samples += self.global_batch_size
-        for chunk in self.model:
-            chunk.train()
-        return {k: (v[0] / v[1].clamp(min=1)).item() for k, v in sums.items()}
-
-    def evaluate_and_print(self, prefix: str, split: int, log_scalars: bool = True) -> None:
-        """Evaluate split 1 (validation) or 2 (test) on every rank, if rank 0 built it."""
-        lg = self.cfg.logger
-        if not self.has_split[split] or lg.eval_iters == 0:
-            return
-        data_iter = (self.train_iter, self.valid_iter, self.test_iter)[split]
-        losses = self.evaluate(data_iter, lg.eval_iters)
-        print_rank_last(format_validation(prefix, losses))
-        if log_scalars:
-            scalars = {}
-            for k, v in losses.items():
-                scalars[f"{k} validation"] = v
-                scalars[f"{k} validation ppl"] = float(torch.tensor(min(20.0, v)).exp())
-            self.writer.log_scalars(scalars, self.state.iteration, self.state.consumed_train_samples)
-
     # ----------------------------------------------------------------------------------------------
-    def _decide(self, step: InFlightStep, losses: dict, scalars: dict, verdict: Verdict):
-        """A step the checks rejected (or, with report_stats, any step): re-run it in place per
-        --rerun-mode, and return the step, losses, scalars and verdict the loop goes on with."""
-        guard = self.guard
-        assert guard is not None
-        it = step.iteration
-        if guard.mode == "report_stats":
-            again, losses2, scalars2, verdict2 = self._rerun(step)
-            main = "lm loss" if "lm loss" in losses else next(iter(losses), None)
-            if main is not None and main in losses2:
-                a, b = losses[main], losses2[main]
-                guard.record_stats(
-                    (a[0] / max(a[1], 1.0), scalars.get("grad_norm")),
-                    (b[0] / max(b[1], 1.0), scalars2.get("grad_norm")),
-                )
-            if verdict2.reasons:
-                self._diverged(it, verdict2.report, scalars2.get("grad_norm"), losses2)
-            return again, losses2, scalars2, verdict2
-        if guard.mode == "disabled":  # (spikes do not reject there)
-            self._diverged(it, verdict.report, scalars.get("grad_norm"), losses)
-        print_rank_last(
-            f"warning: {verdict.report}; re-running iteration {it} in place (--rerun-mode validate_results)"
-        )
-        again, losses2, scalars2, verdict2 = self._rerun(step)
-        if verdict2.applied:
-            guard.skipped_in_a_row = 0
-            print_rank_last(
-                f"warning: iteration {it}: the re-run did not reproduce the fault (a transient error: check "
-                "the hardware of the rank named above); the re-run's update is kept"
-            )
-            guard._track(it, "re-run not reproduced", verdict.report)
-            return again, losses2, scalars2, verdict2
-        if guard.skipped_in_a_row:  # two bad batches in a row: the weights are bad, not the data
-            self._diverged(it, verdict2.report, scalars2.get("grad_norm"), losses2)
-        guard.skipped_in_a_row += 1
-        print_rank_last(
-            f"warning: iteration {it}: the re-run reproduced it; the batch is skipped (its samples are "
-            "consumed, the model is not updated)"
-        )
-        return again, losses2, scalars2, verdict2
-
-    def _rerun(self, step: InFlightStep):
-        """Step ``step.iteration`` again from the same weights, batches, random state and schedule."""
-        assert self.replay is not None and self.guard is not None
-        it = step.iteration
-        run = "re-run"
-        self.replay.rewind([it, it + 1])
-        self.random_state.restore(it)
-        num_steps, groups = self.schedule_state[it]
-        self.scheduler.num_steps = num_steps
-        for g, (lr, wd) in zip(self.optimizer.param_groups, groups):
-            g["lr"] = lr
-            if wd is not None:
-                g["weight_decay"] = wd
-        self.guard.poison = None
-        again = self._launch(it, step.consumed, run=run)  # type: ignore[attr-defined]
-        losses, scalars, _ = again.read()
-        self.guard.poison = None  # decided on the host: the next step is queued clean
-        if it + 1 in self.random_state.saved:
-            self.random_state.restore(it + 1)
-        verdict = self._verdict(again, losses, scalars, "re-run")
-        if verdict.reasons:
-            verdict.report = verdict.report.replace("in the re-run run", "in the re-run")
-        return again, losses, scalars, verdict
-
-    def _diverged(self, iteration: int, report: str, grad_norm, losses: dict | None = None) -> None:
-        """Stop on a NaN/Inf (with --rerun-mode validate_results: one reproduced right after a skipped
-        step) before the weights it would corrupt are trained on or saved. The model is untouched since
-        the last applied step; the advice names the newest checkpoint older than that whose tensors were
-        finite (a checkpoint of the same weights would repeat the NaN: resuming is exact)."""
-        self.wait_for_saves()  # a checkpoint still being written completes, and the advice can name it
-        it, advice = self.state.iteration, checkpointing.checkpoint_advice
-        since = min(it, self.guard.last_applied) if self.guard is not None else it
-        roots = advice.checkpoint_roots((self.cfg.checkpoint.save, self.cfg.checkpoint.load))
-        bad = advice.saved_at(roots, it)
-        repeats = f", which {bad} holds (resuming from it repeats this)" if bad else ""
-        loss = {k: v[0] / max(v[1], 1.0) for k, v in (losses or {}).items()}
-        raise TrainingDiverged(
-            f"non-finite gradient norm ({grad_norm}) at iteration {iteration} (loss {loss}), computed from the "
-            f"weights of iteration {it}{repeats}; {advice.resume_advice(roots, since)}. Lower --lr, raise "
-            "--lr-warmup-iters, check --clip-grad and the data, or pass --no-check-for-nan-in-loss-and-grad to "
-            f"continue anyway ({report})"
-        )
-
-    def _exit_flags(self) -> torch.Tensor | None:
-        """This rank's [signal received (its number, 0: none), time is up] as a device tensor,
-        max-reduced over ranks without waiting (read when the step's results are), or None when
-        neither exit is enabled."""
-        t = self.cfg.training
-        if self.signal_handler is None and t.exit_duration_in_mins is None:
-            return None
-        late = (
-            t.exit_duration_in_mins is not None
-            and (time.time() - self.start_time) / 60.0 > t.exit_duration_in_mins
-        )
-        received = self.signal_handler is not None and self.signal_handler.received
-        flags = torch.zeros(2, device=self.device)  # filled in place: no blocking host-to-device copy
-        flags[0], flags[1] = float(received), float(late)
-        if self.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return flags
-
-    def _logs_at(self, iteration: int) -> bool:
-        return iteration % self.cfg.logger.log_interval == 0 or iteration == 1
-
-    def _evaluates_at(self, iteration: int) -> bool:
-        lg = self.cfg.logger
-        started = lg.start_eval_at_iter is None or iteration >= lg.start_eval_at_iter
-        return bool(lg.eval_interval and iteration % lg.eval_interval == 0 and started)
-
-    def _saves_at(self, iteration: int) -> bool:
-        ck = self.cfg.checkpoint
-        return bool(ck.save and ck.save_interval and iteration % ck.save_interval == 0)
-
-    def _exits_at(self, iteration: int) -> bool:
-        t = self.cfg.training
-        return bool(t.exit_interval and iteration % t.exit_interval == 0)
-
-    def _exit_reason(self, flags: list[float] | None) -> str | None:
-        t = self.cfg.training
-        if flags is not None and flags[0] > 0:
-            return f"exiting on {signal_name(flags[0])}"
-        if flags is not None and flags[1] > 0:
-            return f"exiting after {t.exit_duration_in_mins} minutes (--exit-duration-in-mins)"
-        if self._exits_at(self.state.iteration):
-            return f"exiting at iteration {self.state.iteration} (--exit-interval {t.exit_interval})"
-        return None
-
-    def _needs_barrier(self, iteration: int) -> bool:
-        """Iterations after which the loop evaluates, saves or stops: the next step must not have
-        started, so nothing is queued behind them."""
-        return (
-            iteration >= self.train_iters
-            or self._evaluates_at(iteration)
-            or self._saves_at(iteration)
-            or self._exits_at(iteration)
-        )
-
     def _launch(self, iteration: int, consumed_samples: int, run: str = "first") -> InFlightStep:
         """Queue step ``iteration``, which starts after ``consumed_samples`` samples."""
         b = self.batch_sizes
@@ -541,41 +328,6 @@ class Trainer(TrainerResume):
         step.checks = checks  # type: ignore[attr-defined]
         step.consumed = consumed_samples  # type: ignore[attr-defined]
         return step
-
-    def _verdict(self, step: InFlightStep, losses: dict, scalars: dict, run: str) -> Verdict:
-        """Whether the read step's update was kept, and if it was rejected by a check, why and where
-        (a collective: every rank knows the step was rejected, from the reduced flags)."""
-        applied = step.success and scalars.get("applied", 1.0) > 0
-        checks = getattr(step, "checks", {})
-        guard = self.guard
-        if applied or guard is None or checks.get("forced") or scalars.get("grad_norm") is None:
-            return Verdict(applied)  # taken, or skipped as asked (--iterations-to-skip), or fp16 overflow
-        flags = checks["flags"].tolist()
-        local_losses = checks.get("local_losses", {})
-        loss_bad = any(not math.isfinite(float(v[0])) for v in local_losses.values())
-        param = first_bad_param(self.model, [n for norms in checks.get("local_norms", []) for n in norms])
-        spike = None
-        if flags[1] > 0:
-            main = losses.get("lm loss") or next(iter(losses.values()))
-            spike = f"{main[0] / max(main[1], 1.0):.4E}"
-        local = {
-            "rank": dist.get_rank(),
-            "host": os.uname()[1],
-            "device": str(self.device),
-            "loss_bad": loss_bad,
-            "spike": spike,
-            "param": param,
-        }
-        reasons = []
-        grad_norm = scalars.get("grad_norm")
-        if grad_norm is not None and not math.isfinite(grad_norm):
-            reasons.append(f"gradient norm {grad_norm}")
-        loss_values = {k: v[0] / max(v[1], 1.0) for k, v in losses.items()}
-        if any(not math.isfinite(v) for v in loss_values.values()):
-            reasons.append("non-finite loss")
-        if spike is not None or (not reasons and guard.check_spiky):
-            reasons.append(f"loss spike (over {SPIKE_FACTOR:g}x the median of the last accepted steps)")
-        return Verdict(False, reasons, guard.report(step.iteration, reasons, local, run))
 
     def _learning_rates(self) -> tuple[float, float | None]:
         """(the learning rate, the --decoupled-lr groups' one or None) of the optimizer's groups."""
@@ -686,16 +438,6 @@ class Trainer(TrainerResume):
             print_rank_0(reason)
             return
         self._final_evaluation()
-
-    def skip_train(self) -> None:
-        """--skip-train: the evaluation that ends training, at the loaded iteration; nothing is trained
-        or saved (Megatron's pretrain with --skip-train)."""
-        print_rank_0(f"skipping training (--skip-train is on) at iteration {self.state.iteration}")
-        self._final_evaluation()
-
-    def _final_evaluation(self) -> None:
-        self.evaluate_and_print(f"iteration {self.state.iteration} on validation set", 1, False)
-        self.evaluate_and_print(f"iteration {self.state.iteration} on test set", 2, False)
 
 
 def pretrain(cfg: RunConfig, providers) -> TrainState:

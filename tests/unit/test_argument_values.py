@@ -78,11 +78,11 @@ def test_flags_of_several_values_and_switches_keep_their_values():
 def test_negative_values_of_lists_and_megatron_flags_parse():
     cfg = parse_run_config(
         RUN
-        + "--rampup-batch-size 2 2 8 --global-batch-size 4 --profile-ranks 0 1 --rerun-mode -1e-3 "
+        + "--rampup-batch-size 2 2 8 --global-batch-size 4 --profile-ranks 0 1 --one-logger-project -1e-3 "
         "--recompute-modules core_attn".split()
     )
     assert cfg.training.rampup_batch_size == [2, 2, 8] and cfg.logger.profile_ranks == [0, 1]
-    assert any("--rerun-mode -1e-3" in n for n in cfg.notes)
+    assert any("--one-logger-project -1e-3" in n for n in cfg.notes)
     with pytest.raises(ValueError, match="^--rampup-batch-size -2 2 8: the start and increment must be > 0"):
         parse_run_config(RUN + "--rampup-batch-size -2e0 2 8 --global-batch-size 4".split())
 

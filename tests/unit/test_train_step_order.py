@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron.training import training
+from megatron.training.timers import Timers
 from megatron.training.training import Trainer
 
 
@@ -43,6 +44,8 @@ def test_losses_are_reduced_before_the_step_queues_the_weight_broadcasts(monkeyp
         global_batch_size=4,
         pg=SimpleNamespace(dp_size=2, dp_cp_size=2, dp_cp_group=dp_group),
         moe=None,  # a dense model: no MoE step hooks
+        timers=Timers(0, "minmax", torch.device("cpu")),  # --timing-log-level 0: inert
+        guard=None,  # no step checks (megatron.training.rerun)
     )
     trainer._reduce_losses = lambda m: Trainer._reduce_losses(trainer, m)
 
