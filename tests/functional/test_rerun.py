@@ -37,7 +37,17 @@ def _losses(path) -> dict[int, float]:
 
 
 def test_injected_faults_are_named_rerun_and_kept_or_skipped(tmp_path):
-    names = ["clean", "transient", "persistent", "skip4", "spike", "skip7", "stats"]
+    names = [
+        "clean",
+        "transient",
+        "persistent",
+        "skip4",
+        "spike",
+        "skip7",
+        "stats",
+        "pp-persistent",
+        "pp-skip4",
+    ]
     extra = {
         "clean": [],
         "transient": NAN + [f"--result-rejected-tracker-filename={tmp_path}/rejected.txt"],
@@ -46,6 +56,10 @@ def test_injected_faults_are_named_rerun_and_kept_or_skipped(tmp_path):
         "spike": SPIKE.split() + ["--error-injection-type", "persistent_error"],
         "skip7": ["--iterations-to-skip", "7"],
         "stats": ["--rerun-mode", "report_stats"],
+        # Two pipeline stages: the NaN arises on the first stage (rank 0), the loss lives on the second.
+        "pp-persistent": "--pipeline-model-parallel-size 2 --error-injection-iterations 4 --error-injection-ranks 0 "
+        "--error-injection-type persistent_error".split(),
+        "pp-skip4": "--pipeline-model-parallel-size 2 --iterations-to-skip 4".split(),
     }
     runs = [TINY + extra[n] + ["--metrics-file", str(tmp_path / f"{n}.jsonl")] for n in names]
     out = dict(zip(names, (r.stdout for r in torchrun_many(2, runs))))
@@ -84,6 +98,16 @@ def test_injected_faults_are_named_rerun_and_kept_or_skipped(tmp_path):
     assert _counters(s)[7] == (1, 0)
     assert {it: loss["spike"][it] for it in (8, 9)} == {it: loss["skip7"][it] for it in (8, 9)}
     assert {it: loss["spike"][it] for it in range(1, 7)} == {it: clean[it] for it in range(1, 7)}
+
+    # With pipeline stages the stages agree through the norms' all-reduce: the first stage's NaN is
+    # named on rank 0, and the skip equals --iterations-to-skip 4 on the same layout.
+    pp = out["pp-persistent"]
+    assert "iteration 4 rejected (gradient norm nan) in the first run: rank 0 (host " in pp, pp
+    assert "rank 1 (host" not in pp and "iteration 4: the re-run reproduced it" in pp
+    assert _counters(pp)[4] == (1, 1)
+    assert {it: v for it, v in loss["pp-persistent"].items() if it > 4} == {
+        it: v for it, v in loss["pp-skip4"].items() if it > 4
+    }
 
     # report_stats: every step twice, the second kept: the clean curve, and the comparison reported.
     assert loss["stats"] == clean
