@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from megatron.training.run_config import RunConfig
 
 
+GRACE_S = 10.0  # at most this much (30 % of the budget) between the watch and the groups' timeout
+
+
 @dataclass
 class JobWatch:
     """What the error channel does beyond naming a lost rank, from the run's flags
@@ -73,10 +76,18 @@ def is_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def grace_s(seconds: float) -> float:
+    """How much longer than the watch's budget a process group waits after start-up: the watch
+    stops the job at the budget, with its report, before the backend's own timeout fires (gloo
+    raises, NCCL's watchdog aborts the process)."""
+    return min(GRACE_S, 0.3 * seconds)
+
+
 def after_init(watch: JobWatch, peers: PeerWatch | None) -> None:
-    """The first iteration is done: every process group and the heartbeat watch wait
-    --distributed-timeout-seconds-after-init from now on (Megatron-LM applies it at the same point;
-    each rank sets its own groups' timeout, so no barrier is needed)."""
+    """The first iteration is done: the heartbeat and collective watch wait
+    --distributed-timeout-seconds-after-init from now on, every process group that plus
+    ``grace_s`` (Megatron-LM applies the flag at the same point; each rank sets its own groups'
+    timeout, so no barrier is needed)."""
     watch.after_init = True
     seconds = watch.seconds_after_init
     if seconds is None:
@@ -84,7 +95,7 @@ def after_init(watch: JobWatch, peers: PeerWatch | None) -> None:
     c10d = dist.distributed_c10d
     for group in list(getattr(c10d._world, "pg_names", {})):  # every group made so far, the default too
         try:
-            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+            c10d._set_pg_timeout(timedelta(seconds=seconds + grace_s(seconds)), group)
         except (ValueError, AssertionError, RuntimeError):  # a group this rank is not in
             continue
     if peers is not None:

@@ -15,8 +15,8 @@ watches
 Silence is measured on the watcher's own monotonic clock (when the value it reads last changed), so
 the hosts' clocks need not agree; a watcher that was itself stopped (a whole job suspended and
 resumed) starts its observations afresh. The same thread watches this rank's own collectives: one
-pending for the budget less ``LEAD_S`` is a hang (``tick`` returns it), reported before the
-backend's own timeout fires. Nothing here runs on the training step: the loop only stores its
+pending for the budget is a hang (``tick`` returns it), reported before the backend's own timeout
+fires (after start-up the groups wait a grace longer: ``job_watch.grace_s``). Nothing here runs on the training step: the loop only stores its
 iteration number in an attribute (``note_iteration``).
 """
 
@@ -42,7 +42,6 @@ EXPLAIN_S = 5.0  # after a collective failed: how long to look for the rank that
 SUSPENDED_S = 5.0  # a gap this long in a watcher's own loop means the watcher itself was stopped
 SCAN_ALL_UP_TO = 64  # after a collective failed, jobs up to this size check every rank's heartbeat
 LOST_RANK_CODE = 4  # every live rank's exit code when a rank stopped responding or died
-LEAD_S = 10.0  # a collective pending for the budget less this (at most 30 % of it) is a hang
 
 
 @dataclass(frozen=True)
@@ -196,7 +195,7 @@ class PeerWatch:
             self.pending.clear()
         self.beat()
         stuck = pending_for(self.seqs, self.pending, now)
-        if stuck is not None and now - stuck.since >= self.timeout_s - min(LEAD_S, 0.3 * self.timeout_s):
+        if stuck is not None and now - stuck.since >= self.timeout_s:
             return stuck
         with self._lock:
             self._open_local_peers()

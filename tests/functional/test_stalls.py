@@ -133,7 +133,7 @@ def test_a_stopped_rank_ends_the_job_within_the_budget(tmp_path):
         "--distributed-timeout-seconds-after-init 10",
     )
     waited = re.search(r"rank 0 waited (\d+) s for it in (\w+) #(\d+) on the (.+?) \[0, 1\]", line)
-    assert waited and 5 <= int(waited.group(1)) <= 10, line
+    assert waited and 9 <= int(waited.group(1)) <= 12, line
     assert elapsed < 25, elapsed  # the budget, the report, torchrun's poll
     text = _check_report(out, save, "stopped (SIGSTOP or Ctrl-Z)")
     assert (
@@ -248,9 +248,10 @@ app_state().channel.job.report_dir = sys.argv[1]
 app_state().channel.job.seconds_after_init = 8
 try:  # as cli.run does
     dist.all_reduce(torch.ones(1), group=ps.groups["dp"])
-    note_iteration(1)  # the budget after start-up: 8 s, in every group too
+    note_iteration(1)  # the budget after start-up: 8 s; every group waits 8 s + 30 %
     for name in ("dp", "tp"):
-        assert ps.groups[name]._get_backend(torch.device("cpu")).options._timeout.total_seconds() == 8
+        timeout = ps.groups[name]._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        assert abs(timeout - 10.4) < 0.01, timeout
     if dist.get_rank() == 1:
         slow_data_read()
     dist.all_reduce(torch.ones(1), group=ps.groups["dp"])
@@ -270,7 +271,12 @@ def test_a_rank_stuck_outside_the_collective_is_named_with_its_stack(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     start = time.monotonic()
     done = subprocess.run(
-        [*cmd, str(script), str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=90
+        [*cmd, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**ENV, "PYTHONPATH": ROOT},  # this checkout's megatron, whatever is installed
+        timeout=90,
     )
     elapsed, out = time.monotonic() - start, done.stdout + done.stderr
     assert done.returncode == 1 and elapsed < 40, (elapsed, out[-4000:])

@@ -4,6 +4,7 @@ line. The functional tests (tests/functional/test_stalls.py) run them in a 2-ran
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -161,7 +162,9 @@ def test_the_flight_recorder_numbers_are_keyed_by_the_groups_name():
         print("ok")
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root}  # this checkout's megatron, whatever is installed
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
