@@ -131,7 +131,8 @@ class RandomState:
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            # This process's device only: asking for every visible GPU's would create a context on each.
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
             "tracker": self.tracker.get_states() if self.tracker is not None else None,
         }
         self.saved[iteration] = state
@@ -144,7 +145,7 @@ class RandomState:
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
         if state["cuda"] is not None:
-            torch.cuda.set_rng_state_all(state["cuda"])
+            torch.cuda.set_rng_state(state["cuda"])
         if state["tracker"] is not None:
             self.tracker.set_states(state["tracker"])
 
