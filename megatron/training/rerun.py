@@ -172,6 +172,10 @@ class StepGuard:
         self.history = torch.zeros(SPIKE_WINDOW, dtype=torch.float32, device=device)
         self.accepted = torch.zeros((), dtype=torch.float32, device=device)
         self.poison: torch.Tensor | None = None  # the last queued step's rejection, for the next one
+        # Made once: a tensor built from a host list on every step would be a pageable host-to-device
+        # copy, which waits for the device (and the loop would lose its one step of lead).
+        spike_weight = 0.0 if self.mode == "disabled" else 1.0
+        self._weights = torch.tensor([1.0, spike_weight, 1.0, 1.0], device=device)
         self.skipped_in_a_row = 0
         self.last_applied = 0  # the last iteration whose update was kept (the trainer sets it)
         self.stats: dict[str, list[float]] = {"loss": [], "grad norm": []}
@@ -209,8 +213,7 @@ class StepGuard:
     def reject(self, flags: torch.Tensor) -> torch.Tensor:
         """The optimizer's reject flag from :meth:`reject_flags` (a spike rejects only where it is
         re-run or skipped: not with --rerun-mode disabled, where it is a warning)."""
-        weights = torch.tensor([1.0, 0.0 if self.mode == "disabled" else 1.0, 1.0, 1.0], device=self.device)
-        return (flags * weights).sum()
+        return (flags * self._weights).sum()
 
     def after_update(self, losses: dict, applied: Any) -> None:
         """Record an applied step's loss in the spike reference (on the device)."""
@@ -221,7 +224,7 @@ class StepGuard:
             main = next(iter(losses.values()))
         if main is None:
             return
-        ok = applied if torch.is_tensor(applied) else torch.tensor(bool(applied), device=self.device)
+        ok = applied if torch.is_tensor(applied) else torch.full((), bool(applied), device=self.device)
         value = (main[0] / main[1].clamp(min=1)).float()
         ok = ok & torch.isfinite(value)
         slot = (self.accepted % SPIKE_WINDOW).long()
