@@ -21,13 +21,18 @@ FIRST = (
 # tp2 + sequence parallel, dropout at its default 0.1: the tensor-parallel RNG tracker's streams are in
 # the losses
 SECOND = BASE + "--num-layers 2 --tensor-model-parallel-size 2 --sequence-parallel".split()
+# Measurements of the process, not results of the run: timings, and memory ("mem-*": a process that
+# ran a run before has a larger peak RSS).
 TIMINGS = ("time", "iteration-time", "throughput", "tokens-per-sec-per-gpu")
 
 
 def records(path: str) -> list[dict]:
     """The metrics file's records without their timings."""
     with open(path) as f:
-        return [{k: v for k, v in rec.items() if k not in TIMINGS} for rec in map(json.loads, f)]
+        return [
+            {k: v for k, v in rec.items() if k not in TIMINGS and not k.startswith("mem-")}
+            for rec in map(json.loads, f)
+        ]
 
 
 @pytest.mark.slow
