@@ -283,16 +283,16 @@ class StepGuard:
             if found:
                 parts.append(f"rank {v['rank']} (host {v['host']}, {v['device']}): {', '.join(found)}")
         where = "; ".join(parts) or "no rank found the fault in its own loss or gradients (reduced ones were)"
-        line = f"iteration {iteration} rejected ({', '.join(reasons)}) in the {run} run: {where}"
-        self._track(iteration, run, line)
+        which = "the first run" if run == "first" else "the re-run"
+        line = f"iteration {iteration} rejected ({', '.join(reasons)}) in {which}: {where}"
+        # A rejection in the re-run is the first run's fault reproduced.
+        self.track(iteration, "initial_run" if run == "first" else "first_rerun_reproducible", line)
         return line
 
-    def _track(self, iteration: int, run: str, line: str) -> None:
+    def track(self, iteration: int, status: str, line: str) -> None:
+        """Append Megatron's tracker line (``--result-rejected-tracker-filename``), on rank 0."""
         if self.tracker_file is None or self.rank != 0:
             return
-        status = {"first": "initial_run", "re-run reproduced": "first_rerun_reproducible"}.get(
-            run, "first_rerun_not_reproducible" if run.startswith("re-run") else run
-        )
         stamp = datetime.datetime.now()
         job = os.environ.get("SLURM_JOB_ID", "N/A")
         with open(self.tracker_file, "a") as f:

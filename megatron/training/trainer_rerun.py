@@ -123,7 +123,7 @@ class TrainerRerun(TrainerCheckpointing):
                 f"warning: iteration {it}: the re-run did not reproduce the fault (a transient error: check "
                 "the hardware of the rank named above); the re-run's update is kept"
             )
-            guard._track(it, "re-run not reproduced", verdict.report)
+            guard.track(it, "first_rerun_not_reproducible", verdict.report)
             return again, losses2, scalars2, verdict2
         if guard.skipped_in_a_row:  # two bad batches in a row: the weights are bad, not the data
             self._diverged(it, verdict2.report, scalars2.get("grad_norm"), losses2)
@@ -138,7 +138,6 @@ class TrainerRerun(TrainerCheckpointing):
         """Step ``step.iteration`` again from the same weights, batches, random state and schedule."""
         assert self.replay is not None and self.guard is not None
         it = step.iteration
-        run = "re-run"
         self.replay.rewind([it, it + 1])
         self.random_state.restore(it)
         num_steps, groups = self.schedule_state[it]
@@ -148,15 +147,12 @@ class TrainerRerun(TrainerCheckpointing):
             if wd is not None:
                 g["weight_decay"] = wd
         self.guard.poison = None
-        again = self._launch(it, step.consumed, run=run)  # type: ignore[attr-defined]
+        again = self._launch(it, step.consumed, run="re-run")  # type: ignore[attr-defined]
         losses, scalars, _ = again.read()
         self.guard.poison = None  # decided on the host: the next step is queued clean
         if it + 1 in self.random_state.saved:
             self.random_state.restore(it + 1)
-        verdict = self._verdict(again, losses, scalars, "re-run")
-        if verdict.reasons:
-            verdict.report = verdict.report.replace("in the re-run run", "in the re-run")
-        return again, losses, scalars, verdict
+        return again, losses, scalars, self._verdict(again, losses, scalars, "re-run")
 
     def _diverged(self, iteration: int, report: str, grad_norm, losses: dict | None = None) -> None:
         """Stop on a NaN/Inf (with --rerun-mode validate_results: one reproduced right after a skipped

@@ -51,7 +51,12 @@ def test_injected_faults_are_named_rerun_and_kept_or_skipped(tmp_path):
     extra = {
         "clean": [],
         "transient": NAN + [f"--result-rejected-tracker-filename={tmp_path}/rejected.txt"],
-        "persistent": NAN + ["--error-injection-type", "persistent_error"],
+        "persistent": NAN
+        + [
+            "--error-injection-type",
+            "persistent_error",
+            f"--result-rejected-tracker-filename={tmp_path}/kept.txt",
+        ],
         "skip4": ["--iterations-to-skip", "4"],
         "spike": SPIKE.split() + ["--error-injection-type", "persistent_error"],
         "skip7": ["--iterations-to-skip", "7"],
@@ -87,6 +92,11 @@ def test_injected_faults_are_named_rerun_and_kept_or_skipped(tmp_path):
     p = out["persistent"]
     assert "iteration 4: the re-run reproduced it; the batch is skipped" in p, p
     assert _counters(p)[4] == (1, 1) and _counters(out["skip4"])[4] == (1, 0)
+    tracked = (tmp_path / "kept.txt").read_text().splitlines()
+    assert [re.search(r"iteration=(\d+) status=(\w+)", ln).groups() for ln in tracked] == [
+        ("4", "initial_run"),
+        ("4", "first_rerun_reproducible"),
+    ]
     assert all(c == (0, 0) for it, c in _counters(p).items() if it != 4)
     after = {it: v for it, v in loss["persistent"].items() if it > 4}
     assert sorted(after) == [5, 6, 7, 8, 9] and after == {it: loss["skip4"][it] for it in after}
