@@ -191,9 +191,7 @@ class StepGuard:
         the step; their sum is the optimizer's ``reject``. ``losses``: ``{name: tensor([sum, count])}``."""
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
         loss_bad, spike = zero, zero
-        main = losses.get("lm loss")
-        if main is None and losses:
-            main = next(iter(losses.values()))
+        main = main_loss(losses)
         if self.check_nan and losses:
             sums = torch.stack([v[0].float() for v in losses.values()])
             loss_bad = (~torch.isfinite(sums)).any().float()
@@ -219,9 +217,7 @@ class StepGuard:
         """Record an applied step's loss in the spike reference (on the device)."""
         if not self.check_spiky:
             return
-        main = losses.get("lm loss")
-        if main is None and losses:
-            main = next(iter(losses.values()))
+        main = main_loss(losses)
         if main is None:
             return
         ok = applied if torch.is_tensor(applied) else torch.full((), bool(applied), device=self.device)
@@ -320,6 +316,12 @@ class StepGuard:
                 )
         self.stats = {k: [] for k in self.stats}
         return "rerun stats (--rerun-mode report_stats): " + "; ".join(parts)
+
+
+def main_loss(losses: dict) -> Any:
+    """The loss the checks judge: ``lm loss``, else the step's first; None when this rank has none
+    (not the last pipeline stage)."""
+    return losses.get("lm loss", next(iter(losses.values()), None))
 
 
 def _relative_difference(a: float, b: float) -> float:

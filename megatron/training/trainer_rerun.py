@@ -19,6 +19,7 @@ from megatron.training.rerun import (
     StepGuard,
     Verdict,
     first_bad_param,
+    main_loss,
 )
 from megatron.training.trainer_checkpointing import TrainerCheckpointing, TrainingDiverged
 
@@ -72,7 +73,7 @@ class TrainerRerun(TrainerCheckpointing):
         param = first_bad_param(self.model, [n for norms in checks.get("local_norms", []) for n in norms])
         spike = None
         if flags[1] > 0:
-            main = losses.get("lm loss") or next(iter(losses.values()))
+            main = main_loss(losses)
             spike = f"{main[0] / max(main[1], 1.0):.4E}"
         local = {
             "rank": dist.get_rank(),
@@ -101,9 +102,8 @@ class TrainerRerun(TrainerCheckpointing):
         it = step.iteration
         if guard.mode == "report_stats":
             again, losses2, scalars2, verdict2 = self._rerun(step)
-            main = "lm loss" if "lm loss" in losses else next(iter(losses), None)
-            if main is not None and main in losses2:
-                a, b = losses[main], losses2[main]
+            a, b = main_loss(losses), main_loss(losses2)
+            if a is not None and b is not None:
                 guard.record_stats(
                     (a[0] / max(a[1], 1.0), scalars.get("grad_norm")),
                     (b[0] / max(b[1], 1.0), scalars2.get("grad_norm")),
