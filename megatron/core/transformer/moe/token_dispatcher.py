@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.moe.experts import TokensPerExpert
 from megatron.core.transformer.moe.groups import MoEGroups
+from megatron.core.transformer.moe.permutation import ExactRouting, combine_exact, permute_exact, sort_rows
 
 
 @dataclass
@@ -59,13 +60,11 @@ def permute_tokens(
     num_tokens, num_columns = routing_map.shape
     mask = routing_map.bool()
     counts = mask.sum(0)  # [E']
-    start = counts.cumsum(0) - counts
-    rank_in_expert = mask.long().cumsum(0) - 1  # [T, E']
-    dest = torch.where(mask, start + rank_in_expert, num_rows)  # slot M collects the unrouted pairs
-    flat = torch.arange(num_tokens * num_columns, device=tokens.device)
-    source = torch.full((num_rows + 1,), num_tokens * num_columns, dtype=torch.long, device=tokens.device)
-    source.scatter_(0, dest.reshape(-1), flat)
-    row_source = source[:num_rows]
+    flat, valid = sort_rows(mask, num_rows)  # e * T + t of each row
+    source = torch.remainder(flat, num_tokens) * num_columns + torch.div(
+        flat, num_tokens, rounding_mode="floor"
+    )
+    row_source = torch.where(valid, source, num_tokens * num_columns)
     padded = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])  # row T: zero padding
     rows = padded[torch.div(row_source, num_columns, rounding_mode="floor")]
     return rows, TokenPermutation(row_source, num_tokens, num_columns), counts
@@ -141,6 +140,9 @@ class MoEAllGatherTokenDispatcher(_Dispatcher):
         # capacity routes extra tokens. A static row count keeps the permutation off the host.
         pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
         self.rows_per_token = num_local_experts if pad else min(config.moe_router_topk, num_local_experts)
+        # Dropless with every expert here: each token has exactly top-k rows (ExactRouting's gathers).
+        self.exact = self.groups.ep_size == 1 and getattr(config, "moe_expert_capacity_factor", None) is None
+        self.compile_helpers = False  # the fused kernels of the exact path (MoELayer sets the plan's choice)
 
     def token_dispatch(
         self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
@@ -152,6 +154,12 @@ class MoEAllGatherTokenDispatcher(_Dispatcher):
             probs = mappings.gather_from_sp(probs, self.group)
             with torch.no_grad():
                 routing_map = mappings.gather_from_sp(routing_map.to(torch.uint8), self.group).bool()
+        if self.exact:
+            self.routing, tokens_per_expert = ExactRouting.build(
+                routing_map, self.rows_per_token, self.compile_helpers
+            )
+            self.weights = self.routing.row_weights(probs, self.compile_helpers)
+            return permute_exact(hidden, self.routing, self.compile_helpers), tokens_per_expert
         local = slice(self.local_offset, self.local_offset + self.num_local_experts)
         self.local_probs = probs[:, local]  # [G T, E_local]
         rows, self.perm, tokens_per_expert = permute_tokens(
@@ -161,8 +169,12 @@ class MoEAllGatherTokenDispatcher(_Dispatcher):
 
     def token_combine(self, expert_out: torch.Tensor) -> torch.Tensor:
         """``[M, h]`` -> ``[T, h]``: weighted by the probs, summed over tp_ep (reduce-scatter)."""
-        out = unpermute_tokens(expert_out, self.perm, self.local_probs)  # [G T, h], this rank's experts
-        del self.perm, self.local_probs  # this forward's state; autograd keeps what backward needs
+        if self.exact:
+            out = combine_exact(expert_out, self.weights, self.routing, self.compile_helpers)
+            del self.routing, self.weights  # this forward's state; autograd keeps what backward needs
+        else:
+            out = unpermute_tokens(expert_out, self.perm, self.local_probs)  # [G T, h], this rank's experts
+            del self.perm, self.local_probs
         return mappings.reduce_scatter_to_sp(out, self.group)
 
 
