@@ -9,16 +9,57 @@ Megatron-Core: ``ceil(c * T * k / E)`` with ``T`` this rank's tokens.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
 from megatron.core.config_utils import ConfigError
+from megatron.core.fusions.compile import MaybeCompiled
 from megatron.core.tensor_parallel.init import set_init_attrs, tag_param
 from megatron.core.tensor_parallel.mappings import group_size, reduce_from_tp
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.groups import MoEGroups
+
+
+def _routing_and_aux_scores(
+    logits: torch.Tensor,
+    topk: int,
+    pre_softmax: bool,
+    num_groups: int | None,
+    group_topk: int | None,
+    scaling_factor: float | None,
+    score_function: str,
+    expert_bias: torch.Tensor | None,
+    with_aux: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(probs, routing_map, aux_map, aux_scores)``: the routing and, ``with_aux``, the statistics
+    the load-balancing losses read (both pure functions of the logits, computed in one call)."""
+    probs, routing_map = moe_utils.topk_routing_with_score_function(
+        logits, topk, pre_softmax, num_groups, group_topk, scaling_factor, score_function, expert_bias
+    )
+    if not with_aux:
+        return probs, routing_map, None, None
+    aux_map, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, topk, score_function)
+    return probs, routing_map, aux_map, scores
+
+
+# The routing math compiled on CUDA where the plan compiles helpers (one graph of small kernels).
+_route = MaybeCompiled(_routing_and_aux_scores)
+_switch_loss = MaybeCompiled(moe_utils.switch_load_balancing_loss_func)
+
+
+@functools.cache
+def _mm_to_fp32_runs(device_type: str) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for bf16 inputs here (CUDA)."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        torch.mm(a, a, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
 
 _BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 _LOSS_NAMES = dict(zip(_BALANCING[:3], moe_utils.AUX_LOSS_NAMES))
@@ -32,6 +73,15 @@ class _RouterGating(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.dtype = dtype
+        if (
+            dtype == torch.float32
+            and x.is_cuda
+            and x.dtype == weight.dtype == torch.bfloat16
+            and _mm_to_fp32_runs(x.device.type)
+        ):
+            # bf16 products are exact in fp32 and the GEMM sums in fp32: the fp32 GEMM's values,
+            # without an fp32 copy of the tokens.
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
         return torch.mm(x.to(dtype), weight.to(dtype).t())
 
     @staticmethod
@@ -159,6 +209,7 @@ class TopKRouter(nn.Module):
         self.groups = groups or MoEGroups()
         self.layer_number = layer_number
         self._unrecorded_passes = 0
+        self.compile_helpers = False  # the routing math as compiled kernels (MoELayer sets the plan's choice)
         moe_utils.ROUTERS.add(self)
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
@@ -267,15 +318,18 @@ class TopKRouter(nn.Module):
         logits = self.gating(x)  # [T, E]
         if training and self.config.moe_z_loss_coeff:
             logits = self._apply_z_loss(logits, record)
-        probs, routing_map = moe_utils.topk_routing_with_score_function(
+        with_aux = training and bool(self.aux_coeffs)
+        probs, routing_map, aux_map, aux_scores = _route(
             logits,
             self.topk,
-            use_pre_softmax=self.config.moe_router_pre_softmax,
-            num_groups=self.config.moe_router_num_groups,
-            group_topk=self.config.moe_router_group_topk,
-            scaling_factor=self.config.moe_router_topk_scaling_factor,
-            score_function=self.score_function,
-            expert_bias=self.expert_bias,
+            self.config.moe_router_pre_softmax,
+            self.config.moe_router_num_groups,
+            self.config.moe_router_group_topk,
+            self.config.moe_router_topk_scaling_factor,
+            self.score_function,
+            self.expert_bias,
+            with_aux,
+            compile=self.compile_helpers,
         )
         kept = routing_map
         if self.config.moe_expert_capacity_factor is not None:
@@ -289,7 +343,8 @@ class TopKRouter(nn.Module):
             )
             kept = kept & routing_map
         if training and self.aux_coeffs:
-            probs = self._apply_load_balancing(probs, logits, num_sequences, record)
+            assert aux_map is not None and aux_scores is not None
+            probs = self._apply_load_balancing(probs, aux_map, aux_scores, num_sequences, record)
         if record:
             self._record_stats(kept, logits.shape[0])
         return probs.float(), routing_map
@@ -331,11 +386,13 @@ class TopKRouter(nn.Module):
         return self._attach(logits, share, "z_loss", coeff, self.groups.tp_cp, record)
 
     def _apply_load_balancing(
-        self, probs: torch.Tensor, logits: torch.Tensor, num_sequences: int | None, record: bool
+        self,
+        probs: torch.Tensor,
+        aux_map: torch.Tensor,
+        scores: torch.Tensor,
+        num_sequences: int | None,
+        record: bool,
     ) -> torch.Tensor:
-        aux_map, scores = moe_utils.compute_routing_scores_for_aux_loss(
-            logits, self.topk, self.score_function
-        )
         for kind, coeff in self.aux_coeffs.items():
             if kind == "aux_loss":
                 share = self._switch_share(scores, aux_map, coeff, self.groups.tp_cp)
@@ -362,8 +419,8 @@ class TopKRouter(nn.Module):
     ) -> torch.Tensor:
         counts = reduce_from_tp(aux_map.sum(dim=0), group)
         total = scores.shape[0] * group_size(group)
-        return moe_utils.switch_load_balancing_loss_func(
-            scores, counts, total, self.topk, self.num_experts, coeff
+        return _switch_loss(
+            scores, counts, total, self.topk, self.num_experts, coeff, compile=self.compile_helpers
         )
 
     def _global_share(
