@@ -210,10 +210,9 @@ def resolve(
         # Not compiled: the layer would break its graph at every key/value exchange, and compiled
         # layers with context parallelism have not run on several GPUs here.
         reason = "context parallelism (its attention exchanges keys and values between ranks)"
+    # MoE layers compile too: their MoELayer runs outside the layer's graph (the tokens each expert
+    # gets change every step) with its own compiled kernels (compile_helpers).
     moe_layers = moe_layer_numbers(config)
-    if moe_layers and not reason:
-        # Not compiled: the tokens each expert gets change every step (data-dependent shapes).
-        reason = "mixture of experts (the tokens per expert change every step)"
     helpers = cuda and torch_compile
     swiglu = "triton" if config.activation == "swiglu" and cuda and "swiglu" in passed else "torch"
     n_q, n_kv = config.num_attention_heads // tp_size, max(1, _known(config.num_query_groups) // tp_size)

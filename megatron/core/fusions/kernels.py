@@ -175,7 +175,12 @@ def experts_line(plan: ExecutionPlan) -> str:
         f"{c.num_moe_experts} experts of {c.moe_ffn_hidden_size} in {which}, top-{c.moe_router_topk} "
         f"{c.moe_router_score_function} routing in {c.moe_router_dtype or 'fp32'}{shared}; "
         f"{c.moe_token_dispatcher_type} dispatcher over ep {c.expert_model_parallel_size} x etp "
-        f"{c.expert_tensor_parallel_size}; {gemm}; not compiled"
+        f"{c.expert_tensor_parallel_size}; {gemm}; "
+        + (
+            "routing, permutation and SwiGLU as compiled kernels, outside the layer's graph"
+            if plan.compile_helpers
+            else "eager"
+        )
     )
 
 

@@ -237,6 +237,7 @@ def get_gpt_layer_plan_spec(
     attn.linear_proj = _linear(RowParallelLinear, "linear_proj", layer_number, plan, builder)
     if layer_number in plan.moe_layers:
         submodules.mlp = get_mlp_module_spec(num_experts=plan.config.num_moe_experts)
+        submodules.mlp.params["compile_helpers"] = plan.compile_helpers
         return ModuleSpec(module=TransformerLayer, submodules=submodules)
     swiglu = plan.config.activation == "swiglu"
     activation = swiglu_triton_backward if swiglu and plan.swiglu == "triton" else None

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.core.config_utils import ConfigError
+from megatron.core.fusions.compile import MaybeCompiled
 from megatron.core.transformer.mlp import config_activation
 from megatron.core.transformer.moe.expert_params import tag_expert_param
 from megatron.core.transformer.moe.groups import MoEGroups
@@ -119,6 +120,11 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = num_local_experts
         self.grouped_gemm = bool(getattr(config, "moe_grouped_gemm", False))
         self.activation = config_activation(config)
+        self._compiled_activation = MaybeCompiled(self.activation)
+        # Whether the rows may end in padding (past the last expert's offset). False when the
+        # dispatcher gives every row to an expert (its exact path); MoELayer sets both flags.
+        self.padded_rows = True
+        self.compile_helpers = False  # the activation compiled between the grouped GEMMs (the plan's choice)
         h, dtype = config.hidden_size, config.params_dtype
         fc1_out = ffn * (2 if gated else 1) // etp
         tags = dict(
@@ -187,11 +193,15 @@ class GroupedExperts(nn.Module):
         counts = torch.as_tensor(tokens_per_expert, device=tokens.device)
         offs = counts.cumsum(0).to(torch.int32)  # [E_local] end row of each expert
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        rows = torch.arange(tokens.shape[0], device=tokens.device, dtype=torch.int32)
-        row_expert = torch.searchsorted(offs, rows, right=True)  # [M], E_local for padding rows
+        if not self.padded_rows and fc1.bias is None and fc2.bias is None:
+            x = torch._grouped_mm(tokens, fc1.weight.transpose(1, 2), offs=offs)  # every row an expert's
+            x = self._compiled_activation(x, compile=self.compile_helpers)
+            return torch._grouped_mm(x, fc2.weight.transpose(1, 2), offs=offs)
         # The op leaves rows past the last offset unset (forward and input gradient): padding rows
         # index an appended zero bias, and fc2 reads them as zeros, so nothing unset reaches a
         # weight gradient.
+        rows = torch.arange(tokens.shape[0], device=tokens.device, dtype=torch.int32)
+        row_expert = torch.searchsorted(offs, rows, right=True)  # [M], E_local for padding rows
         x = torch._grouped_mm(tokens, fc1.weight.transpose(1, 2), offs=offs)  # [M, fc1_out / etp]
         if fc1.bias is not None:
             x = x + _with_zero_row(fc1.bias)[row_expert]

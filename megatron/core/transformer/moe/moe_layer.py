@@ -96,6 +96,11 @@ class MoELayer(nn.Module):
         sequence_parallel: the input is ``[s/tp, b, h]``; required when tp > 1.
         moe_groups: the MoE process groups (None: one rank).
         pg_collection: accepted for Megatron-Core's signature; the groups come from ``moe_groups``.
+        compile_helpers: run the router's, the permutation's and the experts' elementwise math as
+            ``torch.compile``'d kernels on CUDA (the execution plan's ``compile_helpers``).
+
+    A compiled transformer layer runs this layer outside its graph (``torch.compiler.disable``:
+    the rows per expert change every step); the kernels above are compiled on their own.
 
     The shared experts run after the routed experts' combine; ``moe_shared_expert_overlap`` gives
     the same results and changes nothing here.
@@ -113,6 +118,7 @@ class MoELayer(nn.Module):
         sequence_parallel: bool = False,
         moe_groups: MoEGroups | None = None,
         pg_collection: Any = None,
+        compile_helpers: bool = False,
     ) -> None:
         super().__init__()
         groups = moe_groups or MoEGroups(tp=tp_group)
@@ -134,6 +140,12 @@ class MoELayer(nn.Module):
         )
         dispatcher = DISPATCHERS[getattr(config, "moe_token_dispatcher_type", "allgather")]
         self.token_dispatcher = dispatcher(self.num_local_experts, self.local_expert_indices, config, groups)
+        exact = bool(getattr(self.token_dispatcher, "exact", False))
+        for part in (self.router, self.token_dispatcher, self.experts):
+            if hasattr(part, "compile_helpers"):
+                part.compile_helpers = compile_helpers
+        if hasattr(self.experts, "padded_rows"):
+            self.experts.padded_rows = not exact
         self.shared_experts = None
         if getattr(config, "moe_shared_expert_intermediate_size", None):
             self.shared_experts = build_module(
@@ -148,6 +160,7 @@ class MoELayer(nn.Module):
         self.layer_number = layer_number
         self.router.set_layer_number(layer_number)
 
+    @torch.compiler.disable
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
         """``[s, b, h]`` -> ``(out [s, b, h], None)``. With selective recompute of ``"moe"``
         (``config.recompute_modules``) the whole layer runs again in backward, keeping only its input."""
