@@ -69,7 +69,7 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def bench_layer(args, device, dtype, grouped: bool, dispatcher: str) -> dict:
+def bench_layer(args, device, dtype, grouped: bool, dispatcher: str, compiled: bool = False) -> dict:
     cfg = make_config(
         args,
         dtype,
@@ -81,7 +81,7 @@ def bench_layer(args, device, dtype, grouped: bool, dispatcher: str) -> dict:
         moe_grouped_gemm=grouped,
         moe_token_dispatcher_type=dispatcher,
     )
-    layer = MoELayer(cfg).to(device)
+    layer = MoELayer(cfg, compile_helpers=compiled).to(device)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in layer.parameters():
@@ -122,6 +122,7 @@ def bench_layer(args, device, dtype, grouped: bool, dispatcher: str) -> dict:
         "experts_impl": "grouped" if grouped else "loop",
         "grouped_gemm_ran": ran,
         "dispatcher": dispatcher,
+        "helpers": "compiled" if compiled else "eager",
         "fwd_ms": time_ms(fwd, args.iters, device),
         "fwd_bwd_ms": ms,
         "routing_only_fwd_bwd_ms": time_ms(routing_only, args.iters, device),
@@ -132,10 +133,12 @@ def bench_layer(args, device, dtype, grouped: bool, dispatcher: str) -> dict:
     return row
 
 
-def bench_dense(args, device, dtype) -> dict:
+def bench_dense(args, device, dtype, compiled: bool = False) -> dict:
     cfg = make_config(args, dtype)
     cfg.ffn_hidden_size = args.topk * args.ffn
     mlp = MLP(cfg, MLPSubmodules(ColumnParallelLinear, RowParallelLinear)).to(device)
+    if compiled:
+        mlp.compile(dynamic=False)  # as a compiled transformer layer runs it
     shape = (args.seq, args.batch, args.hidden)
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(shape, generator=gen, device=device, dtype=dtype).requires_grad_()
@@ -153,6 +156,7 @@ def bench_dense(args, device, dtype) -> dict:
     return {
         "bench": "dense",
         "dense_ffn": cfg.ffn_hidden_size,
+        "helpers": "compiled" if compiled else "eager",
         "fwd_ms": time_ms(fwd, args.iters, device),
         "fwd_bwd_ms": ms,
         "peak_mib": peak_mib(device),
@@ -193,7 +197,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for dispatcher in ("allgather", "alltoall"):
         for grouped in (False, True):
             rows.append(bench_layer(args, device, dtype, grouped, dispatcher))
+    compiled = device.type == "cuda"  # torch.compile'd kernels: CUDA only, as the trainer's plan
+    if compiled:
+        rows.append(bench_layer(args, device, dtype, True, "allgather", compiled=True))
     rows.append(bench_dense(args, device, dtype))
+    if compiled:
+        rows.append(bench_dense(args, device, dtype, compiled=True))
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "bench_out")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench_moe.jsonl"), "a") as f:
@@ -203,6 +212,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             r["tflops"] = flops / (r["fwd_bwd_ms"] / 1e3) / 1e12
             f.write(json.dumps(r) + "\n")
             name = r["bench"] + (f" {r['experts_impl']}/{r['dispatcher']}" if r["bench"] == "layer" else "")
+            name += " compiled" if r["helpers"] == "compiled" else ""
             print(
                 f"{name:<24} fwd {r['fwd_ms']:8.2f} ms  fwd+bwd {r['fwd_bwd_ms']:8.2f} ms  "
                 f"{r['tokens_per_s']:12.0f} tok/s  {r['tflops']:7.1f} TFLOP/s",
